@@ -1,0 +1,224 @@
+"""The contract stored with every hidden-state dataset and every drafter (``eyas.json``).
+
+It says which target produced the features, how they were captured and tokenised, and how the
+drafter consumes them. Whenever a dataset or drafter meets a target, :func:`compare` lists every
+disagreement as (field, expected, found) and :class:`ContractError` prints them all at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from eyas import __version__
+from eyas.capture.hooks import find_decoder_blocks, find_embedding, find_final_norm
+
+SCHEMA_VERSION = 1
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TargetIdentity(_Model):
+    architecture: str
+    model_type: str
+    num_blocks: int
+    hidden_size: int
+    vocab_size: int
+    # sha256 over bf16-rounded sampled embedding rows + the final norm weight: catches another
+    # checkpoint of the same shape, and is equal for fp32 and bf16 loads of the same weights.
+    fingerprint: str
+    source: str | None = None  # where it was loaded from; informational, never compared
+
+
+class CaptureContract(_Model):
+    boundaries: list[int]  # eyas convention (eyas.capture.boundaries)
+    dtype: str = "bfloat16"
+    values: Literal["pre_norm_residual"] = "pre_norm_residual"
+
+
+class Tokenisation(_Model):
+    chat_template_sha256: str | None
+    bos_token: str | None
+    eos_token: str | None
+    # Whether training conversations carried the template's default system prompt.
+    system_prompt: Literal["template_default", "custom", "none"] = "template_default"
+
+
+class DrafterFlags(_Model):
+    norm_before_residual: bool
+    norm_before_fc: bool
+    fc_norm: bool
+    norm_output: bool
+    target_hidden_size: int
+    num_slots: int
+    draft_vocab_size: int
+    vocab_map: Literal["identity_prefix", "trained"] = "identity_prefix"  # how d2t/t2d were made
+
+
+class SlotFingerprint(_Model):
+    boundary: int
+    rms_mean: float  # mean over tokens of the per-token RMS
+    rms_std: float
+    channels: list[int]  # a few channel indices...
+    channel_means: list[float]  # ...and their means over tokens
+    num_tokens: int
+
+
+class Contract(_Model):
+    schema_version: int = SCHEMA_VERSION
+    eyas_version: str = __version__
+    target: TargetIdentity
+    capture: CaptureContract
+    tokenisation: Tokenisation | None = None
+    drafter: DrafterFlags | None = None  # absent in a dataset manifest
+    fingerprint: list[SlotFingerprint] | None = None  # from the training data
+    metrics: dict[str, Any] | None = None  # validation metrics of the training run
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Contract":
+        return cls.model_validate_json(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the parts from a live target
+# ---------------------------------------------------------------------------------------------
+
+
+def _text_config(model: nn.Module) -> Any:
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def weights_fingerprint(model: nn.Module, max_rows: int = 1024) -> str:
+    emb = find_embedding(model).weight.detach()
+    rows = torch.linspace(0, emb.shape[0] - 1, min(max_rows, emb.shape[0])).round().long()
+    h = hashlib.sha256()
+    for t in (emb[rows.to(emb.device)], find_final_norm(model).weight.detach()):
+        h.update(t.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def target_identity(model: nn.Module, source: str | None = None) -> TargetIdentity:
+    cfg = _text_config(model)
+    archs = getattr(model.config, "architectures", None) or [type(model).__name__]
+    return TargetIdentity(
+        architecture=archs[0],
+        model_type=cfg.model_type,
+        num_blocks=len(find_decoder_blocks(model)),
+        hidden_size=cfg.hidden_size,
+        vocab_size=find_embedding(model).weight.shape[0],
+        fingerprint=weights_fingerprint(model),
+        source=source,
+    )
+
+
+def tokenisation_of(tokenizer: Any, system_prompt: str = "template_default") -> Tokenisation:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = json.dumps(template, sort_keys=True)
+    return Tokenisation(
+        chat_template_sha256=hashlib.sha256(template.encode()).hexdigest()[:16] if template else None,
+        bos_token=getattr(tokenizer, "bos_token", None),
+        eos_token=getattr(tokenizer, "eos_token", None),
+        system_prompt=system_prompt,  # type: ignore[arg-type]
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    field: str  # dotted path, e.g. "target.hidden_size"
+    expected: Any  # what the dataset / drafter was made with
+    found: Any  # what the target / serving side has
+
+    def __str__(self) -> str:
+        return f"{self.field}: expected {self.expected!r}, found {self.found!r}"
+
+
+# The fields checked when a drafter or dataset meets a target, in report order.
+CHECKED_FIELDS: tuple[str, ...] = (
+    "target.architecture",
+    "target.num_blocks",
+    "target.hidden_size",
+    "target.vocab_size",
+    "target.fingerprint",
+    "capture.boundaries",
+    "capture.values",
+    "tokenisation.chat_template_sha256",
+    "tokenisation.bos_token",
+    "tokenisation.eos_token",
+    "tokenisation.system_prompt",
+    "drafter.num_slots",
+    "drafter.target_hidden_size",
+    "drafter.norm_before_residual",
+    "drafter.norm_before_fc",
+    "drafter.fc_norm",
+    "drafter.norm_output",
+    "drafter.draft_vocab_size",
+)
+
+_ABSENT = object()
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if obj is None:
+            return _ABSENT
+        obj = getattr(obj, part, _ABSENT)
+        if obj is _ABSENT:
+            return _ABSENT
+    return obj
+
+
+def compare(expected: Contract, found: Contract, fields: Iterable[str] = CHECKED_FIELDS) -> list[Mismatch]:
+    """Every field where ``found`` disagrees with ``expected``. A section missing on either side
+    (e.g. no tokenisation recorded for a bare target) is unknown, not a mismatch."""
+    out = []
+    for f in fields:
+        e, v = _get(expected, f), _get(found, f)
+        if e is _ABSENT or v is _ABSENT or e is None or v is None:
+            continue
+        if e != v:
+            out.append(Mismatch(f, e, v))
+    return out
+
+
+class ContractError(ValueError):
+    """A dataset or drafter met a target (or engine config) it was not made for."""
+
+    def __init__(self, mismatches: list[Mismatch], context: str) -> None:
+        self.mismatches, self.context = mismatches, context
+        lines = [f"{context}: {len(mismatches)} contract mismatch(es)"]
+        lines += [f"  - {m}" for m in mismatches]
+        lines.append("  (pass --force to load anyway; it skips exactly the checks listed above)")
+        super().__init__("\n".join(lines))
+
+
+def enforce(mismatches: list[Mismatch], context: str, force: bool = False) -> list[Mismatch]:
+    """Raise :class:`ContractError` on any mismatch, unless ``force``: then warn and return them."""
+    if mismatches and not force:
+        raise ContractError(mismatches, context)
+    if mismatches:
+        import warnings
+
+        warnings.warn(
+            f"{context}: --force skips {len(mismatches)} contract check(s): "
+            + "; ".join(str(m) for m in mismatches),
+            stacklevel=2,
+        )
+    return mismatches
