@@ -40,9 +40,9 @@ class SGLangRule(str, Enum):
 
 def default_boundaries(num_blocks: int) -> list[int]:
     """EAGLE-3's default low/middle/high boundaries: ``[2, L//2, L-3]``."""
-    if num_blocks < 5:
+    if num_blocks < 7:  # below 7 blocks the three values collide (L=6 gives [2, 3, 3])
         raise BoundaryError(
-            f"the EAGLE-3 default boundaries [2, L//2, L-3] need at least 5 decoder blocks; "
+            f"the EAGLE-3 default boundaries [2, L//2, L-3] need at least 7 decoder blocks; "
             f"this target has {num_blocks}: pass boundaries explicitly"
         )
     return [2, num_blocks // 2, num_blocks - 3]
@@ -79,11 +79,14 @@ def validate_boundaries(
 def parse_boundaries(text: str) -> list[int]:
     """``"2,15,27"`` -> ``[2, 15, 27]`` with a clear error for anything else."""
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        bs = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
     except ValueError:
+        bs = []
+    if not bs:
         raise BoundaryError(
             f"boundaries: expected comma-separated integers like '2,15,27', found {text!r}"
-        ) from None
+        )
+    return bs
 
 
 @dataclass(frozen=True)
@@ -135,11 +138,13 @@ class CaptureSpec:
 
 
 def sglang_ids_to_boundaries(
-    ids: Sequence[int] | None, num_blocks: int, rule: SGLangRule | str = SGLangRule.PR25454
+    ids: Sequence[int] | None, num_blocks: int | None, rule: SGLangRule | str = SGLangRule.PR25454
 ) -> list[int]:
     """What SGLang captures when it reads ``ids`` from ``eagle_config.eagle_aux_hidden_state_layer_ids``.
 
     ``ids=None`` (key absent) makes SGLang fall back to its default ``[2, L//2, L-3]`` boundaries.
+    The result is validated against the target; with ``num_blocks`` unknown (None or 0, e.g. a
+    checkpoint read on its own) only the checks that need no target apply (>= 0, distinct).
     """
     rule = SGLangRule(rule)
     if ids is None:
@@ -148,7 +153,19 @@ def sglang_ids_to_boundaries(
     if not ids:
         raise BoundaryError("eagle_aux_hidden_state_layer_ids: expected a non-empty list, found []")
     shift = 1 if (rule is SGLangRule.LEGACY or ids[0] == 1) else 0
-    return [i + shift for i in ids]
+    bs = [i + shift for i in ids]
+    try:
+        if num_blocks:
+            return validate_boundaries(bs, num_blocks)
+        negative = [b for b in bs if b < 0]
+        if negative:
+            raise BoundaryError(f"boundaries: expected values >= 0, found {negative} in {bs}")
+        return validate_boundaries(bs, max(bs))  # no upper bound known: checks distinctness only
+    except BoundaryError as e:
+        raise BoundaryError(
+            f"eagle_aux_hidden_state_layer_ids {ids} read by SGLang ({rule.value} rule) "
+            f"-> {e}"
+        ) from None
 
 
 def boundaries_to_sglang_ids(
@@ -193,7 +210,7 @@ def vllm_ids_to_boundaries(ids: Sequence[int] | None, num_blocks: int) -> list[i
     """What vLLM captures for top-level ``eagle_aux_hidden_state_layer_ids`` (absent -> default)."""
     if not ids:
         return default_boundaries(num_blocks)
-    return [int(i) for i in ids]
+    return validate_boundaries(ids, num_blocks)
 
 
 def boundaries_to_vllm_ids(boundaries: Sequence[int], num_blocks: int) -> list[int]:

@@ -34,7 +34,12 @@ def find_decoder_blocks(model: nn.Module) -> nn.ModuleList:
     Looks at the usual places first (``model.layers``, ``transformer.h``, ...), then at every
     ModuleList in the module tree; ambiguous or absent gives an error naming what was found.
     """
-    n = _text_config(model).num_hidden_layers
+    n = getattr(_text_config(model), "num_hidden_layers", None) if hasattr(model, "config") else None
+    if n is None:
+        raise ArchitectureError(
+            f"{type(model).__name__}: no config.num_hidden_layers; pass a Hugging Face model "
+            f"(a PreTrainedModel with its config)"
+        )
     candidates = [
         (name, mod)
         for name, mod in model.named_modules()

@@ -43,13 +43,17 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: DrafterConfig) -> Tensor:
-    """Inverse frequencies [head_dim // 2] for the default and the llama3 RoPE."""
+    """Inverse frequencies [head_dim // 2] for the default and the llama3 RoPE.
+
+    Computed in float32 with the same operations as transformers, SGLang and vLLM, so the drafter
+    rotates by bit-identical angles in training and in every engine.
+    """
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
-        return inv_freq.float()
+        return inv_freq
     if rope_type == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -59,7 +63,7 @@ def rope_inv_freq(cfg: DrafterConfig) -> Tensor:
         scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
         mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-        return torch.where(is_mid, mid, scaled).float()
+        return torch.where(is_mid, mid, scaled)
     raise NotImplementedError(
         f"rope_scaling.rope_type: eyas drafters support 'default' and 'llama3', found {rope_type!r}"
     )
@@ -95,6 +99,20 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
+class ConcatKVCache:
+    """A growing cache for training-time test: each step's K/V are appended (no in-place writes,
+    so autograd can keep every step's keys). ``update`` ignores slots: order is append order."""
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def update(self, slots: Tensor | None, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -106,7 +124,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                cache: KVCache | None, slots: Tensor | None) -> Tensor:
+                cache: KVCache | ConcatKVCache | None, slots: Tensor | None) -> Tensor:
         B, T, _ = x.shape  # x: [B, T, 2H]
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -148,7 +166,7 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                cache: KVCache | None, slots: Tensor | None) -> Tensor:
+                cache: KVCache | ConcatKVCache | None, slots: Tensor | None) -> Tensor:
         # embeds, hidden: [B, T, H] -> [B, T, H] pre-norm output
         if self.norm_before_residual:
             hidden = self.hidden_norm(hidden)
@@ -197,6 +215,11 @@ class Eagle3Drafter(nn.Module):
         ids = draft_to_target.to(torch.long).cpu()
         if ids.shape != (self.config.draft_vocab_size,):
             raise ValueError(f"draft vocab: expected {self.config.draft_vocab_size} ids, found {tuple(ids.shape)}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size or len(ids.unique()) != len(ids):
+            raise ValueError(
+                f"draft vocab: expected {len(ids)} distinct target ids in 0..{self.config.vocab_size - 1}, "
+                f"found {len(ids.unique())} distinct in {ids.min().item()}..{ids.max().item()}"
+            )
         self.d2t.copy_(ids - torch.arange(len(ids)))
         self.t2d.zero_()
         self.t2d[ids] = True
@@ -226,8 +249,8 @@ class Eagle3Drafter(nn.Module):
         input_ids: Tensor,  # [B, T] target-vocab token ids
         hidden: Tensor,  # [B, T, num_slots * H_t] target features, or [B, T, H] fed back
         position_ids: Tensor,  # [B, T]
-        cache: KVCache | None = None,
-        cache_slots: Tensor | None = None,  # [T] where this step's K/V go in the cache
+        cache: KVCache | ConcatKVCache | None = None,
+        cache_slots: Tensor | None = None,  # [T] where this step's K/V go in a KVCache
         mask: Tensor | None = None,  # bool [B or 1, 1, T, T or max_len], True = may attend
         from_target: bool | None = None,  # None: decided by the width of `hidden`
     ) -> DraftOutput:
@@ -244,8 +267,11 @@ class Eagle3Drafter(nn.Module):
                 f"target_hidden_size={cfg.target_hidden_size}) or {cfg.hidden_size} features, "
                 f"found {hidden.shape[-1]}"
             )
-        if cache is not None and cache_slots is None:
+        if isinstance(cache, KVCache) and cache_slots is None:
             raise ValueError("cache_slots is required when a KV cache is given")
+        if cache is not None and mask is None:
+            # Without a mask, queries would attend to every cache entry (future and unwritten ones).
+            raise ValueError("mask is required when a KV cache is given")
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rope(position_ids, hidden.dtype)
         h = self.midlayer(embeds, hidden, cos, sin, mask, cache, cache_slots)
