@@ -1,0 +1,719 @@
+"""Hidden-state shards: the target's captured boundaries for a set of conversations, on disk.
+
+Written by :func:`capture_shards` (``eyas capture``), read by :class:`ShardDataset` (offline training).
+Everything goes through :class:`eyas.capture.BoundaryCapture`, the one capture code path.
+
+Directory layout::
+
+    out_dir/
+      manifest.json                      the contract, counts, the shard list (written last, atomically)
+      progress-r00.json                  per-rank progress: finished shards, fingerprint sums, params
+      shard-r00-00000.safetensors        rank 0, shard 0
+      shard-r00-00001.safetensors
+      shard-r01-00000.safetensors        rank 1 (torchrun), ...
+
+One shard holds S samples of N tokens in total, concatenated (ragged), only real tokens (no padding):
+
+    input_ids    int32  [N]                 token ids
+    loss_mask    uint8  [N]                 1 = assistant token (eyas.data.render), not shifted
+    offsets      int64  [S + 1]             sample i is rows offsets[i]:offsets[i+1]
+    slots        dtype  [N, num_slots, H]   the captured boundaries, slot order = contract.capture.boundaries
+    last_hidden  dtype  [N, H]              boundary L (last block output, BEFORE the final norm):
+                                            final_norm + lm_head of the target give its logits at training time
+
+The safetensors metadata repeats format, rank, index, boundaries and the sample ids.
+
+Determinism and resume. Rank r takes conversations ``r::world_size``. Its samples are cut into a
+fixed plan of shards (``shard_size`` samples, optionally capped at ``shard_tokens`` tokens) before
+anything runs; inside a shard, batches are formed from the samples sorted by length (less padding)
+and the results are stored in sample order. After each shard the rank's progress file is rewritten
+(atomically) with that shard's counts, size, sha256 and fingerprint sums. A rerun checks that the
+parameters and the plan are unchanged, keeps every listed shard whose file is intact and continues
+with the next planned shard: the result is byte-identical to an uninterrupted run (same batch size).
+When every rank's progress is complete, the manifest is merged from the progress files (by the
+last rank to finish, or rank 0 after a barrier under torch.distributed, or :func:`finalize_manifest`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from eyas.capture.boundaries import CaptureSpec
+from eyas.capture.hooks import BoundaryCapture
+from eyas.capture.stats import FingerprintAccumulator
+from eyas.contract import (
+    CaptureContract,
+    Contract,
+    compare,
+    enforce,
+    target_identity,
+    tokenisation_of,
+)
+from eyas.data.conversations import Conversation
+from eyas.data.regenerate import conversation_id
+from eyas.data.render import TEMPLATE_DEFAULT, TemplateAlignmentError, render, system_prompt_mode
+
+FORMAT = "eyas-hidden-shards"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# What a rerun must share with the run it resumes (batch_size may change: it only moves values at
+# the level of float rounding, and is recorded per shard).
+_PLAN_PARAMS = ("boundaries", "dtype", "max_length", "shard_size", "shard_tokens", "system_prompt",
+                "world_size", "channels")
+_MAX_PROBLEMS_KEPT = 20
+
+
+class ShardError(ValueError):
+    """A shard set that cannot be written, resumed or read; the message names the file."""
+
+
+def shard_name(rank: int, index: int) -> str:
+    return f"shard-r{rank:02d}-{index:05d}.safetensors"
+
+
+def progress_name(rank: int) -> str:
+    return f"progress-r{rank:02d}.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic file writes
+# ---------------------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write to a unique temp file in the same directory, fsync, then os.replace: a reader (or a
+    crash) sees the old file or the new one, never a partial one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _atomic_write_json(path: Path, obj: Any) -> None:
+    _atomic_write(path, (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode())
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ShardError(f"{path}: no {what}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ShardError(f"{path}: {what} is not valid JSON ({e}); the file is corrupt") from None
+    if not isinstance(obj, dict) or obj.get("format", "").split("+")[0] != FORMAT:
+        raise ShardError(f"{path}: not an eyas {what} (format {obj.get('format') if isinstance(obj, dict) else None!r}, "
+                         f"expected {FORMAT!r})")
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning: render this rank's conversations, cut them into shards
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Sample:
+    id: str
+    input_ids: Tensor  # [T] long
+    loss_mask: Tensor  # [T] long
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
+    world = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
+    if world < 1 or not 0 <= rank < world:
+        raise ShardError(f"rank {rank} / world_size {world}: expected 0 <= rank < world_size")
+    return rank, world
+
+
+def _render_samples(conversations: Sequence[Conversation], rank: int, world: int, tokenizer: Any,
+                    max_length: int, system_prompt: str, progress: bool) -> tuple[list[_Sample], dict[str, Any]]:
+    """This rank's conversations (positions rank::world) rendered; conversations without any
+    assistant token after truncation are left out (they carry no loss), and so are those whose
+    template does not line up (reported)."""
+    from tqdm.auto import tqdm
+
+    samples: list[_Sample] = []
+    stats: dict[str, Any] = {"conversations": 0, "no_loss_tokens": 0, "truncated": 0, "render_problems": 0,
+                             "problems": []}
+    positions = range(rank, len(conversations), world)
+    for i in tqdm(positions, desc=f"render r{rank}", unit="conv", disable=not progress, dynamic_ncols=True):
+        conv = conversations[i]
+        cid = conversation_id(conv, i)  # position in the whole input: the same id on every rank count
+        stats["conversations"] += 1
+        try:
+            r = render(conv, tokenizer, max_length=max_length, system_prompt=system_prompt)
+        except TemplateAlignmentError as e:
+            stats["render_problems"] += 1
+            if len(stats["problems"]) < _MAX_PROBLEMS_KEPT:
+                stats["problems"].append(f"{cid}: {e}")
+            continue
+        stats["truncated"] += int(r.truncated)
+        if r.num_assistant_tokens == 0:
+            stats["no_loss_tokens"] += 1
+            continue
+        samples.append(_Sample(cid, r.input_ids.long(), r.loss_mask.long()))
+    return samples, stats
+
+
+def plan_shards(lengths: Sequence[int], shard_size: int, shard_tokens: int | None = None) -> list[list[int]]:
+    """Cut samples (in order) into shards of at most ``shard_size`` samples and, if given, at most
+    ``shard_tokens`` tokens (a longer single sample gets a shard of its own)."""
+    if shard_size < 1:
+        raise ShardError(f"shard_size: expected >= 1, found {shard_size}")
+    plan: list[list[int]] = []
+    cur: list[int] = []
+    cur_tokens = 0
+    for j, n in enumerate(lengths):
+        if cur and (len(cur) >= shard_size or (shard_tokens is not None and cur_tokens + n > shard_tokens)):
+            plan.append(cur)
+            cur, cur_tokens = [], 0
+        cur.append(j)
+        cur_tokens += n
+    if cur:
+        plan.append(cur)
+    return plan
+
+
+def _plan_digest(samples: Sequence[_Sample], plan: list[list[int]]) -> str:
+    """sha256 over what the shards will contain: every sample's id and tokens, and the plan."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(s.id.encode() + b"\0")
+        h.update(s.input_ids.to(torch.int32).numpy().tobytes())
+        h.update(s.loss_mask.to(torch.uint8).numpy().tobytes())
+    h.update(json.dumps(plan).encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Capturing one shard
+# ---------------------------------------------------------------------------------------------
+
+
+def _forward(model: Any, ids: Tensor, attn: Tensor) -> None:
+    """Run the target for its hooks. logits_to_keep=1 skips the [B, T, vocab] lm_head product
+    where the model supports it: only the hidden states are wanted."""
+    kw: dict[str, Any] = {"use_cache": False}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kw["logits_to_keep"] = 1
+    model(input_ids=ids, attention_mask=attn, **kw)
+
+
+@torch.no_grad()
+def _capture_shard(model: Any, spec: CaptureSpec, samples: Sequence[_Sample], batch_size: int,
+                   dtype: torch.dtype, pad_id: int, acc: FingerprintAccumulator) -> dict[str, Tensor]:
+    """The tensors of one shard. Batches are right-padded with an attention mask; only the real
+    tokens of each row are kept. The fingerprint sees exactly the stored (dtype-cast) values."""
+    device = next(model.parameters()).device
+    hidden = acc.hidden_size
+    lengths = [s.length for s in samples]
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    n = int(offsets[-1])
+    out = {
+        "input_ids": torch.cat([s.input_ids for s in samples]).to(torch.int32),  # [N]
+        "loss_mask": torch.cat([s.loss_mask for s in samples]).to(torch.uint8),  # [N]
+        "offsets": offsets,  # [S + 1]
+        "slots": torch.empty(n, spec.num_slots, hidden, dtype=dtype),  # [N, num_slots, H]
+        "last_hidden": torch.empty(n, hidden, dtype=dtype),  # [N, H]
+    }
+    # Longest first: similar lengths share a batch (less padding), and an OOM shows up at once.
+    order = sorted(range(len(samples)), key=lambda j: -lengths[j])
+    with BoundaryCapture(model, spec, include_last=True) as cap:
+        for b0 in range(0, len(order), batch_size):
+            batch = order[b0:b0 + batch_size]
+            t_max = max(lengths[j] for j in batch)
+            ids = torch.full((len(batch), t_max), pad_id, dtype=torch.long)  # [B, T], right-padded
+            attn = torch.zeros(len(batch), t_max, dtype=torch.long)
+            for r, j in enumerate(batch):
+                ids[r, :lengths[j]] = samples[j].input_ids
+                attn[r, :lengths[j]] = 1
+            cap.clear()
+            _forward(model, ids.to(device), attn.to(device))
+            slots = torch.stack(cap.slots(), dim=2)  # [B, T, num_slots, H]
+            last = cap.last_hidden()  # [B, T, H]
+            for r, j in enumerate(batch):
+                a, b = int(offsets[j]), int(offsets[j + 1])
+                s = slots[r, :lengths[j]].to(dtype)  # [T_j, num_slots, H]
+                acc.update(s)
+                out["slots"][a:b] = s.cpu()
+                out["last_hidden"][a:b] = last[r, :lengths[j]].to(dtype).cpu()
+    return out
+
+
+def _write_shard(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> tuple[int, str]:
+    """Serialise, hash and write atomically -> (bytes, sha256)."""
+    from safetensors.torch import save
+
+    data = save(tensors, metadata=metadata)
+    _atomic_write(path, data)
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# capture_shards
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CaptureSummary:
+    out_dir: str
+    rank: int
+    world_size: int
+    conversations: int = 0  # assigned to this rank
+    samples: int = 0  # with at least one assistant token
+    tokens: int = 0  # in this rank's samples
+    loss_tokens: int = 0
+    shards: int = 0  # planned for this rank
+    shards_written: int = 0  # by this run
+    shards_resumed: int = 0  # already complete from an earlier run
+    tokens_captured: int = 0  # by this run
+    no_loss_tokens: int = 0
+    truncated: int = 0
+    render_problems: int = 0
+    problems: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    manifest: str | None = None  # set once the manifest (all ranks) is written
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_captured / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["tokens_per_s"] = round(self.tokens_per_s, 2)
+        return d
+
+
+def _base_contract(model: Any, tokenizer: Any, spec: CaptureSpec, dtype: str, system_prompt: str,
+                   source: str | None, contract: Contract | None) -> Contract:
+    live = Contract(target=target_identity(model, source),
+                    capture=CaptureContract(boundaries=list(spec.boundaries), dtype=dtype),
+                    tokenisation=tokenisation_of(tokenizer, system_prompt_mode(system_prompt)))
+    if contract is None:
+        return live
+    # A contract passed in (e.g. with the target's source name) must describe this very target.
+    enforce(compare(contract, live, fields=[f for f in ("target.architecture", "target.num_blocks",
+                                                        "target.hidden_size", "target.vocab_size",
+                                                        "target.fingerprint")]),
+            "capture_shards: the contract passed in vs the live target")
+    return contract.model_copy(update={"capture": live.capture,
+                                       "tokenisation": contract.tokenisation or live.tokenisation,
+                                       "drafter": None, "fingerprint": None, "metrics": None})
+
+
+def _resume_state(path: Path, params: dict[str, Any], digest: str, contract: Contract,
+                  plan: list[list[int]], out_dir: Path) -> list[dict[str, Any]]:
+    """Finished shards of an earlier run that this run may keep (all of them, up to the first whose
+    file is missing or differs); errors when the earlier run had other parameters or data."""
+    if not path.exists():
+        return []
+    prog = _read_json(path, "progress file")
+    diff = [f"{k}: progress has {prog['params'].get(k)!r}, now {params[k]!r}"
+            for k in _PLAN_PARAMS if prog["params"].get(k) != params[k]]
+    old = Contract.model_validate(prog["contract"])
+    diff += [str(m) for m in compare(old, contract)]
+    if prog.get("plan_sha256") != digest:
+        diff.append("the rendered samples or their shard plan changed (other data, tokenizer or max_length)")
+    if diff:
+        raise ShardError(f"{path}: cannot resume, the earlier run differs: " + "; ".join(diff)
+                         + f". Use another output directory, or delete {out_dir} to start over")
+    kept = []
+    for k, entry in enumerate(prog["shards"]):
+        f = out_dir / entry["file"]
+        if entry["index"] != k or k >= len(plan) or not f.exists() or f.stat().st_size != entry["bytes"]:
+            break  # this shard and every later one are redone
+        kept.append(entry)
+    return kept
+
+
+def capture_shards(
+    model: Any,
+    tokenizer: Any,
+    conversations: Sequence[Conversation],
+    out_dir: str | os.PathLike,
+    spec: CaptureSpec,
+    *,
+    max_length: int = 2048,
+    batch_size: int = 8,
+    dtype: str = "bfloat16",
+    shard_size: int = 256,
+    shard_tokens: int | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    contract: Contract | None = None,
+    source: str | None = None,
+    system_prompt: str = TEMPLATE_DEFAULT,
+    source_data: str | None = None,
+    channels: Sequence[int] | None = None,
+    progress: bool = True,
+    finalize: bool = True,
+    on_shard_written: Callable[[int, dict[str, Any]], None] | None = None,
+) -> CaptureSummary:
+    """Capture ``spec``'s boundaries (and boundary L) of ``model`` over ``conversations`` into shards.
+
+    Args:
+        conversations: the whole input (every rank passes the same list); rank r takes r::world_size.
+        spec: boundaries to capture, in slot order.
+        max_length: rendered conversations are truncated to this many tokens.
+        batch_size: samples per forward pass.
+        dtype: stored dtype of ``slots`` and ``last_hidden`` (bfloat16 | float16 | float32).
+        shard_size / shard_tokens: at most this many samples / tokens per shard.
+        rank / world_size: default from ``RANK`` / ``WORLD_SIZE`` (torchrun), else 0 / 1.
+        contract: optional; its target identity must match the model (checked); capture, fingerprint
+            are filled in here.
+        source: the target's name, recorded in the contract (``target.source``).
+        system_prompt: as in :func:`eyas.data.render.render`; recorded in the contract.
+        source_data: the data file, recorded in the manifest.
+        channels: channel indices for the fingerprint (default 8 evenly spaced).
+        finalize: write the manifest when every rank is complete.
+        on_shard_written: called as ``f(index, progress_entry)`` after each shard is on disk.
+
+    Returns: a :class:`CaptureSummary` for this rank (``manifest`` set when the manifest was written).
+    """
+    t0 = time.perf_counter()
+    if dtype not in DTYPES:
+        raise ShardError(f"dtype: expected one of {', '.join(DTYPES)}, found {dtype!r}")
+    rank, world = _rank_world(rank, world_size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = _base_contract(model, tokenizer, spec, dtype, system_prompt, source, contract)
+    hidden = base.target.hidden_size
+    acc_channels = FingerprintAccumulator(spec.boundaries, hidden, channels).channels
+    params = {"boundaries": list(spec.boundaries), "dtype": dtype, "max_length": max_length,
+              "shard_size": shard_size, "shard_tokens": shard_tokens,
+              "system_prompt": system_prompt_mode(system_prompt), "world_size": world, "channels": acc_channels}
+
+    samples, rstats = _render_samples(conversations, rank, world, tokenizer, max_length, system_prompt, progress)
+    plan = plan_shards([s.length for s in samples], shard_size, shard_tokens)
+    digest = _plan_digest(samples, plan)
+    summary = CaptureSummary(
+        out_dir=str(out), rank=rank, world_size=world, conversations=rstats["conversations"],
+        samples=len(samples), tokens=sum(s.length for s in samples),
+        loss_tokens=sum(int(s.loss_mask.sum()) for s in samples), shards=len(plan),
+        no_loss_tokens=rstats["no_loss_tokens"], truncated=rstats["truncated"],
+        render_problems=rstats["render_problems"], problems=list(rstats["problems"]),
+    )
+
+    prog_path = out / progress_name(rank)
+    for tmp in out.glob(f".shard-r{rank:02d}-*.tmp"):  # left by a crash inside _atomic_write
+        tmp.unlink(missing_ok=True)
+    entries = _resume_state(prog_path, params, digest, base, plan, out)
+    summary.shards_resumed = len(entries)
+
+    def save_progress() -> None:
+        _atomic_write_json(prog_path, {
+            "format": FORMAT + "+progress", "version": FORMAT_VERSION, "rank": rank, "world_size": world,
+            "params": params, "plan_sha256": digest, "num_shards": len(plan),
+            "counts": {k: v for k, v in rstats.items() if k != "problems"}
+            | {"samples": summary.samples, "tokens": summary.tokens, "loss_tokens": summary.loss_tokens,
+               "total_conversations": len(conversations)},
+            "problems": rstats["problems"], "source_data": source_data, "contract": base.model_dump(mode="json"),
+            "shards": entries, "complete": len(entries) == len(plan),
+        })
+
+    save_progress()  # also records an empty rank (more ranks than conversations) as complete
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked anyway
+    todo_tokens = sum(samples[j].length for shard in plan[len(entries):] for j in shard)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=todo_tokens, desc=f"capture r{rank}", unit="tok", unit_scale=True,
+               disable=not progress, dynamic_ncols=True)
+    was_training = model.training
+    model.eval()
+    try:
+        for k in range(len(entries), len(plan)):
+            members = [samples[j] for j in plan[k]]
+            acc = FingerprintAccumulator(spec.boundaries, hidden, acc_channels)
+            tensors = _capture_shard(model, spec, members, batch_size, DTYPES[dtype], pad_id, acc)
+            name = shard_name(rank, k)
+            ids = [s.id for s in members]
+            meta = {"format": FORMAT, "version": str(FORMAT_VERSION), "rank": str(rank), "index": str(k),
+                    "boundaries": json.dumps(list(spec.boundaries)), "dtype": dtype, "ids": json.dumps(ids)}
+            size, sha = _write_shard(out / name, tensors, meta)
+            n_tok = int(tensors["input_ids"].shape[0])
+            entries.append({"file": name, "rank": rank, "index": k, "samples": len(members), "tokens": n_tok,
+                            "loss_tokens": int(tensors["loss_mask"].sum()), "bytes": size, "sha256": sha,
+                            "batch_size": batch_size, "ids": ids, "fingerprint": acc.state()})
+            save_progress()
+            summary.shards_written += 1
+            summary.tokens_captured += n_tok
+            bar.update(n_tok)
+            if on_shard_written is not None:
+                on_shard_written(k, entries[-1])
+    finally:
+        bar.close()
+        model.train(was_training)
+
+    if finalize:
+        summary.manifest = _finalize_when_complete(out, rank, world)
+    summary.wall_s = time.perf_counter() - t0
+    return summary
+
+
+def _finalize_when_complete(out: Path, rank: int, world: int) -> str | None:
+    import torch.distributed as dist
+
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank's progress is complete after this
+        if rank == 0:
+            return str(finalize_manifest(out))
+        dist.barrier()  # the others return once the manifest exists
+        return str(out / MANIFEST)
+    # Without a process group: whichever rank finds all progress complete writes the manifest
+    # (the content is deterministic, and the write atomic, so two ranks racing is harmless).
+    if all(_rank_complete(out / progress_name(r)) for r in range(world)):
+        return str(finalize_manifest(out))
+    return None
+
+
+def _rank_complete(path: Path) -> bool:
+    try:
+        return bool(json.loads(path.read_text()).get("complete"))
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def finalize_manifest(out_dir: str | os.PathLike) -> Path:
+    """Merge every rank's progress file into ``manifest.json``: contract (with the fingerprint of
+    all shards), counts, shard list. Errors name the rank file that is missing or incomplete."""
+    out = Path(out_dir)
+    first = _read_json(out / progress_name(0), "progress file (rank 0)")
+    world = int(first["world_size"])
+    progs = [first] + [_read_json(out / progress_name(r), f"progress file (rank {r})") for r in range(1, world)]
+    for r, p in enumerate(progs):
+        path = out / progress_name(r)
+        if not p.get("complete"):
+            raise ShardError(f"{path}: rank {r} has {len(p['shards'])} of {p['num_shards']} shards; "
+                             f"rerun its capture (it resumes) before finalising")
+        if p["params"] != first["params"] or p["world_size"] != world:
+            raise ShardError(f"{path}: rank {r} ran with other parameters than rank 0: {p['params']} vs {first['params']}")
+        mism = compare(Contract.model_validate(first["contract"]), Contract.model_validate(p["contract"]))
+        if mism:
+            raise ShardError(f"{path}: rank {r} captured another target than rank 0: " + "; ".join(map(str, mism)))
+    shards = [e for p in progs for e in p["shards"]]  # rank order, then index order
+    contract = Contract.model_validate(first["contract"])
+    if shards:
+        acc = FingerprintAccumulator.merged([FingerprintAccumulator.from_state(e["fingerprint"]) for e in shards])
+        contract = contract.model_copy(update={"fingerprint": acc.result()})
+    counts = {k: sum(int(p["counts"].get(k, 0)) for p in progs)
+              for k in ("conversations", "samples", "tokens", "loss_tokens", "no_loss_tokens", "truncated",
+                        "render_problems")}
+    counts["shards"] = len(shards)
+    params = first["params"]
+    manifest = {
+        "format": FORMAT, "version": FORMAT_VERSION,
+        "contract": contract.model_dump(mode="json"),
+        "counts": counts,
+        "layout": {
+            "num_slots": len(params["boundaries"]), "hidden_size": contract.target.hidden_size,
+            "dtype": params["dtype"],
+            "tensors": {"input_ids": "int32 [N]", "loss_mask": "uint8 [N]", "offsets": "int64 [S+1]",
+                        "slots": "dtype [N, num_slots, H]", "last_hidden": "dtype [N, H] (boundary L, pre-norm)"},
+        },
+        "params": params,
+        "world_size": world,
+        "source_data": first.get("source_data"),
+        "problems": [x for p in progs for x in p.get("problems", [])][:_MAX_PROBLEMS_KEPT],
+        "shards": [{k: e[k] for k in ("file", "rank", "index", "samples", "tokens", "loss_tokens", "bytes",
+                                      "sha256", "ids")} for e in shards],
+    }
+    path = out / MANIFEST
+    _atomic_write_json(path, manifest)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+
+
+class ShardDataset(Dataset):
+    """Samples of a shard directory. Item i ->
+
+        id           str
+        input_ids    LongTensor [T]
+        loss_mask    LongTensor [T]           (not shifted; see eyas.data.render.shift_targets)
+        slots        [T, num_slots, H]        stored dtype; or, with features=True,
+        features     [T, num_slots * H]       slots concatenated in slot order (the drafter's fc input)
+        last_hidden  [T, H]                   boundary L, pre-norm
+
+    Opening checks every shard's presence, size and header (``verify="full"`` also its sha256).
+    With ``target`` (and optionally ``tokenizer``) the manifest's contract is checked against it
+    and a mismatch raises :class:`eyas.contract.ContractError` naming the fields (``force`` warns).
+    """
+
+    def __init__(self, root: str | os.PathLike, *, features: bool = False, target: Any = None,
+                 tokenizer: Any = None, force: bool = False, verify: str = "header") -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise ShardError(f"{self.root}: no such shard directory")
+        mpath = self.root / MANIFEST
+        if not mpath.exists():
+            partial = sorted(p.name for p in self.root.glob("progress-r*.json"))
+            hint = (f" (progress files {partial} exist: the capture is unfinished; rerun it, or call "
+                    f"finalize_manifest once every rank is complete)") if partial else ""
+            raise ShardError(f"{mpath}: missing manifest{hint}")
+        self.manifest = _read_json(mpath, "manifest")
+        try:
+            self.contract = Contract.model_validate(self.manifest["contract"])
+            self.shards: list[dict[str, Any]] = list(self.manifest["shards"])
+            self.num_slots = int(self.manifest["layout"]["num_slots"])
+            self.hidden_size = int(self.manifest["layout"]["hidden_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ShardError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
+        self.features = features
+        if verify not in ("none", "header", "full"):
+            raise ValueError(f"verify: expected none|header|full, found {verify!r}")
+        # Global index: sample i lives in shard _shard[i], rows _start[i]:_end[i].
+        self._shard: list[int] = []
+        self._start: list[int] = []
+        self._end: list[int] = []
+        self.ids: list[str] = []
+        for k, entry in enumerate(self.shards):
+            offsets = self._check_shard(entry, verify) if verify != "none" else None
+            if offsets is None:
+                offsets = self._read(k, "offsets")
+            self._shard += [k] * entry["samples"]
+            self._start += offsets[:-1].tolist()
+            self._end += offsets[1:].tolist()
+            self.ids += list(entry["ids"])
+        self._handles: dict[int, Any] = {}
+        self._pid = os.getpid()
+        if target is not None:
+            self.check_target(target, tokenizer, force=force)
+
+    # -- checks -----------------------------------------------------------------------------------
+
+    def _check_shard(self, entry: dict[str, Any], verify: str) -> Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        path = self.root / entry["file"]
+        if not path.exists():
+            raise ShardError(f"{path}: shard listed in {self.root / MANIFEST} is missing")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise ShardError(f"{path}: corrupt shard: {size} bytes, the manifest says {entry['bytes']} "
+                             f"(truncated or overwritten); recapture it")
+        if verify == "full":
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            if digest != entry["sha256"]:
+                raise ShardError(f"{path}: corrupt shard: sha256 {digest[:16]}..., the manifest says "
+                                 f"{entry['sha256'][:16]}...; recapture it")
+        n, s = entry["tokens"], entry["samples"]
+        want = {"input_ids": [n], "loss_mask": [n], "offsets": [s + 1],
+                "slots": [n, self.num_slots, self.hidden_size], "last_hidden": [n, self.hidden_size]}
+        try:
+            with safe_open(str(path), "pt") as f:
+                shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+                bad = {k: (v, shapes.get(k)) for k, v in want.items() if shapes.get(k) != v}
+                if bad:
+                    raise ShardError(f"{path}: corrupt shard: tensor shapes {', '.join(f'{k} expected {a} found {b}' for k, (a, b) in bad.items())}")
+                offsets = f.get_tensor("offsets")
+        except SafetensorError as e:
+            raise ShardError(f"{path}: corrupt shard: cannot read it as safetensors ({e})") from None
+        if int(offsets[0]) != 0 or int(offsets[-1]) != n or bool((offsets[1:] < offsets[:-1]).any()):
+            raise ShardError(f"{path}: corrupt shard: offsets do not cut {n} tokens into {s} samples")
+        return offsets
+
+    def check_target(self, model: Any, tokenizer: Any = None, force: bool = False) -> list:
+        """Compare the manifest's contract with a live target (and tokenizer): raises ContractError
+        naming every differing field (target.fingerprint, tokenisation.chat_template_sha256, ...)."""
+        live = Contract(
+            target=target_identity(model),
+            capture=self.contract.capture,
+            tokenisation=(tokenisation_of(tokenizer, self.contract.tokenisation.system_prompt
+                                          if self.contract.tokenisation else TEMPLATE_DEFAULT)
+                          if tokenizer is not None else None),
+        )
+        return enforce(compare(self.contract, live), f"shards {self.root} vs target", force=force)
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def _handle(self, k: int) -> Any:
+        from safetensors import SafetensorError, safe_open
+
+        if self._pid != os.getpid():  # a DataLoader worker forked after open: use its own handles
+            self._handles, self._pid = {}, os.getpid()
+        if k not in self._handles:
+            path = self.root / self.shards[k]["file"]
+            try:
+                self._handles[k] = safe_open(str(path), "pt")
+            except (SafetensorError, OSError) as e:
+                raise ShardError(f"{path}: cannot open shard ({e})") from None
+        return self._handles[k]
+
+    def _read(self, k: int, key: str, a: int | None = None, b: int | None = None) -> Tensor:
+        from safetensors import SafetensorError
+
+        try:
+            h = self._handle(k)
+            return h.get_tensor(key) if a is None else h.get_slice(key)[a:b]
+        except SafetensorError as e:
+            raise ShardError(f"{self.root / self.shards[k]['file']}: cannot read {key!r} ({e})") from None
+
+    def __len__(self) -> int:
+        return len(self._shard)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens per sample (for length-grouped batching)."""
+        return [e - s for s, e in zip(self._start, self._end)]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.manifest["counts"]["tokens"])
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        i %= len(self)
+        k, a, b = self._shard[i], self._start[i], self._end[i]
+        item: dict[str, Any] = {
+            "id": self.ids[i],
+            "input_ids": self._read(k, "input_ids", a, b).long(),
+            "loss_mask": self._read(k, "loss_mask", a, b).long(),
+            "last_hidden": self._read(k, "last_hidden", a, b),
+        }
+        slots = self._read(k, "slots", a, b)  # [T, num_slots, H]
+        if self.features:
+            item["features"] = slots.reshape(slots.shape[0], -1)  # [T, num_slots * H], slot order
+        else:
+            item["slots"] = slots
+        return item
