@@ -107,7 +107,8 @@ FLAG_SETS = [
     {"norm_before_fc": True},
     {"fc_norm": True},
     {"norm_output": True},
-    {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": True, "norm_output": True},
+    {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True},
+    {"norm_before_residual": True, "fc_norm": True, "norm_output": True},
 ]
 
 
@@ -514,3 +515,10 @@ def test_rope_matches_transformers(rope_scaling):
     hq, hk = apply_rotary_pos_emb(q, k, hf_cos, hf_sin)
     torch.testing.assert_close(apply_rope(q, cos, sin), hq, atol=0, rtol=0)
     torch.testing.assert_close(apply_rope(k, cos, sin), hk, atol=0, rtol=0)
+
+
+def test_norm_before_fc_and_fc_norm_together_are_refused():
+    with pytest.raises(ValueError, match="norm_before_fc and fc_norm: expected at most one of them"):
+        DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, vocab_size=64, draft_vocab_size=32, target_hidden_size=32,
+                      norm_before_fc=True, fc_norm=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
@@ -123,7 +124,8 @@ def info(
         _print_json({**view, "contract": contract.model_dump() if contract else None})
         return
     if contract is None:
-        console.print(f"[yellow]{path} has no eyas.json: no contract (import it with `eyas import`)[/]")
+        console.print(f"[yellow]{path}: no contract (not an eyas drafter, or imported without --target); "
+                      f"`eyas import --target T` records one[/]")
     else:
         t, c = contract.target, contract.capture
         console.print(f"[bold]{path}[/]")
@@ -192,6 +194,52 @@ def import_cmd(
         return
     console.print(f"imported {path} -> [bold]{dest}[/] (trained boundaries {view['boundaries']})")
     console.print(engine_table(view))
+
+
+@app.command()
+def train(
+    target: str = typer.Option(..., help=TARGET_HELP),
+    data: str = typer.Option(..., help="a shard directory from `eyas capture` (offline) or a conversations JSONL (online)"),
+    out: Path = typer.Option(..., help="checkpoint directory (an eyas-format drafter at the end)"),
+    steps: Optional[int] = typer.Option(None, help="optimizer steps (or --epochs)"),
+    epochs: Optional[float] = typer.Option(None, help="passes over the training split (or --steps)"),
+    boundaries: Optional[str] = typer.Option(None, help="online only: e.g. 2,15,27 (default [2, L//2, L-3])"),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab"),
+    batch_size: int = typer.Option(4),
+    max_length: int = typer.Option(1024),
+    lr: float = typer.Option(1e-3),
+    ttt_steps: int = typer.Option(7),
+    save_every: int = typer.Option(200),
+    eval_every: int = typer.Option(100),
+    seed: int = typer.Option(0),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    force: bool = typer.Option(False, help="train even when the shards' contract does not match the target"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Train an EAGLE-3 drafter with training-time test; resumes from the newest checkpoint in OUT."""
+    from eyas.capture import parse_boundaries
+    from eyas.interop import read_contract
+    from eyas.training.config import TrainConfig
+    from eyas.training.loop import train as run_training
+
+    cfg = TrainConfig(
+        target=target, data=data, out=str(out), steps=steps, epochs=epochs,
+        boundaries=_run(parse_boundaries, boundaries) if boundaries else None, draft_vocab_size=draft_vocab,
+        batch_size=batch_size, max_length=max_length, lr=lr, ttt_steps=ttt_steps, save_every=save_every,
+        eval_every=eval_every, seed=seed, device=device,
+    )
+    log = (lambda m: err.print(m, highlight=False)) if json_out else (lambda m: console.print(m, highlight=False))
+    t0 = time.perf_counter()
+    path = _run(run_training, cfg, force=force, log=log).out
+    metrics = read_contract(path).metrics
+    if json_out:
+        _print_json({"path": str(path), "wall_s": round(time.perf_counter() - t0, 1), "metrics": metrics})
+        return
+    m = metrics or {}
+    if m:
+        console.print(f"held-out accuracy per position: {m.get('accuracy_per_position')}")
+        console.print(f"conditional accuracy:           {m.get('conditional_accuracy_per_position')}")
+        console.print(f"simulated accept length:        {m.get('simulated_accept_length')}")
 
 
 def main() -> None:  # pragma: no cover - console entry

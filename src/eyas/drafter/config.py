@@ -51,6 +51,9 @@ class DrafterConfig(BaseModel):
                 f"draft_vocab_size: expected 1..vocab_size ({self.vocab_size}), "
                 f"found {self.draft_vocab_size}"
             )
+        if self.norm_before_fc and self.fc_norm:
+            # Engines disagree on their order (speculators rejects the pair): refuse the ambiguity.
+            raise ValueError("norm_before_fc and fc_norm: expected at most one of them, found both true")
         if self.num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, found {self.num_slots}")
         return self

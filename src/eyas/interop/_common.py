@@ -1,0 +1,271 @@
+"""What every checkpoint format shares: file names, atomic writes, safetensors-only reading, and
+the mapping between :class:`DrafterConfig` and the Llama fields of an engine's ``config.json``.
+
+Nothing here knows about layer ids; that is each format module's job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Iterable
+
+import torch
+from pydantic import ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from eyas.drafter.config import DrafterConfig
+
+CONFIG_JSON = "config.json"
+EYAS_JSON = "eyas.json"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+class CheckpointError(ValueError):
+    """A drafter directory that cannot be read or written: missing, corrupt or inconsistent files.
+
+    The message always names the file, and where it applies the field or tensor, the expected
+    value and the value found.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing: every file goes to a temporary name in its final directory, then os.replace, so a
+# reader (or an engine started meanwhile) never sees half a file.
+# ---------------------------------------------------------------------------------------------
+
+
+def _atomic(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+
+    _atomic(path, write)
+
+
+def atomic_save_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
+    flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    _atomic(path, lambda tmp: save_file(flat, tmp, metadata={"format": "pt"}))
+
+
+def prepare_out_dir(out_dir: str | os.PathLike) -> Path:
+    """Create ``out_dir``; refuse one that holds weight files other than the one we overwrite.
+
+    Engines load every ``*.safetensors`` of a directory (vLLM) or follow an index file: a stale
+    shard next to our ``model.safetensors`` would be loaded too, silently.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: expected a directory to write the drafter to, found a file")
+    out.mkdir(parents=True, exist_ok=True)
+    stale = sorted(
+        p.name
+        for p in out.iterdir()
+        if p.name != WEIGHTS
+        and (p.suffix in (".safetensors", ".bin", ".pt", ".pth") or p.name.endswith(".index.json"))
+    )
+    if stale:
+        raise CheckpointError(
+            f"{out}: expected no weight files besides {WEIGHTS} (an engine would load them too), "
+            f"found {stale}; write to an empty directory or remove them"
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: expected a JSON object, found invalid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(obj).__name__}")
+    return obj
+
+
+def _load_safetensors(path: Path) -> dict[str, Tensor]:
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({e}); the file is corrupt or truncated "
+            f"(an interrupted copy or download?)"
+        ) from e
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from e
+
+
+def pickle_only_error(directory: Path) -> str | None:
+    """The message for a directory whose weights exist only as pickles, else None."""
+    pickles = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+    if not pickles or any(directory.glob("*.safetensors")):
+        return None
+    return (
+        f"{directory}: expected {WEIGHTS}, found only {pickles} (pickle). eyas reads safetensors "
+        f"only and never unpickles a checkpoint (a pickle can run code). Convert it once, in an "
+        f"environment you trust: python -c \"import torch; from safetensors.torch import save_file; "
+        f"save_file(torch.load('{pickles[0]}', weights_only=True), '{WEIGHTS}')\""
+    )
+
+
+def read_tensors(directory: Path) -> tuple[dict[str, Tensor], str]:
+    """All tensors of a directory and a label naming the file(s) they came from.
+
+    Safetensors only: a pickled ``pytorch_model.bin`` can run arbitrary code when loaded, so it is
+    never opened here.
+    """
+    single, index = directory / WEIGHTS, directory / WEIGHTS_INDEX
+    if single.exists():
+        return _load_safetensors(single), str(single)
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: expected a non-empty 'weight_map' object, found {weight_map!r}")
+        tensors: dict[str, Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = directory / shard
+            if not shard_path.exists():
+                raise CheckpointError(f"{index}: names shard {shard}, which is missing from {directory}")
+            tensors.update(_load_safetensors(shard_path))
+        return tensors, str(index)
+    others = sorted(p.name for p in directory.glob("*.safetensors"))
+    if len(others) == 1:
+        return _load_safetensors(directory / others[0]), str(directory / others[0])
+    pickle_only = pickle_only_error(directory)
+    if pickle_only:
+        raise CheckpointError(pickle_only)
+    raise CheckpointError(
+        f"{directory}: expected {WEIGHTS} (or {WEIGHTS_INDEX} with shards), found "
+        f"{others or 'no weight file'}"
+    )
+
+
+def check_tensors(
+    tensors: dict[str, Tensor],
+    expected: dict[str, torch.Size],
+    optional: Iterable[str],
+    where: str,
+    file_name: Callable[[str], str] = lambda n: n,
+) -> None:
+    """Fail naming every missing, unexpected or mis-shaped tensor, by its name in the file."""
+    show = file_name
+    optional = set(optional)
+    missing = sorted(show(n) for n in expected if n not in tensors and n not in optional)
+    extra = sorted(show(n) for n in tensors if n not in expected)
+    shapes = [
+        f"{show(n)}: expected shape {tuple(expected[n])}, found {tuple(t.shape)}"
+        for n, t in sorted(tensors.items())
+        if n in expected and tuple(t.shape) != tuple(expected[n])
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    if extra:
+        problems.append(f"unexpected tensors {extra}")
+    problems += shapes
+    if problems:
+        raise CheckpointError(
+            f"{where}: the tensors do not match the drafter described by the config:\n  - "
+            + "\n  - ".join(problems)
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# DrafterConfig <-> the Llama fields of config.json (SGLang config / speculators transformer_layer_config)
+# ---------------------------------------------------------------------------------------------
+
+
+def llama_fields(cfg: DrafterConfig, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The Llama decoder-layer fields an engine needs to build the midlayer."""
+    out: dict[str, Any] = {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "hidden_act": cfg.hidden_act,
+        "attention_bias": cfg.attention_bias,
+        "mlp_bias": cfg.mlp_bias,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "vocab_size": cfg.vocab_size,  # the target's vocabulary (embedding, t2d)
+        "tie_word_embeddings": False,
+    }
+    if dtype is not None:
+        out["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return out
+
+
+_REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+def drafter_fields(llama: dict[str, Any], where: str) -> dict[str, Any]:
+    """DrafterConfig fields (without the target-side ones: target_hidden_size, num_slots,
+    draft_vocab_size, norm flags) from the Llama fields of a config.json."""
+    missing = [k for k in _REQUIRED if llama.get(k) is None]
+    if missing:
+        raise CheckpointError(f"{where}: expected the Llama fields {list(_REQUIRED)}, missing {missing}")
+    model_type = llama.get("model_type", "llama")
+    if model_type != "llama":
+        raise CheckpointError(
+            f"{where}: model_type: expected 'llama' (eyas drafters have a Llama midlayer), found {model_type!r}"
+        )
+    layers = llama.get("num_hidden_layers", 1)
+    if layers != 1:
+        raise CheckpointError(
+            f"{where}: num_hidden_layers: expected 1 (one EAGLE-3 midlayer), found {layers}"
+        )
+    if llama.get("tie_word_embeddings"):
+        raise CheckpointError(
+            f"{where}: tie_word_embeddings: expected false (eyas drafters have their own lm_head over "
+            f"the draft vocabulary), found true"
+        )
+    # Reuse DrafterConfig.for_target for the rope_theta / rope_scaling / rope_parameters logic.
+    ns = SimpleNamespace(**{k: v for k, v in llama.items() if v is not None})
+    try:
+        derived = DrafterConfig.for_target(ns, num_slots=1).model_dump()
+    except ValidationError as e:
+        raise CheckpointError(f"{where}: not a valid drafter config ({e})") from None
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "hidden_act", "max_position_embeddings", "rope_theta", "rope_scaling", "vocab_size")
+    out = {k: derived[k] for k in keep}
+    out["attention_bias"] = bool(llama.get("attention_bias", False))
+    out["mlp_bias"] = bool(llama.get("mlp_bias", False))
+    return out
+
+
+def tensors_dtype(tensors: dict[str, Tensor]) -> torch.dtype | None:
+    """The floating dtype of the weights (what ``torch_dtype`` in config.json should say)."""
+    for name in ("fc.weight", "lm_head.weight"):
+        if name in tensors:
+            return tensors[name].dtype
+    return None

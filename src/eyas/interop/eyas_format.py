@@ -1,0 +1,511 @@
+"""The eyas checkpoint: an SGLang-loadable drafter directory plus ``eyas.json``.
+
+    config.json        LlamaForCausalLMEagle3 config (see eyas.interop.sglang), SGLang ids for the
+                       PR #25454 rule, top-level ids = boundaries (vLLM), every norm flag explicit
+    model.safetensors  the drafter's state_dict names; embed_tokens.weight only when asked for (the
+                       engines take the target's embedding otherwise)
+    eyas.json          {"format", "embeddings": "saved"|"from_target", "boundaries",
+                        "num_target_blocks", "drafter_config", "contract"}
+
+Exports (eyas.interop.sglang / .speculators layouts) carry the same ``eyas.json`` so that the
+contract survives a trip through an engine format; its ``format`` then names that layout.
+``contract`` is null only for drafters imported without a target.
+
+Reading goes through :func:`read_checkpoint` for every supported layout: the layout of
+``config.json`` decides the tensor names and config fields; ``eyas.json`` (when present) is the
+record of what the drafter was trained on and wins over anything inferred from ``config.json``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from pydantic import ValidationError
+from torch import Tensor, nn
+
+from eyas.capture.boundaries import BoundaryError, SGLangRule, validate_boundaries
+from eyas.capture.hooks import find_decoder_blocks, find_embedding
+from eyas.contract.contract import (
+    CaptureContract,
+    Contract,
+    Mismatch,
+    compare,
+    enforce,
+    target_identity,
+    tokenisation_of,
+)
+from eyas.drafter.build import drafter_flags
+from eyas.drafter.config import DrafterConfig
+from eyas.drafter.model import Eagle3Drafter
+from eyas.interop import sglang, speculators
+from eyas.interop._common import (
+    CONFIG_JSON,
+    EYAS_JSON,
+    NORM_FLAGS,
+    WEIGHTS,
+    CheckpointError,
+    atomic_save_tensors,
+    atomic_write_json,
+    check_tensors,
+    pickle_only_error,
+    prepare_out_dir,
+    read_json,
+    read_tensors,
+    tensors_dtype,
+)
+
+EMBEDDING = "embed_tokens.weight"
+LAYOUTS = {"sglang": sglang, "speculators": speculators}
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata: config.json + eyas.json, no tensors (what engine_view needs)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Meta:
+    path: Path
+    config: dict[str, Any]  # config.json as written
+    layout: str  # how config.json is laid out: "sglang" | "speculators"
+    format: str  # what wrote the directory: eyas.json "format", else the layout
+    eyas: dict[str, Any] | None  # eyas.json as written
+    drafter_config: DrafterConfig | None  # from eyas.json
+    contract: Contract | None  # from eyas.json
+    num_target_blocks: int | None
+    boundaries: list[int] | None  # None only when they depend on an unknown block count
+    boundaries_source: str  # where the boundaries came from (or why they are unknown)
+
+
+def _directory(path: str | Path) -> Path:
+    p = Path(path)
+    if p.is_file() and p.name in (CONFIG_JSON, EYAS_JSON, WEIGHTS):
+        p = p.parent
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: expected a drafter directory, found {'a file' if p.exists() else 'nothing'}")
+    return p
+
+
+def _read_eyas_json(d: Path) -> tuple[dict[str, Any] | None, DrafterConfig | None, Contract | None]:
+    f = d / EYAS_JSON
+    if not f.exists():
+        return None, None, None
+    e = read_json(f)
+    try:
+        cfg = DrafterConfig.model_validate(e["drafter_config"])
+    except KeyError:
+        raise CheckpointError(f"{f}: drafter_config: expected the drafter's config, found no such key") from None
+    except ValidationError as err:
+        raise CheckpointError(f"{f}: drafter_config: invalid ({err})") from None
+    try:
+        contract = Contract.model_validate(e["contract"]) if e.get("contract") is not None else None
+    except ValidationError as err:
+        raise CheckpointError(f"{f}: contract: invalid ({err})") from None
+    return e, cfg, contract
+
+
+def read_meta(
+    path: str | Path, num_target_blocks: int | None = None, default_num_blocks: int | None = None
+) -> Meta:
+    """Read ``config.json`` and ``eyas.json``.
+
+    ``num_target_blocks`` is asserted by the caller (a disagreement with the directory is an
+    error); ``default_num_blocks`` is only used when the directory does not say.
+    """
+    d = _directory(path)
+    cfile = d / CONFIG_JSON
+    if not cfile.exists():
+        raise CheckpointError(pickle_only_error(d) or f"{cfile}: file not found (every drafter directory has one)")
+    config = read_json(cfile)
+    if speculators.is_speculators_config(config):
+        speculators.check_config(config, str(cfile))
+        layout = "speculators"
+    elif sglang.is_sglang_config(config):
+        layout = "sglang"
+    else:
+        raise CheckpointError(
+            f"{cfile}: architectures: expected [{sglang.ARCHITECTURE!r}] (eyas, SGLang, SpecForge, EAGLE-3) "
+            f"or [{speculators.ARCHITECTURE!r}] (speculators, vLLM), found {config.get('architectures')!r}"
+        )
+    eyas, drafter_config, contract = _read_eyas_json(d)
+    efile = d / EYAS_JSON
+
+    # --- the target's block count: the directory's own record first ---
+    recorded: list[tuple[int, str]] = []
+    if eyas is not None and eyas.get("num_target_blocks") is not None:
+        recorded.append((int(eyas["num_target_blocks"]), f"{efile} num_target_blocks"))
+    if contract is not None:
+        recorded.append((contract.target.num_blocks, f"{efile} contract.target.num_blocks"))
+    if config.get("eyas_num_target_blocks") is not None:
+        recorded.append((int(config["eyas_num_target_blocks"]), f"{cfile} eyas_num_target_blocks"))
+    if layout == "speculators" and (n := speculators.verifier_num_blocks(config)) is not None:
+        recorded.append((n, "the verifier's local config.json"))
+    L: int | None = recorded[0][0] if recorded else None
+    for value, where in recorded[1:]:
+        if value != L:
+            raise CheckpointError(
+                f"{where}: expected {L} target blocks (as {recorded[0][1]} says), found {value}"
+            )
+    if num_target_blocks is not None:
+        if L is not None and num_target_blocks != L:
+            raise CheckpointError(
+                f"num_target_blocks: expected {L} (from {recorded[0][1]}), found {num_target_blocks} (passed in)"
+            )
+        L = num_target_blocks
+    # Only a recorded or asserted count may reject the boundaries here; a default one (the target
+    # being checked) is the other side of the contract check, which reports instead.
+    known_L = L
+    if L is None:
+        L = default_num_blocks
+
+    # --- the boundaries it was trained on: eyas.json, then eyas_boundaries, then the layout's convention ---
+    if eyas is not None and (eyas.get("boundaries") is not None or contract is not None):
+        bs = [int(b) for b in (eyas.get("boundaries") or contract.capture.boundaries)]  # type: ignore[union-attr]
+        if contract is not None and contract.capture.boundaries != bs:
+            raise CheckpointError(
+                f"{efile}: contract.capture.boundaries: expected {bs} (the file's boundaries), "
+                f"found {contract.capture.boundaries}"
+            )
+        source = f"{efile}"
+    elif config.get("eyas_boundaries") is not None:
+        bs, source = [int(b) for b in config["eyas_boundaries"]], f"{cfile} eyas_boundaries"
+    else:
+        bs, source = LAYOUTS[layout].boundaries_from_config(config, L, str(cfile))
+    if bs is not None and known_L is not None:
+        try:
+            validate_boundaries(bs, known_L)
+        except BoundaryError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+
+    fmt = str(eyas.get("format", "eyas")) if eyas is not None else layout
+    return Meta(d, config, layout, fmt, eyas, drafter_config, contract, L, bs, source)
+
+
+# ---------------------------------------------------------------------------------------------
+# The full checkpoint: metadata + tensors, every consistency check
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Checkpoint:
+    meta: Meta
+    config: DrafterConfig
+    tensors: dict[str, Tensor]  # eyas state_dict names, as stored (dtype kept)
+    boundaries: list[int]
+
+    @property
+    def contract(self) -> Contract | None:
+        return self.meta.contract
+
+    @property
+    def num_target_blocks(self) -> int | None:
+        return self.meta.num_target_blocks
+
+    @property
+    def embeddings_saved(self) -> bool:
+        return EMBEDDING in self.tensors
+
+
+def _config_from_files(meta: Meta, tensors: dict[str, Tensor], where: str) -> DrafterConfig:
+    cfile = meta.path / CONFIG_JSON
+    fields = LAYOUTS[meta.layout].config_fields(meta.config, str(cfile))
+    fc = tensors.get("fc.weight")
+    if fc is None or fc.dim() != 2:
+        raise CheckpointError(f"{where}: fc.weight: expected a 2-D tensor, found {None if fc is None else tuple(fc.shape)}")
+    th = fields["target_hidden_size"]
+    if fc.shape[1] % th:
+        raise CheckpointError(
+            f"{where}: fc.weight: expected in_features = num_slots x target_hidden_size ({th}, from "
+            f"{cfile}), found {fc.shape[1]}"
+        )
+    if fields["draft_vocab_size"] is None:  # absent: the lm_head is the truth
+        head = tensors.get("lm_head.weight")
+        fields["draft_vocab_size"] = head.shape[0] if head is not None else fields["vocab_size"]
+    try:
+        return DrafterConfig(**fields, num_slots=fc.shape[1] // th)
+    except ValidationError as e:
+        raise CheckpointError(f"{cfile}: not a valid drafter config ({e})") from None
+
+
+def _contract_vs_config(c: Contract, cfg: DrafterConfig) -> list[str]:
+    """Where a contract does not describe the drafter config it is stored with."""
+    problems = []
+    if c.target.hidden_size != cfg.target_hidden_size:
+        problems.append(
+            f"drafter.target_hidden_size: expected {c.target.hidden_size} (contract.target.hidden_size), "
+            f"found {cfg.target_hidden_size}"
+        )
+    if c.target.vocab_size != cfg.vocab_size:
+        problems.append(
+            f"drafter vocab_size: expected {c.target.vocab_size} (contract.target.vocab_size), found {cfg.vocab_size}"
+        )
+    if c.drafter is not None:
+        for name, value in drafter_flags(cfg).model_dump().items():
+            if name != "vocab_map" and getattr(c.drafter, name) != value:
+                problems.append(
+                    f"contract.drafter.{name}: expected {value} (the drafter's config), found {getattr(c.drafter, name)}"
+                )
+    return problems
+
+
+def _check_consistency(meta: Meta, cfg: DrafterConfig, bs: list[int]) -> None:
+    """The directory's own records must agree with each other and with the weights."""
+    problems: list[str] = []
+    if len(bs) != cfg.num_slots:
+        problems.append(
+            f"drafter.num_slots: expected {len(bs)} (one per boundary {bs}, from {meta.boundaries_source}), "
+            f"found {cfg.num_slots} (fc takes {cfg.fc_in_features} = {cfg.num_slots} x target_hidden_size "
+            f"{cfg.target_hidden_size})"
+        )
+    if meta.drafter_config is not None:
+        # config.json is what the engines read: its flags must say what the drafter was trained with.
+        for flag in NORM_FLAGS:
+            if flag in meta.config and bool(meta.config[flag]) != getattr(cfg, flag):
+                problems.append(
+                    f"{CONFIG_JSON} {flag}: expected {getattr(cfg, flag)} (eyas.json drafter_config), "
+                    f"found {meta.config[flag]}"
+                )
+    if meta.contract is not None:
+        problems += _contract_vs_config(meta.contract, cfg)
+    if problems:
+        raise CheckpointError(f"{meta.path}: inconsistent checkpoint:\n  - " + "\n  - ".join(problems))
+
+
+def _check_vocab_map(tensors: dict[str, Tensor], cfg: DrafterConfig, where: str) -> None:
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    if d2t is None:
+        return
+    if d2t.dtype.is_floating_point or t2d is None:
+        raise CheckpointError(f"{where}: d2t: expected an integer tensor with t2d beside it, found {d2t.dtype}")
+    target_ids = d2t.long() + torch.arange(d2t.shape[0])
+    bad = (target_ids < 0) | (target_ids >= cfg.vocab_size)
+    if bad.any():
+        raise CheckpointError(
+            f"{where}: d2t: expected draft id + d2t in 0..{cfg.vocab_size - 1}, found {int(bad.sum())} ids outside"
+        )
+    if int(t2d.bool().sum()) != cfg.draft_vocab_size or not bool(t2d.bool()[target_ids].all()):
+        raise CheckpointError(
+            f"{where}: t2d: expected exactly the {cfg.draft_vocab_size} target ids that d2t maps to, "
+            f"found {int(t2d.bool().sum())} set, not matching d2t"
+        )
+
+
+def read_checkpoint(
+    path: str | Path, num_target_blocks: int | None = None, default_num_blocks: int | None = None
+) -> Checkpoint:
+    meta = read_meta(path, num_target_blocks, default_num_blocks)
+    if (pickle_only := pickle_only_error(meta.path)) is not None:  # say this before anything else
+        raise CheckpointError(pickle_only)
+    if meta.boundaries is None:
+        raise CheckpointError(f"{meta.boundaries_source}: pass num_target_blocks (CLI: --num-target-blocks) or a target")
+    raw, where = read_tensors(meta.path)
+    layout = LAYOUTS[meta.layout]
+    tensors = layout.tensors_from_file(raw)
+    cfg = meta.drafter_config or _config_from_files(meta, tensors, where)
+    _check_consistency(meta, cfg, meta.boundaries)
+
+    with torch.device("meta"):  # names and shapes only: allocates nothing
+        expected = {k: v.shape for k, v in Eagle3Drafter(cfg).state_dict().items()}
+    optional = [EMBEDDING]
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        optional += ["d2t", "t2d"]  # a full-vocabulary drafter needs no map (identity)
+    check_tensors(tensors, expected, optional, where, layout.to_file_name)
+    _check_vocab_map(tensors, cfg, where)
+    return Checkpoint(meta, cfg, tensors, list(meta.boundaries))
+
+
+def build_drafter(ckpt: Checkpoint) -> Eagle3Drafter:
+    """An fp32 drafter holding the checkpoint's tensors.
+
+    When the checkpoint does not carry the embedding it is filled with NaN: a random one would make
+    a drafter that was never given its target's embedding (see :func:`load_drafter`) produce
+    plausible garbage, or leak into another model through ``state_dict()``.
+    """
+    drafter = Eagle3Drafter(ckpt.config)
+    state = drafter.state_dict()
+    with torch.no_grad():
+        if not ckpt.embeddings_saved:
+            drafter.embed_tokens.weight.fill_(float("nan"))
+        for name, t in ckpt.tensors.items():
+            state[name].copy_(t)
+    return drafter
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+
+def _blocks_or_bound(bs: Sequence[int], num_blocks: int | None) -> int:
+    # When the target's block count is unknown (an import without it), the smallest target the
+    # boundaries fit serves for the id conversion, whose only use of the count is range checks.
+    return num_blocks if num_blocks is not None else max(bs)
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    cfg: DrafterConfig,
+    tensors: dict[str, Tensor],
+    boundaries: Sequence[int],
+    num_target_blocks: int | None,
+    contract: Contract | None,
+    layout: str = "eyas",
+    sglang_rule: SGLangRule | str = SGLangRule.PR25454,
+    speculative_tokens: int = 3,
+) -> dict[str, Any]:
+    """Write a drafter directory in ``layout`` ("eyas", "sglang" or "speculators"), ``eyas.json``
+    included. Returns {"path", "ids_written", "sglang_rule"}."""
+    if layout not in ("eyas", "sglang", "speculators"):
+        raise CheckpointError(f"layout: expected 'eyas', 'sglang' or 'speculators', found {layout!r}")
+    bs = [int(b) for b in boundaries]
+    L = num_target_blocks
+    problems: list[str] = []
+    if len(bs) != cfg.num_slots:
+        problems.append(f"drafter.num_slots: expected {len(bs)} (one per boundary {bs}), found {cfg.num_slots}")
+    if contract is not None:
+        if contract.capture.boundaries != bs:
+            problems.append(f"contract.capture.boundaries: expected {bs}, found {contract.capture.boundaries}")
+        if L is not None and contract.target.num_blocks != L:
+            problems.append(f"contract.target.num_blocks: expected {L}, found {contract.target.num_blocks}")
+        problems += _contract_vs_config(contract, cfg)
+    if problems:
+        raise CheckpointError(f"{out_dir}: refusing to write an inconsistent checkpoint:\n  - " + "\n  - ".join(problems))
+    try:
+        validate_boundaries(bs, _blocks_or_bound(bs, L), cfg.num_slots)
+    except BoundaryError as e:
+        raise CheckpointError(f"{out_dir}: {e}") from None
+
+    dtype = tensors_dtype(tensors)
+    rule: SGLangRule | None = None
+    if layout in ("eyas", "sglang"):
+        config, ids, rule = sglang.build_config(cfg, bs, _blocks_or_bound(bs, L), sglang_rule, dtype)
+        if L is None:
+            config["eyas_num_target_blocks"] = None
+        file_tensors = sglang.tensors_to_file(tensors)
+        ids_written = {sglang.NESTED_IDS: ids, "eagle_aux_hidden_state_layer_ids": bs}
+    else:
+        config = speculators.build_config(cfg, bs, _blocks_or_bound(bs, L), contract, dtype, speculative_tokens)
+        if L is None:
+            config["eyas_num_target_blocks"] = None
+        file_tensors = speculators.tensors_to_file(tensors)
+        ids_written = {"eagle_aux_hidden_state_layer_ids": bs}
+
+    eyas_json: dict[str, Any] = {
+        "format": layout,
+        "embeddings": "saved" if EMBEDDING in tensors else "from_target",
+        "boundaries": bs,
+        "num_target_blocks": L,
+        "drafter_config": cfg.model_dump(mode="json"),
+        "contract": contract.model_dump(mode="json") if contract is not None else None,
+    }
+    if rule is not None:
+        eyas_json["sglang_rule"] = rule.value
+    out = prepare_out_dir(out_dir)
+    # Each file is replaced atomically; the three together are not (an interrupted overwrite can
+    # mix generations, which the checks on load against eyas.json report).
+    atomic_save_tensors(out / WEIGHTS, file_tensors)
+    atomic_write_json(out / CONFIG_JSON, config)
+    atomic_write_json(out / EYAS_JSON, eyas_json)
+    return {"path": out, "ids_written": ids_written, "sglang_rule": rule.value if rule else None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking against a live target
+# ---------------------------------------------------------------------------------------------
+
+
+def against_target(ckpt: Checkpoint, target: nn.Module, tokenizer: Any | None = None) -> list[Mismatch]:
+    """Every way the drafter does not fit ``target`` (and ``tokenizer``), as contract mismatches."""
+    found = target_identity(target)
+    cfg, bs = ckpt.config, ckpt.boundaries
+    out: list[Mismatch] = []
+    if ckpt.contract is not None:
+        live = Contract(
+            target=found,
+            capture=ckpt.contract.capture,  # a target has no boundaries of its own; range is checked below
+            tokenisation=tokenisation_of(tokenizer) if tokenizer is not None else None,
+        )
+        out += compare(ckpt.contract, live)
+    else:  # imported without a target: check what the files say
+        if ckpt.num_target_blocks is not None and ckpt.num_target_blocks != found.num_blocks:
+            out.append(Mismatch("target.num_blocks", ckpt.num_target_blocks, found.num_blocks))
+        if cfg.vocab_size != found.vocab_size:
+            out.append(Mismatch("target.vocab_size", cfg.vocab_size, found.vocab_size))
+    if max(bs) > found.num_blocks:
+        out.append(Mismatch("capture.boundaries", bs, f"boundaries of a {found.num_blocks}-block target (0..{found.num_blocks})"))
+    if cfg.target_hidden_size != found.hidden_size:
+        out.append(Mismatch("drafter.target_hidden_size", cfg.target_hidden_size, found.hidden_size))
+    return out
+
+
+def new_contract(ckpt: Checkpoint, target: nn.Module) -> Contract:
+    """A contract for a drafter that came without one, from the target it is now paired with."""
+    d2t = ckpt.tensors.get("d2t")
+    identity = d2t is None or not bool(d2t.any())
+    return Contract(
+        target=target_identity(target),
+        capture=CaptureContract(boundaries=ckpt.boundaries),
+        drafter=drafter_flags(ckpt.config, "identity_prefix" if identity else "trained"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def save_drafter(
+    drafter: Eagle3Drafter, contract: Contract, out_dir: str | Path, include_embeddings: bool = False
+) -> Path:
+    """Write ``drafter`` and its ``contract`` as an eyas directory (SGLang-loadable) and return it."""
+    tensors = {
+        k: v for k, v in drafter.state_dict().items() if include_embeddings or k != EMBEDDING
+    }
+    write_checkpoint(
+        out_dir, drafter.config, tensors, contract.capture.boundaries, contract.target.num_blocks, contract
+    )
+    return Path(out_dir)
+
+
+def load_drafter(
+    path: str | Path, target: nn.Module | None = None, tokenizer: Any | None = None, force: bool = False
+) -> tuple[Eagle3Drafter, Contract | None]:
+    """Load a drafter from an eyas, SGLang/SpecForge or speculators directory.
+
+    With ``target`` (an HF model) the contract is checked against it (and ``tokenizer``): any
+    mismatch raises :class:`~eyas.contract.ContractError` naming field, expected and found, unless
+    ``force`` (then it warns), and the target's embedding is copied in when the checkpoint does not
+    carry one. Without ``target`` such a drafter's embedding is NaN (unknown), never random.
+    The drafter is float32 whatever the stored dtype. Returns the drafter and its contract (built
+    from the target for a directory without one; None when there is neither).
+    """
+    blocks = len(find_decoder_blocks(target)) if target is not None else None
+    ckpt = read_checkpoint(path, default_num_blocks=blocks)
+    drafter = build_drafter(ckpt)
+    contract = ckpt.contract
+    if target is not None:
+        mismatches = against_target(ckpt, target, tokenizer)
+        enforce(mismatches, f"drafter {ckpt.meta.path} against target {type(target).__name__}", force)
+        if not ckpt.embeddings_saved:
+            emb = find_embedding(target).weight
+            if tuple(emb.shape) == tuple(drafter.embed_tokens.weight.shape):
+                with torch.no_grad():
+                    drafter.embed_tokens.weight.copy_(emb.detach().to(drafter.embed_tokens.weight))
+            else:
+                warnings.warn(
+                    f"embed_tokens: expected the target's embedding of shape "
+                    f"{tuple(drafter.embed_tokens.weight.shape)}, found {tuple(emb.shape)}; left NaN",
+                    stacklevel=2,
+                )
+        if contract is None:
+            contract = new_contract(ckpt, target)
+    return drafter, contract
+
+
+def read_contract(path: str | Path) -> Contract | None:
+    """The contract in a directory's ``eyas.json`` (None when there is no eyas.json or it has none)."""
+    return _read_eyas_json(_directory(path))[2]
