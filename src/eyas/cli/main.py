@@ -4,15 +4,18 @@ reports something prints a human table, or the same facts as JSON with ``--json`
 from __future__ import annotations
 
 import json
-import sys
 import time
 from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from eyas.cli.common import TARGET_HELP, console, err
+from eyas.cli.common import print_json as _print_json
+from eyas.cli.common import run as _run
+from eyas.cli.data_commands import register as register_data_commands
 
 app = typer.Typer(
     name="eyas",
@@ -21,10 +24,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-console = Console()
-err = Console(stderr=True)
-
-TARGET_HELP = "'smollm2' (the embedded default), a local model directory, a .gguf file or a HF id"
 
 
 class Engine(str, Enum):
@@ -35,28 +34,6 @@ class Engine(str, Enum):
 class Rule(str, Enum):
     pr25454 = "pr25454"
     legacy = "legacy"
-
-
-def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
-    raise typer.Exit(code)
-
-
-def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
-
-
-def _run(fn, *args: Any, **kwargs: Any) -> Any:
-    """Call into the library, turning eyas' own errors into a clean message and exit code 2."""
-    from eyas.capture import ArchitectureError, BoundaryError
-    from eyas.contract import ContractError
-    from eyas.interop import CheckpointError
-    from eyas.targets import TargetNotFound
-
-    try:
-        return fn(*args, **kwargs)
-    except (BoundaryError, ContractError, CheckpointError, TargetNotFound, ArchitectureError) as e:
-        _fail(str(e))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +217,9 @@ def train(
         console.print(f"held-out accuracy per position: {m.get('accuracy_per_position')}")
         console.print(f"conditional accuracy:           {m.get('conditional_accuracy_per_position')}")
         console.print(f"simulated accept length:        {m.get('simulated_accept_length')}")
+
+
+register_data_commands(app)  # eyas regenerate, eyas capture
 
 
 def main() -> None:  # pragma: no cover - console entry

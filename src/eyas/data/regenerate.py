@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -243,7 +242,7 @@ def regenerate(
     out_path: str | os.PathLike,
     *,
     max_new_tokens: int = 1024,
-    batch_size: int = 16,
+    batch_size: int = 64,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
@@ -261,6 +260,8 @@ def regenerate(
         conversations: prompts (user turns, optional system message); assistant turns are ignored.
         max_new_tokens: per answer; an answer cut there has finish reason ``"length"``.
         batch_size: conversations generated together (left-padded batch); also the resume unit.
+            Large batches are nearly free on a GPU: a decode step of a small target is dominated
+            by per-step overhead (SmolLM2-sized on an H200: ~600 tok/s at 64, ~3200 at 256).
         temperature: 0 = greedy; > 0 = sampled with ``top_p``, seeded per chunk from ``seed``.
         limit: only the first ``limit`` conversations of the input (after de-duplication by id).
         system_prompt: as in :func:`eyas.data.render.render`; recorded in provenance, and a custom

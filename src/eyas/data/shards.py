@@ -21,17 +21,25 @@ One shard holds S samples of N tokens in total, concatenated (ragged), only real
     last_hidden  dtype  [N, H]              boundary L (last block output, BEFORE the final norm):
                                             final_norm + lm_head of the target give its logits at training time
 
-The safetensors metadata repeats format, rank, index, boundaries and the sample ids.
+The safetensors metadata key ``eyas`` holds JSON repeating format, rank, index, boundaries, dtype
+and the sample ids, so a shard describes itself without the manifest.
 
 Determinism and resume. Rank r takes conversations ``r::world_size``. Its samples are cut into a
-fixed plan of shards (``shard_size`` samples, optionally capped at ``shard_tokens`` tokens) before
-anything runs; inside a shard, batches are formed from the samples sorted by length (less padding)
-and the results are stored in sample order. After each shard the rank's progress file is rewritten
+fixed plan of shards (at most ``shard_size`` samples and ``shard_tokens`` tokens, by default about
+1 GiB of hidden states) before anything runs. Inside a shard the samples are sorted longest first
+(similar lengths share a batch: less padding) and stored in that order, so each batch's real tokens
+go to the host in one copy; the shard's ``ids`` list the stored order. A background thread
+serialises, hashes and writes shard k while shard k+1 is captured (host memory: two shards plus
+one serialised copy). After each shard is on disk the rank's progress file is rewritten
 (atomically) with that shard's counts, size, sha256 and fingerprint sums. A rerun checks that the
 parameters and the plan are unchanged, keeps every listed shard whose file is intact and continues
-with the next planned shard: the result is byte-identical to an uninterrupted run (same batch size).
-When every rank's progress is complete, the manifest is merged from the progress files (by the
-last rank to finish, or rank 0 after a barrier under torch.distributed, or :func:`finalize_manifest`).
+with the next planned shard: the result is byte-identical to an uninterrupted run (same batch
+size). When every rank's progress is complete, the manifest is merged from the progress files (by
+the last rank to finish, or rank 0 after a barrier under torch.distributed, or
+:func:`finalize_manifest`).
+
+The manifest's ``contract.fingerprint`` summarises the stored slot values of every sample but its
+first token (the attention sink; see :mod:`eyas.capture.stats`).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import json
 import os
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -69,6 +78,7 @@ FORMAT = "eyas-hidden-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DEFAULT_SHARD_BYTES = 1 << 30  # hidden states per shard when shard_tokens is not given
 # What a rerun must share with the run it resumes (batch_size may change: it only moves values at
 # the level of float rounding, and is recorded per shard).
 _PLAN_PARAMS = ("boundaries", "dtype", "max_length", "shard_size", "shard_tokens", "system_prompt",
@@ -237,9 +247,11 @@ def _forward(model: Any, ids: Tensor, attn: Tensor) -> None:
 
 @torch.no_grad()
 def _capture_shard(model: Any, spec: CaptureSpec, samples: Sequence[_Sample], batch_size: int,
-                   dtype: torch.dtype, pad_id: int, acc: FingerprintAccumulator) -> dict[str, Tensor]:
-    """The tensors of one shard. Batches are right-padded with an attention mask; only the real
-    tokens of each row are kept. The fingerprint sees exactly the stored (dtype-cast) values."""
+                   dtype: torch.dtype, pad_id: int, acc: FingerprintAccumulator,
+                   on_batch: Callable[[int], None] | None = None) -> dict[str, Tensor]:
+    """The tensors of one shard; ``samples`` are already in stored order (longest first), so the
+    batches are consecutive runs of them. Batches are right-padded with an attention mask; only
+    the real tokens of each row are kept. The fingerprint sees exactly the stored (dtype-cast) values."""
     device = next(model.parameters()).device
     hidden = acc.hidden_size
     lengths = [s.length for s in samples]
@@ -253,37 +265,46 @@ def _capture_shard(model: Any, spec: CaptureSpec, samples: Sequence[_Sample], ba
         "slots": torch.empty(n, spec.num_slots, hidden, dtype=dtype),  # [N, num_slots, H]
         "last_hidden": torch.empty(n, hidden, dtype=dtype),  # [N, H]
     }
-    # Longest first: similar lengths share a batch (less padding), and an OOM shows up at once.
-    order = sorted(range(len(samples)), key=lambda j: -lengths[j])
     with BoundaryCapture(model, spec, include_last=True) as cap:
-        for b0 in range(0, len(order), batch_size):
-            batch = order[b0:b0 + batch_size]
-            t_max = max(lengths[j] for j in batch)
+        for b0 in range(0, len(samples), batch_size):
+            batch = samples[b0:b0 + batch_size]
+            t_max = max(s.length for s in batch)
             ids = torch.full((len(batch), t_max), pad_id, dtype=torch.long)  # [B, T], right-padded
             attn = torch.zeros(len(batch), t_max, dtype=torch.long)
-            for r, j in enumerate(batch):
-                ids[r, :lengths[j]] = samples[j].input_ids
-                attn[r, :lengths[j]] = 1
+            for r, s in enumerate(batch):
+                ids[r, :s.length] = s.input_ids
+                attn[r, :s.length] = 1
             cap.clear()
-            _forward(model, ids.to(device), attn.to(device))
-            slots = torch.stack(cap.slots(), dim=2)  # [B, T, num_slots, H]
-            last = cap.last_hidden()  # [B, T, H]
-            for r, j in enumerate(batch):
-                a, b = int(offsets[j]), int(offsets[j + 1])
-                s = slots[r, :lengths[j]].to(dtype)  # [T_j, num_slots, H]
-                acc.update(s)
-                out["slots"][a:b] = s.cpu()
-                out["last_hidden"][a:b] = last[r, :lengths[j]].to(dtype).cpu()
+            real = attn.to(device)
+            _forward(model, ids.to(device), real)
+            slots = torch.stack(cap.slots(), dim=2).to(dtype)  # [B, T, num_slots, H]
+            acc.update_batch(slots, real)  # all real tokens but each row's first (the attention sink)
+            # Boolean indexing keeps real tokens row after row = the batch's rows of the shard.
+            keep = real.bool()
+            a, b = int(offsets[b0]), int(offsets[b0 + len(batch)])
+            out["slots"][a:b].copy_(slots[keep])  # [n_real, num_slots, H], one device->host copy
+            out["last_hidden"][a:b].copy_(cap.last_hidden()[keep].to(dtype))  # [n_real, H]
+            if on_batch is not None:
+                on_batch(b - a)
     return out
 
 
 def _write_shard(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> tuple[int, str]:
-    """Serialise, hash and write atomically -> (bytes, sha256)."""
+    """Serialise, hash and write atomically -> (bytes, sha256). Runs in the writer thread; the hash
+    runs in one more thread beside the write (hashlib and file writes both release the GIL)."""
+    import threading
+
     from safetensors.torch import save
 
     data = save(tensors, metadata=metadata)
-    _atomic_write(path, data)
-    return len(data), hashlib.sha256(data).hexdigest()
+    h = hashlib.sha256()
+    hasher = threading.Thread(target=h.update, args=(memoryview(data),), daemon=True)
+    hasher.start()
+    try:
+        _atomic_write(path, data)
+    finally:
+        hasher.join()
+    return len(data), h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,7 +415,8 @@ def capture_shards(
         max_length: rendered conversations are truncated to this many tokens.
         batch_size: samples per forward pass.
         dtype: stored dtype of ``slots`` and ``last_hidden`` (bfloat16 | float16 | float32).
-        shard_size / shard_tokens: at most this many samples / tokens per shard.
+        shard_size / shard_tokens: at most this many samples / tokens per shard (shard_tokens
+            default: about 1 GiB of stored hidden states).
         rank / world_size: default from ``RANK`` / ``WORLD_SIZE`` (torchrun), else 0 / 1.
         contract: optional; its target identity must match the model (checked); capture, fingerprint
             are filled in here.
@@ -416,6 +438,9 @@ def capture_shards(
     base = _base_contract(model, tokenizer, spec, dtype, system_prompt, source, contract)
     hidden = base.target.hidden_size
     acc_channels = FingerprintAccumulator(spec.boundaries, hidden, channels).channels
+    if shard_tokens is None:
+        per_token = (spec.num_slots + 1) * hidden * DTYPES[dtype].itemsize  # slots + last_hidden
+        shard_tokens = max(max_length, DEFAULT_SHARD_BYTES // per_token)
     params = {"boundaries": list(spec.boundaries), "dtype": dtype, "max_length": max_length,
               "shard_size": shard_size, "shard_tokens": shard_tokens,
               "system_prompt": system_prompt_mode(system_prompt), "world_size": world, "channels": acc_channels}
@@ -455,29 +480,53 @@ def capture_shards(
 
     bar = tqdm(total=todo_tokens, desc=f"capture r{rank}", unit="tok", unit_scale=True,
                disable=not progress, dynamic_ncols=True)
+    pending: list[tuple[Future, dict[str, Any]]] = []  # the shard being written, at most one
+
+    def settle() -> None:
+        """Wait for the shard being written; then it counts: progress file, summary, callback."""
+        fut, entry = pending.pop()
+        entry["bytes"], entry["sha256"] = fut.result()
+        entries.append(entry)
+        save_progress()
+        summary.shards_written += 1
+        summary.tokens_captured += entry["tokens"]
+        if on_shard_written is not None:
+            on_shard_written(entry["index"], entry)
+
     was_training = model.training
     model.eval()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eyas-shard-writer")
     try:
         for k in range(len(entries), len(plan)):
-            members = [samples[j] for j in plan[k]]
+            # Stored order: longest first (stable), so batches are runs of similar lengths.
+            members = sorted((samples[j] for j in plan[k]), key=lambda x: -x.length)
             acc = FingerprintAccumulator(spec.boundaries, hidden, acc_channels)
-            tensors = _capture_shard(model, spec, members, batch_size, DTYPES[dtype], pad_id, acc)
+            tensors = _capture_shard(model, spec, members, batch_size, DTYPES[dtype], pad_id, acc, bar.update)
+            if pending:
+                settle()  # shard k-1 must be on disk (and in the progress file) before shard k is
             name = shard_name(rank, k)
-            ids = [s.id for s in members]
-            meta = {"format": FORMAT, "version": str(FORMAT_VERSION), "rank": str(rank), "index": str(k),
-                    "boundaries": json.dumps(list(spec.boundaries)), "dtype": dtype, "ids": json.dumps(ids)}
-            size, sha = _write_shard(out / name, tensors, meta)
-            n_tok = int(tensors["input_ids"].shape[0])
-            entries.append({"file": name, "rank": rank, "index": k, "samples": len(members), "tokens": n_tok,
-                            "loss_tokens": int(tensors["loss_mask"].sum()), "bytes": size, "sha256": sha,
-                            "batch_size": batch_size, "ids": ids, "fingerprint": acc.state()})
-            save_progress()
-            summary.shards_written += 1
-            summary.tokens_captured += n_tok
-            bar.update(n_tok)
-            if on_shard_written is not None:
-                on_shard_written(k, entries[-1])
+            ids = [x.id for x in members]
+            # One metadata key holding JSON: safetensors writes a metadata map in hash order,
+            # which would make the bytes of identical shards differ from run to run.
+            meta = {"eyas": json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "rank": rank, "index": k,
+                                        "boundaries": list(spec.boundaries), "dtype": dtype, "ids": ids})}
+            entry = {"file": name, "rank": rank, "index": k, "samples": len(members),
+                     "tokens": int(tensors["input_ids"].shape[0]), "loss_tokens": int(tensors["loss_mask"].sum()),
+                     "bytes": None, "sha256": None, "batch_size": batch_size, "ids": ids,
+                     "fingerprint": acc.state()}
+            pending.append((pool.submit(_write_shard, out / name, tensors, meta), entry))
+            del tensors
+        if pending:
+            settle()
+    except BaseException:
+        if pending:  # keep a shard that was being written when something else failed
+            try:
+                settle()
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+        raise
     finally:
+        pool.shutdown(wait=True)
         bar.close()
         model.train(was_training)
 

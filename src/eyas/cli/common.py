@@ -1,0 +1,47 @@
+"""What every `eyas` subcommand shares: consoles, JSON output, and turning eyas' own errors into a
+clean one-line message with exit code 2 instead of a traceback."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable
+
+import typer
+from rich.console import Console
+
+console = Console()
+err = Console(stderr=True)
+
+TARGET_HELP = "'smollm2' (the embedded default), a local model directory, a .gguf file or a HF id"
+
+
+def fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that describe bad input (file, field, expected, found): shown without a traceback."""
+    from eyas.capture import ArchitectureError, BoundaryError
+    from eyas.contract import ContractError
+    from eyas.data.conversations import DataFormatError
+    from eyas.data.regenerate import RegenerateError
+    from eyas.data.render import TemplateAlignmentError
+    from eyas.data.shards import ShardError
+    from eyas.interop import CheckpointError
+    from eyas.targets import TargetNotFound
+
+    return (ArchitectureError, BoundaryError, CheckpointError, ContractError, DataFormatError, FileNotFoundError,
+            RegenerateError, ShardError, TargetNotFound, TemplateAlignmentError)
+
+
+def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except user_errors() as e:
+        fail(str(e))

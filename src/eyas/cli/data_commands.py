@@ -1,0 +1,173 @@
+"""`eyas regenerate` and `eyas capture`: the data half of the pipeline.
+
+    eyas regenerate --target smollm2 --prompts prompts.jsonl --out answers.jsonl
+    eyas capture    --target smollm2 --data answers.jsonl --out shards/
+
+Both resume where a crashed run stopped (rerun the same command). `main.py` adds them with
+``register(app)``; they are plain functions so that this module does not import main (no cycle).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+
+from eyas.cli.common import TARGET_HELP, console, err
+from eyas.cli.common import fail as _fail
+from eyas.cli.common import print_json as _print_json
+from eyas.cli.common import run as _run
+
+SYSTEM_HELP = "'template_default' (the conversation's own, else the template's), 'none', or the prompt text"
+
+
+def _device(device: str) -> str:
+    import torch
+
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        # Under torchrun each process takes its own GPU.
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return "cpu"
+
+
+def _load(target: str, device: str, target_dtype: str) -> tuple[Any, Any, Any]:
+    import torch
+
+    from eyas.targets import load_target
+
+    dev = _device(device)
+    if target_dtype == "auto":  # bf16 on GPUs, as served; fp32 on CPU (bf16 matmuls are slow there)
+        target_dtype = "bfloat16" if dev.startswith("cuda") else "float32"
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if target_dtype not in dtypes:
+        _fail(f"--target-dtype: expected auto|{'|'.join(dtypes)}, found {target_dtype!r}")
+    return _run(load_target, target, dtype=dtypes[target_dtype], device=dev)
+
+
+def _read(path: Path) -> Any:
+    from eyas.data.conversations import read_conversations
+
+    if not path.exists():
+        _fail(f"{path}: no such file")
+    result = _run(read_conversations, path, on_error="skip")
+    if result.problems:
+        err.print(f"[yellow]{result.summary()}[/]", highlight=False)
+        err.print(f"[yellow]  first: {result.problems[0]}[/]", highlight=False)
+    if not result.conversations:
+        _fail(f"{path}: no usable conversations ({result.summary()})")
+    return result
+
+
+def _table(title: str, rows: list[tuple[str, Any]]) -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    for k, v in rows:
+        table.add_row(k, str(v))
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def regenerate_cmd(
+    target: str = typer.Option(..., help=TARGET_HELP),
+    prompts: Path = typer.Option(..., help="prompts or conversations (ShareGPT, OpenAI messages, MT-bench turns, ...)"),
+    out: Path = typer.Option(..., help="JSONL to write (appended to, and resumed, if it exists)"),
+    limit: Optional[int] = typer.Option(None, help="only the first N conversations"),
+    max_new_tokens: int = typer.Option(1024, help="per answer"),
+    batch_size: int = typer.Option(64, help="conversations generated together (also the resume unit)"),
+    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 = sampled"),
+    top_p: float = typer.Option(1.0, help="nucleus sampling (only with --temperature > 0)"),
+    seed: int = typer.Option(0, help="sampling seed (per batch: a resumed run samples the same)"),
+    system_prompt: str = typer.Option("template_default", help=SYSTEM_HELP),
+    max_turns: Optional[int] = typer.Option(None, help="answer at most this many user turns per conversation"),
+    max_prompt_tokens: Optional[int] = typer.Option(None, help="end a conversation before a longer prompt"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N"),
+    target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
+    json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
+) -> None:
+    """Answer prompts with the target itself (the drafter trains on the target's own answers)."""
+    from eyas.data.regenerate import regenerate
+
+    t0 = time.perf_counter()
+    read = _read(prompts)
+    model, tokenizer, src = _load(target, device, target_dtype)
+    s = _run(regenerate, model, tokenizer, read.conversations, out, max_new_tokens=max_new_tokens,
+             batch_size=batch_size, temperature=temperature, top_p=top_p, seed=seed, limit=limit,
+             system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens, max_turns=max_turns,
+             source=str(src), progress=not json_out)
+    report = {"command": "regenerate", "target": str(src), "prompts": str(prompts), **s.to_dict(),
+              "read": read.counts, "total_wall_s": round(time.perf_counter() - t0, 3)}
+    if json_out:
+        _print_json(report)
+        return
+    console.print(_table(f"regenerated answers -> {s.out_path}", [
+        ("target", src), ("conversations", f"{s.total} ({s.written} written, {s.skipped} already there, "
+                                           f"{s.failed} failed, {s.duplicates} duplicate ids)"),
+        ("finish", f"{s.finish['eos']} eos, {s.finish['length']} length"),
+        ("tokens", f"{s.new_tokens} new, {s.prompt_tokens} prompt"),
+        ("speed", f"{s.tokens_per_s:.1f} new tokens/s over {s.wall_s:.1f} s"),
+        *([("failed", s.skipped_path)] if s.skipped_path else []),
+    ]))
+
+
+def capture_cmd(
+    target: str = typer.Option(..., help=TARGET_HELP),
+    data: Path = typer.Option(..., help="conversations with assistant turns (e.g. from `eyas regenerate`)"),
+    out: Path = typer.Option(..., help="shard directory (resumed if it holds an unfinished capture)"),
+    boundaries: Optional[str] = typer.Option(None, help="e.g. 2,15,27 (default [2, L//2, L-3])"),
+    max_length: int = typer.Option(2048, help="tokens per conversation (truncated)"),
+    batch_size: int = typer.Option(8, help="conversations per forward pass"),
+    dtype: str = typer.Option("bfloat16", help="stored dtype: bfloat16 | float16 | float32"),
+    shard_size: int = typer.Option(256, help="conversations per shard"),
+    shard_tokens: Optional[int] = typer.Option(None, help="also cap a shard at this many tokens"),
+    system_prompt: str = typer.Option("template_default", help=SYSTEM_HELP),
+    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N (torchrun: cuda:LOCAL_RANK)"),
+    target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
+    json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
+) -> None:
+    """Capture the target's hidden states for training conversations into safetensors shards.
+
+    Under torchrun every rank captures its share (conversations rank::world_size) and the last one
+    to finish writes manifest.json."""
+    from eyas.capture import CaptureSpec, find_decoder_blocks, parse_boundaries
+    from eyas.data.shards import capture_shards
+
+    t0 = time.perf_counter()
+    bs = _run(parse_boundaries, boundaries) if boundaries else None
+    read = _read(data)
+    model, tokenizer, src = _load(target, device, target_dtype)
+    spec = _run(CaptureSpec.create, len(find_decoder_blocks(model)), bs)
+    s = _run(capture_shards, model, tokenizer, read.conversations, out, spec, max_length=max_length,
+             batch_size=batch_size, dtype=dtype, shard_size=shard_size, shard_tokens=shard_tokens,
+             source=str(src), system_prompt=system_prompt, source_data=str(data), progress=not json_out)
+    report = {"command": "capture", "target": str(src), "data": str(data), "boundaries": list(spec.boundaries),
+              **s.to_dict(), "read": read.counts, "total_wall_s": round(time.perf_counter() - t0, 3)}
+    if json_out:
+        _print_json(report)
+        return
+    console.print(_table(f"captured hidden states -> {s.out_dir}", [
+        ("target", src), ("boundaries", f"{list(spec.boundaries)} + {spec.num_blocks} (last_hidden), {dtype}"),
+        ("rank", f"{s.rank} of {s.world_size}"),
+        ("samples", f"{s.samples} of {s.conversations} conversations ({s.no_loss_tokens} without assistant "
+                    f"tokens, {s.render_problems} template problems, {s.truncated} truncated)"),
+        ("tokens", f"{s.tokens} ({s.loss_tokens} assistant)"),
+        ("shards", f"{s.shards} ({s.shards_written} written now, {s.shards_resumed} from an earlier run)"),
+        ("speed", f"{s.tokens_per_s:.0f} tokens/s over {s.wall_s:.1f} s"),
+        ("manifest", s.manifest or "not yet: waiting for the other ranks"),
+    ]))
+    if s.problems:
+        err.print(f"[yellow]first template problem: {s.problems[0]}[/]", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `regenerate` and `capture` to the eyas app."""
+    app.command("regenerate")(regenerate_cmd)
+    app.command("capture")(capture_cmd)

@@ -1,0 +1,52 @@
+"""Every training flag and default in one flat, typed config, printed at start and saved into
+every checkpoint (``train_config`` in eyas.json)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # --- what ---
+    target: str = "smollm2"
+    data: str = ""  # a shard directory (offline) or a conversations JSONL (online)
+    out: str = "runs/drafter"
+    boundaries: list[int] | None = None  # None: the data's (offline) or [2, L//2, L-3] (online)
+    draft_vocab_size: int = 8192
+    system_prompt: str = "template_default"  # online rendering only
+
+    # --- how long ---
+    steps: int | None = None  # exactly one of steps / epochs
+    epochs: float | None = None
+    batch_size: int = 4  # sequences per rank per step
+    max_length: int = 1024
+
+    # --- optimisation ---
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 0.5
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+
+    # --- bookkeeping ---
+    val_fraction: float = 0.05
+    max_val_samples: int = 64
+    log_every: int = 10
+    eval_every: int = 100
+    save_every: int = 200
+    seed: int = 0
+    device: str = "auto"  # auto: cuda when available
+    precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError(f"give exactly one of steps / epochs; found steps={self.steps}, epochs={self.epochs}")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction: expected 0 <= x < 1, found {self.val_fraction}")
+        return self

@@ -1,0 +1,77 @@
+"""The `eyas` command end to end: new -> info -> export -> import, on the embedded SmolLM2 and on a
+tiny local target, through typer's runner (the same entry point as the console script)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent))
+from toy import make_toy_target  # noqa: E402
+
+from eyas.cli.main import app  # noqa: E402
+
+runner = CliRunner()
+
+
+def run(*args: str, ok: bool = True) -> str:
+    result = runner.invoke(app, list(args))
+    if ok:
+        assert result.exit_code == 0, (result.output, result.exception)
+    return result.stdout  # progress bars go to stderr; --json output is stdout alone
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> Path:
+    """A 32-block tiny Llama with the SmolLM2 tokenizer, saved as a local HF directory."""
+    return make_toy_target(tmp_path_factory.mktemp("tiny32"), num_blocks=32, hidden=32)
+
+
+def test_new_info_export_import_keep_the_boundaries(tiny_target, tmp_path):
+    out = tmp_path / "d"
+    run("new", "--target", str(tiny_target), "--out", str(out), "--boundaries", "3,10,29", "--draft-vocab", "64")
+    info = json.loads(run("info", str(out), "--json"))
+    assert info["boundaries"] == [3, 10, 29] and info["num_target_blocks"] == 32
+    assert info["engines"]["eyas"] == [3, 10, 29]
+    assert info["engines"]["vllm"] == [3, 10, 29]
+    assert info["engines"]["sglang"] == [3, 10, 29]  # written for SGLang's current rule...
+    assert info["engines"]["sglang_legacy"] == [4, 11, 30]  # ...which an old SGLang reads off by one
+    assert info["contract"]["drafter"]["draft_vocab_size"] == 64
+
+    run("export", str(out), "--to", "sglang", "--sglang-rule", "legacy", "--out", str(tmp_path / "sg"))
+    sg = json.loads(run("info", str(tmp_path / "sg"), "--json"))
+    assert sg["engines"]["sglang_legacy"] == [3, 10, 29] and sg["engines"]["sglang"] == [2, 9, 28]
+    cfg = json.loads((tmp_path / "sg" / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 9, 28]
+
+    run("export", str(out), "--to", "vllm", "--out", str(tmp_path / "vl"))
+    table = run("info", str(tmp_path / "vl"))
+    assert "vllm" in table and "sglang_legacy" in table and "DIFFERS" in table
+    back = json.loads(run("import", str(tmp_path / "vl"), "--out", str(tmp_path / "back"), "--json"))
+    assert back["boundaries"] == [3, 10, 29]
+
+
+def test_bad_boundaries_and_missing_target_fail_with_a_message(tiny_target, tmp_path):
+    r = runner.invoke(app, ["new", "--target", str(tiny_target), "--out", str(tmp_path / "x"), "--boundaries", "3,3,40"])
+    assert r.exit_code == 2
+    assert "boundaries" in r.output and "40" in r.output
+    r = runner.invoke(app, ["new", "--target", str(tmp_path / "nope"), "--out", str(tmp_path / "y")])
+    assert r.exit_code == 2 and "--target" in r.output
+    r = runner.invoke(app, ["info", str(tmp_path / "nothing-here")])
+    assert r.exit_code == 2
+
+
+def test_embedded_smollm2_demo(tmp_path):
+    """The main job of `make demo`: a drafter for the embedded SmolLM2 (30 blocks, hidden 576)."""
+    out = tmp_path / "smol"
+    info = json.loads(run("new", "--target", "smollm2", "--out", str(out), "--draft-vocab", "4096", "--json"))
+    assert info["boundaries"] == [2, 15, 27] and info["num_target_blocks"] == 30
+    c = info["contract"]
+    assert (c["target"]["hidden_size"], c["target"]["vocab_size"]) == (576, 49152)
+    assert c["tokenisation"]["eos_token"] == "<|im_end|>"
+    # [2, ...] is the one case where both SGLang rules agree: every engine captures what was trained.
+    assert all(v == [2, 15, 27] for v in info["engines"].values())

@@ -1,0 +1,213 @@
+"""Training: TTT mechanics, draft vocabulary, exact resume, data parallel, and that a drafter
+trained briefly on CPU beats the best unigram predictor of the target's next token."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from toy import make_toy_conversations, make_toy_target  # noqa: E402
+
+from eyas.training.config import TrainConfig  # noqa: E402
+from eyas.training.loop import lr_lambda, step_samples, Dist, train  # noqa: E402
+from eyas.training.ttt import accept_length, ttt_mask  # noqa: E402
+from eyas.training.vocab import build_draft_vocab, count_targets  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------
+# Units
+# ---------------------------------------------------------------------------------------------
+
+
+def test_ttt_mask_is_causal_prefix_plus_same_position_of_earlier_steps():
+    m = ttt_mask(4, 2, torch.device("cpu"))[0, 0]
+    assert m.shape == (4, 12)
+    assert torch.equal(m[:, :4], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert torch.equal(m[:, 4:8], torch.eye(4, dtype=torch.bool))
+    assert torch.equal(m[:, 8:], torch.eye(4, dtype=torch.bool))
+
+
+def test_accept_length_is_one_plus_sum_of_cumulative_products():
+    assert accept_length([]) == 1.0
+    assert accept_length([1.0, 1.0, 1.0]) == 4.0
+    assert accept_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_draft_vocab_takes_most_frequent_loss_masked_targets():
+    ids = torch.tensor([5, 5, 5, 7, 7, 1, 9, 9, 9, 9])
+    mask = torch.tensor([1, 1, 1, 1, 1, 1, 0, 0, 0, 0])  # the 9s are prompt tokens: not counted
+    counts = count_targets([(ids, mask)], vocab_size=12)
+    assert counts[9] == 0 and counts[5] == 3 and counts[7] == 2
+    v = build_draft_vocab(counts, 2)
+    assert v.ids.tolist() == [5, 7]
+    assert v.coverage == pytest.approx(5 / 6)
+    # ties broken by id; unseen ids fill up to the requested size
+    assert build_draft_vocab(counts, 4).ids.tolist() == [0, 1, 5, 7]
+    with pytest.raises(ValueError, match="draft_vocab_size: expected 1..12, found 13"):
+        build_draft_vocab(counts, 13)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig(data="x", steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    f = lr_lambda(cfg, 100)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
+    assert all(f(i) >= f(i + 1) for i in range(10, 100))
+
+
+def test_config_requires_exactly_one_of_steps_and_epochs():
+    with pytest.raises(ValueError, match="exactly one of steps / epochs"):
+        TrainConfig(data="x")
+    with pytest.raises(ValueError, match="exactly one of steps / epochs"):
+        TrainConfig(data="x", steps=3, epochs=1.0)
+
+
+def test_data_position_is_a_function_of_the_step_and_ranks_partition_the_batch():
+    cfg = TrainConfig(data="x", steps=10, batch_size=3)
+    train_idx = list(range(10))
+    one = [step_samples(train_idx, s, cfg, Dist()) for s in range(4)]
+    assert one == [step_samples(train_idx, s, cfg, Dist()) for s in range(4)]
+    seen = [i for s in one[:3] for i in s] + one[3][:1]  # 10 samples = one epoch
+    assert sorted(seen) == train_idx
+    r0 = step_samples(train_idx, 1, cfg, Dist(0, 2))
+    r1 = step_samples(train_idx, 1, cfg, Dist(1, 2))
+    assert len(r0) == len(r1) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end on a toy target
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("toy")
+    target = make_toy_target(root / "target")
+    data = make_toy_conversations(target, root / "conversations.jsonl", n=96, answer_tokens=32)
+    return target, data
+
+
+def _cfg(toy, out, **kw) -> TrainConfig:
+    target, data = toy
+    base = dict(target=str(target), data=str(data), out=str(out), batch_size=8, draft_vocab_size=1024, lr=3e-3,
+                warmup_steps=10, ttt_steps=3, val_fraction=0.2, max_val_samples=16, log_every=5,
+                eval_every=1000, save_every=1000, device="cpu")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_trained_drafter_beats_the_best_unigram_predictor(toy, tmp_path):
+    from eyas.data.conversations import read_conversations
+    from eyas.data.render import render
+    from eyas.interop import read_contract
+    from eyas.targets import load_target
+    from eyas.training.loop import split_indices
+
+    cfg = _cfg(toy, tmp_path / "run", steps=120)
+    train(cfg)
+    metrics = read_contract(tmp_path / "run").metrics
+    acc0 = metrics["accuracy_per_position"][0]
+
+    # The best unigram predictor of the target's next token on the same held-out positions: the
+    # single most frequent target argmax (an upper bound for any constant predictor).
+    model, tok, _ = load_target(str(toy[0]))
+    convs = read_conversations(toy[1]).conversations
+    samples = [render(c, tok, max_length=cfg.max_length) for c in convs]
+    _, val_idx = split_indices(len(samples), cfg)
+    argmaxes = []
+    with torch.no_grad():
+        for i in val_idx:
+            s = samples[i]
+            top = model(s.input_ids[None]).logits[0].argmax(-1)  # top[t] predicts token t+1
+            # step 0 at position t predicts x_{t+2} with label argmax at t+1, counted iff mask[t+2]
+            keep = s.loss_mask[2:].bool()
+            argmaxes += top[1:-1][keep].tolist()
+    unigram = collections.Counter(argmaxes).most_common(1)[0][1] / len(argmaxes)
+    print(f"held-out position-0 accuracy {acc0:.3f} vs best unigram {unigram:.3f}; "
+          f"simulated accept length {metrics['simulated_accept_length']:.2f}")
+    assert metrics["tokens_counted"] > 100
+    assert acc0 > unigram + 0.15
+    assert (tmp_path / "run" / "training.png").stat().st_size > 1000
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {"train", "val"} <= {r["kind"] for r in rows}
+
+
+def test_resume_after_a_crash_gives_identical_weights(toy, tmp_path):
+    straight = _cfg(toy, tmp_path / "straight", steps=6, save_every=3, batch_size=4)
+    train(straight)
+    crashed = _cfg(toy, tmp_path / "crashed", steps=6, save_every=3, batch_size=4)
+    partial = train(crashed, stop_after=3)  # "crash" right after the step-3 checkpoint
+    assert partial.steps_done == 3 and not (tmp_path / "crashed" / "model.safetensors").exists()
+    assert (tmp_path / "crashed" / "checkpoints" / "step-0000003").is_dir()
+    train(crashed)  # resumes at step 3
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "crashed")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_torchrun_two_ranks_train_identical_weights(toy, tmp_path):
+    script = tmp_path / "run_ddp.py"
+    script.write_text(
+        "import hashlib, os, sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from eyas.training.config import TrainConfig\n"
+        "from eyas.training.loop import train\n"
+        f"cfg = TrainConfig(**{_cfg(toy, tmp_path / 'ddp', steps=4, batch_size=2).model_dump()!r})\n"
+        "r = train(cfg)\n"
+        "h = hashlib.sha256()\n"
+        "for k, v in sorted(r.drafter.state_dict().items()):\n"
+        "    h.update(k.encode()); h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())\n"
+        f"open({str(tmp_path)!r} + f'/rank{{os.environ[\"RANK\"]}}.sha', 'w').write(h.hexdigest())\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", "29533", str(script)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    h0, h1 = (tmp_path / "rank0.sha").read_text(), (tmp_path / "rank1.sha").read_text()
+    assert h0 == h1
+    assert (tmp_path / "ddp" / "model.safetensors").exists()
+
+
+def test_offline_and_online_training_give_the_same_first_step_loss(toy, tmp_path):
+    """Both paths go through the same capture code: float32 shards of the same conversations must
+    give the same features and labels, hence the same first-step loss (one batch = all samples, so
+    the shards' sample order does not matter)."""
+    from eyas.capture import CaptureSpec
+    from eyas.data.conversations import read_conversations
+    from eyas.data.shards import capture_shards
+    from eyas.targets import load_target
+
+    target, data = toy
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(data.read_text().splitlines(keepends=True)[:6]))
+    model, tok, _ = load_target(str(target))
+    capture_shards(model, tok, read_conversations(few).conversations, tmp_path / "shards",
+                   CaptureSpec.default(10), dtype="float32", progress=False)
+
+    def first_loss(data_path, out):
+        cfg = _cfg(toy, out, data=str(data_path), steps=1, batch_size=6, val_fraction=0.0, log_every=1)
+        train(cfg)
+        row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+        assert row["kind"] == "train" and row["step"] == 1
+        return row["loss"], row["tokens_counted"]
+
+    online = first_loss(few, tmp_path / "online")
+    offline = first_loss(tmp_path / "shards", tmp_path / "offline")
+    assert online[1] == offline[1] > 0
+    assert offline[0] == pytest.approx(online[0], rel=1e-5)

@@ -1,0 +1,67 @@
+"""A toy target for end-to-end tests: a tiny random Llama with the SmolLM2 tokenizer (offline),
+saved as a local HF directory, plus conversations whose answers the toy target wrote itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def gsm8k_questions(n: int) -> list[str]:
+    path = SHARED / "gsm8k" / "train.jsonl"
+    if not path.exists():  # a clean clone without ../shared: a fixed synthetic set
+        return [f"What is {i} plus {i * 7 % 13}? Explain step by step." for i in range(n)]
+    with path.open() as f:
+        return [json.loads(next(f))["question"] for _ in range(n)]
+
+
+def make_toy_target(root: Path, num_blocks: int = 10, hidden: int = 64, seed: int = 0,
+                    initializer_range: float = 0.06, sharpen: float = 10.0) -> Path:
+    """Save a tiny Llama (vocab of SmolLM2's tokenizer) with that tokenizer into ``root``."""
+    from eyas.targets import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=num_blocks, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=False, initializer_range=initializer_range,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        # Sharpen the output distribution (logit std ~0.5 -> ~5) like a trained LM's: the argmax,
+        # and so greedy text, is unchanged, but the soft labels of TTT become informative.
+        model.lm_head.weight.mul_(sharpen)
+    root.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(root)
+    tok.save_pretrained(root)
+    return root
+
+
+@torch.no_grad()
+def make_toy_conversations(target_dir: Path, out: Path, n: int = 48, answer_tokens: int = 24,
+                           temperature: float = 0.0, seed: int = 0) -> Path:
+    """Conversations whose assistant turns the toy target wrote itself (batched; greedy unless a
+    temperature is given), as `eyas regenerate` would write them for a real target."""
+    from eyas.targets import load_target
+
+    model, tok, _ = load_target(str(target_dir))
+    torch.manual_seed(seed)
+    tok.padding_side = "left"
+    rows = []
+    questions = gsm8k_questions(n)
+    for i in range(0, n, 16):
+        batch = [[{"role": "user", "content": q}] for q in questions[i : i + 16]]
+        texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in batch]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
+        gen = model.generate(**enc, max_new_tokens=answer_tokens, **sampling, pad_token_id=tok.pad_token_id)
+        for m, g in zip(batch, gen[:, enc.input_ids.shape[1]:]):
+            answer = tok.decode(g, skip_special_tokens=True)
+            rows.append({"messages": m + [{"role": "assistant", "content": answer}]})
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
