@@ -38,11 +38,12 @@ import gzip
 import json
 import logging
 import os
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Mapping, Sequence
+
+from eyas.io import atomic_write_text
 
 logger = logging.getLogger("eyas.data")
 
@@ -563,20 +564,7 @@ def write_jsonl(conversations: Iterable[Conversation], path: str | os.PathLike) 
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    n = 0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for conv in conversations:
-                f.write(json.dumps(conv.to_dict(), ensure_ascii=False) + "\n")
-                n += 1
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    lines = [json.dumps(conv.to_dict(), ensure_ascii=False) + "\n" for conv in conversations]
+    atomic_write_text(path, "".join(lines))
+    n = len(lines)
     return n

@@ -48,7 +48,6 @@ import hashlib
 import inspect
 import json
 import os
-import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,6 +58,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from eyas.io import atomic_write_bytes, atomic_write_json
 from eyas.capture.boundaries import CaptureSpec
 from eyas.capture.hooks import BoundaryCapture
 from eyas.capture.stats import FingerprintAccumulator
@@ -103,35 +103,8 @@ def progress_name(rank: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write to a unique temp file in the same directory, fsync, then os.replace: a reader (or a
-    crash) sees the old file or the new one, never a partial one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
 def _atomic_write_json(path: Path, obj: Any) -> None:
-    _atomic_write(path, (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode())
+    atomic_write_json(path, obj, indent=1)
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -301,7 +274,7 @@ def _write_shard(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str
     hasher = threading.Thread(target=h.update, args=(memoryview(data),), daemon=True)
     hasher.start()
     try:
-        _atomic_write(path, data)
+        atomic_write_bytes(path, data)
     finally:
         hasher.join()
     return len(data), h.hexdigest()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable
@@ -19,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from eyas.io import atomic_write
 from eyas.drafter.config import DrafterConfig
 
 CONFIG_JSON = "config.json"
@@ -42,29 +42,9 @@ class CheckpointError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
-def _atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-
-    _atomic(path, write)
-
-
 def atomic_save_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
     flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    _atomic(path, lambda tmp: save_file(flat, tmp, metadata={"format": "pt"}))
+    atomic_write(path, lambda tmp: save_file(flat, tmp, metadata={"format": "pt"}))
 
 
 def prepare_out_dir(out_dir: str | os.PathLike) -> Path:

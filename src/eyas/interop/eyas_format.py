@@ -42,6 +42,7 @@ from eyas.drafter.build import drafter_flags
 from eyas.drafter.config import DrafterConfig
 from eyas.drafter.model import Eagle3Drafter
 from eyas.interop import sglang, speculators
+from eyas.io import atomic_write_json
 from eyas.interop._common import (
     CONFIG_JSON,
     EYAS_JSON,
@@ -49,7 +50,6 @@ from eyas.interop._common import (
     WEIGHTS,
     CheckpointError,
     atomic_save_tensors,
-    atomic_write_json,
     check_tensors,
     pickle_only_error,
     prepare_out_dir,
