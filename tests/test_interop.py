@@ -637,3 +637,9 @@ def test_first_boundary_1_is_saved_for_the_legacy_rule_and_flagged(tmp_path):
     view = engine_view(out)
     assert view["engines"]["sglang_legacy"] == [1, 16, 29] and view["engines"]["sglang"] == [0, 15, 28]
     assert view["differs"] == ["sglang"]
+
+
+def test_export_warns_that_engines_cannot_capture_the_last_boundary(tmp_path):
+    drafter, contract = synthetic((2, 16, 32))
+    report = export_drafter(save_drafter(drafter, contract, tmp_path / "eyas"), "vllm", tmp_path / "spec")
+    assert any("boundary 32 (the last block's output) is a slot" in n for n in report["notes"])

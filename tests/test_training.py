@@ -119,8 +119,12 @@ def test_trained_drafter_beats_the_best_unigram_predictor(toy, tmp_path):
 
     cfg = _cfg(toy, tmp_path / "run", steps=120)
     train(cfg)
-    metrics = read_contract(tmp_path / "run").metrics
+    contract = read_contract(tmp_path / "run")
+    metrics = contract.metrics
     acc0 = metrics["accuracy_per_position"][0]
+    # online training records the fingerprint of the live capture, one entry per slot
+    assert [f.boundary for f in contract.fingerprint] == contract.capture.boundaries == [2, 5, 7]
+    assert all(f.rms_mean > 0 and f.num_tokens > 100 for f in contract.fingerprint)
 
     # The best unigram predictor of the target's next token on the same held-out positions: the
     # single most frequent target argmax (an upper bound for any constant predictor).

@@ -61,6 +61,12 @@ def export_drafter(
         notes.append(
             f"the drafter has {ckpt.config.num_slots} slots; SGLang's and vLLM's llama_eagle3 build fc for 3"
         )
+    if L is not None and L in bs:
+        # Both engines capture at the INPUT of a layer (boundaries 0..L-1): boundary L never arrives.
+        notes.append(
+            f"boundary {L} (the last block's output) is a slot, but SGLang and vLLM only capture block "
+            f"inputs (boundaries 0..{L - 1}): served by them, this drafter gets {len(bs) - 1} slots and fails"
+        )
     if L is None:
         notes.append("the target's number of blocks is unknown: default ids cannot be resolved")
     return {

@@ -24,6 +24,8 @@ from tqdm import tqdm
 
 from eyas.capture.boundaries import CaptureSpec
 from eyas.capture.hooks import find_decoder_blocks
+from eyas.capture.stats import FingerprintAccumulator
+from eyas.contract.contract import SlotFingerprint
 from eyas.drafter.build import drafter_flags, new_drafter
 from eyas.drafter.model import Eagle3Drafter
 from eyas.training.batches import Batch, OfflineBatches, OnlineBatches
@@ -144,6 +146,17 @@ def load_samples(cfg: TrainConfig, model: Any, tokenizer: Any, force: bool) -> t
         warnings.warn(f"{cfg.data}: skipped {len(result.problems)} bad records and {misaligned} conversations "
                       f"the chat template cannot align; first: {result.problems[:1]}", stacklevel=2)
     return samples, CaptureSpec.create(L, cfg.boundaries), False, system_prompt_mode(cfg.system_prompt)
+
+
+def online_fingerprint(batches: OnlineBatches, samples: Any, indices: Sequence[int], spec: CaptureSpec,
+                       hidden_size: int) -> list[SlotFingerprint]:
+    """Per-slot fingerprint of the live capture over some training samples (offline training
+    takes the one `eyas capture` stored in the shards' manifest)."""
+    acc = FingerprintAccumulator(spec.boundaries, hidden_size)
+    for i in indices:
+        feats = batches.make([samples[i]]).features[0]  # [T, S * H]
+        acc.update_sequence(feats.view(feats.shape[0], spec.num_slots, hidden_size).double())
+    return acc.result()
 
 
 def token_pairs(samples: Any, indices: Sequence[int]):
@@ -274,12 +287,15 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     contract = contract.model_copy(update={"drafter": drafter_flags(drafter.config, "trained")})
     if contract.tokenisation is not None:
         contract.tokenisation.system_prompt = sys_mode  # type: ignore[assignment]
-    if offline and samples.contract.fingerprint:
-        contract.fingerprint = samples.contract.fingerprint
     drafter.to(device).train()
     draft_ids = drafter.draft_to_target(torch.arange(cfg.draft_vocab_size, device=device))
     batches = (OfflineBatches(model, draft_ids, device) if offline
                else OnlineBatches(model, spec, draft_ids, device, torch.bfloat16 if use_bf16 else None))
+    # The training fingerprint that doctor and trace hold live captures against.
+    if offline:
+        contract.fingerprint = samples.contract.fingerprint
+    elif d.main:
+        contract.fingerprint = online_fingerprint(batches, samples, train_idx[:64], spec, model.config.hidden_size)
 
     total_steps = cfg.steps if cfg.steps is not None else math.ceil(
         cfg.epochs * len(train_idx) / (cfg.batch_size * d.world))  # type: ignore[operator]

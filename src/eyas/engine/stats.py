@@ -1,0 +1,106 @@
+"""Per-request statistics of a generation, and the clock that fills them.
+
+Definitions (the ones ``eyas bench`` prints):
+
+    rounds          target forward passes that produced tokens; the prefill counts as one, so the
+                    plain decoder has exactly one round per token and tau = 1
+    tau             accept length = new_tokens / rounds (tokens per target forward)
+    accept_lengths  tokens emitted by each speculative round (accepted drafts + the bonus token),
+                    prefill excluded; the histogram ``eyas bench`` plots
+    accepted_at_depth[d]  rounds whose draft token at depth d+1 was accepted
+    drafted_at_depth[d]   rounds whose tree reached depth d+1 (the denominator of the rate)
+    time_*          seconds in prefill / drafting (tree + drafter re-run) / target verification /
+                    bookkeeping (acceptance walk, cache compaction, stop checks)
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+# Why a generation ended.
+STOP_EOS = "eos"
+STOP_STRING = "stop_string"
+STOP_MAX_NEW_TOKENS = "max_new_tokens"
+STOP_MAX_LENGTH = "max_length"  # the model's context (max position embeddings) is full
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    accepted_at_depth: list[int] = field(default_factory=list)
+    drafted_at_depth: list[int] = field(default_factory=list)
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_bookkeeping: float = 0.0
+    time_total: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.time_total if self.time_total > 0 else 0.0
+
+    @property
+    def acceptance_at_depth(self) -> list[float]:
+        """Per draft depth: fraction of the rounds that drafted that deep whose token was accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at_depth, self.drafted_at_depth)]
+
+    def record_round(self, tree_depth: int, accepted: int, emitted: int) -> None:
+        """One speculative round: the tree reached ``tree_depth``, ``accepted`` drafts were accepted,
+        ``emitted`` tokens were kept (accepted + bonus, fewer when a stop condition cut the round)."""
+        grow = max(tree_depth - len(self.drafted_at_depth), 0)
+        self.drafted_at_depth += [0] * grow
+        self.accepted_at_depth += [0] * grow
+        for d in range(tree_depth):
+            self.drafted_at_depth[d] += 1
+        for d in range(accepted):
+            self.accepted_at_depth[d] += 1
+        self.accept_lengths.append(emitted)
+        self.rounds += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(tau=self.tau, tokens_per_s=self.tokens_per_s, acceptance_at_depth=self.acceptance_at_depth)
+        return d
+
+
+class Clock:
+    """Accumulates wall time into ``stats.time_<phase>``.
+
+    On CUDA it synchronises at each phase boundary: kernels are asynchronous, and without the sync a
+    phase would be charged for the previous phase's queued work. The sync costs a few microseconds.
+    """
+
+    def __init__(self, stats: GenerationStats, device: torch.device) -> None:
+        self.stats = stats
+        self.cuda = device.type == "cuda"
+        self.start = self._now()
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = self._now()
+        try:
+            yield
+        finally:
+            name = f"time_{phase}"
+            setattr(self.stats, name, getattr(self.stats, name) + self._now() - t0)
+
+    def finish(self) -> None:
+        self.stats.time_total = self._now() - self.start
