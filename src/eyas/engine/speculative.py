@@ -104,6 +104,9 @@ def speculative_generate(
             f"drafter (num_slots={drafter.config.num_slots}, vocab_size={drafter.config.vocab_size}) does not "
             f"fit the target (num_slots={target.spec.num_slots}, vocab_size={target.vocab_size})"
         )
+    drafter_device = drafter.fc.weight.device
+    if drafter_device != target.device:
+        raise ValueError(f"drafter on {drafter_device}, target on {target.device}: move the drafter with .to()")
     stats = GenerationStats(prompt_tokens=n)
     clock = Clock(stats, target.device)
     out = _Output(StopCriteria(max_new_tokens, eos_token_ids, stop_strings, decode), on_token)
@@ -133,21 +136,21 @@ def speculative_generate(
             out.reason = STOP_MAX_NEW_TOKENS if len(out.tokens) >= max_new_tokens else STOP_MAX_LENGTH
             break
         with clock("draft"):
-            T = draft.draft(tree, gamma, sampling, generator, target.vocab_size)  # T.tokens[0] = x_m
+            t = draft.draft(tree, gamma, sampling, generator, target.vocab_size)  # the tree; t.tokens[0] = x_m
         with clock("verify"):
             # logits [1, N+1, V], f [1, N+1, S*H]: after each node, given its ancestors
-            logits, f = target.forward(T.tokens[None], (m + T.depths)[None], T.ancestor_mask())
+            logits, f = target.forward(t.tokens[None], (m + t.depths)[None], t.ancestor_mask())
         with clock("bookkeeping"):
-            tokens = T.tokens.tolist()
+            tokens = t.tokens.tolist()
             if sampling.greedy:
-                path, x_bonus = accept_greedy(tokens, T.children, logits[0])
+                path, x_bonus = accept_greedy(tokens, t.children, logits[0])
             else:
-                path, x_bonus = accept_sampling(tokens, T.children, logits[0], T.proposals, sampling,
+                path, x_bonus = accept_sampling(tokens, t.children, logits[0], t.proposals, sampling,
                                                 generator, accept_rule)
             target.keep(path)  # x_m and the accepted nodes, in path order
             accepted = [tokens[i] for i in path[1:]] + [x_bonus]  # x_{m+1} .. x_{m+a+1}
             kept = out.emit(accepted)
-            stats.record_round(T.depth, len(path) - 1, kept)
+            stats.record_round(t.depth, len(path) - 1, kept)
         if out.reason is not None:
             break
         with clock("draft"):

@@ -4,7 +4,8 @@ Definitions (the ones ``eyas bench`` prints):
 
     rounds          target forward passes that produced tokens; the prefill counts as one, so the
                     plain decoder has exactly one round per token and tau = 1
-    tau             accept length = new_tokens / rounds (tokens per target forward)
+    tau             accept length = mean of accept_lengths (tokens per drafting-verification
+                    round, as the EAGLE papers report it; 1.0 for the plain decoder)
     accept_lengths  tokens emitted by each speculative round (accepted drafts + the bonus token),
                     prefill excluded; the histogram ``eyas bench`` plots
     accepted_at_depth[d]  rounds whose draft token at depth d+1 was accepted
@@ -46,7 +47,10 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        return self.new_tokens / self.rounds if self.rounds else 0.0
+        """Tokens per drafting-verification round (accepted drafts + the bonus), as the EAGLE papers
+        report it; the first token, which comes from the prefill alone, is not a round. Plain
+        decoding is 1.0."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 1.0
 
     @property
     def tokens_per_s(self) -> float:

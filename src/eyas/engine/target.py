@@ -93,8 +93,6 @@ class HFTarget(Target):
     """
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None) -> None:
-        from transformers import DynamicCache  # noqa: F401  (fail early if transformers is missing)
-
         self.model = model.eval()
         self.spec = spec
         attn = _decoder_attention(model)
@@ -169,6 +167,7 @@ class HFTarget(Target):
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         return mask[None, None]
 
+    @torch.no_grad()
     def forward(self, input_ids: Tensor, position_ids: Tensor, tree_mask: Tensor | None = None,
                 capture: bool = True) -> tuple[Tensor, Tensor | None]:
         T = input_ids.shape[1]

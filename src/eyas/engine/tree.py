@@ -123,6 +123,7 @@ class DraftState:
         self.root_logits: Tensor | None = None  # [Vd]
         self.root_hidden: Tensor | None = None  # [H]
 
+    @torch.no_grad()
     def extend(self, tokens: list[int], features: Tensor) -> None:
         """Commit n entries: entry length+i reads (features[i], tokens[i]) at position length+i.
 
@@ -140,6 +141,7 @@ class DraftState:
         self.root_logits, self.root_hidden = out.logits[0, -1], out.hidden[0, -1]
         self.length += n
 
+    @torch.no_grad()
     def draft(self, spec: TreeSpec, depth: int, sampling: SamplingParams,
               generator: torch.Generator | None, vocab_size: int) -> DraftTree:
         """Draft a tree of at most ``depth`` (<= spec.depth) from the root. vocab_size: the

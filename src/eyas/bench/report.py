@@ -1,0 +1,58 @@
+"""Bench output: a table people read, the same facts as JSON, and a PNG of accept lengths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from rich.table import Table
+
+
+def bench_table(summaries: Sequence[dict[str, Any]]) -> Table:
+    """tokens/s is the mean of per-prompt rates (as in the EAGLE papers); the JSON has totals too."""
+    t = Table(title="eyas bench: tokens/s (mean of per-prompt rates)")
+    for col in ("set", "n", "tau", "spec", "plain", "hf", "x plain", "x hf", "same as plain"):
+        t.add_column(col)
+    for s in summaries:
+        m = s["tokens_per_s"]
+        ident = s["identical_to_plain"]
+        t.add_row(
+            s["set"], str(s["prompts"]), f"{s['tau']:.2f}",
+            *(f"{m[k]:.1f}" for k in ("speculative", "plain", "hf")),
+            f"{s['speedup_vs_plain'] or 0:.2f}", f"{s['speedup_vs_hf'] or 0:.2f}",
+            "n/a" if ident is None else ("[green]yes[/]" if ident else "[bold red]NO[/]"),
+        )
+    return t
+
+
+def acceptance_lines(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    return [f"{s['set']}: acceptance per draft position "
+            + " ".join(f"{a:.2f}" for a in s["acceptance_per_position"])
+            + f"; total tokens/s spec {s['tokens_per_s_total']['speculative']:.1f}, plain "
+            f"{s['tokens_per_s_total']['plain']:.1f}, hf {s['tokens_per_s_total']['hf']:.1f}"
+            for s in summaries]
+
+
+def plot_accept_lengths(summaries: Sequence[dict[str, Any]], png: Path) -> Path:
+    """Histogram of tokens emitted per speculative round (accepted drafts + the bonus), per set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(summaries))
+    for i, s in enumerate(summaries):
+        hist = {int(k): v for k, v in s["accept_length_histogram"].items()}
+        total = sum(hist.values()) or 1
+        xs = sorted(hist)
+        ax.bar([x + i * width for x in xs], [hist[x] / total for x in xs], width=width,
+               label=f"{s['set']} (tau {s['tau']:.2f})")
+    ax.set_xlabel("tokens per round (accepted drafts + bonus)")
+    ax.set_ylabel("fraction of rounds")
+    ax.legend()
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png

@@ -1,0 +1,134 @@
+"""`eyas generate` and `eyas bench`: serving a drafter with the eyas engine."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from eyas.cli.common import TARGET_HELP, console, err
+from eyas.cli.common import print_json as _print_json
+from eyas.cli.common import run as _run
+
+TREE_HELP = "DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24) or DEPTH for a chain"
+
+
+def load_for_serving(target: str, draft: Path, device: str, force: bool) -> tuple[Any, Any, Any, Any]:
+    """(model, tokenizer, drafter, HFTarget), the drafter checked against the target's contract."""
+    import torch
+
+    from eyas.capture import CaptureSpec, num_blocks
+    from eyas.engine import HFTarget
+    from eyas.interop import load_drafter
+    from eyas.targets import load_target
+
+    dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    # float32 on CPU (bf16 matmuls are slow there and greedy equality is exact in float32).
+    model, tokenizer, _src = _run(load_target, target, dtype=torch.float32 if dev == "cpu" else torch.bfloat16,
+                                  device=dev)
+    drafter, contract = _run(load_drafter, draft, target=model, tokenizer=tokenizer, force=force)
+    drafter = drafter.to(dev, dtype=next(model.parameters()).dtype).eval()
+    spec = CaptureSpec(tuple(contract.capture.boundaries), num_blocks(model))
+    return model, tokenizer, drafter, HFTarget(model, spec)
+
+
+def generate_cmd(
+    target: str = typer.Option(..., help=TARGET_HELP),
+    draft: Path = typer.Option(..., help="an eyas drafter directory"),
+    prompt: str = typer.Option(..., help="the user message"),
+    system: Optional[str] = typer.Option(None, help="a system message (default: the template's own)"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0),
+    max_new_tokens: int = typer.Option(256),
+    tree: str = typer.Option("5", help=TREE_HELP),
+    seed: int = typer.Option(0),
+    device: str = typer.Option("auto"),
+    force: bool = typer.Option(False, help="serve even when the contract does not match the target"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Generate a reply with speculative decoding; prints the text and per-request statistics."""
+    import torch
+
+    from eyas.bench.run import eos_ids
+    from eyas.data.render import render_prompt
+    from eyas.engine import SamplingParams, TreeSpec, speculative_generate
+
+    model, tokenizer, drafter, tgt = load_for_serving(target, draft, device, force)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    ids = render_prompt(messages, tokenizer).to(tgt.device)[None]
+    spec_tree = _run(TreeSpec.parse, tree)
+    stream = (lambda t: None) if json_out else (lambda t: console.print(tokenizer.decode([t]), end="", highlight=False))
+    t0 = time.perf_counter()
+    r = speculative_generate(tgt, drafter, ids, tree=spec_tree,
+                             sampling=SamplingParams(temperature, top_p, top_k), max_new_tokens=max_new_tokens,
+                             eos_token_ids=eos_ids(model, tokenizer),
+                             generator=torch.Generator(device=tgt.device).manual_seed(seed), on_token=stream)
+    wall = time.perf_counter() - t0
+    stats = r.stats.to_dict()
+    text = tokenizer.decode(r.tokens, skip_special_tokens=True)
+    if json_out:
+        _print_json({"text": text, "tokens": r.tokens, "wall_s": round(wall, 3), "stats": stats})
+        return
+    console.print()
+    console.print(
+        f"[dim]{stats['new_tokens']} tokens in {stats['rounds']} rounds: tau {stats['tau']:.2f}, "
+        f"{stats['tokens_per_s']:.1f} tok/s; acceptance per position "
+        f"{[round(a, 2) for a in stats['acceptance_at_depth']]}; draft {stats['time_draft']:.2f}s, "
+        f"verify {stats['time_verify']:.2f}s, bookkeeping {stats['time_bookkeeping']:.2f}s; stop: {stats['stop_reason']}[/]"
+    )
+
+
+def bench_cmd(
+    target: str = typer.Option(..., help=TARGET_HELP),
+    draft: Path = typer.Option(..., help="an eyas drafter directory"),
+    prompts: list[str] = typer.Option(..., help="mt_bench|humaneval|gsm8k|alpaca|sum|qa or a prompt file; repeatable"),
+    limit: Optional[int] = typer.Option(None, help="prompts per set"),
+    max_new_tokens: int = typer.Option(256),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    tree: str = typer.Option("5", help=TREE_HELP),
+    seed: int = typer.Option(0),
+    device: str = typer.Option("auto"),
+    png: Optional[Path] = typer.Option(None, help="accept-length histogram (default: next to --out or ./bench.png)"),
+    out: Optional[Path] = typer.Option(None, help="also write the JSON report here"),
+    force: bool = typer.Option(False),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Speculative vs plain decoding vs HF `generate` on the same prompts, in one process."""
+    import json
+
+    from eyas.bench import bench_set, bench_table, load_prompts, plot_accept_lengths
+    from eyas.bench.report import acceptance_lines
+    from eyas.engine import SamplingParams, TreeSpec
+
+    model, tokenizer, drafter, tgt = load_for_serving(target, draft, device, force)
+    spec_tree = _run(TreeSpec.parse, tree)
+    sampling = SamplingParams(temperature)
+    summaries = []
+    for name in prompts:
+        convs = _run(load_prompts, name, limit)
+        result = bench_set(Path(name).stem, convs, model, tokenizer, tgt, drafter, spec_tree, sampling,
+                           max_new_tokens, seed=seed, progress=not json_out)
+        summaries.append(result.summary())
+    png = png or (out.with_suffix(".png") if out else Path("bench.png"))
+    plot_accept_lengths(summaries, png)
+    report = {"target": target, "draft": str(draft), "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens],
+              "temperature": temperature, "max_new_tokens": max_new_tokens, "device": str(tgt.device),
+              "sets": summaries, "png": str(png)}
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+    if json_out:
+        _print_json(report)
+        return
+    console.print(bench_table(summaries))
+    for line in acceptance_lines(summaries):
+        console.print(line, highlight=False)
+    err.print(f"accept-length histogram: {png}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(generate_cmd)
+    app.command("bench")(bench_cmd)

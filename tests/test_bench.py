@@ -1,0 +1,69 @@
+"""`eyas bench` and `eyas generate` end to end on a toy target: the report's structure and numbers
+agree with each other, greedy speculative output equals plain decoding and HF generate."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent))
+from toy import make_toy_target  # noqa: E402
+
+from eyas.bench import load_prompts  # noqa: E402
+from eyas.cli.main import app  # noqa: E402
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def toy_drafter(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target = make_toy_target(root / "target", num_blocks=8, hidden=32)
+    r = runner.invoke(app, ["new", "--target", str(target), "--out", str(root / "d"), "--draft-vocab", "512"])
+    assert r.exit_code == 0, r.output
+    return target, root / "d"
+
+
+def test_named_sets_load_their_first_turns():
+    mt = load_prompts("mt_bench")
+    assert len(mt) == 80 and all(len(c.messages) == 1 and c.messages[0]["role"] == "user" for c in mt)
+    assert len(load_prompts("sum", limit=3)) == 3
+    with pytest.raises(FileNotFoundError, match="expected one of mt_bench"):
+        load_prompts("no_such_set")
+
+
+def test_bench_reports_tau_speeds_and_identity(toy_drafter, tmp_path):
+    target, draft = toy_drafter
+    r = runner.invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--prompts", "mt_bench",
+                            "--prompts", "gsm8k", "--limit", "2", "--max-new-tokens", "12", "--tree", "3,2,5",
+                            "--device", "cpu", "--out", str(tmp_path / "bench.json"), "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    report = json.loads(r.stdout)
+    assert [s["set"] for s in report["sets"]] == ["mt_bench", "gsm8k"]
+    for s in report["sets"]:
+        assert s["prompts"] == 2
+        assert s["identical_to_plain"] is True and s["identical_to_hf"] is True
+        assert set(s["tokens_per_s"]) == {"speculative", "plain", "hf"}
+        assert all(v > 0 for v in s["tokens_per_s"].values())
+        assert s["speedup_vs_plain"] == pytest.approx(
+            s["tokens_per_s"]["speculative"] / s["tokens_per_s"]["plain"], rel=1e-2)
+        hist = {int(k): v for k, v in s["accept_length_histogram"].items()}
+        assert s["tau"] == pytest.approx(sum(k * v for k, v in hist.items()) / sum(hist.values()), rel=1e-3)
+        # every new token but the first of each prompt (from the prefill) came out of a round
+        assert sum(k * v for k, v in hist.items()) == s["new_tokens"] - s["prompts"]
+    assert json.loads((tmp_path / "bench.json").read_text()) == report
+    assert Path(report["png"]).stat().st_size > 1000
+
+
+def test_generate_prints_text_and_statistics(toy_drafter):
+    target, draft = toy_drafter
+    r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",
+                            "--max-new-tokens", "6", "--device", "cpu", "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    out = json.loads(r.stdout)
+    assert len(out["tokens"]) == out["stats"]["new_tokens"] <= 6
+    assert out["stats"]["rounds"] >= 1 and out["stats"]["tau"] >= 1.0

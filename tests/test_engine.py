@@ -1,0 +1,535 @@
+"""The serving engine: greedy speculative decoding is token-identical to plain greedy decoding and to
+HF ``generate``; speculative sampling has exactly the target's distribution (and a broken acceptance
+rule is caught by the same test); edge cases (all drafts rejected, draft vocabulary missing the
+target's token, the context limit, stop conditions).
+
+Everything runs on CPU in float32 with tiny random targets. Drafters that are "partially right" are
+trained here for a few seconds with the training code's own TTT step (eyas.training.ttt).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny import tiny_model  # noqa: E402
+
+from eyas.capture import BoundaryCapture, CaptureSpec  # noqa: E402
+from eyas.drafter.build import new_drafter  # noqa: E402
+from eyas.engine import (  # noqa: E402
+    HFTarget, SamplingParams, TreeSpec, plain_generate, rejection_rule, speculative_generate,
+)
+from eyas.engine.sampling import probabilities  # noqa: E402
+from eyas.engine.tree import DraftState  # noqa: E402
+from eyas.training.ttt import TargetLabels, ttt_forward  # noqa: E402
+
+SPEC4 = CaptureSpec((1, 2, 3), 4)  # a 4-block target: the EAGLE default needs >= 7 blocks
+SPEC3 = CaptureSpec((1, 2, 3), 3)  # boundary 3 = the last block's output, before the final norm
+TREES = [TreeSpec.chain(1), TreeSpec.chain(4), TreeSpec(3, 2, 6), TreeSpec(4, 4, 16), TreeSpec(5, 3, None)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models are dominated by per-op overhead; extra threads only add contention (on a busy
+    # 2-core machine, 2 threads made TTT training 7x slower than 1).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def sharpened(model, factor: float):
+    """Scale lm_head so the target's distributions are peaked like a trained LM's."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(factor)
+    return model
+
+
+def train_drafter(model, spec: CaptureSpec, sequences: torch.Tensor, prompt_len: int, steps: int,
+                  draft_ids: torch.Tensor | None = None, lr: float = 3e-3, seed: int = 0):
+    """A drafter trained on the target's own continuations with eyas's TTT step (3 steps deep)."""
+    drafter, _ = new_drafter(model, boundaries=spec.boundaries, seed=seed,
+                             draft_vocab_size=None if draft_ids is None else len(draft_ids))
+    if draft_ids is not None:
+        drafter.set_vocab_map(draft_ids)
+    with torch.no_grad(), BoundaryCapture(model, spec) as cap:
+        logits = model(sequences).logits
+        features = cap.features()
+    labels = TargetLabels.from_logits(logits, drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size)))
+    loss_mask = torch.ones_like(sequences)
+    loss_mask[:, :prompt_len] = 0
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        loss = ttt_forward(drafter, sequences, features, labels, loss_mask, steps=3).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+def random_prompts(n: int, vocab: int, seed: int, lengths=(1, 30)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
+        out.append(torch.randint(0, vocab, (length,), generator=g).tolist())
+    return out
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int | None, eos: int | None, **kw) -> list[int]:
+    ids = torch.tensor([prompt])
+    if max_new_tokens is not None:
+        kw["max_new_tokens"] = max_new_tokens
+    # an explicit attention mask: without it generate masks every prompt token equal to pad_token_id
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=eos, pad_token_id=0, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures: a tiny Llama (vocab 128) with an untrained and a trained drafter
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return sharpened(tiny_model("llama", 4), 8.0)
+
+
+@pytest.fixture(scope="module")
+def trained_drafter(llama):
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, 128, (32, 6), generator=g)
+    with torch.no_grad():
+        seqs = llama.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                              max_new_tokens=40, pad_token_id=0, eos_token_id=None)
+    return train_drafter(llama, SPEC4, seqs, prompt_len=6, steps=60, lr=5e-3)
+
+
+@pytest.fixture(scope="module")
+def untrained_drafter(llama):
+    return new_drafter(llama, boundaries=SPEC4.boundaries)[0].eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# The target: tree masks are honoured, keep() compacts the cache
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_forward_matches_causal_forward_of_each_path_and_keep_compacts(attn):
+    model = tiny_model("llama", 4)
+    model.set_attn_implementation(attn)
+    target = HFTarget(model, SPEC4)
+    prompt = [5, 17, 99, 3, 42, 8]
+    #        node: 0   1   2   3   4   5   6      (0 = root, the last committed token)
+    tokens = [60, 11, 12, 13, 14, 15, 16]
+    parents = [-1, 0, 0, 1, 1, 2, 4]
+    depth = [0, 1, 1, 2, 2, 2, 3]
+    anc = torch.eye(7, dtype=torch.bool)
+    for i in range(1, 7):
+        anc[i] |= anc[parents[i]]
+    target.prefill(torch.tensor([prompt]))
+    n = len(prompt)
+    logits, feats = target.forward(torch.tensor([tokens]), torch.tensor([[n + d for d in depth]]), anc)
+    assert target.cache_len == n + 7
+
+    def path_to(i):
+        p = []
+        while i >= 0:
+            p.append(i)
+            i = parents[i]
+        return p[::-1]
+
+    with torch.no_grad():
+        for i in range(7):
+            seq = prompt + [tokens[j] for j in path_to(i)]
+            with BoundaryCapture(model, SPEC4) as cap:
+                ref = model(torch.tensor([seq])).logits[0, -1]
+            torch.testing.assert_close(logits[0, i], ref, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(feats[0, i], cap.features()[0, -1], atol=1e-4, rtol=1e-4)
+
+        # keep a non-contiguous path (root, node 1, node 4, node 6), then continue from it
+        target.keep([0, 1, 4, 6])
+        assert target.cache_len == n + 4
+        seq = prompt + [tokens[j] for j in (0, 1, 4, 6)]
+        logits, _ = target.forward(torch.tensor([[77]]), torch.tensor([[len(seq)]]))
+        ref = model(torch.tensor([seq + [77]])).logits[0, -1]
+        torch.testing.assert_close(logits[0, 0], ref, atol=1e-4, rtol=1e-4)
+        with pytest.raises(IndexError):
+            target.keep([1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy: token-identical to plain greedy decoding and to HF generate
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["untrained", "trained"])
+def test_greedy_speculative_is_token_identical_to_plain_and_hf(llama, which, request):
+    drafter = request.getfixturevalue(f"{which}_drafter")
+    target = HFTarget(llama, SPEC4)
+    eos = llama.generation_config.eos_token_id  # 2: some outputs stop early, exercising EOS
+    taus, stop_reasons = [], set()
+    # the untrained drafter is almost always rejected: fewer prompts exercise that path enough
+    for prompt in random_prompts(10 if which == "trained" else 5, 128, seed=7):
+        plain = plain_generate(target, prompt, max_new_tokens=20, eos_token_ids=[eos])
+        assert plain.tokens == hf_greedy(llama, prompt, 20, eos)
+        assert plain.stats.tau == 1.0
+        for tree in TREES:
+            spec = speculative_generate(target, drafter, prompt, tree=tree, max_new_tokens=20, eos_token_ids=[eos])
+            assert spec.tokens == plain.tokens, (prompt, tree)
+            s = spec.stats
+            assert s.stop_reason == plain.stats.stop_reason
+            assert s.new_tokens == len(spec.tokens) and s.rounds == 1 + len(s.accept_lengths)
+            assert sum(s.accept_lengths) + 1 == s.new_tokens
+            assert all(a <= d for a, d in zip(s.accepted_at_depth, s.drafted_at_depth))
+            taus.append(s.tau)
+            stop_reasons.add(s.stop_reason)
+    mean_tau = sum(taus) / len(taus)
+    print(f"{which} drafter: mean tau {mean_tau:.2f} over {len(taus)} generations, stops {stop_reasons}")
+    if which == "trained":
+        assert mean_tau > 1.3
+        assert max(taus) > 2.0
+
+
+@pytest.mark.parametrize("kind", ["qwen3"])
+def test_greedy_identity_on_another_architecture(kind):
+    model = tiny_model(kind, 4)
+    drafter = new_drafter(model, boundaries=SPEC4.boundaries)[0].eval()
+    target = HFTarget(model, SPEC4)
+    for prompt in random_prompts(4, 128, seed=3):
+        ref = hf_greedy(model, prompt, 16, None)
+        for tree in (TreeSpec.chain(3), TreeSpec(3, 3, 8)):
+            assert speculative_generate(target, drafter, prompt, tree=tree, max_new_tokens=16).tokens == ref
+
+
+def test_drafts_that_are_always_rejected_still_give_one_correct_token_per_round(llama):
+    """The draft vocabulary excludes every token the target will produce: nothing can match."""
+    target = HFTarget(llama, SPEC4)
+    prompt = [3, 14, 15, 92, 65]
+    plain = plain_generate(target, prompt, max_new_tokens=20)
+    excluded = set(plain.tokens)
+    draft_ids = torch.tensor([t for t in range(128) if t not in excluded][:64])
+    drafter = new_drafter(llama, boundaries=SPEC4.boundaries, draft_vocab_size=64)[0].eval()
+    drafter.set_vocab_map(draft_ids)
+    for tree in (TreeSpec.chain(3), TreeSpec(4, 4, 12)):
+        spec = speculative_generate(target, drafter, prompt, tree=tree, max_new_tokens=20)
+        assert spec.tokens == plain.tokens
+        assert spec.stats.accept_lengths == [1] * 19 and spec.stats.rounds == 20 == spec.stats.new_tokens
+        assert not any(spec.stats.accepted_at_depth) and len(spec.stats.accepted_at_depth) <= tree.depth
+
+
+def test_draft_vocab_missing_the_targets_token_is_handled(llama, trained_drafter):
+    """The trained drafter cut down to the even token ids: an odd target token can only come from
+    the target (the bonus token), even ones are still drafted and accepted."""
+    target = HFTarget(llama, SPEC4)
+    drafter = new_drafter(llama, boundaries=SPEC4.boundaries, draft_vocab_size=64)[0].eval()
+    state = trained_drafter.state_dict()
+    state["lm_head.weight"] = state["lm_head.weight"][0::2]
+    drafter.load_state_dict({k: v for k, v in state.items() if k not in ("d2t", "t2d")}, strict=False)
+    drafter.set_vocab_map(torch.arange(0, 128, 2))
+    odd, accepted = 0, 0
+    for prompt in random_prompts(6, 128, seed=11):
+        plain = plain_generate(target, prompt, max_new_tokens=16)
+        odd += sum(t % 2 for t in plain.tokens)
+        for tree in (TreeSpec.chain(3), TreeSpec(3, 4, 10)):
+            spec = speculative_generate(target, drafter, prompt, tree=tree, max_new_tokens=16)
+            assert spec.tokens == plain.tokens
+            accepted += sum(spec.stats.accepted_at_depth)
+    assert odd > 5 and accepted > 5  # both paths really happen
+
+
+def test_prompts_near_the_context_limit_end_cleanly(trained_drafter):
+    model = tiny_model("llama", 4)  # same weights as the `llama` fixture's model
+    sharpened(model, 8.0)
+    model.config.max_position_embeddings = 40
+    target = HFTarget(model, SPEC4)
+    assert target.max_length == 40
+    for n in (30, 36, 38, 39, 40):
+        prompt = random_prompts(1, 128, seed=n, lengths=(n, n))[0]
+        plain = plain_generate(target, prompt, max_new_tokens=50)
+        assert n + len(plain.tokens) == 40 and plain.stats.stop_reason == "max_length"
+        if n < 40:
+            assert plain.tokens == hf_greedy(model, prompt, None, None, max_length=40)
+        for tree in (TreeSpec.chain(6), TreeSpec(6, 3, 12)):
+            spec = speculative_generate(target, trained_drafter, prompt, tree=tree, max_new_tokens=50)
+            assert spec.tokens == plain.tokens and spec.stats.stop_reason == "max_length"
+    # max_new_tokens reached exactly at the context limit is reported as max_new_tokens
+    prompt = random_prompts(1, 128, seed=5, lengths=(30, 30))[0]
+    assert speculative_generate(target, trained_drafter, prompt, max_new_tokens=10).stats.stop_reason == "max_new_tokens"
+    with pytest.raises(ValueError, match="longer than the target's context"):
+        speculative_generate(target, trained_drafter, list(range(41)), max_new_tokens=5)
+
+
+def test_stop_conditions_cut_a_round_and_stream_every_token(llama, trained_drafter):
+    target = HFTarget(llama, SPEC4)
+    prompt = [7, 7, 21, 3]
+    plain = plain_generate(target, prompt, max_new_tokens=30).tokens
+    tree = TreeSpec(4, 3, 12)
+    # EOS = a token that first appears late in the output (mid-round for an accepting drafter)
+    k = next(i for i in range(8, 30) if plain[i] not in plain[:i])
+    streamed: list[int] = []
+    r = speculative_generate(target, trained_drafter, prompt, tree=tree, max_new_tokens=30,
+                             eos_token_ids=[plain[k]], on_token=streamed.append)
+    assert r.tokens == streamed == plain[: k + 1] and r.stats.stop_reason == "eos"
+    # a stop string spanning two tokens, with a toy decode
+    decode = lambda ids: "".join(f"<{t}>" for t in ids)  # noqa: E731
+    j = next(i for i in range(6, 29) if decode(plain[i:i + 2]) not in decode(plain[: i + 1]))
+    r = speculative_generate(target, trained_drafter, prompt, tree=tree, max_new_tokens=30,
+                             stop_strings=[decode(plain[j:j + 2])], decode=decode)
+    assert r.tokens == plain[: j + 2] and r.stats.stop_reason == "stop_string"
+    assert plain_generate(target, prompt, max_new_tokens=30, stop_strings=[decode(plain[j:j + 2])],
+                          decode=decode).tokens == r.tokens
+    # max_new_tokens mid-round
+    for m in (1, 2, 5, 13):
+        r = speculative_generate(target, trained_drafter, prompt, tree=tree, max_new_tokens=m)
+        assert r.tokens == plain[:m] and r.stats.stop_reason == "max_new_tokens"
+    with pytest.raises(ValueError, match="decode"):
+        speculative_generate(target, trained_drafter, prompt, stop_strings=["x"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees
+# ---------------------------------------------------------------------------------------------
+
+
+def test_tree_shapes(llama, trained_drafter):
+    target = HFTarget(llama, SPEC4)
+    prompt = [1, 2, 3, 4, 5]
+    logits, f = target.prefill(torch.tensor([prompt]))
+    x = prompt + [int(logits[0, -1].argmax())]
+    for spec, sampling in itertools.product(
+        [TreeSpec.chain(4), TreeSpec(3, 2, 5), TreeSpec(4, 4, 16), TreeSpec(5, 3, None), TreeSpec(2, 8, 100)],
+        [SamplingParams(), SamplingParams(temperature=1.0)],
+    ):
+        state = DraftState(trained_drafter, 64)
+        state.extend(x[1:], f[0])
+        tree = state.draft(spec, spec.depth, sampling, torch.Generator().manual_seed(0), 128)
+        N = tree.num_nodes - 1
+        assert tree.tokens[0] == x[-1] and tree.parents[0] == -1
+        assert all(0 <= tree.parents[i] < i for i in range(1, N + 1))
+        assert all(tree.depths[i] == tree.depths[tree.parents[i]] + 1 for i in range(1, N + 1))
+        assert N == spec.budget  # the drafter's distributions have full support here
+        assert int(tree.depths.max()) <= spec.depth
+        for i, kids in enumerate(tree.children):
+            assert len(kids) <= spec.top_k
+            assert len({int(tree.tokens[c]) for c in kids}) == len(kids)  # siblings are distinct tokens
+            assert all(tree.parents[c] == i for c in kids)
+        if spec.top_k == 1:
+            assert tree.parents == [-1] + list(range(N))  # a chain
+        mask = tree.ancestor_mask()
+        for i in range(N + 1):
+            j, anc = i, set()
+            while j >= 0:
+                anc.add(j)
+                j = tree.parents[j]
+            assert set(torch.nonzero(mask[i]).flatten().tolist()) == anc
+        if sampling.greedy:
+            assert not tree.proposals
+        else:
+            assert set(tree.proposals) == {i for i, kids in enumerate(tree.children) if kids}
+            for q in tree.proposals.values():
+                assert q.shape == (128,) and abs(float(q.sum()) - 1) < 1e-5
+    # depth 0: the root alone (the context leaves no room to draft)
+    state = DraftState(trained_drafter, 64)
+    state.extend(x[1:], f[0])
+    assert state.draft(TreeSpec(4, 4, 16), 0, SamplingParams(), None, 128).num_nodes == 1
+    assert TreeSpec.parse("6,10,60") == TreeSpec(6, 10, 60) and TreeSpec.parse("4") == TreeSpec.chain(4)
+    with pytest.raises(ValueError):
+        TreeSpec(0, 1, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling is lossless
+# ---------------------------------------------------------------------------------------------
+
+
+def accept_if_likely_under_q(p, q, c):
+    """BROKEN: accepts a draft the drafter is confident about, whatever the target thinks."""
+    accept = torch.tensor(1.0 if q[c] > 0.1 else 0.0)
+    _, p_rejected, q_rejected = rejection_rule(p, q, c)
+    return accept, p_rejected, q_rejected
+
+
+def no_residual(p, q, c):
+    """BROKEN: after a rejection keeps sampling from p instead of norm(max(p - q, 0))."""
+    accept, _, q_rejected = rejection_rule(p, q, c)
+    return accept, p, q_rejected
+
+
+def exact_node_output(p, q, rule, k):
+    """The exact distribution of the token leaving one node whose k children are drawn without
+    replacement from q and verified in draw order with ``rule`` (enumerates every draw sequence)."""
+    V = p.shape[0]
+    out = torch.zeros(V, dtype=torch.float64)
+    support = [t for t in range(V) if q[t] > 0]
+    for seq in itertools.permutations(support, min(k, len(support))):
+        # probability of drawing this ordered sequence without replacement
+        w, left = 1.0, 1.0
+        for t in seq:
+            w *= float(q[t]) / left
+            left -= float(q[t])
+        pp, qq, reach = p.clone(), q.clone(), 1.0
+        for t in seq:
+            a, pp_r, qq_r = rule(pp, qq, t)
+            out[t] += w * reach * float(a)
+            reach *= 1 - float(a)
+            pp, qq = pp_r, qq_r
+        out += w * reach * pp.double()
+    return out
+
+
+def test_rejection_rule_is_exactly_lossless_and_broken_rules_are_not():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(6):
+        V = 6
+        p = torch.softmax(3 * torch.randn(V, generator=g), 0)
+        q = torch.softmax(3 * torch.randn(V, generator=g), 0)
+        if trial % 2:
+            q[0] = 0  # a token outside the draft vocabulary
+            p[0] += 0.2
+            p, q = p / p.sum(), q / q.sum()
+        for k in (1, 2, 3):  # a chain is k = 1
+            out = exact_node_output(p, q, rejection_rule, k)
+            torch.testing.assert_close(out, p.double(), atol=1e-6, rtol=0)
+    p = torch.tensor([0.5, 0.3, 0.1, 0.1])
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    for broken in (accept_if_likely_under_q, no_residual):
+        assert (exact_node_output(p, q, broken, 2) - p.double()).abs().max() > 0.05
+
+
+def wilson_hilferty_critical(df: int, z: float) -> float:
+    """Upper critical value of chi-square(df) at the normal quantile z (Wilson-Hilferty; within 1% of
+    the exact value for df >= 3 in the upper tail used here)."""
+    h = 2.0 / (9 * df)
+    return df * (1 - h + z * math.sqrt(h)) ** 3
+
+
+Z_999 = 3.0902  # standard normal quantile 0.999: the test's false-alarm rate is 0.1%
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson statistic of observed counts against exact cell probabilities, cells with an
+    expected count below ``min_expected`` pooled into one; returns (statistic, degrees of freedom)."""
+    n = counts.sum()
+    expected = probs.flatten().double() * n
+    counts = counts.flatten().double()
+    big = expected >= min_expected
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    if exp[-1] < min_expected:  # pooled remainder too small: merge it into the smallest big cell
+        i = int(exp[:-1].argmin())
+        obs[i] += obs[-1]
+        exp[i] += exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    return make_small_vocab()
+
+
+def make_small_vocab():
+    """A tiny Llama over 16 tokens, and a drafter trained on its samples whose draft vocabulary
+    lacks 4 of the 16 tokens."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+                      initializer_range=0.2)
+    # Structured, not flat: the joint of the first three tokens has ~4.5 nats of entropy (of 8.3 for
+    # uniform), with ~1.5 nats left in x3 given x1, x2; ~36 cells hold 70% of the mass.
+    model = sharpened(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(), 2.0)
+    g = torch.Generator().manual_seed(2)
+    prompts = torch.randint(0, 16, (48, 4), generator=g)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        seqs = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=0,
+                              max_new_tokens=24, pad_token_id=0, eos_token_id=None)
+    drafter = train_drafter(model, SPEC3, seqs, prompt_len=4, steps=60, draft_ids=torch.arange(12), lr=5e-3)
+    return model, drafter
+
+
+def exact_first_three(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """P(x1, x2, x3 | prompt) [16, 16, 16] under plain sampling, by enumeration."""
+    V = 16
+    with torch.no_grad():
+        p1 = probabilities(model(torch.tensor([prompt])).logits[0, -1], params)  # [V]
+        two = torch.tensor([prompt + [a] for a in range(V)])
+        p2 = probabilities(model(two).logits[:, -1], params)  # [V, V]
+        three = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        p3 = probabilities(model(three).logits[:, -1], params).view(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def sample_first_three(model, drafter, prompt, params, tree, rule, n, seed) -> tuple[torch.Tensor, list[float]]:
+    """Counts [16, 16, 16] of the first three new tokens over n speculative generations, and the
+    mean number of accepted drafts per generation at depth 1 and 2."""
+    target = HFTarget(model, SPEC3)
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(16, 16, 16)
+    accepted = [0, 0]
+    for _ in range(n):
+        # 4 new tokens: the first round may accept 2 drafts + a bonus, so x2 and x3 can both be drafts
+        # (x1 always comes from the prefill)
+        r = speculative_generate(target, drafter, prompt, tree=tree, sampling=params, max_new_tokens=4,
+                                 generator=g, accept_rule=rule)
+        a, b, c = r.tokens[:3]
+        counts[a, b, c] += 1
+        for d, k in enumerate(r.stats.accepted_at_depth[:2]):
+            accepted[d] += k
+    return counts, [a / n for a in accepted]
+
+
+@pytest.mark.parametrize("tree,params,n", [
+    (TreeSpec(2, 3, 6), SamplingParams(temperature=1.0), 1200),
+    (TreeSpec.chain(2), SamplingParams(temperature=0.8, top_k=10, top_p=0.9), 800),
+])
+def test_speculative_sampling_matches_the_target_distribution(small_vocab, tree, params, n):
+    model, drafter = small_vocab
+    prompt = [3, 1, 4, 1, 5]
+    exact = exact_first_three(model, prompt, params)
+    counts, accepted = sample_first_three(model, drafter, prompt, params, tree, rejection_rule, n, seed=0)
+    stat, df = chi_square(counts, exact)
+    crit = wilson_hilferty_critical(df, Z_999)
+    assert df >= 15  # enough populated cells for the test to have power
+    print(f"{tree} {params}: chi2 {stat:.1f} on {df} df (critical {crit:.1f}); accepted drafts per "
+          f"generation at depth 1, 2: {accepted}")
+    assert 0.3 < accepted[0] < 1.7 and accepted[1] > 0.1  # acceptance and rejection at both depths
+    assert stat < crit
+
+
+@pytest.mark.parametrize("rule,n", [(no_residual, 600), (accept_if_likely_under_q, 300)])
+def test_a_broken_acceptance_rule_fails_the_same_test(small_vocab, rule, n):
+    model, drafter = small_vocab
+    prompt = [3, 1, 4, 1, 5]
+    params, tree = SamplingParams(temperature=1.0), TreeSpec(2, 3, 6)
+    exact = exact_first_three(model, prompt, params)
+    counts, _ = sample_first_three(model, drafter, prompt, params, tree, rule, n, seed=0)
+    stat, df = chi_square(counts, exact)
+    crit = wilson_hilferty_critical(df, Z_999)
+    print(f"{rule.__name__}: chi2 {stat:.1f} on {df} df (critical {crit:.1f})")
+    assert stat > crit
+
+
+def test_plain_sampling_matches_the_exact_distribution(small_vocab):
+    """The reference itself: plain sampling through the same target code passes the same test."""
+    model, _ = small_vocab
+    prompt = [3, 1, 4, 1, 5]
+    params = SamplingParams(temperature=1.0)
+    exact = exact_first_three(model, prompt, params)
+    target = HFTarget(model, SPEC3)
+    g = torch.Generator().manual_seed(1)
+    counts = torch.zeros(16, 16, 16)
+    for _ in range(600):
+        a, b, c = plain_generate(target, prompt, sampling=params, max_new_tokens=3, generator=g).tokens
+        counts[a, b, c] += 1
+    stat, df = chi_square(counts, exact)
+    assert df >= 15 and stat < wilson_hilferty_critical(df, Z_999)

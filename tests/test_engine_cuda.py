@@ -1,0 +1,80 @@
+"""The engine on a GPU (skipped without CUDA): the same greedy identity and sampling losslessness as
+test_engine.py, with the target and drafter on CUDA and the random generator on the CPU; a bf16
+target with a float32 drafter runs end to end."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_engine import (  # noqa: E402
+    SPEC3, SPEC4, Z_999, chi_square, exact_first_three, make_small_vocab, random_prompts, sharpened, train_drafter,
+    wilson_hilferty_critical,
+)
+from tiny import tiny_model  # noqa: E402
+
+from eyas.engine import HFTarget, SamplingParams, TreeSpec, plain_generate, speculative_generate  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def llama_and_drafter():
+    model = sharpened(tiny_model("llama", 4), 8.0)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, 128, (32, 6), generator=g)
+    with torch.no_grad():
+        seqs = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                              max_new_tokens=40, pad_token_id=0, eos_token_id=None)
+    drafter = train_drafter(model, SPEC4, seqs, prompt_len=6, steps=60, lr=5e-3)
+    return model.to(CUDA), drafter.to(CUDA)
+
+
+def test_greedy_identity_on_cuda(llama_and_drafter):
+    model, drafter = llama_and_drafter
+    target = HFTarget(model, SPEC4)
+    taus = []
+    for prompt in random_prompts(8, 128, seed=7):
+        ids = torch.tensor([prompt], device=CUDA)
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert plain_generate(target, prompt, max_new_tokens=20).tokens == ref
+        for tree in (TreeSpec.chain(4), TreeSpec(4, 4, 16), TreeSpec(5, 3, None)):
+            r = speculative_generate(target, drafter, prompt, tree=tree, max_new_tokens=20)
+            assert r.tokens == ref, (prompt, tree)
+            taus.append(r.stats.tau)
+    assert sum(taus) / len(taus) > 1.3
+
+
+def test_bf16_target_with_float32_drafter_runs(llama_and_drafter):
+    model, drafter = llama_and_drafter
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    target = HFTarget(bf16, SPEC4)
+    g = torch.Generator().manual_seed(0)  # a CPU generator with a CUDA model
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9, top_k=20)):
+        r = speculative_generate(target, drafter, [5, 6, 7, 8], tree=TreeSpec(4, 4, 16), sampling=sampling,
+                                 max_new_tokens=32, generator=g)
+        assert len(r.tokens) == 32 and r.stats.stop_reason == "max_new_tokens"
+        assert r.stats.time_verify > 0 and r.stats.time_draft > 0
+
+
+def test_sampling_is_lossless_on_cuda():
+    model, drafter = make_small_vocab()
+    prompt, params = [3, 1, 4, 1, 5], SamplingParams(temperature=1.0)
+    exact = exact_first_three(model, prompt, params)  # on the CPU copy
+    model, drafter = model.to(CUDA), drafter.to(CUDA)
+    target = HFTarget(model, SPEC3)
+    g = torch.Generator(device=CUDA).manual_seed(0)  # and a CUDA generator
+    counts = torch.zeros(16, 16, 16)
+    for _ in range(1200):
+        a, b, c = speculative_generate(target, drafter, prompt, tree=TreeSpec(2, 3, 6), sampling=params,
+                                       max_new_tokens=4, generator=g).tokens[:3]
+        counts[a, b, c] += 1
+    stat, df = chi_square(counts, exact)
+    assert df >= 15 and stat < wilson_hilferty_critical(df, Z_999)
