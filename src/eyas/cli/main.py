@@ -16,6 +16,7 @@ from eyas.cli.common import TARGET_HELP, console, err
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
 from eyas.cli.data_commands import register as register_data_commands
+from eyas.cli.doctor_command import register as register_doctor_command
 from eyas.cli.engine_commands import register as register_engine_commands
 
 app = typer.Typer(
@@ -222,6 +223,7 @@ def train(
 
 register_data_commands(app)  # eyas regenerate, eyas capture
 register_engine_commands(app)  # eyas generate, eyas bench
+register_doctor_command(app)  # eyas doctor
 
 
 def main() -> None:  # pragma: no cover - console entry

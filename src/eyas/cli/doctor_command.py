@@ -1,0 +1,66 @@
+"""`eyas doctor`: replay, live capture as an engine would do it, fingerprint, search, verdict.
+
+    eyas doctor --target smollm2 --draft runs/drafter --data shards/ --engine vllm --png doctor.png
+
+Exit code 0 only when the drafter is healthy (1 when it is not, 2 for unusable input). `main.py`
+adds it with ``register(app)``.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from eyas.cli.common import TARGET_HELP, console, err
+from eyas.cli.common import fail as _fail
+from eyas.cli.common import print_json as _print_json
+from eyas.cli.common import run as _run
+
+
+class DoctorEngine(str, Enum):
+    eyas = "eyas"
+    sglang = "sglang"
+    vllm = "vllm"
+
+
+def doctor_cmd(
+    target: str = typer.Option(..., help=TARGET_HELP),
+    draft: Path = typer.Option(..., help="the drafter directory as it is served (eyas, SGLang or speculators format)"),
+    data: Optional[str] = typer.Option(
+        None, help="the training shards (replay on the stored hidden states) or a conversations file; "
+                   "default: the data in the drafter's train_config.json, else built-in prompts"),
+    engine: DoctorEngine = typer.Option(DoctorEngine.eyas, help="read and capture the way this engine does"),
+    engine_version: Optional[str] = typer.Option(
+        None, help="for sglang: pr25454 (default, current) or legacy (+1 to every id)"),
+    samples: int = typer.Option(32, min=1, help="samples to evaluate on"),
+    max_length: int = typer.Option(512, min=8, help="tokens per sample at most"),
+    png: Optional[Path] = typer.Option(None, help="write a PNG of replay vs live accuracy per position"),
+    device: str = typer.Option("cpu", help="cpu | cuda"),
+    json_out: bool = typer.Option(False, "--json", help="print the report as JSON"),
+) -> None:
+    """Check that a drafter sees, as ENGINE serves it, the hidden states it was trained on; name the fix."""
+    from eyas.doctor import render, run_doctor
+
+    if not draft.exists():
+        _fail(f"--draft {draft}: no such directory")
+    try:
+        from eyas.doctor.engines import normalise_engine
+
+        normalise_engine(engine.value, engine_version)
+    except ValueError as e:
+        _fail(str(e))
+    log = (lambda m: err.print(f"[dim]doctor: {m}[/]", highlight=False))
+    report = _run(run_doctor, target, str(draft), data=data, engine=engine.value, engine_version=engine_version,
+                  samples=samples, max_length=max_length, png=png, device=device, log=log)
+    if json_out:
+        _print_json(report.to_dict())
+    else:
+        render(report, console)
+    raise typer.Exit(report.exit_code)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("doctor")(doctor_cmd)

@@ -1,0 +1,189 @@
+"""What every doctor stage shares: findings, stages, config edits, thresholds and names.
+
+A stage reports a status (``pass`` | ``warn`` | ``fail`` | ``skipped``), a one-line summary, a list
+of :class:`Finding` and stage-specific data. A finding with level ``fail`` makes the drafter
+unhealthy; ``warn`` is reported but does not; ``info`` is context.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from dataclasses import field as _field
+from typing import Any
+
+# ---------------------------------------------------------------------------------------------
+# Thresholds (one place, each with its reason)
+# ---------------------------------------------------------------------------------------------
+
+# Live vs replay run on the SAME token sequences, so a healthy serving path gives the same numbers
+# up to float rounding; a broken one loses a large fraction. "Short" = below the reference by more
+# than max(LIVE_ABS_TOL, LIVE_REL_TOL * reference).
+LIVE_ABS_TOL = 0.03
+LIVE_REL_TOL = 0.10
+# Replay vs the accuracy recorded at training: other samples (unless the held-out split is
+# reproduced), so sampling noise counts: max(REPLAY_ABS_TOL, REPLAY_SIGMAS * binomial std error).
+REPLAY_ABS_TOL = 0.05
+REPLAY_SIGMAS = 3.0
+# Fingerprint: a slot is off when its mean per-token RMS is RMS_Z_OFF per-token standard
+# deviations away from training, or outside [1/RMS_RATIO_OFF, RMS_RATIO_OFF] times it, or when a
+# channel mean moved by more than CHANNEL_OFF times the slot's typical per-token magnitude (RMS).
+RMS_Z_OFF = 3.0
+RMS_RATIO_OFF = 1.25
+CHANNEL_OFF = 0.5
+# Search: the first SEARCH_POSITIONS draft positions are scored (position 0 sees the target's
+# features, position 1 the drafter's own fed-back state: together they exercise every norm flag).
+SEARCH_POSITIONS = 2
+
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+FAIL, WARN, INFO, OK = "fail", "warn", "info", "ok"
+PASS, SKIPPED = "pass", "skipped"
+
+ENGINE_LABELS = {"eyas": "eyas", "sglang": "SGLang", "vllm": "vLLM"}
+
+# ---------------------------------------------------------------------------------------------
+# Config edits
+# ---------------------------------------------------------------------------------------------
+
+NESTED_IDS = "eagle_config.eagle_aux_hidden_state_layer_ids"
+TOP_IDS = "eagle_aux_hidden_state_layer_ids"
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One edit of a file in the drafter directory: set ``key`` (dotted for nested keys) to ``value``."""
+
+    file: str  # "config.json" | "eyas.json"
+    key: str
+    value: Any
+
+    def __str__(self) -> str:
+        value = json.dumps(self.value)
+        if self.key == TOP_IDS:
+            return f"top-level {TOP_IDS}: {value}"
+        if self.key in NORM_FLAGS:
+            return f'"{self.key}": {value}'
+        return f"{self.key}: {value}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "key": self.key, "value": self.value, "text": str(self)}
+
+
+def edits_text(edits: list[Edit], directory: str) -> str:
+    by_file: dict[str, list[Edit]] = {}
+    for e in edits:
+        by_file.setdefault(e.file, []).append(e)
+    return "; ".join(f"in {directory}/{f} set " + ", ".join(str(e) for e in es) for f, es in by_file.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# Findings and stages
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Finding:
+    level: str  # fail | warn | info | ok
+    code: str  # machine-readable kind, e.g. "boundaries", "flag:norm_before_fc", "target_mismatch"
+    message: str
+    field: str | None = None
+    expected: Any = None
+    found: Any = None
+    edits: list[Edit] = _field(default_factory=list)  # the config edits that fix it, when there are
+    fix: str | None = None  # the fix in words, when it is not a config edit
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "edits" and v is not None}
+        if self.edits:
+            d["edits"] = [e.to_dict() for e in self.edits]
+        return d
+
+
+@dataclass
+class Stage:
+    name: str
+    status: str = PASS  # pass | warn | fail | skipped
+    summary: str = ""
+    findings: list[Finding] = _field(default_factory=list)
+    data: dict[str, Any] = _field(default_factory=dict)
+
+    def add(self, level: str, code: str, message: str, **kw: Any) -> Finding:
+        f = Finding(level, code, message, **kw)
+        self.findings.append(f)
+        return f
+
+    def settle(self, summary: str | None = None) -> "Stage":
+        """Status from the findings (unless skipped)."""
+        if self.status != SKIPPED:
+            levels = {f.level for f in self.findings}
+            self.status = FAIL if FAIL in levels else WARN if WARN in levels else PASS
+        if summary is not None:
+            self.summary = summary
+        return self
+
+    def skip(self, why: str) -> "Stage":
+        self.status, self.summary = SKIPPED, why
+        return self
+
+    def failures(self) -> list[Finding]:
+        return [f for f in self.findings if f.level == FAIL]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "summary": self.summary,
+                "findings": [f.to_dict() for f in self.findings], **_jsonable(self.data)}
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if hasattr(x, "to_dict"):
+        return x.to_dict()
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# Names
+# ---------------------------------------------------------------------------------------------
+
+
+def post_norm_slot(num_blocks: int) -> int:
+    """The slot id used for "boundary L taken AFTER the final norm" (a search candidate only)."""
+    return num_blocks + 1
+
+
+def boundary_name(b: int, num_blocks: int) -> str:
+    L = num_blocks
+    if b == 0:
+        return "boundary 0 (the embedding output)"
+    if b == L:
+        return f"boundary {L} (the last block's output, before the final norm)"
+    if b == L + 1:
+        return f"boundary {L} AFTER the final norm"
+    return f"boundary {b} (output of block {b - 1})"
+
+
+def slot_label(b: int, num_blocks: int) -> str | int:
+    """A boundary id for JSON: the int, or a string for the post-norm pseudo-boundary."""
+    return f"{num_blocks}+final_norm" if b == num_blocks + 1 else b
+
+
+def slots_text(bs: Any, num_blocks: int) -> str:
+    return "[" + ", ".join(str(slot_label(b, num_blocks)) for b in bs) + "]"
+
+
+def short_by(value: float, reference: float, abs_tol: float = LIVE_ABS_TOL, rel_tol: float = LIVE_REL_TOL) -> bool:
+    return value < reference - max(abs_tol, rel_tol * reference)
+
+
+def replay_tolerance(p: float, n: int) -> float:
+    se = math.sqrt(max(p * (1 - p), 1e-4) / max(n, 1))
+    return max(REPLAY_ABS_TOL, REPLAY_SIGMAS * se)
+
+
+def fmt_acc(xs: list[float] | None) -> str:
+    return "-" if not xs else "[" + ", ".join(f"{x:.3f}" for x in xs) + "]"

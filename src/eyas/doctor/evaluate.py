@@ -1,0 +1,80 @@
+"""The drafter as an engine would build it, and its per-position accuracy with the training setup.
+
+Accuracy is measured exactly as the training loop measures held-out accuracy: ``ttt_forward``
+(teacher-forced tokens, the drafter's own fed-back hidden state, loss mask shifted with the
+tokens) summed by the loop's ``Tally``. Only the target's argmax is needed for accuracy, so the
+soft labels are a placeholder (the loss it computes is not reported).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from eyas.doctor.engines import DrafterDir
+from eyas.doctor.samples import Sample
+from eyas.drafter.config import DrafterConfig
+from eyas.drafter.model import Eagle3Drafter
+from eyas.training.batches import pad_right
+from eyas.training.loop import Tally
+from eyas.training.ttt import TargetLabels, ttt_forward
+
+EMBEDDING = "embed_tokens.weight"
+
+
+def build_drafter(dd: DrafterDir, cfg: DrafterConfig, target_embedding: Tensor,
+                  device: torch.device | str = "cpu") -> tuple[Eagle3Drafter, list[str]]:
+    """An fp32 drafter of architecture ``cfg`` holding ``dd``'s weights, as an engine loads it:
+    tensors the config has no module for are left out, a norm the config adds without a weight
+    stays all-ones, and the embedding comes from the target unless the checkpoint carries one.
+    Returns the drafter and notes on what did not fit."""
+    drafter = Eagle3Drafter(cfg)
+    state = drafter.state_dict()
+    notes: list[str] = []
+    with torch.no_grad():
+        for name, t in dd.tensors.items():
+            if name not in state:
+                notes.append(f"{name} in the weights is not used by this configuration")
+            elif tuple(state[name].shape) != tuple(t.shape):
+                notes.append(f"{name}: the configuration needs shape {tuple(state[name].shape)}, the weights have {tuple(t.shape)}")
+            else:
+                state[name].copy_(t)
+        absent = [k for k in state if k not in dd.tensors and k not in (EMBEDDING, "d2t", "t2d")]
+        if absent:
+            notes.append(f"{', '.join(absent)} not in the weights: left at initialisation (norm weights = 1)")
+        if EMBEDDING not in dd.tensors:
+            if tuple(target_embedding.shape) == tuple(drafter.embed_tokens.weight.shape):
+                drafter.embed_tokens.weight.copy_(target_embedding.detach().float())
+            else:
+                notes.append(f"embed_tokens: the target's embedding has shape {tuple(target_embedding.shape)}, "
+                             f"the drafter needs {tuple(drafter.embed_tokens.weight.shape)}")
+    return drafter.to(device).eval(), notes
+
+
+@torch.no_grad()
+def accuracy(drafter: Eagle3Drafter, samples: Sequence[Sample], features: Callable[[int], Tensor],
+             labels: Sequence[Tensor], steps: int, batch_size: int = 8) -> dict:
+    """Per-position accuracy, conditional accuracy and simulated accept length of ``drafter`` on
+    ``samples`` whose target features are ``features(i)`` [T, S*H] and labels ``labels[i]`` [T]."""
+    device = drafter.fc.weight.device
+    order = sorted(range(len(samples)), key=lambda i: -samples[i].length)  # similar lengths share a batch
+    tally = Tally(steps)
+    for b0 in range(0, len(order), batch_size):
+        idx = order[b0:b0 + batch_size]
+        ids = pad_right([samples[i].input_ids for i in idx]).to(device)
+        mask = pad_right([samples[i].loss_mask for i in idx]).to(device)
+        feats = pad_right([features(i) for i in idx]).to(device)
+        argmax = pad_right([labels[i] for i in idx]).to(device)
+        lab = TargetLabels(argmax=argmax, draft_logits=feats.new_zeros(*argmax.shape, 1))  # accuracy only
+        tally.add(ttt_forward(drafter, ids, feats, lab, mask, steps))
+    out = tally.summary()
+    out.pop("loss_per_position", None)
+    return out
+
+
+def score(summary: dict, positions: int) -> float:
+    """Mean accuracy over the first ``positions`` draft positions (the search's yardstick)."""
+    acc = summary["accuracy_per_position"][:positions]
+    return sum(acc) / len(acc) if acc else 0.0

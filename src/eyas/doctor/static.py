@@ -1,0 +1,283 @@
+"""Stage 1, static: the drafter directory read the way the chosen engine reads it, checked against
+what the drafter was trained on and against the live target, without running anything.
+
+- what the engine captures (its ids, the +1 rules, its default) versus the trained boundaries;
+- each norm flag the engine builds the drafter with versus the trained one, and whether
+  config.json states it explicitly (loaders disagree on absent flags: vLLM's speculators loader
+  reads an absent ``norm_before_residual`` as true);
+- fc input width versus slots x target hidden size, and the width the engine builds fc for;
+- vocabulary sizes, the d2t range (every draft id maps into the target vocabulary) and t2d;
+- the contract versus the target: weights fingerprint, shape, chat template, special tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from eyas.capture.boundaries import SGLangRule, boundaries_to_sglang_ids, sglang_rules_agree
+from eyas.contract.contract import Contract, compare, target_identity, tokenisation_of
+from eyas.doctor.common import FAIL, INFO, NORM_FLAGS, OK, WARN, Edit, Stage, boundary_name
+from eyas.doctor.engines import DrafterDir, EngineReading, boundary_edits, capturable, flag_edit, read_engine
+from eyas.doctor.samples import SampleSet
+from eyas.interop._common import CONFIG_JSON
+
+_PROBE = "eyasDoctorProbe7c1"
+
+
+def _retrain_fix(contract: Contract) -> str:
+    src = f" ({contract.target.source})" if contract.target.source else ""
+    return (f"serve the drafter with the target it was trained for{src}, weights fingerprint "
+            f"{contract.target.fingerprint}, or train a drafter for this target")
+
+
+def system_prompt_drift(tokenizer: Any, training_ids: torch.Tensor | None) -> dict[str, Any] | None:
+    """How the start of a training sequence differs from what this chat template renders before
+    the first user message: {"training_prefix", "template_prefix", "training_system_prompt"}.
+    None when they agree or cannot be compared."""
+    if training_ids is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        live = tokenizer.apply_chat_template([{"role": "user", "content": _PROBE}], tokenize=False)
+        with_sys = tokenizer.apply_chat_template(
+            [{"role": "system", "content": _PROBE + "S"}, {"role": "user", "content": _PROBE}], tokenize=False)
+    except Exception:  # noqa: BLE001 - templates may reject roles
+        return None
+    live_prefix = live.split(_PROBE)[0]
+    text = tokenizer.decode(training_ids.tolist(), skip_special_tokens=False)
+    if text.startswith(live_prefix):
+        return None
+    # The user header is the longest tail of the live prefix that occurs in the training text.
+    header = next((live_prefix[j:] for j in range(len(live_prefix)) if live_prefix[j:] and live_prefix[j:] in text), "")
+    if not header:
+        return {"training_prefix": text[:120], "template_prefix": live_prefix, "training_system_prompt": None}
+    training_prefix = text[: text.find(header)]
+    template_prefix = live_prefix[: len(live_prefix) - len(header)]
+    system_text = None
+    pre = with_sys.split(_PROBE + "S")
+    if len(pre) == 2 and training_prefix.startswith(pre[0]):
+        after = pre[1].split(_PROBE)[0]  # the system block's closing text (+ the user header)
+        closing = after[: len(after) - len(header)] if after.endswith(header) else after
+        body = training_prefix[len(pre[0]):]
+        system_text = body[: body.find(closing)] if closing and closing in body else body
+    return {"training_prefix": training_prefix, "template_prefix": template_prefix,
+            "training_system_prompt": system_text}
+
+
+def _check_boundaries(st: Stage, dd: DrafterDir, r: EngineReading, L: int, trained: list[int], source: str) -> None:
+    if r.engine == "sglang" and dd.layout == "speculators":
+        st.add(FAIL, "engine_cannot_load", f"{r.label} cannot load {dd.path}: {r.why_not}",
+               fix=f"export the drafter for SGLang: eyas export {dd.path} --to sglang --out {dd.path}-sglang")
+        return
+    if not capturable(r.engine, trained, L):
+        st.add(FAIL, "uncapturable", f"the drafter was trained on {trained}, whose boundary {L} (the last block's "
+               f"output) {r.label} never captures: it captures block inputs only (boundaries 0..{L - 1})",
+               field="boundaries", expected=trained, found=r.boundaries,
+               fix=f"retrain the drafter on boundaries 0..{L - 1} (eyas train --boundaries), or serve it with eyas")
+        return
+    if r.boundaries != trained:
+        edits, problem = boundary_edits(dd, r, trained, L)
+        if r.boundaries is None:
+            msg = f"{r.label} cannot use the layer ids: {r.boundaries_note}"
+        else:
+            diff = "; ".join(f"slot {i}: trained on {boundary_name(t, L)}, served {boundary_name(s, L)}"
+                             for i, (t, s) in enumerate(zip(trained, r.boundaries)) if t != s)
+            msg = (f"{r.label} captures boundaries {r.boundaries} ({r.boundaries_note}); the drafter was trained on "
+                   f"{trained} (from {source}): {diff}")
+            if not r.loadable:
+                msg += f"; {r.why_not}"
+        if problem:
+            msg += f"; no id list makes this SGLang capture {trained}: {problem}"
+        st.add(FAIL, "boundaries", msg, field="boundaries", expected=trained, found=r.boundaries, edits=edits,
+               fix=problem)
+    else:
+        st.add(OK, "boundaries", f"{r.label} captures boundaries {r.boundaries}, the trained ones ({r.boundaries_note})")
+    if r.engine == "sglang":
+        other = SGLangRule.LEGACY if r.rule is SGLangRule.PR25454 else SGLangRule.PR25454
+        o = read_engine(dd, "sglang", other.value, L)
+        if o.boundaries != trained:
+            both = sglang_rules_agree(trained, L)
+            advice = (f"write {boundaries_to_sglang_ids(trained, L, SGLangRule.LEGACY)}, which both rules read as {trained}"
+                      if both else "no id list is read the same by both rules unless the first boundary is 2: "
+                                   "pin the SGLang version")
+            got = o.boundaries if o.boundaries is not None else o.boundaries_note
+            st.add(WARN, "sglang_rule", f"an SGLang following the {other.value} rule would capture {got} "
+                   f"from these ids; {advice}",
+                   edits=boundary_edits(dd, o, trained, L)[0] if both else [])
+
+
+def _check_flags(st: Stage, dd: DrafterDir, r: EngineReading) -> None:
+    if not r.flags:
+        return
+    for flag in NORM_FLAGS:
+        served, trained = r.flags[flag], getattr(dd.trained, flag)
+        present = flag in dd.config
+        where = (f"config.json says {str(dd.config[flag]).lower()}" if present
+                 else f"absent from config.json, {r.label} reads {str(served).lower()}")
+        if r.engine == "eyas" and dd.meta.drafter_config is not None:
+            where = "eyas.json drafter_config"
+        weights = ""
+        if flag == "norm_before_fc":
+            has = "input_norm.weight" in dd.tensors
+            weights = " (the weights contain input_norm.weight)" if has else ""
+        if served != trained:
+            st.add(FAIL, f"flag:{flag}",
+                   f"{r.label} builds the drafter with {flag}={str(served).lower()} ({where}); it was trained with "
+                   f"{flag}={str(trained).lower()} ({dd.trained_source}){weights}",
+                   field=flag, expected=trained, found=served, edits=[flag_edit(flag, trained)])
+        elif not present:
+            st.add(WARN, f"implicit:{flag}",
+                   f"config.json does not state {flag}: {r.label} reads {str(served).lower()}, as trained, but loaders "
+                   f"disagree on absent flags (vLLM's speculators loader reads an absent norm_before_residual as true); "
+                   f"write it explicitly", field=flag, expected=trained, found=None, edits=[flag_edit(flag, trained)])
+    if all(r.flags[f] == getattr(dd.trained, f) for f in NORM_FLAGS):
+        st.add(OK, "flags", f"{r.label} builds the drafter with the trained norm flags "
+               + ", ".join(f"{f}={str(r.flags[f]).lower()}" for f in NORM_FLAGS))
+
+
+def _check_shapes(st: Stage, dd: DrafterDir, r: EngineReading, H: int, V: int) -> None:
+    t = dd.tensors
+    fc = t.get("fc.weight")
+    fc_in = int(fc.shape[1]) if fc is not None and fc.dim() == 2 else None
+    if r.target_hidden_size is not None and r.target_hidden_size != H:
+        st.add(FAIL, "target_hidden_size", f"{r.label} reads target_hidden_size {r.target_hidden_size}; the target's "
+               f"hidden size is {H}", field="target_hidden_size", expected=H, found=r.target_hidden_size)
+    if fc_in is None:
+        st.add(FAIL, "fc_width", "the weights have no 2-D fc.weight")
+    elif r.boundaries is not None:
+        want = len(r.boundaries) * H
+        if fc_in != want:
+            st.add(FAIL, "fc_width", f"fc takes {fc_in} features ({fc_in / H:g} slots x {H}); {r.label} feeds it "
+                   f"{len(r.boundaries)} boundaries x {H} = {want}", field="fc.in_features", expected=want, found=fc_in)
+        elif r.fc_slots is not None and r.target_hidden_size and fc_in != r.fc_slots * r.target_hidden_size:
+            st.add(FAIL, "fc_width", f"{r.label} builds fc for {r.fc_slots} x target_hidden_size = "
+                   f"{r.fc_slots * r.target_hidden_size} features; the weights have {fc_in}",
+                   field="fc.in_features", expected=r.fc_slots * r.target_hidden_size, found=fc_in)
+        else:
+            st.add(OK, "fc_width", f"fc input {fc_in} = {len(r.boundaries)} slots x {H}")
+    # vocabularies
+    if r.vocab_size is not None and r.vocab_size != V:
+        st.add(FAIL, "vocab_size", f"config.json vocab_size {r.vocab_size}; the target's vocabulary has {V} ids",
+               field="vocab_size", expected=V, found=r.vocab_size)
+    head = t.get("lm_head.weight")
+    rows = int(head.shape[0]) if head is not None else None
+    if rows is not None and r.draft_vocab_size is not None and rows != r.draft_vocab_size:
+        st.add(FAIL, "draft_vocab_size", f"{r.label} sizes lm_head for draft_vocab_size {r.draft_vocab_size}; the "
+               f"weights have {rows} rows", field="draft_vocab_size", expected=rows, found=r.draft_vocab_size,
+               edits=[Edit(CONFIG_JSON, "draft_vocab_size", rows)])
+    emb = t.get("embed_tokens.weight")
+    if emb is not None and emb.shape[0] != V:
+        st.add(FAIL, "embedding", f"the saved embed_tokens has {emb.shape[0]} rows; the target's vocabulary {V}")
+    d2t, t2d = t.get("d2t"), t.get("t2d")
+    n_draft = rows or dd.trained.draft_vocab_size
+    if d2t is None:
+        if n_draft != V:
+            st.add(FAIL, "d2t", f"no d2t in the weights but the draft vocabulary ({n_draft}) is smaller than the "
+                   f"target's ({V}): draft id i would be read as target id i")
+    else:
+        target_ids = d2t.long() + torch.arange(d2t.shape[0])
+        bad = int(((target_ids < 0) | (target_ids >= V)).sum())
+        dupes = int(target_ids.numel() - target_ids.unique().numel())
+        if bad:
+            st.add(FAIL, "d2t", f"d2t maps {bad} of {d2t.shape[0]} draft ids outside the target vocabulary 0..{V - 1}")
+        elif dupes:
+            st.add(FAIL, "d2t", f"d2t maps {dupes} draft ids onto target ids already taken")
+        elif t2d is not None and (t2d.numel() != V or int(t2d.bool().sum()) != d2t.shape[0]
+                                  or not bool(t2d.bool()[target_ids].all())):
+            st.add(FAIL, "t2d", f"t2d ({int(t2d.bool().sum())} of {t2d.numel()} set) is not the set of target ids d2t "
+                   f"maps to ({d2t.shape[0]})")
+        else:
+            st.add(OK, "vocab", f"draft vocabulary {d2t.shape[0]} ids, all inside the target's {V}; t2d consistent")
+
+
+def _check_contract(st: Stage, dd: DrafterDir, model: Any, tokenizer: Any, samples: SampleSet | None) -> None:
+    c = dd.contract
+    if c is None:
+        st.add(WARN, "no_contract", f"{dd.path} has no eyas.json contract: the target, chat template and training "
+               f"accuracy cannot be checked (`eyas import --target` records one)")
+        return
+    mode = c.tokenisation.system_prompt if c.tokenisation else "template_default"
+    live = Contract(target=target_identity(model), capture=c.capture,
+                    tokenisation=tokenisation_of(tokenizer, mode) if tokenizer is not None else None)
+    mismatches = compare(c, live)
+    target_mm = [m for m in mismatches if m.field.startswith("target.")]
+    tok_mm = [m for m in mismatches if m.field.startswith("tokenisation.")]
+    same_shape = [m.field for m in target_mm] == ["target.fingerprint"]
+    for m in target_mm:
+        what = "another checkpoint of the same shape" if same_shape else "another model"
+        st.add(FAIL, "target_mismatch", f"{m}: the target is {what}, not the one the drafter was trained for",
+               field=m.field, expected=m.expected, found=m.found, fix=_retrain_fix(c))
+    if tok_mm:
+        drift = None
+        if samples is not None and samples.source == "shards" and samples.samples:
+            drift = system_prompt_drift(tokenizer, samples.samples[0].input_ids)
+        for m in tok_mm:
+            msg = f"{m}"
+            fix = "serve with the chat template the drafter was trained with"
+            if m.field == "tokenisation.chat_template_sha256":
+                msg = f"the target's chat template differs from training (sha256 {m.expected}, found {m.found})"
+                if drift is not None:
+                    sp = drift.get("training_system_prompt")
+                    msg += (f": training sequences begin with {drift['training_prefix']!r} before the first user "
+                            f"message, this template renders {drift['template_prefix']!r}")
+                    if sp:
+                        msg += f" (the training system prompt {sp!r} is missing)"
+                        fix = (f"restore the training chat template (sha256 {m.expected}) in the target's "
+                               f"tokenizer files, or send the system prompt {sp!r} with every request")
+            st.add(FAIL, "template_mismatch", msg, field=m.field, expected=m.expected, found=m.found, fix=fix)
+        if drift is not None:
+            st.data["system_prompt_drift"] = drift
+    if not mismatches:
+        st.add(OK, "contract", f"the target matches the contract (weights fingerprint {c.target.fingerprint}, "
+               f"{c.target.num_blocks} blocks, hidden {c.target.hidden_size}, vocab {c.target.vocab_size}; "
+               f"chat template and special tokens)")
+    if max(dd.boundaries) > c.target.num_blocks:
+        st.add(FAIL, "boundaries_range", f"trained boundaries {dd.boundaries} exceed the target's {c.target.num_blocks} blocks")
+
+
+def _check_data(st: Stage, dd: DrafterDir, samples: SampleSet | None) -> None:
+    if samples is None or samples.manifest_contract is None:
+        return
+    mc = samples.manifest_contract
+    if samples.stored_boundaries != dd.boundaries and dd.contract is None:
+        st.add(WARN, "shards_boundaries", f"the shards hold boundaries {samples.stored_boundaries}; {dd.path} by its "
+               f"own convention says {dd.boundaries} ({dd.meta.boundaries_source}): replay runs on the shards")
+    elif samples.stored_boundaries != dd.boundaries:
+        st.add(WARN, "shards_boundaries", f"the shards hold boundaries {samples.stored_boundaries}; the drafter was "
+               f"trained on {dd.boundaries}: replay recaptures the trained boundaries from the live target instead")
+    if dd.contract is not None and mc.target.fingerprint != dd.contract.target.fingerprint:
+        st.add(WARN, "shards_target", f"the shards were captured from another target (fingerprint "
+               f"{mc.target.fingerprint}) than the drafter's ({dd.contract.target.fingerprint})")
+
+
+def static_stage(dd: DrafterDir, reading: EngineReading, model: Any, tokenizer: Any, L: int, H: int, V: int,
+                 samples: SampleSet | None, trained: list[int] | None = None, trained_note: str | None = None) -> Stage:
+    """``trained``: the boundaries the drafter was trained on when they are not the directory's own
+    (a directory without a contract, given its training shards; ``trained_note`` says so)."""
+    st = Stage("static")
+    for p in dd.problems:
+        st.add(WARN, "checkpoint", p)
+    if trained_note:
+        st.add(INFO, "trained_from_shards", trained_note)
+    trained = trained if trained is not None else dd.boundaries
+    source = "the training shards" if trained_note else dd.meta.boundaries_source
+    _check_boundaries(st, dd, reading, L, trained, source)
+    _check_flags(st, dd, reading)
+    _check_shapes(st, dd, reading, H, V)
+    _check_contract(st, dd, model, tokenizer, samples)
+    _check_data(st, dd, samples)
+    captures = {}
+    for engine, version in (("eyas", None), ("sglang", "pr25454"), ("sglang", "legacy"), ("vllm", None)):
+        o = read_engine(dd, engine, version, L)
+        captures[o.label] = o.boundaries if o.loadable else f"cannot load: {o.why_not}"
+    st.data.update({
+        "engine": reading.to_dict(),
+        "trained": {"boundaries": trained, "boundaries_source": source,
+                    "flags": dd.trained_flags, "flags_source": dd.trained_source},
+        "captures": captures,
+        "layout": dd.layout, "format": dd.meta.format,
+    })
+    fails = st.failures()
+    return st.settle(f"{len(fails)} problem(s): " + "; ".join(f.code for f in fails) if fails
+                     else "config, shapes, vocabulary and contract agree with training and the target")

@@ -1,0 +1,150 @@
+"""Stage 6, verdict: healthy or not, the cause in one sentence, and the fix.
+
+Healthy means no stage failed (warnings are listed, they do not fail). Otherwise the cause is the
+most fundamental failure, in this order: the directory cannot be read or loaded by the engine; the
+target is not the one trained for; shapes and vocabularies do not fit; the engine captures other
+boundaries; it builds the drafter with other norm flags; the chat template differs; then what only
+the measurements show (a protocol the search found, replay short of training, live short of replay,
+a slot off its fingerprint). The fix is the set of config edits, in the chosen engine's convention,
+that every config-fixable failure needs (boundaries and flags together when both are wrong), or
+the fix in words when no edit can help.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eyas.doctor.common import FAIL, WARN, Edit, Finding, Stage, boundary_name, edits_text, slots_text
+from eyas.doctor.engines import DrafterDir, EngineReading, boundary_edits, flag_edit
+from eyas.doctor.search import SearchResult
+
+PRIORITY = ("unreadable", "engine_cannot_load", "target_mismatch", "target_hidden_size", "fc_width", "vocab_size",
+            "draft_vocab_size", "embedding", "d2t", "t2d", "boundaries_range", "uncapturable", "boundaries", "flag:",
+            "template_mismatch", "checkpoint")
+
+
+def _rank(f: Finding) -> int:
+    for i, p in enumerate(PRIORITY):
+        if f.code == p or (p.endswith(":") and f.code.startswith(p)):
+            return i
+    return len(PRIORITY)
+
+
+def describe_boundaries(trained: list[int], served: list[int], L: int) -> str:
+    S = len(trained)
+    if served == [0] + trained[:-1]:
+        return (f"slot 0 is the embedding output (boundary 0), every trained slot moves one place right and the last "
+                f"one ({boundary_name(trained[-1], L)}) is dropped")
+    if trained == [0] + served[:-1]:
+        return (f"slot 0 was trained on the embedding output (boundary 0), which is not served: every slot is fed "
+                f"the boundary of the next slot and a new last slot ({boundary_name(served[-1], L)}) is added")
+    diffs = [s - t for s, t in zip(served, trained)]
+    if len(set(diffs)) == 1 and abs(diffs[0]) == 1:
+        return (f"every slot is fed the boundary one block {'after' if diffs[0] > 0 else 'before'} the one it was "
+                f"trained on (off by one: the ids are read in another layer-numbering convention)")
+    if sorted(served) == sorted(trained):
+        return "the slots are fed in another order"
+    parts = []
+    for i, (t, s) in enumerate(zip(trained, served)):
+        if t == s:
+            continue
+        if t == 0:
+            parts.append(f"slot {i} was trained on the embedding output (boundary 0) but is fed {boundary_name(s, L)}")
+        elif s == 0:
+            parts.append(f"slot {i} is fed the embedding output (boundary 0) instead of {boundary_name(t, L)}")
+        else:
+            parts.append(f"slot {i} was trained on {boundary_name(t, L)} but is fed {boundary_name(s, L)}")
+    return "; ".join(parts) if parts else f"{S} slots differ"
+
+
+def _fingerprint_evidence(fp: Stage) -> str:
+    rows = [r for r in fp.data.get("slots", []) if r.get("off")]
+    if not rows:
+        return ""
+    bits = [f"slot {r['slot']} looks like {r['looks_like_name']} (RMS z = {r['rms_z']:+.1f} against training)"
+            for r in rows[:3]]
+    return "; the fingerprint shows " + ", ".join(bits)
+
+
+def _search_evidence(search: SearchResult) -> str:
+    if search.winner is None:
+        return ""
+    d = search.stage.data
+    return (f"; the search confirms it: with {search.winner.label}, live accuracy returns to {d['winner']['score']:.3f} "
+            f"(replay {d['reference_score']:.3f}, as served {d['served_score']:.3f})")
+
+
+def verdict(stages: dict[str, Stage], dd: DrafterDir | None, reading: EngineReading | None, L: int,
+            search: SearchResult | None) -> dict[str, Any]:
+    fails = [f for st in stages.values() for f in st.findings if f.level == FAIL]
+    warnings = [f"{name}: {f.message}" for name, st in stages.items() for f in st.findings if f.level == WARN]
+    out: dict[str, Any] = {"healthy": not fails, "cause": None, "fix": None, "fix_edits": [], "warnings": warnings,
+                           "problems": [f"{f.code}: {f.message}" for f in fails]}
+    if not fails:
+        return out
+    static = stages.get("static")
+    static_fails = sorted([f for f in (static.findings if static else []) if f.level == FAIL], key=_rank)
+    label = reading.label if reading is not None else "the engine"
+    search = search or SearchResult(Stage("search").skip(""))
+
+    # Every config-fixable static failure contributes its edits (boundaries and flags together).
+    edits: list[Edit] = []
+    for f in static_fails:
+        for e in f.edits:
+            if e not in edits:
+                edits.append(e)
+    cause: str | None = None
+    words: str | None = None
+
+    if static_fails:
+        top = static_fails[0]
+        if top.code == "boundaries" and isinstance(top.found, list) and dd is not None and reading is not None:
+            trained, served = list(top.expected), list(top.found)
+            cause = (f"{label} feeds the drafter boundaries {served} ({reading.boundaries_note}) but it was trained on "
+                     f"{trained}: {describe_boundaries(trained, served, L)}"
+                     + (f" ({reading.why_not})" if not reading.loadable and reading.why_not else "")
+                     + _fingerprint_evidence(stages["fingerprint"]) + _search_evidence(search))
+            if not top.edits:
+                words = top.fix or top.message
+        elif top.code.startswith("flag:"):
+            cause = top.message + _search_evidence(search)
+        else:
+            cause = top.message
+            words = top.fix
+    elif search.winner is not None and dd is not None and reading is not None:
+        # Nothing recorded says what is wrong, but a protocol restores the accuracy: fix towards it.
+        wp = search.winner
+        slots = list(wp.slots)
+        if slots != list(reading.boundaries or []):
+            if L + 1 in slots:
+                words = (f"the drafter was trained on boundary {L} AFTER the target's final norm, which no engine "
+                         f"captures: retrain it on pre-norm features (eyas train)")
+            else:
+                e, problem = boundary_edits(dd, reading, slots, L)
+                edits += e
+                words = problem
+        for f, v in wp.flag_dict.items():
+            if reading.flags.get(f) != v:
+                edits.append(flag_edit(f, v))
+        cause = (f"served as {label} serves it (boundaries {slots_text(reading.boundaries or [], L)}) the drafter falls "
+                 f"short of its replay accuracy, and with {wp.label} (boundaries {slots_text(slots, L)}) it returns"
+                 + _fingerprint_evidence(stages["fingerprint"]))
+    else:
+        order = ("replay", "live", "fingerprint")
+        first = next((f for name in order for f in stages[name].findings if f.level == FAIL), fails[0])
+        cause = first.message
+        if first.code == "replay_short":
+            words = ("the drafter does not reproduce its training accuracy on its own samples: check that the weights "
+                     "are the trained ones and that the target is the training target, or retrain")
+        elif first.code == "live_short":
+            cause += "; no plausible protocol restores it"
+            words = "no config edit found: compare the engine's capture with `eyas trace`"
+        elif first.code == "slot_off":
+            words = "feed each slot the boundary its training statistics match (see the fingerprint stage)"
+    out["cause"] = cause
+    out["fix_edits"] = [e.to_dict() for e in edits]
+    fix = edits_text(edits, str(dd.path)) if edits and dd is not None else None
+    if words and fix:
+        fix = f"{fix}; {words}"
+    out["fix"] = fix or words
+    return out

@@ -1,0 +1,445 @@
+"""`eyas doctor` on toy targets of 12 blocks with briefly trained drafters: each test breaks the
+served setup the way users break it (an edited config.json, another engine, another target, another
+chat template) and asserts the verdict, the cause and the fix.
+
+The toy target is tests/toy.py's tiny Llama with its MLP outputs scaled up, so that every block
+writes its own features into the residual stream and the boundaries differ from each other as
+they do in trained models (with the plain toy, every boundary is nearly the embedding, and a
+drafter fed the wrong ones barely notices). Its greedy answers to 24 short prompts, each
+conversation twice, are data a drafter learns in 60 steps (held-out samples have a twin in the
+training split), so live accuracy visibly falls when the capture is wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from toy import make_toy_target  # noqa: E402
+
+from eyas.doctor import run_doctor  # noqa: E402
+
+L = 12
+TRAINED = [2, 6, 9]  # the EAGLE-3 default [2, L//2, L-3]
+EMB_TRAINED = [0, 6, 9]  # a drafter trained with the embedding output as its first slot
+
+
+def _toy_target(root: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    path = make_toy_target(root, num_blocks=L, seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(3.0)
+    model.save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def _conversations(model, tok, out: Path, n: int = 24, answer_tokens: int = 24) -> Path:
+    tok.padding_side = "left"
+    batch = [[{"role": "user", "content": f"Question {i}: what is {i} times {i % 7 + 2}?"}] for i in range(n)]
+    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in batch]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    gen = model.generate(**enc, max_new_tokens=answer_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    rows = [{"messages": m + [{"role": "assistant", "content": tok.decode(g, skip_special_tokens=True)}]}
+            for m, g in zip(batch, gen[:, enc.input_ids.shape[1]:])]
+    tok.padding_side = "right"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows + rows))
+    return out
+
+
+def _train_cfg(target: Path, data: Path, out: Path, **kw):
+    from eyas.training.config import TrainConfig
+
+    base = dict(target=str(target), data=str(data), out=str(out), steps=60, batch_size=8, draft_vocab_size=512,
+                lr=3e-3, warmup_steps=10, ttt_steps=3, val_fraction=0.25, max_val_samples=16, log_every=20,
+                eval_every=1000, save_every=1000, device="cpu")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Targets, data and two trained drafters, built once for the module."""
+    import eyas.training.loop as loop
+    from eyas.capture import CaptureSpec
+    from eyas.data.conversations import read_conversations
+    from eyas.data.shards import capture_shards
+    from eyas.targets import load_target
+
+    # Tiny models: one thread is as fast as two on an idle machine and several times faster when
+    # another process competes for the cores (OpenMP threads then wait on each other).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("doctor")
+    target = _toy_target(root / "target")
+    model, tok, _ = load_target(str(target))
+    convs = _conversations(model, tok, root / "conversations.jsonl")
+    capture_shards(model, tok, read_conversations(convs).conversations, root / "shards", CaptureSpec(tuple(TRAINED), L),
+                   dtype="bfloat16", progress=False)
+    # 1. offline, from shards, on the default boundaries [2, 6, 9]
+    loop.train(_train_cfg(target, root / "shards", root / "base"), log=lambda m: None)
+    # 2. online, with the embedding output as slot 0, and norm_before_fc (TrainConfig has no flag options)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "new_drafter", functools.partial(loop.new_drafter, norm_before_fc=True))
+        loop.train(_train_cfg(target, convs, root / "emb", boundaries=EMB_TRAINED), log=lambda m: None)
+    yield {"root": root, "target": target, "model": model, "tok": tok, "shards": root / "shards", "convs": convs,
+           "base": root / "base", "emb": root / "emb"}
+    torch.set_num_threads(threads)
+
+
+def doctor(world, draft, engine="eyas", version=None, data="shards", target=None, **kw):
+    model, tok, name = world["model"], world["tok"], world["target"]
+    if target is not None:
+        from eyas.targets import load_target
+
+        model, tok, _ = load_target(str(target))
+        name = target
+    data_path = world[data] if data in ("shards", "convs") else data
+    return run_doctor(str(name), str(draft), data=str(data_path) if data_path else None, engine=engine,
+                      engine_version=version, samples=16, model=model, tokenizer=tok, **kw)
+
+
+def served_copy(world, src: str, name: str, edit=None) -> Path:
+    """A copy of a trained drafter directory (what gets served), with config.json edited by ``edit``."""
+    dst = world["root"] / name
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(world[src], dst, ignore=shutil.ignore_patterns("checkpoints", "*.png", "metrics.jsonl"))
+    if edit is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def codes(report, stage: str) -> set[str]:
+    return {f.code for f in report.stages[stage].findings if f.level == "fail"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Healthy
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine,version", [("eyas", None), ("sglang", "pr25454"), ("sglang", "legacy"), ("vllm", None)])
+def test_healthy_drafter_passes_with_no_warning_on_every_engine_setting(world, engine, version):
+    r = doctor(world, world["base"], engine, version)
+    assert r.healthy, (r.cause, r.problems)
+    assert r.warnings == [] and r.cause is None and r.fix is None and r.exit_code == 0
+    assert r.stages["static"].status == "pass" and r.stages["replay"].status == "pass"
+    assert r.stages["live"].status == "pass" and r.stages["fingerprint"].status == "pass"
+    assert r.stages["search"].status == "skipped"
+    # the held-out split of the training run is reproduced: replay gives exactly the recorded accuracy
+    trained = r.stages["replay"].data["training"]["accuracy_per_position"]
+    assert r.stages["replay"].data["accuracy_per_position"] == pytest.approx(trained, abs=1e-4)
+    assert r.stages["live"].data["accuracy_per_position"] == pytest.approx(trained, abs=0.02)
+    assert trained[0] > 0.15  # the drafter learned something: the checks below are not about a dead drafter
+    for slot in r.stages["fingerprint"].data["slots"]:
+        assert slot["looks_like"] == slot["trained_boundary"] and abs(slot["rms_z"]) < 1
+
+
+def test_healthy_speculators_export_read_by_vllm(world, tmp_path):
+    from eyas.interop import export_drafter
+
+    export_drafter(world["base"], "vllm", tmp_path / "spec")
+    r = doctor(world, tmp_path / "spec", "vllm")
+    assert r.healthy and r.warnings == [], (r.cause, r.warnings)
+    # without --data and without train_config.json (an export has none), the target answers built-in prompts
+    r = doctor(world, tmp_path / "spec", "vllm", data=None)
+    assert r.healthy and r.warnings == [] and r.data["source"] == "generated", (r.cause, r.warnings)
+    # SGLang cannot load that format at all: said, with the export that fixes it
+    s = doctor(world, tmp_path / "spec", "sglang")
+    assert not s.healthy and "engine_cannot_load" in codes(s, "static")
+    assert "eyas export" in s.fix and "--to sglang" in s.fix
+
+
+def test_cli_json_png_and_exit_codes(world, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from eyas.cli.doctor_command import register
+
+    cli = typer.Typer()
+    register(cli)
+
+    @cli.callback()
+    def _root() -> None:  # a group, so that `doctor` is a subcommand as in `eyas doctor`
+        pass
+
+    runner = CliRunner()
+    args = ["doctor", "--target", str(world["target"]), "--data", str(world["shards"]), "--samples", "8"]
+    ok = runner.invoke(cli, args + ["--draft", str(world["base"]), "--json", "--png", str(tmp_path / "ok.png")])
+    assert ok.exit_code == 0, ok.output
+    report = json.loads(ok.stdout)
+    assert report["healthy"] is True and report["cause"] is None and report["fix"] is None
+    assert {"static", "replay", "live", "fingerprint", "search"} <= report.keys()
+    assert (tmp_path / "ok.png").stat().st_size > 1000
+
+    broken = served_copy(world, "base", "cli-broken", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5, 8]))
+    bad = runner.invoke(cli, args + ["--draft", str(broken), "--engine", "vllm"])
+    assert bad.exit_code == 1 and "NOT HEALTHY" in bad.stdout and "verdict" in bad.stdout
+    usage = runner.invoke(cli, args + ["--draft", str(broken), "--engine", "sglang", "--engine-version", "v9"])
+    assert usage.exit_code == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedding in or out
+# ---------------------------------------------------------------------------------------------
+
+
+def test_embedding_served_as_first_slot_and_last_slot_dropped(world, tmp_path):
+    # vLLM reads top-level ids as boundaries: [0, 2, 6] = embedding first, trained slots shifted right
+    d = served_copy(world, "base", "emb-in-vllm", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 6]))
+    r = doctor(world, d, "vllm", png=tmp_path / "doctor.png")
+    assert not r.healthy and r.exit_code == 1
+    assert "boundaries" in codes(r, "static") and "live_short" in codes(r, "live")
+    assert "slot 0 is the embedding output (boundary 0)" in r.cause and "boundary 9" in r.cause
+    assert "slot 0 looks like boundary 0 (the embedding output)" in r.cause  # named by the fingerprint
+    assert "top-level eagle_aux_hidden_state_layer_ids: [2, 6, 9]" in r.fix
+    assert r.fix_edits == [{"file": "config.json", "key": "eagle_aux_hidden_state_layer_ids", "value": [2, 6, 9],
+                            "text": "top-level eagle_aux_hidden_state_layer_ids: [2, 6, 9]"}]
+    slot0 = r.stages["fingerprint"].data["slots"][0]
+    assert slot0["off"] and slot0["looks_like"] == 0 and slot0["trained_matches"] == 2
+    live, replay = r.stages["live"].data["accuracy_per_position"], r.stages["replay"].data["accuracy_per_position"]
+    assert live[0] < replay[0] / 2
+    win = r.stages["search"].data["winner"]
+    assert win["boundaries"] == "[2, 6, 9]" and win["accuracy_per_position"][0] == pytest.approx(replay[0], abs=0.02)
+    assert (tmp_path / "doctor.png").stat().st_size > 1000
+    json.dumps(r.to_dict())  # the whole report is JSON
+
+    # the same for SGLang (PR #25454 reads ids not starting with 1 as written): the fix is in its convention
+    d = served_copy(world, "base", "emb-in-sglang", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, 6]))
+    r = doctor(world, d, "sglang", "pr25454")
+    assert not r.healthy and "slot 0 is the embedding output" in r.cause
+    assert "eagle_config.eagle_aux_hidden_state_layer_ids: [1, 5, 8]" in r.fix
+
+
+def test_trained_with_embedding_first_served_without_it(world):
+    # vLLM: the top-level ids were dropped, so vLLM falls back to its default [2, 6, 9]
+    d = served_copy(world, "emb", "emb-out-vllm", lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
+    r = doctor(world, d, "vllm", data="convs")
+    assert not r.healthy
+    assert "slot 0 was trained on the embedding output (boundary 0)" in r.cause
+    assert "absent" in r.cause  # the engine's default is named as the reason
+    assert "top-level eagle_aux_hidden_state_layer_ids: [0, 6, 9]" in r.fix
+    assert r.stages["fingerprint"].data["slots"][0]["trained_matches"] == 0
+    # an SGLang before PR #25454 reads the ids eyas wrote for the current rule ([0, 6, 9]) as [1, 7, 10]
+    r = doctor(world, world["emb"], "sglang", "legacy", data="convs")
+    assert not r.healthy and r.stages["static"].data["engine"]["boundaries"] == [1, 7, 10]
+    assert "eagle_config.eagle_aux_hidden_state_layer_ids: [-1, 5, 8]" in r.fix
+    # ...while the current rule reads them right (a warning says the legacy rule would not)
+    r = doctor(world, world["emb"], "sglang", "pr25454", data="convs")
+    assert r.healthy and any("legacy rule would capture [1, 7, 10]" in w for w in r.warnings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer-id conventions
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sglang_convention_read_by_vllm_is_off_by_one(world):
+    # SpecForge/SGLang ids (output of block k) copied to the top-level key that vLLM reads as boundaries
+    d = served_copy(world, "base", "sg-ids-vllm", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5, 8]))
+    r = doctor(world, d, "vllm")
+    assert not r.healthy
+    assert "[1, 5, 8]" in r.cause and "one block before" in r.cause
+    assert "top-level eagle_aux_hidden_state_layer_ids: [2, 6, 9]" in r.fix
+    assert r.stages["search"].data["winner"]["boundaries"] == "[2, 6, 9]"
+
+
+def test_vllm_convention_read_by_sglang_is_off_by_one(world):
+    # vLLM ids (boundaries) written into SGLang's nested key
+    d = served_copy(world, "base", "vl-ids-sglang", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 6, 9]))
+    r = doctor(world, d, "sglang", "legacy")
+    assert not r.healthy
+    assert "[3, 7, 10]" in r.cause and "one block after" in r.cause
+    assert "eagle_config.eagle_aux_hidden_state_layer_ids: [1, 5, 8]" in r.fix
+    # PR #25454 happens to read [2, 6, 9] as written: healthy, with a warning for the other rule
+    r = doctor(world, d, "sglang", "pr25454")
+    assert r.healthy and len(r.warnings) == 1 and "[1, 5, 8]" in r.warnings[0]
+
+
+def test_the_last_blocks_output_reaches_eyas_but_not_sglang_or_vllm(world, tmp_path):
+    from eyas.drafter.build import new_drafter
+    from eyas.interop import save_drafter
+
+    # config.json edited to ask vLLM for boundary L: vLLM captures layer inputs only, it never arrives
+    d = served_copy(world, "base", "ids-with-L", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 6, L]))
+    r = doctor(world, d, "vllm")
+    assert not r.healthy and "never arrives" in r.cause
+    assert "top-level eagle_aux_hidden_state_layer_ids: [2, 6, 9]" in r.fix
+    assert r.stages["live"].status == "skipped"
+    # a drafter made for [2, 6, L]: fine in eyas, impossible in SGLang and vLLM whatever the ids
+    drafter, contract = new_drafter(world["model"], world["tok"], [2, 6, L], draft_vocab_size=512)
+    save_drafter(drafter, contract, tmp_path / "withL")
+    r = doctor(world, tmp_path / "withL", "sglang")
+    assert not r.healthy and codes(r, "static") == {"uncapturable"} and "retrain" in r.fix
+    r = doctor(world, tmp_path / "withL", "eyas")
+    assert r.healthy, r.problems
+
+
+def test_a_third_party_directory_is_judged_by_its_training_shards(world, tmp_path):
+    """No eyas.json: the directory's own convention is exactly what is in doubt. Given the shards it
+    was trained on, the doctor takes their boundaries as the trained ones."""
+    import os
+
+    from eyas.interop import export_drafter
+
+    d = tmp_path / "third-party"
+    export_drafter(world["base"], "sglang", d)
+    os.remove(d / "eyas.json")
+    cfg = json.loads((d / "config.json").read_text())
+    for key in [k for k in cfg if k.startswith("eyas_")] + ["eagle_aux_hidden_state_layer_ids"]:
+        del cfg[key]
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = TRAINED  # boundaries written where SGLang expects ids
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = doctor(world, d, "sglang", "legacy")
+    assert not r.healthy and "one block after" in r.cause
+    assert "eagle_config.eagle_aux_hidden_state_layer_ids: [1, 5, 8]" in r.fix
+    assert r.stages["replay"].data["features"].startswith("stored training features")
+    r = doctor(world, d, "vllm")  # no top-level ids: vLLM's default [2, 6, 9] is right
+    assert r.healthy and any("no eyas.json contract" in w for w in r.warnings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Norm flags
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_norm_before_fc_trained_on_but_missing_from_config(world, engine):
+    d = served_copy(world, "emb", f"nbf-{engine}", lambda c: c.pop("norm_before_fc"))
+    r = doctor(world, d, engine, data="convs")
+    assert not r.healthy and codes(r, "static") == {"flag:norm_before_fc"}
+    assert "norm_before_fc=false" in r.cause and "norm_before_fc=true" in r.cause and "input_norm.weight" in r.cause
+    assert r.fix.endswith('set "norm_before_fc": true')
+    assert r.stages["live"].data["flags"]["norm_before_fc"] is False
+
+
+def test_norm_before_fc_missing_still_serves_right_in_eyas_with_a_warning(world):
+    d = served_copy(world, "emb", "nbf-eyas", lambda c: c.pop("norm_before_fc"))
+    r = doctor(world, d, "eyas", data="convs")
+    assert r.healthy  # eyas reads eyas.json
+    assert any("does not state norm_before_fc" in w for w in r.warnings)
+
+
+def test_vllm_reads_an_absent_norm_before_residual_as_true(world, tmp_path):
+    from eyas.interop import export_drafter
+
+    export_drafter(world["base"], "vllm", tmp_path / "spec")
+    cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
+    del cfg["norm_before_residual"]
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(cfg))
+    r = doctor(world, tmp_path / "spec", "vllm")
+    assert not r.healthy and codes(r, "static") == {"flag:norm_before_residual"}
+    assert "norm_before_residual=true" in r.cause and "absent from config.json" in r.cause
+    assert r.fix.endswith('set "norm_before_residual": false')
+
+
+# ---------------------------------------------------------------------------------------------
+# Target and chat template
+# ---------------------------------------------------------------------------------------------
+
+
+def test_another_checkpoint_of_the_same_shape(world):
+    other = world["root"] / "target-seed1"
+    if not other.exists():
+        _toy_target(other, seed=1)
+    r = doctor(world, world["base"], "vllm", target=other)
+    assert not r.healthy and "target_mismatch" in codes(r, "static")
+    fp = r.stages["static"].findings[[f.code for f in r.stages["static"].findings].index("target_mismatch")]
+    assert fp.field == "target.fingerprint" and fp.expected != fp.found
+    assert "target.fingerprint" in r.cause and "same shape" in r.cause
+    assert f"weights fingerprint {fp.expected}" in r.fix and str(world["target"]) in r.fix
+
+
+def test_chat_template_without_the_training_system_prompt(world):
+    tmpl = world["root"] / "target-no-system"
+    if not tmpl.exists():
+        shutil.copytree(world["target"], tmpl)
+        path = tmpl / "chat_template.jinja"
+        text = path.read_text()
+        start = text.index("{% if loop.first")
+        end = text.index("{% endif %}", start) + len("{% endif %}")
+        path.write_text(text[:start] + text[end:])  # the template no longer inserts its default system prompt
+    r = doctor(world, world["base"], "sglang", target=tmpl)
+    assert not r.healthy and codes(r, "static") == {"template_mismatch"}
+    assert "chat template differs from training" in r.cause
+    assert "You are a helpful AI assistant named SmolLM, trained by Hugging Face" in r.cause
+    assert "send the system prompt 'You are a helpful AI assistant named SmolLM, trained by Hugging Face'" in r.fix
+
+
+# ---------------------------------------------------------------------------------------------
+# Input problems are findings, not crashes
+# ---------------------------------------------------------------------------------------------
+
+
+def test_unreadable_directory_and_bad_data_are_reported(world, tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = doctor(world, tmp_path / "empty", "vllm")
+    assert not r.healthy and codes(r, "static") == {"unreadable"}
+    assert all(r.stages[s].status == "skipped" for s in ("replay", "live", "fingerprint", "search"))
+    r = doctor(world, world["base"], "vllm", data=str(tmp_path / "nowhere.jsonl"))
+    assert not r.healthy and "nowhere.jsonl" in r.cause
+    with pytest.raises(ValueError, match="--engine"):
+        doctor(world, world["base"], "tensorrt")
+
+
+# ---------------------------------------------------------------------------------------------
+# Units (no target)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_search_candidates_cover_the_plausible_protocols():
+    from eyas.doctor.search import candidates
+
+    flags = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+    cands = candidates([0, 2, 6], flags, L, None, None, None)
+    slots = {c.slots for c in cands if c.kind == "boundaries"}
+    assert (2, 6, 9) in slots  # embedding out: slot 0 dropped, L-3 appended
+    assert (1, 3, 7) in slots and (1, 2, 6) in slots  # every boundary +1; slot 0 +1
+    assert (0, 6, 2) in slots and (6, 2, 0) in slots  # slot orders
+    assert (0, 2, L + 1) in slots  # the last slot after the final norm
+    assert all(-1 not in s for s in slots) and (0, 2, 6) not in slots  # valid, and never the served protocol
+    toggled = [c for c in cands if c.kind == "flags"]
+    assert [dict(c.flags) for c in toggled] == [dict(flags, **{f: True}) for f in flags]
+    # the trained protocol comes first when it is known
+    first = candidates([1, 5, 8], flags, L, TRAINED, dict(flags, norm_before_fc=True), None)[0]
+    assert first.kind == "trained" and first.slots == (2, 6, 9) and dict(first.flags)["norm_before_fc"]
+
+
+def test_describe_boundaries_names_the_slot_and_the_convention():
+    from eyas.doctor.verdict import describe_boundaries
+
+    assert describe_boundaries([2, 6, 9], [0, 2, 6], L).startswith("slot 0 is the embedding output (boundary 0)")
+    assert describe_boundaries([0, 6, 9], [6, 9, 11], L).startswith("slot 0 was trained on the embedding output")
+    assert "one block before" in describe_boundaries([2, 6, 9], [1, 5, 8], L)
+    assert "one block after" in describe_boundaries([2, 6, 9], [3, 7, 10], L)
+    assert describe_boundaries([2, 6, 9], [9, 6, 2], L) == "the slots are fed in another order"
+    assert describe_boundaries([0, 6, 9], [2, 6, 9], L) == (
+        "slot 0 was trained on the embedding output (boundary 0) but is fed boundary 2 (output of block 1)")
+
+
+def test_fingerprint_z_scores_and_resemblance():
+    from eyas.contract import SlotFingerprint
+    from eyas.doctor.fingerprint import compare_slot, nearest
+
+    def fp(b, rms, std, means):
+        return SlotFingerprint(boundary=b, rms_mean=rms, rms_std=std, channels=[0, 1], channel_means=means, num_tokens=100)
+
+    live = {0: fp(0, 0.06, 0.01, [0.0, 0.01]), 2: fp(2, 0.4, 0.05, [0.1, -0.2]), 6: fp(6, 0.7, 0.1, [0.3, 0.1])}
+    trained_slot0 = fp(2, 0.41, 0.05, [0.1, -0.19])
+    ok = compare_slot(live[2], trained_slot0)
+    assert not ok["off"] and abs(ok["rms_z"]) < 1
+    off = compare_slot(live[0], trained_slot0)
+    assert off["off"] and off["rms_z"] < -3 and off["rms_ratio"] < 0.2
+    assert nearest(live[0], live)[0] == 0 and nearest(trained_slot0, live)[0] == 2
