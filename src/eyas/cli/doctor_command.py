@@ -1,9 +1,11 @@
-"""`eyas doctor`: replay, live capture as an engine would do it, fingerprint, search, verdict.
+"""`eyas doctor`: replay, live capture as an engine would do it, fingerprint, search, verdict;
+`eyas trace`: the engine's three junctions per round, held against the training fingerprint.
 
     eyas doctor --target smollm2 --draft runs/drafter --data shards/ --engine vllm --png doctor.png
+    eyas trace  --target smollm2 --draft runs/drafter --prompt "Why is the sky blue?" --out trace.jsonl
 
-Exit code 0 only when the drafter is healthy (1 when it is not, 2 for unusable input). `main.py`
-adds it with ``register(app)``.
+Exit code 0 only when the drafter is healthy / the trace matches the fingerprint (1 when it does
+not, 2 for unusable input). `main.py` adds both with ``register(app)``.
 """
 
 from __future__ import annotations
@@ -62,5 +64,47 @@ def doctor_cmd(
     raise typer.Exit(report.exit_code)
 
 
+def trace_cmd(
+    target: str = typer.Option(..., help=TARGET_HELP),
+    draft: Path = typer.Option(..., help="the drafter directory as it is served (eyas, SGLang or speculators format)"),
+    prompt: str = typer.Option(..., help="the user message to answer with the trace on"),
+    out: Path = typer.Option(..., help="the JSONL file of junction records (a header line, the records, the summary)"),
+    max_new_tokens: int = typer.Option(64, min=1),
+    tree: str = typer.Option("5", help="DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24) or DEPTH for a chain"),
+    system: Optional[str] = typer.Option(None, help="a system message (default: the template's own)"),
+    engine: DoctorEngine = typer.Option(
+        DoctorEngine.eyas, help="serve the boundaries and norm flags this engine reads from the directory"),
+    engine_version: Optional[str] = typer.Option(
+        None, help="for sglang: pr25454 (default, current) or legacy (+1 to every id)"),
+    device: str = typer.Option("auto", help="cpu | cuda | auto"),
+    json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """Trace the engine's junctions (each captured boundary, the concatenation, the fc input) per round
+    to JSONL, and hold them against the drafter's training fingerprint."""
+    from eyas.doctor.engines import normalise_engine
+    from eyas.doctor.trace import TraceError, render_trace, run_trace
+    from eyas.engine import TreeSpec
+
+    if not draft.exists():
+        _fail(f"--draft {draft}: no such directory")
+    try:
+        normalise_engine(engine.value, engine_version)
+        spec_tree = TreeSpec.parse(tree)
+    except ValueError as e:
+        _fail(str(e))
+    log = (lambda m: err.print(f"[dim]trace: {m}[/]", highlight=False))
+    try:
+        report = _run(run_trace, target, str(draft), prompt, out, system=system, max_new_tokens=max_new_tokens,
+                      tree=spec_tree, engine=engine.value, engine_version=engine_version, device=device, log=log)
+    except TraceError as e:  # the engine cannot serve the directory, or the drafter does not fit the target
+        _fail(str(e))
+    if json_out:
+        _print_json(report.to_dict())
+    else:
+        render_trace(report, console)
+    raise typer.Exit(report.exit_code)
+
+
 def register(app: typer.Typer) -> None:
     app.command("doctor")(doctor_cmd)
+    app.command("trace")(trace_cmd)

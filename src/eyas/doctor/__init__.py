@@ -6,11 +6,18 @@
 
 Stages (each its own module): static, replay, live, fingerprint, search, verdict; see
 :mod:`eyas.doctor.run` for the order and :mod:`eyas.doctor.common` for the thresholds.
+
+``eyas trace`` (:mod:`eyas.doctor.trace`) records the engine's three junctions per round and holds
+them against the same training fingerprint:
+
+    from eyas.doctor import Tracer, run_trace
+    report = run_trace("smollm2", "runs/drafter", "Why is the sky blue?", "trace.jsonl", engine="vllm")
 """
 
 from eyas.doctor.engines import ENGINES, EngineReading, read_drafter_dir, read_engine
 from eyas.doctor.report import DoctorReport, plot_png, render
 from eyas.doctor.run import run_doctor
+from eyas.doctor.trace import TraceError, TraceReport, Tracer, TraceSummary, render_trace, run_trace
 
-__all__ = ["ENGINES", "DoctorReport", "EngineReading", "plot_png", "read_drafter_dir", "read_engine", "render",
-           "run_doctor"]
+__all__ = ["ENGINES", "DoctorReport", "EngineReading", "TraceError", "TraceReport", "TraceSummary", "Tracer",
+           "plot_png", "read_drafter_dir", "read_engine", "render", "render_trace", "run_doctor", "run_trace"]
