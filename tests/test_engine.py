@@ -533,3 +533,43 @@ def test_plain_sampling_matches_the_exact_distribution(small_vocab):
         counts[a, b, c] += 1
     stat, df = chi_square(counts, exact)
     assert df >= 15 and stat < wilson_hilferty_critical(df, Z_999)
+
+
+# ---------------------------------------------------------------------------------------------
+# Train/serve identity: serving computes what training-time test computed
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+def test_greedy_chain_accepts_exactly_what_ttt_predicts(llama, trained_drafter, depth):
+    """A greedy chain round after x_m drafts x_{m+d} with the drafter's step d-1 at index m-1 (TTT
+    step k at index t reads x_{t+1+k} and predicts x_{t+2+k}). Conditional on the earlier drafts
+    being accepted, serving and TTT compute the same thing, so every round accepts exactly the run of
+    leading TTT steps that were right on the final sequence. A drafter that trains well but serves
+    badly (positions, masks or fed-back hidden states differing) fails here."""
+    rounds, accepted_total, deepest = 0, 0, 0
+    for prompt in random_prompts(8, 128, seed=11, lengths=(3, 12)):
+        max_new = 40
+        r = speculative_generate(HFTarget(llama, SPEC4), trained_drafter, prompt, tree=TreeSpec.chain(depth),
+                                 max_new_tokens=max_new)
+        seq = torch.tensor([prompt + r.tokens])
+        with torch.no_grad(), BoundaryCapture(llama, SPEC4) as cap:
+            logits = llama(seq).logits
+            features = cap.features()
+        draft_ids = trained_drafter.draft_to_target(torch.arange(trained_drafter.config.draft_vocab_size))
+        with torch.no_grad():
+            ttt = ttt_forward(trained_drafter, seq, features, TargetLabels.from_logits(logits, draft_ids),
+                              torch.ones_like(seq), steps=depth)
+        n, max_len = len(prompt), len(prompt) + max_new
+        m = n  # after the prefill, x_n is committed and the first round drafts from it
+        for emitted in r.stats.accept_lengths[:-1]:  # the last round may be cut by max_new_tokens
+            gamma = min(depth, max_len - 2 - m)
+            expected = 0
+            while expected < gamma and int(ttt.predicted[expected][0, m - 1]) == int(seq[0, m + expected + 1]):
+                expected += 1
+            assert emitted - 1 == expected, (prompt, m, emitted, expected)
+            deepest = max(deepest, expected)
+            rounds, accepted_total = rounds + 1, accepted_total + expected
+            m += emitted
+    # the check compared real acceptances (several drafts deep with a chain of 4), not only rejections
+    assert rounds > 50 and accepted_total > 20 and deepest == depth, (rounds, accepted_total, deepest)

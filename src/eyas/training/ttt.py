@@ -59,6 +59,7 @@ class TTTResult:
     cond_correct: list[int] = field(default_factory=list)  # ...among positions all earlier steps got right
     cond_total: list[int] = field(default_factory=list)
     total: list[int] = field(default_factory=list)  # counted positions per step
+    predicted: list[Tensor] = field(default_factory=list)  # per step [B, T]: the drafter's target id for x_{t+2+k}
 
 
 def ttt_mask(T: int, step: int, device: torch.device) -> Tensor:
@@ -109,7 +110,9 @@ def ttt_forward(
         result.loss = result.loss + decay**k * step_loss
         result.step_loss.append(step_loss.detach())
         with torch.no_grad():
-            right = drafter.draft_to_target(out.logits.argmax(-1)) == target_argmax
+            predicted = drafter.draft_to_target(out.logits.argmax(-1))
+            result.predicted.append(predicted)
+            right = predicted == target_argmax
             result.correct.append(int((right & counted).sum()))
             result.total.append(int(n))
             cond = counted & still_right
