@@ -378,6 +378,21 @@ def test_chat_template_without_the_training_system_prompt(world):
     assert "send the system prompt 'You are a helpful AI assistant named SmolLM, trained by Hugging Face'" in r.fix
 
 
+def test_another_eos_token_is_a_warning_not_a_failure(world):
+    """Tokenizer readers disagree on the eos token across versions; it moves where generation stops,
+    not what the drafter sees."""
+    other = world["root"] / "target-other-eos"
+    if not other.exists():
+        shutil.copytree(world["target"], other)
+        cfg = json.loads((other / "tokenizer_config.json").read_text())
+        cfg["eos_token"] = "<|im_start|>"
+        (other / "tokenizer_config.json").write_text(json.dumps(cfg))
+    r = doctor(world, world["base"], "vllm", target=other)
+    assert r.healthy and r.exit_code == 0, (r.cause, r.problems)
+    warn = [f for f in r.stages["static"].findings if f.code == "eos_mismatch"]
+    assert len(warn) == 1 and warn[0].level == "warn" and warn[0].found == "<|im_start|>"
+
+
 # ---------------------------------------------------------------------------------------------
 # Input problems are findings, not crashes
 # ---------------------------------------------------------------------------------------------

@@ -643,3 +643,19 @@ def test_export_warns_that_engines_cannot_capture_the_last_boundary(tmp_path):
     drafter, contract = synthetic((2, 16, 32))
     report = export_drafter(save_drafter(drafter, contract, tmp_path / "eyas"), "vllm", tmp_path / "spec")
     assert any("boundary 32 (the last block's output) is a slot" in n for n in report["notes"])
+
+
+def test_another_eos_token_only_warns_another_bos_token_refuses(saved):
+    """The eos token decides where generation stops, not what the drafter sees; tokenizer readers
+    disagree on it across versions, so it is reported, never a refusal. A bos token can change the
+    rendered sequence, so it stays binding."""
+    model, tokenizer, drafter, _, path = saved
+    other_eos = SimpleNamespace(chat_template=tokenizer.chat_template, bos_token="<s>", eos_token="<other>")
+    with pytest.warns(UserWarning, match="tokenisation.eos_token: expected '</s>', found '<other>'"):
+        loaded, _ = load_drafter(path, target=model, tokenizer=other_eos)
+    assert_same_state(drafter, loaded, skip={"embed_tokens.weight"})
+
+    other_bos = SimpleNamespace(chat_template=tokenizer.chat_template, bos_token="<b>", eos_token="</s>")
+    with pytest.raises(ContractError) as e:
+        load_drafter(path, target=model, tokenizer=other_bos)
+    assert _fields(e.value) == {"tokenisation.bos_token"}

@@ -209,16 +209,30 @@ class ContractError(ValueError):
         super().__init__("\n".join(lines))
 
 
-def enforce(mismatches: list[Mismatch], context: str, force: bool = False) -> list[Mismatch]:
-    """Raise :class:`ContractError` on any mismatch, unless ``force``: then warn and return them."""
-    if mismatches and not force:
-        raise ContractError(mismatches, context)
-    if mismatches:
-        import warnings
+# Mismatches that are reported but never refuse a load. The end-of-sequence token decides where
+# generation stops, not which hidden states the drafter sees (the chat template renders the
+# end-of-turn token itself and is checked by its sha256), and tokenizer readers disagree on it across
+# versions: transformers 5.17 reads SmolLM2's GGUF eos as '<|im_start|>', 5.24 as '<|im_end|>'.
+ADVISORY_FIELDS: frozenset[str] = frozenset({"tokenisation.eos_token"})
 
+
+def enforce(mismatches: list[Mismatch], context: str, force: bool = False) -> list[Mismatch]:
+    """Raise :class:`ContractError` on any mismatch, unless ``force``: then warn and return them.
+    Mismatches of :data:`ADVISORY_FIELDS` only warn."""
+    import warnings
+
+    advisory = [m for m in mismatches if m.field in ADVISORY_FIELDS]
+    binding = [m for m in mismatches if m.field not in ADVISORY_FIELDS]
+    if advisory:
+        warnings.warn(f"{context}: " + "; ".join(str(m) for m in advisory)
+                      + " (generation stops at another token than in training; the drafter's inputs are unaffected)",
+                      stacklevel=2)
+    if binding and not force:
+        raise ContractError(binding, context)
+    if binding:
         warnings.warn(
-            f"{context}: --force skips {len(mismatches)} contract check(s): "
-            + "; ".join(str(m) for m in mismatches),
+            f"{context}: --force skips {len(binding)} contract check(s): "
+            + "; ".join(str(m) for m in binding),
             stacklevel=2,
         )
     return mismatches

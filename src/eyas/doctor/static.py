@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from eyas.capture.boundaries import SGLangRule, boundaries_to_sglang_ids, sglang_rules_agree
-from eyas.contract.contract import Contract, compare, target_identity, tokenisation_of
+from eyas.contract.contract import ADVISORY_FIELDS, Contract, compare, target_identity, tokenisation_of
 from eyas.doctor.common import FAIL, INFO, NORM_FLAGS, OK, WARN, Edit, Stage, boundary_name
 from eyas.doctor.engines import DrafterDir, EngineReading, boundary_edits, capturable, flag_edit, read_engine
 from eyas.doctor.samples import SampleSet
@@ -225,10 +225,15 @@ def _check_contract(st: Stage, dd: DrafterDir, model: Any, tokenizer: Any, sampl
                         msg += f" (the training system prompt {sp!r} is missing)"
                         fix = (f"restore the training chat template (sha256 {m.expected}) in the target's "
                                f"tokenizer files, or send the system prompt {sp!r} with every request")
+            if m.field in ADVISORY_FIELDS:  # where generation stops, not what the drafter sees
+                st.add(WARN, "eos_mismatch", f"{m}: serving stops generation at another token than the training "
+                       f"answers did; the drafter's inputs are unaffected", field=m.field, expected=m.expected,
+                       found=m.found)
+                continue
             st.add(FAIL, "template_mismatch", msg, field=m.field, expected=m.expected, found=m.found, fix=fix)
         if drift is not None:
             st.data["system_prompt_drift"] = drift
-    if not mismatches:
+    if all(m.field in ADVISORY_FIELDS for m in mismatches):
         st.add(OK, "contract", f"the target matches the contract (weights fingerprint {c.target.fingerprint}, "
                f"{c.target.num_blocks} blocks, hidden {c.target.hidden_size}, vocab {c.target.vocab_size}; "
                f"chat template and special tokens)")
