@@ -56,3 +56,21 @@ def plot_accept_lengths(summaries: Sequence[dict[str, Any]], png: Path) -> Path:
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return png
+
+
+def auto_tree_table(choice: Any, top: int = 8) -> Table:
+    """`--tree auto`: the best candidates (a :class:`~eyas.engine.autotree.TreeChoice`), the chosen
+    one first, plus the best chain when it is not among them."""
+    rows = list(choice.candidates[:top])
+    chain = next((c for c in choice.candidates if c.spec.top_k == 1), None)
+    if chain is not None and chain not in rows:
+        rows.append(chain)
+    t = Table(title=f"--tree auto: {len(choice.candidates)} trees considered (plain step "
+                    f"{choice.cost.plain_s * 1e3:.2f} ms)")
+    for col in ("depth,topk,total", "pred. tau", "draft ms", "verify ms", "round ms", "pred. speedup"):
+        t.add_column(col, justify="right")
+    for c in rows:
+        style = "bold green" if c is choice.candidates[0] else None
+        t.add_row(f"{c.spec.depth},{c.spec.top_k},{c.spec.budget}", f"{c.tau:.2f}", f"{c.draft_s * 1e3:.2f}",
+                  f"{c.verify_s * 1e3:.2f}", f"{c.round_s * 1e3:.2f}", f"{c.speedup:.2f}x", style=style)
+    return t

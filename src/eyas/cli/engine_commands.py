@@ -8,15 +8,17 @@ from typing import Any, Optional
 
 import typer
 
-from eyas.cli.common import TARGET_HELP, console, err
+from eyas.cli.common import TARGET_HELP, console, err, fail
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
 
-TREE_HELP = "DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24) or DEPTH for a chain"
+TREE_HELP = ("DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24), DEPTH for a chain, or 'auto': time the "
+             "target's verification and the drafter on this hardware, measure the drafter's acceptance on a "
+             "short greedy calibration, and use the tree with the best predicted speedup")
 
 
-def load_for_serving(target: str, draft: Path, device: str, force: bool) -> tuple[Any, Any, Any, Any]:
-    """(model, tokenizer, drafter, HFTarget), the drafter checked against the target's contract."""
+def load_for_serving(target: str, draft: Path, device: str, force: bool) -> tuple[Any, Any, Any, Any, Any]:
+    """(model, tokenizer, drafter, HFTarget, contract), the drafter checked against the target's contract."""
     import torch
 
     from eyas.capture import CaptureSpec, num_blocks
@@ -31,7 +33,38 @@ def load_for_serving(target: str, draft: Path, device: str, force: bool) -> tupl
     drafter, contract = _run(load_drafter, draft, target=model, tokenizer=tokenizer, force=force)
     drafter = drafter.to(dev, dtype=next(model.parameters()).dtype).eval()
     spec = CaptureSpec(tuple(contract.capture.boundaries), num_blocks(model))
-    return model, tokenizer, drafter, HFTarget(model, spec)
+    return model, tokenizer, drafter, HFTarget(model, spec), contract
+
+
+def is_auto(tree: str) -> bool:
+    return tree.strip().lower() == "auto"
+
+
+def auto_tree(tgt: Any, drafter: Any, calibration: list[Any], contract: Any, eos: list[int], temperature: float,
+              out: Any) -> Any:
+    """`--tree auto`: measure, choose, print the candidates and the reason on ``out``; returns the
+    TreeChoice. Acceptance comes from a greedy calibration on ``calibration`` (prompt token ids),
+    else from the drafter's training metrics in its contract."""
+    from eyas.bench.report import auto_tree_table
+    from eyas.engine.autotree import acceptance_from_metrics, choose_tree, measure_acceptance, measure_cost
+
+    t0 = time.perf_counter()
+    out.print("[dim]--tree auto: timing target verification and drafting on this hardware...[/]")
+    cost = measure_cost(tgt, drafter)
+    acceptance = measure_acceptance(tgt, drafter, calibration, eos_token_ids=eos) if calibration else None
+    if acceptance is None:
+        acceptance = acceptance_from_metrics(getattr(contract, "metrics", None))
+    if acceptance is None:
+        fail("--tree auto: the calibration measured no draft position and the drafter's eyas.json has no "
+             "training metrics (metrics.conditional_accuracy_per_position); pass --tree DEPTH,TOPK,TOTAL")
+    choice = choose_tree(cost, acceptance)
+    if temperature > 0:
+        choice.reason += (f"; acceptance was measured greedily, sampling at temperature {temperature} usually "
+                          f"accepts less")
+    out.print(auto_tree_table(choice))
+    out.print(choice.reason, highlight=False)
+    out.print(f"[dim]--tree auto took {time.perf_counter() - t0:.1f}s[/]")
+    return choice
 
 
 def generate_cmd(
@@ -56,10 +89,16 @@ def generate_cmd(
     from eyas.data.render import render_prompt
     from eyas.engine import SamplingParams, TreeSpec, speculative_generate
 
-    model, tokenizer, drafter, tgt = load_for_serving(target, draft, device, force)
+    model, tokenizer, drafter, tgt, contract = load_for_serving(target, draft, device, force)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = render_prompt(messages, tokenizer).to(tgt.device)[None]
-    spec_tree = _run(TreeSpec.parse, tree)
+    choice = None
+    if is_auto(tree):  # calibrated on the prompt itself
+        choice = auto_tree(tgt, drafter, [ids[0]], contract, eos_ids(model, tokenizer), temperature,
+                           err if json_out else console)
+        spec_tree = choice.spec
+    else:
+        spec_tree = _run(TreeSpec.parse, tree)
     stream = (lambda t: None) if json_out else (lambda t: console.print(tokenizer.decode([t]), end="", highlight=False))
     t0 = time.perf_counter()
     r = speculative_generate(tgt, drafter, ids, tree=spec_tree,
@@ -70,7 +109,11 @@ def generate_cmd(
     stats = r.stats.to_dict()
     text = tokenizer.decode(r.tokens, skip_special_tokens=True)
     if json_out:
-        _print_json({"text": text, "tokens": r.tokens, "wall_s": round(wall, 3), "stats": stats})
+        report = {"text": text, "tokens": r.tokens, "wall_s": round(wall, 3),
+                  "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.budget], "stats": stats}
+        if choice is not None:
+            report["tree_auto"] = choice.to_dict()
+        _print_json(report)
         return
     console.print()
     console.print(
@@ -101,14 +144,24 @@ def bench_cmd(
 
     from eyas.bench import bench_set, bench_table, load_prompts, plot_accept_lengths
     from eyas.bench.report import acceptance_lines
+    from eyas.bench.run import eos_ids
+    from eyas.data.render import render_prompt
     from eyas.engine import SamplingParams, TreeSpec
+    from eyas.engine.autotree import CALIBRATION_PROMPTS
 
-    model, tokenizer, drafter, tgt = load_for_serving(target, draft, device, force)
-    spec_tree = _run(TreeSpec.parse, tree)
+    model, tokenizer, drafter, tgt, contract = load_for_serving(target, draft, device, force)
+    sets = [(name, _run(load_prompts, name, limit)) for name in prompts]
+    choice = None
+    if is_auto(tree):  # calibrated on the first prompts of the first set
+        calibration = [render_prompt(c, tokenizer).tolist() for c in sets[0][1][:CALIBRATION_PROMPTS]]
+        choice = auto_tree(tgt, drafter, calibration, contract, eos_ids(model, tokenizer), temperature,
+                           err if json_out else console)
+        spec_tree = choice.spec
+    else:
+        spec_tree = _run(TreeSpec.parse, tree)
     sampling = SamplingParams(temperature)
     summaries = []
-    for name in prompts:
-        convs = _run(load_prompts, name, limit)
+    for name, convs in sets:
         result = bench_set(Path(name).stem, convs, model, tokenizer, tgt, drafter, spec_tree, sampling,
                            max_new_tokens, seed=seed, progress=not json_out)
         summaries.append(result.summary())
@@ -117,6 +170,8 @@ def bench_cmd(
     report = {"target": target, "draft": str(draft), "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens],
               "temperature": temperature, "max_new_tokens": max_new_tokens, "device": str(tgt.device),
               "sets": summaries, "png": str(png)}
+    if choice is not None:
+        report["tree_auto"] = choice.to_dict()
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))

@@ -1,0 +1,280 @@
+"""`--tree auto` (eyas.engine.autotree): the tau model against hand-computed values, the choice
+under synthetic cost models (flat verification -> a big tree, steep -> a chain), the calibration
+against the drafting engine it models, measurements that leave the target usable, and the CLI.
+
+CPU, float32, tiny models (tests/tiny.py, tests/toy.py), one torch thread.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_engine import SPEC4, random_prompts, sharpened, train_drafter  # noqa: E402
+from tiny import tiny_model  # noqa: E402
+from toy import make_toy_target  # noqa: E402
+
+from eyas.cli.main import app  # noqa: E402
+from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate  # noqa: E402
+from eyas.engine.autotree import (  # noqa: E402
+    AcceptanceProfile, CostModel, acceptance_from_metrics, candidate_trees, choose_tree, expected_tau,
+    measure_acceptance, measure_cost, predict_tau, simulate_rounds, teacher_forced_ranks,
+)
+from eyas.engine.sampling import GREEDY  # noqa: E402
+from eyas.engine.tree import DraftState  # noqa: E402
+from eyas.training.ttt import accept_length  # noqa: E402
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return sharpened(tiny_model("llama", 4), 8.0)
+
+
+@pytest.fixture(scope="module")
+def drafter(llama):
+    """Partially right: trained a few seconds on the target's own continuations (as in test_engine)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, 128, (32, 6), generator=g)
+    with torch.no_grad():
+        seqs = llama.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                              max_new_tokens=40, pad_token_id=0, eos_token_id=None)
+    return train_drafter(llama, SPEC4, seqs, prompt_len=6, steps=60, lr=5e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: predicted tau and the choice
+# ---------------------------------------------------------------------------------------------
+
+
+def test_predicted_tau_matches_hand_computed_values():
+    # depth 1: top-1 0.8, top-2 0.9 -> q_1 = (0.8, 0.1); depth 2: 0.5, 0.75 -> q_2 = (0.5, 0.25)
+    acc = AcceptanceProfile([[0.8, 0.9], [0.5, 0.75]])
+    assert predict_tau(acc, TreeSpec.chain(1)) == pytest.approx(1.8)
+    assert predict_tau(acc, TreeSpec.chain(2)) == pytest.approx(1 + 0.8 + 0.8 * 0.5)
+    assert predict_tau(acc, TreeSpec.chain(2)) == pytest.approx(accept_length([0.8, 0.5]))  # training's number
+    # nodes: 0.8, 0.1 | 0.4, 0.2, 0.05, 0.025; 3 kept -> 0.8 + 0.4 + 0.2
+    assert predict_tau(acc, TreeSpec(2, 2, 3)) == pytest.approx(2.4)
+    assert predict_tau(acc, TreeSpec(2, 2, 2)) == pytest.approx(2.2)  # the budget goes to the chain, not 0.1
+    assert predict_tau(acc, TreeSpec(2, 2, None)) == pytest.approx(1 + 0.8 + 0.1 + 0.4 + 0.2 + 0.05 + 0.025)
+    assert predict_tau(acc, TreeSpec(1, 3, 3)) == pytest.approx(1.9)  # rank 3 is past the profile: q = 0
+    # EAGLE-2 expands only top_k nodes per depth: q = (0.5, 0.5) everywhere, K = 2, depth 3:
+    # depth 1: 0.5 + 0.5; depth 2: 4 x 0.25 (2 expanded); depth 3: 4 x 0.125 -> 1 + 1 + 1 + 0.5
+    flat = AcceptanceProfile([[0.5, 1.0]] * 3)
+    assert predict_tau(flat, TreeSpec(3, 2, None)) == pytest.approx(3.5)
+    assert expected_tau(flat, TreeSpec(3, 2, None)) == predict_tau(flat, TreeSpec(3, 2, None))  # no replay data
+
+
+def test_replay_by_hand():
+    """With calibration sequences, tau is the replay: rounds start where the previous one stopped."""
+    ranks = [[0, 1], [0, 0], [1, 0], [0, 5], [0, 0], [3, 0], [0, 0]]  # rank of the target's token, depth 1, 2
+    valid = [[True, True]] * 5 + [[True, False]] * 2  # the last two positions have no depth-2 token
+    acc = AcceptanceProfile([[0.8, 0.9], [0.5, 0.75]], sequences=[(ranks, valid)])
+    # chain(2) keeps paths (0), (0,0): t=0 accepts 1 -> emits 2, t=2 rank 1 -> 1, t=3 -> 2, t=5 too short
+    assert simulate_rounds(acc, TreeSpec.chain(2)) == [[2, 1, 2]]
+    assert predict_tau(acc, TreeSpec.chain(2)) == pytest.approx(5 / 3)
+    # (2,2,3) keeps (0), (0,0), (0,1): t=0 accepts both -> 3, t=3 -> 2
+    assert simulate_rounds(acc, TreeSpec(2, 2, 3)) == [[3, 2]]
+    assert predict_tau(acc, TreeSpec(2, 2, 3)) == pytest.approx(2.5)
+
+
+SYNTHETIC = AcceptanceProfile([[1 - 0.3 * 0.7 ** (k - 1) for k in range(1, 11)] for _ in range(8)], "synthetic")
+PARTS = dict(plain_s=10e-3, draft_base_s={1: 5e-5, 10: 5e-5}, draft_step_s_by_topk={1: 2e-4, 10: 3e-4},
+             extend_s_by_tokens={1: 3e-4, 8: 3e-4}, bookkeeping_s_by_tokens={1: 1e-4})
+
+
+def test_flat_verification_cost_picks_a_wide_deep_tree():
+    cost = CostModel({1: 10e-3, 64: 10e-3}, **PARTS)  # 64 tokens cost what 1 does
+    choice = choose_tree(cost, SYNTHETIC)
+    assert (choice.spec.depth, choice.spec.top_k, choice.spec.total_tokens) == (6, 8, 63)
+    assert choice.predicted_speedup > 3
+    assert choice.reason.startswith("chose 6,8,63 because") and "best chain" in choice.reason
+    best_chain = next(c for c in choice.candidates if c.spec.top_k == 1)
+    assert best_chain.spec == TreeSpec.chain(8) and best_chain.speedup < choice.predicted_speedup
+
+
+def test_steep_verification_cost_picks_a_chain():
+    cost = CostModel({n: 10e-3 * n for n in (1, 2, 4, 8, 16, 32, 64)}, **PARTS)  # linear in tokens
+    choice = choose_tree(cost, SYNTHETIC)
+    assert choice.spec == TreeSpec.chain(1)
+    assert choice.predicted_tau == pytest.approx(1.7)
+    assert choice.round_s == pytest.approx(5e-5 + 20e-3 + 3e-4 + 1e-4)
+    assert choice.predicted_speedup == pytest.approx(1.7 * 10e-3 / choice.round_s)
+    assert "no candidate is predicted to beat plain decoding" in choice.reason
+
+
+def test_moderate_verification_cost_picks_a_middle_tree():
+    cost = CostModel({1: 10e-3, 16: 10.5e-3, 32: 12e-3, 64: 18e-3}, **PARTS)  # a GPU-like knee
+    choice = choose_tree(cost, SYNTHETIC)
+    assert (choice.spec.depth, choice.spec.top_k, choice.spec.total_tokens) == (6, 4, 24)
+    d = choice.to_dict()
+    assert d["verify_ms_by_tokens"] == {1: 10.0, 16: 10.5, 32: 12.0, 64: 18.0}
+    assert d["candidates"][0]["predicted_speedup"] == d["predicted_speedup"]
+
+
+def test_cost_model_interpolates_and_keeps_verification_monotone():
+    cost = CostModel({1: 1.0, 4: 4.0, 8: 3.0}, plain_s=1.0)  # 8 measured cheaper than 4: noise
+    assert cost.verify_s(2) == pytest.approx(2.0)
+    assert cost.verify_s(8) == pytest.approx(4.0) and cost.verify_s(6) == pytest.approx(4.0)
+    assert cost.verify_s(16) == pytest.approx(4.0)  # flat last segment: flat extrapolation
+    assert CostModel({1: 1.0, 2: 2.0}, plain_s=1.0).verify_s(10) == pytest.approx(10.0)
+
+
+def test_candidates_include_chains_and_cut_oversized_totals():
+    specs = candidate_trees(depths=(1, 3), topks=(1, 2), totals=(2, 8, 16))
+    assert TreeSpec.chain(1) in specs and TreeSpec.chain(3) in specs
+    # depth 3, top-k 2: at most 2 + 2 * 4 = 10 nodes, so 16 is cut to 10; totals below the depth go
+    assert [s.total_tokens for s in specs if s.depth == 3 and s.top_k == 2] == [8, 10]
+    assert [s.total_tokens for s in specs if s.depth == 1 and s.top_k == 2] == [2]
+
+
+def test_acceptance_from_contract_metrics():
+    acc = acceptance_from_metrics({"step": 9, "conditional_accuracy_per_position": [0.8, 0.6]}, max_topk=3)
+    assert acc.hit[0][0] == 0.8 and acc.hit[1][2] == pytest.approx(1 - 0.4 * 0.8**2)
+    assert predict_tau(acc, TreeSpec.chain(2)) == pytest.approx(accept_length([0.8, 0.6]))
+    assert "training metrics" in acc.source
+    assert acceptance_from_metrics(None) is None and acceptance_from_metrics({"step": 1}) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement on a real (tiny) target and drafter
+# ---------------------------------------------------------------------------------------------
+
+
+def test_teacher_forced_ranks_are_what_the_engine_drafts(llama, drafter):
+    """Every round position: the chain the engine drafts equals the calibration's top-1 tokens as
+    long as the drafted prefix was the target's, and the root's rank of the target's token is the
+    calibration's depth-1 rank."""
+    target = HFTarget(llama, SPEC4)
+    D = 4
+    draft_ids = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size))
+    checked = deep = 0
+    for prompt in random_prompts(3, 128, seed=21, lengths=(4, 8)):
+        seq = prompt + plain_generate(target, prompt, max_new_tokens=32).tokens
+        ranks, top1, valid = teacher_forced_ranks(target, drafter, seq, len(prompt), D)
+        assert target.cache_len == 0
+        n, T = len(prompt), len(seq)
+        with torch.no_grad():
+            _, f = target.prefill(torch.tensor([seq]))
+        target.reset()
+        state = DraftState(drafter, T + D)
+        state.extend(seq[1 : n + 1], f[0, :n])
+        assert not valid[: n - 1].any()  # rounds start at the first generated token
+        for m in range(n, T - 1):
+            t = m - 1
+            assert bool(valid[t, 0])
+            # depth 1: rank of the target's token x_{m+1} among the root's logits
+            did = int((draft_ids == seq[m + 1]).nonzero()[0, 0])
+            assert int((state.root_logits > state.root_logits[did]).sum()) == int(ranks[t, 0])
+            drafted = state.draft(TreeSpec.chain(D), D, GREEDY, None, 128).tokens[1:].tolist()
+            for d in range(1, D + 1):
+                if not bool(valid[t, d - 1]):
+                    break
+                assert drafted[d - 1] == int(top1[t, d - 1]), (m, d)
+                checked += 1
+                deep += d > 1
+                if int(ranks[t, d - 1]) != 0:  # the engine's path leaves the target's here
+                    break
+            state.extend([seq[m + 1]], f[0, m : m + 1])
+    assert checked > 20 and deep > 5
+
+
+def test_calibration_replay_is_the_engines_chain_and_predicts_trees(llama, drafter):
+    target = HFTarget(llama, SPEC4)
+    prompts = random_prompts(3, 128, seed=5, lengths=(4, 10))
+    acc = measure_acceptance(target, drafter, prompts, max_depth=6, max_topk=4, new_tokens=40)
+    assert target.cache_len == 0
+    assert len(acc.hit) == 6 and len(acc.hit[0]) == 4 and acc.counts[0] > 60
+    assert "3 prompt(s)" in acc.source and len(acc.sequences) == 3
+    for spec in (TreeSpec.chain(1), TreeSpec.chain(3), TreeSpec.chain(6)):
+        # a chain's replay is exactly the engine's rounds on the calibration text (the engine runs
+        # longer here: the replay stops where the full depth no longer fits in the 40 tokens)
+        replay = simulate_rounds(acc, spec)
+        for p, rounds in zip(prompts, replay):
+            engine = speculative_generate(target, drafter, p, tree=spec, max_new_tokens=60).stats.accept_lengths
+            assert len(rounds) > 3 and engine[: len(rounds)] == rounds, spec
+    # no tree is replayed exactly (EAGLE-2 ranks by the drafter's confidence), but closely
+    for spec in (TreeSpec(2, 4, 8), TreeSpec(3, 4, 12), TreeSpec(6, 10, 60)):
+        stats = [speculative_generate(target, drafter, p, tree=spec, max_new_tokens=40).stats for p in prompts]
+        actual = sum(sum(s.accept_lengths) for s in stats) / sum(len(s.accept_lengths) for s in stats)
+        assert predict_tau(acc, spec) == pytest.approx(actual, abs=0.25), spec
+    # the expectation over all positions ignores where rounds start: it over-predicts the deep chain
+    assert expected_tau(acc, TreeSpec.chain(6)) > predict_tau(acc, TreeSpec.chain(6)) + 0.3
+
+
+def test_measurement_leaves_the_target_usable(llama, drafter):
+    target = HFTarget(llama, SPEC4)
+    prompt = random_prompts(1, 128, seed=9, lengths=(8, 8))[0]
+    before = plain_generate(target, prompt, max_new_tokens=16).tokens
+    cost = measure_cost(target, drafter, sizes=(1, 4, 16), topks=(1, 3), max_depth=3, repeats=1, warmup=0,
+                        context=64)
+    assert target.cache_len == 0
+    assert sorted(cost.verify_s_by_tokens) == [1, 4, 16] and cost.plain_s > 0 and cost.context == 64
+    assert set(cost.draft_step_s_by_topk) == {1, 3} and all(v >= 0 for v in cost.draft_step_s_by_topk.values())
+    assert set(cost.bookkeeping_s_by_tokens) == {2, 16, 64}
+    assert all(v > 0 for v in cost.bookkeeping_s_by_tokens.values())
+    assert set(cost.extend_s_by_tokens) == {1, 4, 8}
+    acc = measure_acceptance(target, drafter, [prompt], max_depth=3, max_topk=3, new_tokens=16)
+    choice = choose_tree(cost, acc, topks=(1, 3), totals=(4, 8))
+    assert target.cache_len == 0
+    for spec in (choice.spec, TreeSpec(3, 3, 8)):
+        assert speculative_generate(target, drafter, prompt, tree=spec, max_new_tokens=16).tokens == before
+    assert plain_generate(target, prompt, max_new_tokens=16).tokens == before
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("auto")
+    target = make_toy_target(root / "target", num_blocks=8, hidden=32)
+    r = runner.invoke(app, ["new", "--target", str(target), "--out", str(root / "d"), "--draft-vocab", "512"])
+    assert r.exit_code == 0, r.output
+    return target, root / "d"
+
+
+def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy, tmp_path):
+    target, draft = toy
+    r = runner.invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--prompts", "gsm8k",
+                            "--limit", "2", "--max-new-tokens", "8", "--tree", "auto", "--device", "cpu",
+                            "--png", str(tmp_path / "b.png"), "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    report = json.loads(r.stdout)  # the candidates table and the reason went to stderr
+    auto = report["tree_auto"]
+    assert report["tree"] == [auto["depth"], auto["top_k"], auto["total_tokens"]]
+    assert auto["reason"].startswith(f"chose {auto['depth']},{auto['top_k']},{auto['total_tokens']} because")
+    assert auto["predicted_tau"] >= 1 and auto["predicted_speedup"] > 0
+    assert set(auto["verify_ms_by_tokens"]) == {"1", "2", "4", "8", "16", "32", "64"}
+    assert auto["acceptance"]["source"].startswith("greedy calibration on 2 prompt(s)")
+    assert auto["candidates"][0]["depth"] == auto["depth"]
+    assert report["sets"][0]["identical_to_plain"] is True
+    assert "chose" in r.stderr and "--tree auto" in r.stderr
+
+
+def test_generate_tree_auto(toy):
+    target, draft = toy
+    r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",
+                            "--max-new-tokens", "6", "--tree", "auto", "--device", "cpu", "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    out = json.loads(r.stdout)
+    auto = out["tree_auto"]
+    assert out["tree"] == [auto["depth"], auto["top_k"], auto["total_tokens"]]
+    assert "calibration on 1 prompt(s)" in auto["acceptance"]["source"]
