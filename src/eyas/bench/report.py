@@ -39,6 +39,7 @@ def plot_accept_lengths(summaries: Sequence[dict[str, Any]], png: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(1, len(summaries))
@@ -46,8 +47,10 @@ def plot_accept_lengths(summaries: Sequence[dict[str, Any]], png: Path) -> Path:
         hist = {int(k): v for k, v in s["accept_length_histogram"].items()}
         total = sum(hist.values()) or 1
         xs = sorted(hist)
-        ax.bar([x + i * width for x in xs], [hist[x] / total for x in xs], width=width,
+        offset = (i - (len(summaries) - 1) / 2) * width  # the sets' bars side by side, centred on x
+        ax.bar([x + offset for x in xs], [hist[x] / total for x in xs], width=width,
                label=f"{s['set']} (tau {s['tau']:.2f})")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # token counts are integers
     ax.set_xlabel("tokens per round (accepted drafts + bonus)")
     ax.set_ylabel("fraction of rounds")
     ax.legend()

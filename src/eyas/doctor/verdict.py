@@ -70,8 +70,10 @@ def _search_evidence(search: SearchResult) -> str:
     if search.winner is None:
         return ""
     d = search.stage.data
-    return (f"; the search confirms it: with {search.winner.label}, live accuracy returns to {d['winner']['score']:.3f} "
-            f"(replay {d['reference_score']:.3f}, as served {d['served_score']:.3f})")
+    k = d.get("positions_scored", 2)
+    return (f"; the search confirms it: with {search.winner.label}, live accuracy (mean over the first {k} draft "
+            f"positions) returns to {d['winner']['score']:.3f} (replay {d['reference_score']:.3f}, as served "
+            f"{d['served_score']:.3f})")
 
 
 def verdict(stages: dict[str, Stage], dd: DrafterDir | None, reading: EngineReading | None, L: int,
