@@ -65,7 +65,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from eyas.drafter.model import ConcatKVCache, Eagle3Drafter
+from eyas.drafter.model import Eagle3Drafter
 from eyas.engine.sampling import GREEDY, accept_greedy
 from eyas.engine.speculative import plain_generate, speculative_generate
 from eyas.engine.target import Target
@@ -372,11 +372,6 @@ class AcceptanceProfile:
                 "tau_from": "replay" if self.sequences else "expectation"}
 
 
-def _shift(x: Tensor, n: int, fill: int = 0) -> Tensor:
-    """x[t] <- x[t + n] along dim 0, padding the end with ``fill``."""
-    return torch.cat([x[n:], x.new_full((min(n, x.shape[0]),), fill)])[: x.shape[0]]
-
-
 @torch.no_grad()
 def teacher_forced_ranks(target: Target, drafter: Eagle3Drafter, seq: Sequence[int], start: int,
                          max_depth: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -393,36 +388,31 @@ def teacher_forced_ranks(target: Target, drafter: Eagle3Drafter, seq: Sequence[i
     engine runs (t + 1 >= start: the root is a generated token, ``start`` = the prompt's length) and
     the depth's token lies inside ``seq``.
     """
-    from eyas.training.ttt import ttt_mask
+    from eyas.training.ttt import TargetLabels, shift_left, ttt_forward
 
     dev = target.device
     ids = torch.tensor([list(seq)], device=dev)
     T = ids.shape[1]
     logits, f = target.prefill(ids)
     target.reset()
-    label = logits[0].argmax(-1)  # [T] the target's next token after seq[..t]
     vd = drafter.config.draft_vocab_size
     draft_ids = drafter.draft_to_target(torch.arange(vd, device=dev))
     to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long, device=dev)
     to_draft[draft_ids] = torch.arange(vd, device=dev)
+    labels = TargetLabels.from_logits(logits, draft_ids)  # argmax [1, T]: the target's token after seq[..t]
+    ttt = ttt_forward(drafter, ids, f.to(drafter.fc.weight.dtype), labels, torch.ones_like(ids), steps=max_depth,
+                      keep_logits=True)
     t = torch.arange(T, device=dev)
-    positions = t[None]
-    cache = ConcatKVCache()
-    hidden = f.to(drafter.fc.weight.dtype)
     ranks, top1, valid = [], [], []
     never = torch.iinfo(torch.long).max // 2
-    for k in range(max_depth):
-        tokens = _shift(ids[0], 1 + k)[None]  # step k at t reads x_{t+1+k}
-        out = drafter(tokens, hidden, positions + k, cache=cache, mask=ttt_mask(T, k, dev), from_target=k == 0)
-        lg = out.logits[0].float()  # [T, Vd]: candidates for x_{t+2+k}
-        want = _shift(label, 1 + k)  # the target's token there
-        did = to_draft[want]
+    for k, step_logits in enumerate(ttt.logits):
+        lg = step_logits[0].float()  # [T, Vd]: step k at t, the candidates for x_{t+2+k}
+        did = to_draft[shift_left(labels.argmax, 1 + k)[0]]  # the target's token there, as a draft id (-1: none)
         score = lg.gather(-1, did.clamp(min=0)[:, None])
         rank = (lg > score).sum(-1)
         ranks.append(torch.where(did >= 0, rank, torch.full_like(rank, never)))
         top1.append(draft_ids[lg.argmax(-1)])
         valid.append((t + 1 >= start) & (t + 2 + k <= T - 1))
-        hidden = out.hidden
     return torch.stack(ranks, 1).cpu(), torch.stack(top1, 1).cpu(), torch.stack(valid, 1).cpu()
 
 

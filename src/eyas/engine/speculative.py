@@ -73,6 +73,23 @@ class _Output:
         return len(tokens)
 
 
+def _begin(target: Target, input_ids: Sequence[int] | Tensor, max_new_tokens: int, stop: StopCriteria,
+           on_token: Callable[[int], None] | None) -> tuple[list[int], int, GenerationStats, Clock, _Output]:
+    """The prompt as a list; max_len, the length the sequence may reach (prompt + new tokens, the
+    last at position max_len - 1); fresh statistics, clock and output."""
+    x = _prompt_list(input_ids)
+    if len(x) > target.max_length:
+        raise ValueError(f"prompt of {len(x)} tokens is longer than the target's context ({target.max_length} positions)")
+    stats = GenerationStats(prompt_tokens=len(x))
+    return x, min(target.max_length, len(x) + max_new_tokens), stats, Clock(stats, target.device), _Output(stop, on_token)
+
+
+def _end(out: _Output, stats: GenerationStats, clock: Clock) -> GenerationResult:
+    stats.new_tokens, stats.stop_reason = len(out.tokens), out.reason
+    clock.finish()
+    return GenerationResult(out.tokens, stats)
+
+
 @torch.no_grad()
 def speculative_generate(
     target: Target,
@@ -97,8 +114,6 @@ def speculative_generate(
     is committed; ``decode`` (token ids -> text) is needed for ``stop_strings``. ``accept_rule`` is
     the per-child rule of sampling verification (tests inject broken ones).
     """
-    x = _prompt_list(input_ids)
-    n = len(x)
     if drafter.config.num_slots != target.spec.num_slots or drafter.config.vocab_size != target.vocab_size:
         raise ValueError(
             f"drafter (num_slots={drafter.config.num_slots}, vocab_size={drafter.config.vocab_size}) does not "
@@ -107,13 +122,9 @@ def speculative_generate(
     drafter_device = drafter.fc.weight.device
     if drafter_device != target.device:
         raise ValueError(f"drafter on {drafter_device}, target on {target.device}: move the drafter with .to()")
-    stats = GenerationStats(prompt_tokens=n)
-    clock = Clock(stats, target.device)
-    out = _Output(StopCriteria(max_new_tokens, eos_token_ids, stop_strings, decode), on_token)
-    # The whole sequence (prompt + new tokens) never exceeds max_len tokens, the last at position max_len-1.
-    max_len = min(target.max_length, n + max_new_tokens)
-    if n > target.max_length:
-        raise ValueError(f"prompt of {n} tokens is longer than the target's context ({target.max_length} positions)")
+    x, max_len, stats, clock, out = _begin(target, input_ids, max_new_tokens,
+                                           StopCriteria(max_new_tokens, eos_token_ids, stop_strings, decode), on_token)
+    n = len(x)
 
     if n < max_len:
         # Prefill: p and f at every prompt position; x_n comes from the target alone.
@@ -161,9 +172,7 @@ def speculative_generate(
 
     if out.reason is None:  # the prompt filled the context
         out.reason = STOP_MAX_LENGTH
-    stats.new_tokens, stats.stop_reason = len(out.tokens), out.reason
-    clock.finish()
-    return GenerationResult(out.tokens, stats)
+    return _end(out, stats, clock)
 
 
 @torch.no_grad()
@@ -180,15 +189,9 @@ def plain_generate(
     generator: torch.Generator | None = None,
 ) -> GenerationResult:
     """The baseline: one target forward per token, no drafter, no feature capture."""
-    x = _prompt_list(input_ids)
-    n = len(x)
-    if n > target.max_length:
-        raise ValueError(f"prompt of {n} tokens is longer than the target's context ({target.max_length} positions)")
-    stats = GenerationStats(prompt_tokens=n)
-    clock = Clock(stats, target.device)
-    out = _Output(StopCriteria(max_new_tokens, eos_token_ids, stop_strings, decode), on_token)
-    max_len = min(target.max_length, n + max_new_tokens)
-    if n < max_len:
+    x, max_len, stats, clock, out = _begin(target, input_ids, max_new_tokens,
+                                           StopCriteria(max_new_tokens, eos_token_ids, stop_strings, decode), on_token)
+    if len(x) < max_len:
         with clock("prefill"):
             logits, _ = target.prefill(torch.tensor([x], device=target.device), capture=False)
         while True:
@@ -204,6 +207,4 @@ def plain_generate(
                                            torch.tensor([[m]], device=target.device), capture=False)
     if out.reason is None:
         out.reason = STOP_MAX_NEW_TOKENS if len(out.tokens) >= max_new_tokens else STOP_MAX_LENGTH
-    stats.new_tokens, stats.stop_reason = len(out.tokens), out.reason
-    clock.finish()
-    return GenerationResult(out.tokens, stats)
+    return _end(out, stats, clock)

@@ -59,7 +59,7 @@ class TTTResult:
     cond_correct: list[int] = field(default_factory=list)  # ...among positions all earlier steps got right
     cond_total: list[int] = field(default_factory=list)
     total: list[int] = field(default_factory=list)  # counted positions per step
-    predicted: list[Tensor] = field(default_factory=list)  # per step [B, T]: the drafter's target id for x_{t+2+k}
+    logits: list[Tensor] = field(default_factory=list)  # keep_logits only: per step [B, T, Vd], the drafter's for x_{t+2+k}
 
 
 def ttt_mask(T: int, step: int, device: torch.device) -> Tensor:
@@ -69,8 +69,9 @@ def ttt_mask(T: int, step: int, device: torch.device) -> Tensor:
     return torch.cat([causal] + [diag] * step, dim=1)[None, None]
 
 
-def _shift(x: Tensor, n: int, fill: float | int = 0) -> Tensor:
-    """x[:, t] <- x[:, t + n] along dim 1, padding the end with ``fill``."""
+def shift_left(x: Tensor, n: int, fill: float | int = 0) -> Tensor:
+    """x[:, t] <- x[:, t + n] along dim 1, padding the end with ``fill`` (all ``fill`` when n >= T)."""
+    n = min(n, x.shape[1])
     if n == 0:
         return x
     pad = x.new_full((x.shape[0], n, *x.shape[2:]), fill)
@@ -85,6 +86,7 @@ def ttt_forward(
     loss_mask: Tensor,  # [B, T] 1 where x_t is an assistant token
     steps: int = 7,
     decay: float = 0.8,
+    keep_logits: bool = False,
 ) -> TTTResult:
     B, T = input_ids.shape
     device = input_ids.device
@@ -96,10 +98,10 @@ def ttt_forward(
     still_right = torch.ones(B, T, dtype=torch.bool, device=device)
     for k in range(steps):
         # Step k at position t: token x_{t+1+k}, label p_{t+1+k}, counted iff x_{t+2+k} is assistant.
-        tokens = _shift(input_ids, 1 + k)
-        target_argmax = _shift(labels.argmax, 1 + k)
-        target_logits = _shift(labels.draft_logits, 1 + k)
-        counted = _shift(loss_mask, 2 + k).bool() & _shift(in_draft_vocab, 1 + k, False)
+        tokens = shift_left(input_ids, 1 + k)
+        target_argmax = shift_left(labels.argmax, 1 + k)
+        target_logits = shift_left(labels.draft_logits, 1 + k)
+        counted = shift_left(loss_mask, 2 + k).bool() & shift_left(in_draft_vocab, 1 + k, False)
         out = drafter(tokens, hidden, positions + k, cache=cache, mask=ttt_mask(T, k, device),
                       from_target=k == 0)
         logp = F.log_softmax(out.logits.float(), dim=-1)  # [B, T, Vd]
@@ -110,9 +112,9 @@ def ttt_forward(
         result.loss = result.loss + decay**k * step_loss
         result.step_loss.append(step_loss.detach())
         with torch.no_grad():
-            predicted = drafter.draft_to_target(out.logits.argmax(-1))
-            result.predicted.append(predicted)
-            right = predicted == target_argmax
+            right = drafter.draft_to_target(out.logits.argmax(-1)) == target_argmax
+            if keep_logits:  # evaluation (serving's acceptance, --tree auto's calibration), not training
+                result.logits.append(out.logits.detach())
             result.correct.append(int((right & counted).sum()))
             result.total.append(int(n))
             cond = counted & still_right
