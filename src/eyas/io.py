@@ -48,3 +48,17 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> None:
     atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
+
+
+def read_json_object(path: Path, error: type[Exception], what: str = "file") -> dict[str, Any]:
+    """The JSON object in ``path``; ``error`` names the file and what is wrong when it is missing,
+    not JSON or not an object."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(f"{path}: no {what}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: {what} is not valid JSON ({e}); expected a JSON object") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path}: {what}: expected a JSON object, found {type(obj).__name__}")
+    return obj

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from eyas.io import atomic_write_bytes, atomic_write_json
+from eyas.io import atomic_write_bytes, atomic_write_json, read_json_object
 from eyas.capture.boundaries import CaptureSpec
 from eyas.capture.hooks import BoundaryCapture
 from eyas.capture.stats import FingerprintAccumulator
@@ -108,15 +108,9 @@ def _atomic_write_json(path: Path, obj: Any) -> None:
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ShardError(f"{path}: no {what}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ShardError(f"{path}: {what} is not valid JSON ({e}); the file is corrupt") from None
-    if not isinstance(obj, dict) or obj.get("format", "").split("+")[0] != FORMAT:
-        raise ShardError(f"{path}: not an eyas {what} (format {obj.get('format') if isinstance(obj, dict) else None!r}, "
-                         f"expected {FORMAT!r})")
+    obj = read_json_object(path, ShardError, what)
+    if str(obj.get("format", "")).split("+")[0] != FORMAT:
+        raise ShardError(f"{path}: not an eyas {what} (format {obj.get('format')!r}, expected {FORMAT!r})")
     return obj
 
 

@@ -6,7 +6,6 @@ Nothing here knows about layer ids; that is each format module's job.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from eyas.io import atomic_write
+from eyas.io import atomic_write, read_json_object
 from eyas.drafter.config import DrafterConfig
 
 CONFIG_JSON = "config.json"
@@ -77,15 +76,7 @@ def prepare_out_dir(out_dir: str | os.PathLike) -> Path:
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: expected a JSON object, found invalid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(obj).__name__}")
-    return obj
+    return read_json_object(path, CheckpointError)
 
 
 def _load_safetensors(path: Path) -> dict[str, Tensor]:
@@ -249,3 +240,14 @@ def tensors_dtype(tensors: dict[str, Tensor]) -> torch.dtype | None:
         if name in tensors:
             return tensors[name].dtype
     return None
+
+
+def default_boundaries_or_none(num_blocks: int | None, where: str, missing: str) -> tuple[list[int] | None, str]:
+    """A config without layer ids: engines fall back to the EAGLE-3 default [2, L//2, L-3], which
+    needs the target's block count L (None, with the reason, when it is unknown)."""
+    from eyas.capture.boundaries import default_boundaries
+
+    if num_blocks is None:
+        return None, (f"{where} has no {missing}, so the drafter uses the EAGLE-3 default boundaries "
+                      f"[2, L//2, L-3], which depend on the target's number of decoder blocks L")
+    return default_boundaries(num_blocks), f"the EAGLE-3 default for {num_blocks} blocks (no ids)"

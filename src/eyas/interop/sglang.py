@@ -31,7 +31,9 @@ from eyas.capture.boundaries import (
     validate_boundaries,
 )
 from eyas.drafter.config import DrafterConfig
-from eyas.interop._common import NORM_FLAGS, CheckpointError, drafter_fields, llama_fields
+from eyas.interop._common import (
+    NORM_FLAGS, CheckpointError, default_boundaries_or_none, drafter_fields, llama_fields,
+)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 NESTED_IDS = "eagle_config.eagle_aux_hidden_state_layer_ids"
@@ -118,12 +120,7 @@ def boundaries_from_config(
         return bs, f"{NESTED_IDS} {ids} (SpecForge convention: boundary = id + 1)"
     if top:
         return [int(i) for i in top], "top-level eagle_aux_hidden_state_layer_ids (boundaries)"
-    if num_blocks is None:
-        return None, (
-            f"{where} has no layer ids, so the drafter uses the EAGLE-3 default boundaries "
-            f"[2, L//2, L-3], which depend on the target's number of decoder blocks L"
-        )
-    return sglang_ids_to_boundaries(None, num_blocks), f"the EAGLE-3 default for {num_blocks} blocks (no ids)"
+    return default_boundaries_or_none(num_blocks, where, "layer ids")
 
 
 def config_fields(config: dict[str, Any], where: str) -> dict[str, Any]:

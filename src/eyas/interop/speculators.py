@@ -32,10 +32,12 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from eyas.capture.boundaries import default_boundaries, validate_boundaries
+from eyas.capture.boundaries import validate_boundaries
 from eyas.contract.contract import Contract
 from eyas.drafter.config import DrafterConfig
-from eyas.interop._common import NORM_FLAGS, CheckpointError, drafter_fields, llama_fields
+from eyas.interop._common import (
+    NORM_FLAGS, CheckpointError, default_boundaries_or_none, drafter_fields, llama_fields,
+)
 
 ARCHITECTURE = "Eagle3Speculator"
 MODEL_TYPE = "eagle3"
@@ -112,12 +114,7 @@ def boundaries_from_config(
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if ids:
         return [int(i) for i in ids], "top-level eagle_aux_hidden_state_layer_ids (boundaries)"
-    if num_blocks is None:
-        return None, (
-            f"{where} has no eagle_aux_hidden_state_layer_ids, so the drafter uses the EAGLE-3 "
-            f"default boundaries [2, L//2, L-3], which depend on the target's number of decoder blocks L"
-        )
-    return default_boundaries(num_blocks), f"the EAGLE-3 default for {num_blocks} blocks (no ids)"
+    return default_boundaries_or_none(num_blocks, where, "eagle_aux_hidden_state_layer_ids")
 
 
 def verifier_num_blocks(config: dict[str, Any]) -> int | None:
