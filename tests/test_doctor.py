@@ -68,7 +68,7 @@ def _train_cfg(target: Path, data: Path, out: Path, **kw):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, one_thread):
     """Targets, data and two trained drafters, built once for the module."""
     import eyas.training.loop as loop
     from eyas.capture import CaptureSpec
@@ -76,10 +76,6 @@ def world(tmp_path_factory):
     from eyas.data.shards import capture_shards
     from eyas.targets import load_target
 
-    # Tiny models: one thread is as fast as two on an idle machine and several times faster when
-    # another process competes for the cores (OpenMP threads then wait on each other).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("doctor")
     target = _toy_target(root / "target")
     model, tok, _ = load_target(str(target))
@@ -92,9 +88,8 @@ def world(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loop, "new_drafter", functools.partial(loop.new_drafter, norm_before_fc=True))
         loop.train(_train_cfg(target, convs, root / "emb", boundaries=EMB_TRAINED), log=lambda m: None)
-    yield {"root": root, "target": target, "model": model, "tok": tok, "shards": root / "shards", "convs": convs,
+    return {"root": root, "target": target, "model": model, "tok": tok, "shards": root / "shards", "convs": convs,
            "base": root / "base", "emb": root / "emb"}
-    torch.set_num_threads(threads)
 
 
 def doctor(world, draft, engine="eyas", version=None, data="shards", target=None, **kw):

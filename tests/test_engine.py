@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny import tiny_model  # noqa: E402
+from tiny import SPEC4, random_prompts, sharpened, tiny_model, train_drafter, ttt_accepts  # noqa: E402
 
 from eyas.capture import BoundaryCapture, CaptureSpec  # noqa: E402
 from eyas.drafter.build import new_drafter  # noqa: E402
@@ -28,59 +28,10 @@ from eyas.engine import (  # noqa: E402
 )
 from eyas.engine.sampling import probabilities  # noqa: E402
 from eyas.engine.tree import DraftState  # noqa: E402
-from eyas.training.ttt import TargetLabels, ttt_forward  # noqa: E402
 
-SPEC4 = CaptureSpec((1, 2, 3), 4)  # a 4-block target: the EAGLE default needs >= 7 blocks
 SPEC3 = CaptureSpec((1, 2, 3), 3)  # boundary 3 = the last block's output, before the final norm
+pytestmark = pytest.mark.usefixtures("one_thread")
 TREES = [TreeSpec.chain(1), TreeSpec.chain(4), TreeSpec(3, 2, 6), TreeSpec(4, 4, 16), TreeSpec(5, 3, None)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models are dominated by per-op overhead; extra threads only add contention (on a busy
-    # 2-core machine, 2 threads made TTT training 7x slower than 1).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def sharpened(model, factor: float):
-    """Scale lm_head so the target's distributions are peaked like a trained LM's."""
-    with torch.no_grad():
-        model.lm_head.weight.mul_(factor)
-    return model
-
-
-def train_drafter(model, spec: CaptureSpec, sequences: torch.Tensor, prompt_len: int, steps: int,
-                  draft_ids: torch.Tensor | None = None, lr: float = 3e-3, seed: int = 0):
-    """A drafter trained on the target's own continuations with eyas's TTT step (3 steps deep)."""
-    drafter, _ = new_drafter(model, boundaries=spec.boundaries, seed=seed,
-                             draft_vocab_size=None if draft_ids is None else len(draft_ids))
-    if draft_ids is not None:
-        drafter.set_vocab_map(draft_ids)
-    with torch.no_grad(), BoundaryCapture(model, spec) as cap:
-        logits = model(sequences).logits
-        features = cap.features()
-    labels = TargetLabels.from_logits(logits, drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size)))
-    loss_mask = torch.ones_like(sequences)
-    loss_mask[:, :prompt_len] = 0
-    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=lr)
-    for _ in range(steps):
-        loss = ttt_forward(drafter, sequences, features, labels, loss_mask, steps=3).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval()
-
-
-def random_prompts(n: int, vocab: int, seed: int, lengths=(1, 30)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        length = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
-        out.append(torch.randint(0, vocab, (length,), generator=g).tolist())
-    return out
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int | None, eos: int | None, **kw) -> list[int]:
@@ -93,23 +44,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int | None, eos: int | N
 
 
 # ---------------------------------------------------------------------------------------------
-# Fixtures: a tiny Llama (vocab 128) with an untrained and a trained drafter
+# Fixtures: the tiny Llama (vocab 128) and trained drafter of conftest.py, and an untrained drafter
 # ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return sharpened(tiny_model("llama", 4), 8.0)
-
-
-@pytest.fixture(scope="module")
-def trained_drafter(llama):
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, 128, (32, 6), generator=g)
-    with torch.no_grad():
-        seqs = llama.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                              max_new_tokens=40, pad_token_id=0, eos_token_id=None)
-    return train_drafter(llama, SPEC4, seqs, prompt_len=6, steps=60, lr=5e-3)
 
 
 @pytest.fixture(scope="module")
@@ -542,34 +478,15 @@ def test_plain_sampling_matches_the_exact_distribution(small_vocab):
 
 @pytest.mark.parametrize("depth", [1, 4])
 def test_greedy_chain_accepts_exactly_what_ttt_predicts(llama, trained_drafter, depth):
-    """A greedy chain round after x_m drafts x_{m+d} with the drafter's step d-1 at index m-1 (TTT
-    step k at index t reads x_{t+1+k} and predicts x_{t+2+k}). Conditional on the earlier drafts
-    being accepted, serving and TTT compute the same thing, so every round accepts exactly the run of
-    leading TTT steps that were right on the final sequence. A drafter that trains well but serves
-    badly (positions, masks or fed-back hidden states differing) fails here."""
-    rounds, accepted_total, deepest = 0, 0, 0
+    """Every greedy chain round accepts exactly the run of leading TTT steps that were right on the
+    final sequence (tests/tiny.py ttt_accepts). A drafter that trains well but serves badly
+    (positions, masks or fed-back hidden states differing) fails here."""
+    rounds = []
     for prompt in random_prompts(8, 128, seed=11, lengths=(3, 12)):
-        max_new = 40
         r = speculative_generate(HFTarget(llama, SPEC4), trained_drafter, prompt, tree=TreeSpec.chain(depth),
-                                 max_new_tokens=max_new)
-        seq = torch.tensor([prompt + r.tokens])
-        with torch.no_grad(), BoundaryCapture(llama, SPEC4) as cap:
-            logits = llama(seq).logits
-            features = cap.features()
-        draft_ids = trained_drafter.draft_to_target(torch.arange(trained_drafter.config.draft_vocab_size))
-        with torch.no_grad():
-            ttt = ttt_forward(trained_drafter, seq, features, TargetLabels.from_logits(logits, draft_ids),
-                              torch.ones_like(seq), steps=depth)
-        n, max_len = len(prompt), len(prompt) + max_new
-        m = n  # after the prefill, x_n is committed and the first round drafts from it
-        for emitted in r.stats.accept_lengths[:-1]:  # the last round may be cut by max_new_tokens
-            gamma = min(depth, max_len - 2 - m)
-            expected = 0
-            while expected < gamma and int(ttt.predicted[expected][0, m - 1]) == int(seq[0, m + expected + 1]):
-                expected += 1
-            assert emitted - 1 == expected, (prompt, m, emitted, expected)
-            deepest = max(deepest, expected)
-            rounds, accepted_total = rounds + 1, accepted_total + expected
-            m += emitted
+                                 max_new_tokens=40)
+        rounds += ttt_accepts(llama, SPEC4, trained_drafter, prompt, r, depth, 40)
+    assert all(a == e for a, e in rounds), [(i, a, e) for i, (a, e) in enumerate(rounds) if a != e][:5]
     # the check compared real acceptances (several drafts deep with a chain of 4), not only rejections
-    assert rounds > 50 and accepted_total > 20 and deepest == depth, (rounds, accepted_total, deepest)
+    accepted = [a for a, _ in rounds]
+    assert len(rounds) > 50 and sum(accepted) > 20 and max(accepted) == depth, (len(rounds), sum(accepted))

@@ -13,10 +13,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import (  # noqa: E402
-    SPEC3, SPEC4, Z_999, chi_square, exact_first_three, make_small_vocab, random_prompts, sharpened, train_drafter,
-    wilson_hilferty_critical,
+    SPEC3, Z_999, chi_square, exact_first_three, make_small_vocab, wilson_hilferty_critical,
 )
-from tiny import tiny_model  # noqa: E402
+from tiny import SPEC4, random_prompts  # noqa: E402
 
 from eyas.engine import HFTarget, SamplingParams, TreeSpec, plain_generate, speculative_generate  # noqa: E402
 
@@ -25,15 +24,8 @@ CUDA = torch.device("cuda")
 
 
 @pytest.fixture(scope="module")
-def llama_and_drafter():
-    model = sharpened(tiny_model("llama", 4), 8.0)
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, 128, (32, 6), generator=g)
-    with torch.no_grad():
-        seqs = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                              max_new_tokens=40, pad_token_id=0, eos_token_id=None)
-    drafter = train_drafter(model, SPEC4, seqs, prompt_len=6, steps=60, lr=5e-3)
-    return model.to(CUDA), drafter.to(CUDA)
+def llama_and_drafter(llama, trained_drafter):
+    return llama.to(CUDA), trained_drafter.to(CUDA)  # this module's own instances (module scope)
 
 
 def test_greedy_identity_on_cuda(llama_and_drafter):

@@ -1,19 +1,19 @@
 """The engine on the embedded SmolLM2-135M-Instruct (float32, CPU): greedy speculative output is
 token-identical to the plain decoder and to HF ``generate`` for a chain and for EAGLE-2 trees, with a
 drafter trained here for a few seconds (eyas's TTT step) so that rounds really accept drafts and the
-identity covers accepted paths, not only rejections."""
+identity covers accepted paths, not only rejections; and every chain round accepts exactly what
+training-time test predicts on the served sequence (serving computes what training computed)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eyas.capture import BoundaryCapture, CaptureSpec, num_blocks
+from eyas.capture import CaptureSpec, num_blocks
 from eyas.data.render import render_prompt
-from eyas.drafter.build import new_drafter
 from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate
 from eyas.targets import load_target
-from eyas.training.ttt import TargetLabels, ttt_forward
+from tiny import train_drafter, ttt_accepts
 
 TRAIN_PROMPTS = [
     "What is the capital of France?",
@@ -34,38 +34,26 @@ def smol():
     prompts = {p: render_prompt([{"role": "user", "content": p}], tok).tolist() for p in TRAIN_PROMPTS + UNSEEN_PROMPTS}
     eos = tok.convert_tokens_to_ids("<|im_end|>")
 
-    # The target's own greedy continuations of the training prompts, with features and labels.
-    data = []
+    # The target's own greedy continuations of the training prompts.
+    seqs = []
     with torch.no_grad():
         for p in TRAIN_PROMPTS:
             ids = torch.tensor([prompts[p]])
-            seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, pad_token_id=eos)
-            with BoundaryCapture(model, spec) as cap:
-                logits = model(seq).logits
-                features = cap.features()
-            data.append((seq, features, logits, ids.shape[1]))
+            seqs.append(model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=NEW_TOKENS, pad_token_id=eos))
 
     # A draft vocabulary holding every token of those sequences, padded with the lowest other ids.
-    seen = torch.cat([s[0] for s, *_ in data]).unique()
-    rest = torch.tensor([i for i in range(model.config.vocab_size) if i not in set(seen.tolist())][: DRAFT_VOCAB - len(seen)])
-    draft_ids = torch.cat([seen, rest])
-    drafter, _ = new_drafter(model, boundaries=spec.boundaries, draft_vocab_size=DRAFT_VOCAB, seed=0)
-    drafter.set_vocab_map(draft_ids)
-    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(20):
-        for seq, features, logits, n in data:
-            mask = torch.ones_like(seq)
-            mask[:, :n] = 0
-            loss = ttt_forward(drafter, seq, features, TargetLabels.from_logits(logits, draft_ids), mask, steps=3).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    seen = torch.cat([s[0] for s in seqs]).unique()
+    unseen = torch.ones(model.config.vocab_size, dtype=torch.bool)
+    unseen[seen] = False
+    rest = unseen.nonzero()[: DRAFT_VOCAB - len(seen), 0]
+    drafter = train_drafter(model, spec, seqs, [len(prompts[p]) for p in TRAIN_PROMPTS], steps=20,
+                            draft_ids=torch.cat([seen, rest]))
     target = HFTarget(model, spec)
     # The reference: the plain decoder's greedy tokens for every prompt (checked against HF below).
     plain = {p: plain_generate(target, ids, max_new_tokens=NEW_TOKENS, eos_token_ids=[eos]).tokens
              for p, ids in prompts.items()}
-    return model, target, drafter.eval(), prompts, eos, plain
+    return model, target, drafter, prompts, eos, plain
 
 
 def test_plain_decoder_equals_hf_generate_on_smollm2(smol):
@@ -88,3 +76,14 @@ def test_greedy_speculative_equals_plain_on_smollm2(smol, tree):
         accepted += sum(spec.stats.accepted_at_depth)
     # the identity held through rounds that accepted drafts (several per round), not only rejections
     assert accepted > 20, accepted
+
+
+def test_every_chain_round_accepts_what_ttt_predicts_on_smollm2(smol):
+    model, target, drafter, prompts, eos, _ = smol
+    rounds = []
+    for ids in prompts.values():
+        r = speculative_generate(target, drafter, ids, tree=TreeSpec.chain(4), max_new_tokens=NEW_TOKENS,
+                                 eos_token_ids=[eos])
+        rounds += ttt_accepts(model, target.spec, drafter, ids, r, 4, NEW_TOKENS)
+    assert all(a == e for a, e in rounds), [(i, a, e) for i, (a, e) in enumerate(rounds) if a != e][:5]
+    assert len(rounds) > 40 and sum(a for a, _ in rounds) > 20

@@ -54,13 +54,7 @@ def chat_target(tok: PreTrainedTokenizerFast, seed: int = 0, num_blocks: int = 6
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls on a shared 2-core machine: a second thread makes them ~50x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

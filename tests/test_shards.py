@@ -37,12 +37,7 @@ SPEC = CaptureSpec((0, 3, 5), 6)  # boundary 0 (embeddings, pre-hook) and bounda
 MAXLEN = 160
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_engine import sharpened, train_drafter  # noqa: E402
-from tiny import tiny_model  # noqa: E402
+from tiny import self_trained_drafter, sharpened, tiny_model  # noqa: E402
 from toy import make_toy_target  # noqa: E402
 
 from eyas.capture import BoundaryCapture, CaptureSpec  # noqa: E402
@@ -33,23 +32,13 @@ H = 64
 PROMPT = [5, 17, 99, 3, 42, 42, 7, 120, 64, 11, 30, 2]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def tiny():
     model = sharpened(tiny_model("llama", SPEC.num_blocks), 8.0)
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, 128, (16, 6), generator=g)
-    with torch.no_grad():
-        seqs = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=30,
-                              pad_token_id=0, eos_token_id=None)
-    return model, train_drafter(model, SPEC, seqs, prompt_len=6, steps=40, lr=5e-3)
+    return model, self_trained_drafter(model, SPEC, prompts=16, new_tokens=30, steps=40)
 
 
 def hook_count(*modules) -> int:

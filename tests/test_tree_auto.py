@@ -16,8 +16,7 @@ import torch
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_engine import SPEC4, random_prompts, sharpened, train_drafter  # noqa: E402
-from tiny import tiny_model  # noqa: E402
+from tiny import SPEC4, random_prompts  # noqa: E402
 from toy import make_toy_target  # noqa: E402
 
 from eyas.cli.main import app  # noqa: E402
@@ -33,28 +32,7 @@ from eyas.training.ttt import accept_length  # noqa: E402
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return sharpened(tiny_model("llama", 4), 8.0)
-
-
-@pytest.fixture(scope="module")
-def drafter(llama):
-    """Partially right: trained a few seconds on the target's own continuations (as in test_engine)."""
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, 128, (32, 6), generator=g)
-    with torch.no_grad():
-        seqs = llama.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                              max_new_tokens=40, pad_token_id=0, eos_token_id=None)
-    return train_drafter(llama, SPEC4, seqs, prompt_len=6, steps=60, lr=5e-3)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,23 +134,23 @@ def test_acceptance_from_contract_metrics():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_teacher_forced_ranks_are_what_the_engine_drafts(llama, drafter):
+def test_teacher_forced_ranks_are_what_the_engine_drafts(llama, trained_drafter):
     """Every round position: the chain the engine drafts equals the calibration's top-1 tokens as
     long as the drafted prefix was the target's, and the root's rank of the target's token is the
     calibration's depth-1 rank."""
     target = HFTarget(llama, SPEC4)
     D = 4
-    draft_ids = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size))
+    draft_ids = trained_drafter.draft_to_target(torch.arange(trained_drafter.config.draft_vocab_size))
     checked = deep = 0
     for prompt in random_prompts(3, 128, seed=21, lengths=(4, 8)):
         seq = prompt + plain_generate(target, prompt, max_new_tokens=32).tokens
-        ranks, top1, valid = teacher_forced_ranks(target, drafter, seq, len(prompt), D)
+        ranks, top1, valid = teacher_forced_ranks(target, trained_drafter, seq, len(prompt), D)
         assert target.cache_len == 0
         n, T = len(prompt), len(seq)
         with torch.no_grad():
             _, f = target.prefill(torch.tensor([seq]))
         target.reset()
-        state = DraftState(drafter, T + D)
+        state = DraftState(trained_drafter, T + D)
         state.extend(seq[1 : n + 1], f[0, :n])
         assert not valid[: n - 1].any()  # rounds start at the first generated token
         for m in range(n, T - 1):
@@ -194,10 +172,10 @@ def test_teacher_forced_ranks_are_what_the_engine_drafts(llama, drafter):
     assert checked > 20 and deep > 5
 
 
-def test_calibration_replay_is_the_engines_chain_and_predicts_trees(llama, drafter):
+def test_calibration_replay_is_the_engines_chain_and_predicts_trees(llama, trained_drafter):
     target = HFTarget(llama, SPEC4)
     prompts = random_prompts(3, 128, seed=5, lengths=(4, 10))
-    acc = measure_acceptance(target, drafter, prompts, max_depth=6, max_topk=4, new_tokens=40)
+    acc = measure_acceptance(target, trained_drafter, prompts, max_depth=6, max_topk=4, new_tokens=40)
     assert target.cache_len == 0
     assert len(acc.hit) == 6 and len(acc.hit[0]) == 4 and acc.counts[0] > 60
     assert "3 prompt(s)" in acc.source and len(acc.sequences) == 3
@@ -206,22 +184,22 @@ def test_calibration_replay_is_the_engines_chain_and_predicts_trees(llama, draft
         # longer here: the replay stops where the full depth no longer fits in the 40 tokens)
         replay = simulate_rounds(acc, spec)
         for p, rounds in zip(prompts, replay):
-            engine = speculative_generate(target, drafter, p, tree=spec, max_new_tokens=60).stats.accept_lengths
+            engine = speculative_generate(target, trained_drafter, p, tree=spec, max_new_tokens=60).stats.accept_lengths
             assert len(rounds) > 3 and engine[: len(rounds)] == rounds, spec
-    # no tree is replayed exactly (EAGLE-2 ranks by the drafter's confidence), but closely
+    # no tree is replayed exactly (EAGLE-2 ranks by the trained_drafter's confidence), but closely
     for spec in (TreeSpec(2, 4, 8), TreeSpec(3, 4, 12), TreeSpec(6, 10, 60)):
-        stats = [speculative_generate(target, drafter, p, tree=spec, max_new_tokens=40).stats for p in prompts]
+        stats = [speculative_generate(target, trained_drafter, p, tree=spec, max_new_tokens=40).stats for p in prompts]
         actual = sum(sum(s.accept_lengths) for s in stats) / sum(len(s.accept_lengths) for s in stats)
         assert predict_tau(acc, spec) == pytest.approx(actual, abs=0.25), spec
     # the expectation over all positions ignores where rounds start: it over-predicts the deep chain
     assert expected_tau(acc, TreeSpec.chain(6)) > predict_tau(acc, TreeSpec.chain(6)) + 0.3
 
 
-def test_measurement_leaves_the_target_usable(llama, drafter):
+def test_measurement_leaves_the_target_usable(llama, trained_drafter):
     target = HFTarget(llama, SPEC4)
     prompt = random_prompts(1, 128, seed=9, lengths=(8, 8))[0]
     before = plain_generate(target, prompt, max_new_tokens=16).tokens
-    cost = measure_cost(target, drafter, sizes=(1, 4, 16), topks=(1, 3), max_depth=3, repeats=1, warmup=0,
+    cost = measure_cost(target, trained_drafter, sizes=(1, 4, 16), topks=(1, 3), max_depth=3, repeats=1, warmup=0,
                         context=64)
     assert target.cache_len == 0
     assert sorted(cost.verify_s_by_tokens) == [1, 4, 16] and cost.plain_s > 0 and cost.context == 64
@@ -229,11 +207,11 @@ def test_measurement_leaves_the_target_usable(llama, drafter):
     assert set(cost.bookkeeping_s_by_tokens) == {2, 16, 64}
     assert all(v > 0 for v in cost.bookkeeping_s_by_tokens.values())
     assert set(cost.extend_s_by_tokens) == {1, 4, 8}
-    acc = measure_acceptance(target, drafter, [prompt], max_depth=3, max_topk=3, new_tokens=16)
+    acc = measure_acceptance(target, trained_drafter, [prompt], max_depth=3, max_topk=3, new_tokens=16)
     choice = choose_tree(cost, acc, topks=(1, 3), totals=(4, 8))
     assert target.cache_len == 0
     for spec in (choice.spec, TreeSpec(3, 3, 8)):
-        assert speculative_generate(target, drafter, prompt, tree=spec, max_new_tokens=16).tokens == before
+        assert speculative_generate(target, trained_drafter, prompt, tree=spec, max_new_tokens=16).tokens == before
     assert plain_generate(target, prompt, max_new_tokens=16).tokens == before
 
 
