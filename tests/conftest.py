@@ -1,5 +1,6 @@
-"""Fixtures shared by the test modules: one torch thread, and a tiny Llama with a drafter that is
-partially right (tests/tiny.py)."""
+"""Fixtures shared by the test modules: one torch thread, a tiny Llama with a drafter that is
+partially right (tests/tiny.py), and a toy target with the SmolLM2 tokenizer and an untrained
+drafter made by `eyas new` (tests/toy.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from tiny import SPEC4, self_trained_drafter, sharpened, tiny_model
+from toy import make_toy_target
 
 
 @pytest.fixture(scope="module")
@@ -30,3 +32,17 @@ def llama():
 def trained_drafter(llama):
     """A drafter for ``llama`` on SPEC4, trained a few seconds on its own continuations."""
     return self_trained_drafter(llama, SPEC4)
+
+
+@pytest.fixture(scope="module")
+def toy_drafter(tmp_path_factory):
+    """(toy target directory, untrained drafter directory), saved the way the CLI saves them."""
+    from typer.testing import CliRunner
+
+    from eyas.cli.main import app
+
+    root = tmp_path_factory.mktemp("toy")
+    target = make_toy_target(root / "target", num_blocks=8, hidden=32)
+    r = CliRunner().invoke(app, ["new", "--target", str(target), "--out", str(root / "d"), "--draft-vocab", "512"])
+    assert r.exit_code == 0, r.output
+    return target, root / "d"

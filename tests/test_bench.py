@@ -4,28 +4,15 @@ agree with each other, greedy speculative output equals plain decoding and HF ge
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from toy import make_toy_target  # noqa: E402
-
-from eyas.bench import load_prompts  # noqa: E402
-from eyas.cli.main import app  # noqa: E402
+from eyas.bench import load_prompts
+from eyas.cli.main import app
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def toy_drafter(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench")
-    target = make_toy_target(root / "target", num_blocks=8, hidden=32)
-    r = runner.invoke(app, ["new", "--target", str(target), "--out", str(root / "d"), "--draft-vocab", "512"])
-    assert r.exit_code == 0, r.output
-    return target, root / "d"
 
 
 def test_named_sets_load_their_first_turns():

@@ -17,7 +17,6 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import SPEC4, random_prompts  # noqa: E402
-from toy import make_toy_target  # noqa: E402
 
 from eyas.cli.main import app  # noqa: E402
 from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate  # noqa: E402
@@ -220,17 +219,8 @@ def test_measurement_leaves_the_target_usable(llama, trained_drafter):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    root = tmp_path_factory.mktemp("auto")
-    target = make_toy_target(root / "target", num_blocks=8, hidden=32)
-    r = runner.invoke(app, ["new", "--target", str(target), "--out", str(root / "d"), "--draft-vocab", "512"])
-    assert r.exit_code == 0, r.output
-    return target, root / "d"
-
-
-def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy, tmp_path):
-    target, draft = toy
+def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy_drafter, tmp_path):
+    target, draft = toy_drafter
     r = runner.invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--prompts", "gsm8k",
                             "--limit", "2", "--max-new-tokens", "8", "--tree", "auto", "--device", "cpu",
                             "--png", str(tmp_path / "b.png"), "--json"])
@@ -247,8 +237,8 @@ def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy, tmp_path):
     assert "chose" in r.stderr and "--tree auto" in r.stderr
 
 
-def test_generate_tree_auto(toy):
-    target, draft = toy
+def test_generate_tree_auto(toy_drafter):
+    target, draft = toy_drafter
     r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",
                             "--max-new-tokens", "6", "--tree", "auto", "--device", "cpu", "--json"])
     assert r.exit_code == 0, (r.output, r.exception)
