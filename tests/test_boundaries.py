@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from eyas.capture.boundaries import (
+from eyas.convention.boundaries import (
     BoundaryError,
     CaptureSpec,
     SGLangRule,

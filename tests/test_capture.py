@@ -13,10 +13,10 @@ from torch import nn
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from tiny import tiny_config, tiny_model  # noqa: E402
 
-from eyas.capture import (  # noqa: E402
+from eyas.capture import BoundaryCapture  # noqa: E402
+from eyas.convention import CaptureSpec  # noqa: E402
+from eyas.targets.structure import (  # noqa: E402
     ArchitectureError,
-    BoundaryCapture,
-    CaptureSpec,
     find_decoder_blocks,
     find_embedding,
     find_final_norm,

@@ -4,7 +4,7 @@ rule is caught by the same test); edge cases (all drafts rejected, draft vocabul
 target's token, the context limit, stop conditions).
 
 Everything runs on CPU in float32 with tiny random targets. Drafters that are "partially right" are
-trained here for a few seconds with the training code's own TTT step (eyas.training.ttt).
+trained here for a few seconds with the training code's own TTT step (eyas.drafter.ttt).
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import SPEC4, random_prompts, sharpened, tiny_model, train_drafter, ttt_accepts  # noqa: E402
 
-from eyas.capture import BoundaryCapture, CaptureSpec  # noqa: E402
+from eyas.convention import CaptureSpec  # noqa: E402
+
+from eyas.capture import BoundaryCapture  # noqa: E402
 from eyas.drafter.build import new_drafter  # noqa: E402
 from eyas.engine import (  # noqa: E402
     HFTarget, SamplingParams, TreeSpec, plain_generate, rejection_rule, speculative_generate,

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.capture import CaptureSpec, num_blocks
+from eyas.convention import CaptureSpec
+
+from eyas.targets.structure import num_blocks
 from eyas.data.render import render_prompt
 from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate
 from eyas.targets import load_target

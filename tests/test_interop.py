@@ -135,7 +135,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypa
     out = save_drafter(drafter, contract, tmp_path / "d")
     before = (out / "model.safetensors").read_bytes()
 
-    import eyas.interop._common as common
+    import eyas.interop.common as common
 
     def broken(tensors, path, metadata=None):
         pathlib.Path(path).write_bytes(b"half a file")
@@ -335,7 +335,7 @@ def test_import_with_target_records_its_contract(tmp_path):
     d = tmp_path / "sf"
     d.mkdir()
     save_file({k: v for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}, str(d / "model.safetensors"))
-    from eyas.interop._common import llama_fields
+    from eyas.interop.common import llama_fields
     (d / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLMEagle3"], **llama_fields(cfg), "draft_vocab_size": 32}))
     out = import_drafter(d, tmp_path / "eyas", target=model)

@@ -19,7 +19,9 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from test_regenerate import chat_target, chat_tokenizer  # noqa: E402
 
-from eyas.capture import BoundaryCapture, CaptureSpec  # noqa: E402
+from eyas.convention import CaptureSpec  # noqa: E402
+
+from eyas.capture import BoundaryCapture  # noqa: E402
 from eyas.capture.stats import FingerprintAccumulator, default_channels  # noqa: E402
 from eyas.contract import ContractError  # noqa: E402
 from eyas.data.conversations import Conversation  # noqa: E402

@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import self_trained_drafter, sharpened, tiny_model  # noqa: E402
 from toy import make_toy_target  # noqa: E402
 
-from eyas.capture import BoundaryCapture, CaptureSpec  # noqa: E402
+from eyas.convention import CaptureSpec  # noqa: E402
+
+from eyas.capture import BoundaryCapture  # noqa: E402
 from eyas.doctor.trace import JUNCTIONS, Tracer, tensor_stats  # noqa: E402
 from eyas.engine import HFTarget, TreeSpec, speculative_generate  # noqa: E402
 

@@ -18,7 +18,7 @@ from toy import make_toy_conversations, make_toy_target  # noqa: E402
 
 from eyas.training.config import TrainConfig  # noqa: E402
 from eyas.training.loop import lr_lambda, step_samples, Dist, train  # noqa: E402
-from eyas.training.ttt import accept_length, ttt_mask  # noqa: E402
+from eyas.drafter.ttt import accept_length, ttt_mask  # noqa: E402
 from eyas.training.vocab import build_draft_vocab, count_targets  # noqa: E402
 
 
@@ -115,7 +115,7 @@ def test_trained_drafter_beats_the_best_unigram_predictor(toy, tmp_path):
     from eyas.data.render import render
     from eyas.interop import read_contract
     from eyas.targets import load_target
-    from eyas.training.loop import split_indices
+    from eyas.training.config import split_indices
 
     cfg = _cfg(toy, tmp_path / "run", steps=120)
     train(cfg)
@@ -192,7 +192,7 @@ def test_offline_and_online_training_give_the_same_first_step_loss(toy, tmp_path
     """Both paths go through the same capture code: float32 shards of the same conversations must
     give the same features and labels, hence the same first-step loss (one batch = all samples, so
     the shards' sample order does not matter)."""
-    from eyas.capture import CaptureSpec
+    from eyas.convention import CaptureSpec
     from eyas.data.conversations import read_conversations
     from eyas.data.shards import capture_shards
     from eyas.targets import load_target

@@ -1,4 +1,4 @@
-"""`--tree auto` (eyas.engine.autotree): the tau model against hand-computed values, the choice
+"""`--tree auto` (eyas.tune.autotree): the tau model against hand-computed values, the choice
 under synthetic cost models (flat verification -> a big tree, steep -> a chain), the calibration
 against the drafting engine it models, measurements that leave the target usable, and the CLI.
 
@@ -20,13 +20,13 @@ from tiny import SPEC4, random_prompts  # noqa: E402
 
 from eyas.cli.main import app  # noqa: E402
 from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate  # noqa: E402
-from eyas.engine.autotree import (  # noqa: E402
+from eyas.tune.autotree import (  # noqa: E402
     AcceptanceProfile, CostModel, acceptance_from_metrics, candidate_trees, choose_tree, expected_tau,
     measure_acceptance, measure_cost, predict_tau, simulate_rounds, teacher_forced_ranks,
 )
 from eyas.engine.sampling import GREEDY  # noqa: E402
 from eyas.engine.tree import DraftState  # noqa: E402
-from eyas.training.ttt import accept_length  # noqa: E402
+from eyas.drafter.ttt import accept_length  # noqa: E402
 
 runner = CliRunner()
 

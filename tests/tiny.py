@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3Config
 
-from eyas.capture import CaptureSpec
+from eyas.convention import CaptureSpec
 
 SPEC4 = CaptureSpec((1, 2, 3), 4)  # boundaries of a 4-block tiny target (the EAGLE default needs >= 7 blocks)
 
@@ -62,7 +62,7 @@ def train_drafter(model, spec, sequences, prompt_len, steps: int, draft_ids: tor
     step per sequence). The loss counts the tokens after the prompt."""
     from eyas.capture import BoundaryCapture
     from eyas.drafter.build import new_drafter
-    from eyas.training.ttt import TargetLabels, ttt_forward
+    from eyas.drafter.ttt import TargetLabels, ttt_forward
 
     if isinstance(sequences, torch.Tensor):
         sequences, prompt_len = [sequences], [prompt_len]
@@ -109,7 +109,7 @@ def ttt_accepts(model, spec, drafter, prompt: list[int], result, depth: int, max
     serving and TTT compute the same thing, so a round should accept exactly the run of leading TTT
     steps that were right on the final sequence."""
     from eyas.capture import BoundaryCapture
-    from eyas.training.ttt import TargetLabels, ttt_forward
+    from eyas.drafter.ttt import TargetLabels, ttt_forward
 
     seq = torch.tensor([prompt + result.tokens])
     draft_ids = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size))

@@ -62,7 +62,7 @@ def plot_accept_lengths(summaries: Sequence[dict[str, Any]], png: Path) -> Path:
 
 
 def auto_tree_table(choice: Any, top: int = 8) -> Table:
-    """`--tree auto`: the best candidates (a :class:`~eyas.engine.autotree.TreeChoice`), the chosen
+    """`--tree auto`: the best candidates (a :class:`~eyas.tune.autotree.TreeChoice`), the chosen
     one first, plus the best chain when it is not among them."""
     rows = list(choice.candidates[:top])
     chain = next((c for c in choice.candidates if c.spec.top_k == 1), None)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from eyas.data.conversations import Conversation
 from eyas.data.render import render_prompt
 from eyas.drafter.model import Eagle3Drafter
+from eyas.targets.structure import eos_token_ids
 from eyas.engine import GenerationStats, HFTarget, SamplingParams, TreeSpec, plain_generate, speculative_generate
 
 METHODS = ("speculative", "plain", "hf")
@@ -122,13 +123,6 @@ def hf_generate(model: Any, ids: torch.Tensor, sampling: SamplingParams, max_new
     return new
 
 
-def eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids |= set(gen if isinstance(gen, list) else [gen] if gen is not None else [])
-    return sorted(ids)
-
-
 def bench_set(
     name: str,
     prompts: Sequence[Conversation],
@@ -142,7 +136,7 @@ def bench_set(
     seed: int = 0,
     progress: bool = True,
 ) -> SetResult:
-    eos = eos_ids(model, tokenizer)
+    eos = eos_token_ids(model, tokenizer)
     result = SetResult(name, sampling.greedy)
     for i, conv in enumerate(tqdm(prompts, desc=f"bench {name}", disable=not progress, dynamic_ncols=True)):
         ids = render_prompt(conv, tokenizer).to(target.device)[None]  # [1, n]

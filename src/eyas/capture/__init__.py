@@ -1,34 +1,7 @@
-"""Capture: the layer convention (boundaries), converters to every engine's ids, and the hooks
-that record boundaries from any HF causal LM."""
+"""Capture: forward hooks that record residual-stream boundaries from any HF causal LM (the one
+capture code path), and the per-slot fingerprints of what was captured."""
 
-from eyas.capture.boundaries import (
-    BoundaryError,
-    CaptureSpec,
-    SGLangRule,
-    boundaries_to_hf_indices,
-    boundaries_to_sglang_ids,
-    boundaries_to_vllm_ids,
-    default_boundaries,
-    hf_indices_to_boundaries,
-    parse_boundaries,
-    sglang_ids_to_boundaries,
-    sglang_rules_agree,
-    validate_boundaries,
-    vllm_ids_to_boundaries,
-)
-from eyas.capture.hooks import (
-    ArchitectureError,
-    BoundaryCapture,
-    find_decoder_blocks,
-    find_embedding,
-    find_final_norm,
-    num_blocks,
-)
+from eyas.capture.hooks import BoundaryCapture
+from eyas.capture.stats import FingerprintAccumulator, default_channels, fingerprint_token_mask
 
-__all__ = [
-    "ArchitectureError", "BoundaryCapture", "BoundaryError", "CaptureSpec", "SGLangRule",
-    "boundaries_to_hf_indices", "boundaries_to_sglang_ids", "boundaries_to_vllm_ids",
-    "default_boundaries", "find_decoder_blocks", "find_embedding", "find_final_norm",
-    "hf_indices_to_boundaries", "num_blocks", "parse_boundaries", "sglang_ids_to_boundaries",
-    "sglang_rules_agree", "validate_boundaries", "vllm_ids_to_boundaries",
-]
+__all__ = ["BoundaryCapture", "FingerprintAccumulator", "default_channels", "fingerprint_token_mask"]

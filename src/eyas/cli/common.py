@@ -10,6 +10,8 @@ from typing import Any, Callable
 import typer
 from rich.console import Console
 
+from eyas.errors import EyasError
+
 console = Console()
 err = Console(stderr=True)
 
@@ -25,23 +27,8 @@ def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that describe bad input (file, field, expected, found): shown without a traceback."""
-    from eyas.capture import ArchitectureError, BoundaryError
-    from eyas.contract import ContractError
-    from eyas.data.conversations import DataFormatError
-    from eyas.data.regenerate import RegenerateError
-    from eyas.data.render import TemplateAlignmentError
-    from eyas.data.shards import ShardError
-    from eyas.interop import CheckpointError
-    from eyas.targets import TargetNotFound
-
-    return (ArchitectureError, BoundaryError, CheckpointError, ContractError, DataFormatError, FileNotFoundError,
-            RegenerateError, ShardError, TargetNotFound, TemplateAlignmentError)
-
-
 def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
-    except user_errors() as e:
+    except (EyasError, FileNotFoundError) as e:  # bad input: the message names file, field, expected, found
         fail(str(e))

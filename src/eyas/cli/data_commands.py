@@ -137,7 +137,8 @@ def capture_cmd(
 
     Under torchrun every rank captures its share (conversations rank::world_size) and the last one
     to finish writes manifest.json."""
-    from eyas.capture import CaptureSpec, find_decoder_blocks, parse_boundaries
+    from eyas.convention import CaptureSpec, parse_boundaries
+    from eyas.targets.structure import find_decoder_blocks
     from eyas.data.shards import capture_shards
 
     t0 = time.perf_counter()

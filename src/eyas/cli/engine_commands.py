@@ -21,7 +21,9 @@ def load_for_serving(target: str, draft: Path, device: str, force: bool) -> tupl
     """(model, tokenizer, drafter, HFTarget, contract), the drafter checked against the target's contract."""
     import torch
 
-    from eyas.capture import CaptureSpec, num_blocks
+    from eyas.convention import CaptureSpec
+
+    from eyas.targets.structure import num_blocks
     from eyas.engine import HFTarget
     from eyas.interop import load_drafter
     from eyas.targets import load_target
@@ -46,7 +48,7 @@ def auto_tree(tgt: Any, drafter: Any, calibration: list[Any], contract: Any, eos
     TreeChoice. Acceptance comes from a greedy calibration on ``calibration`` (prompt token ids),
     else from the drafter's training metrics in its contract."""
     from eyas.bench.report import auto_tree_table
-    from eyas.engine.autotree import acceptance_from_metrics, choose_tree, measure_acceptance, measure_cost
+    from eyas.tune.autotree import acceptance_from_metrics, choose_tree, measure_acceptance, measure_cost
 
     t0 = time.perf_counter()
     out.print("[dim]--tree auto: timing target verification and drafting on this hardware...[/]")
@@ -85,7 +87,7 @@ def generate_cmd(
     """Generate a reply with speculative decoding; prints the text and per-request statistics."""
     import torch
 
-    from eyas.bench.run import eos_ids
+    from eyas.targets.structure import eos_token_ids
     from eyas.data.render import render_prompt
     from eyas.engine import SamplingParams, TreeSpec, speculative_generate
 
@@ -94,7 +96,7 @@ def generate_cmd(
     ids = render_prompt(messages, tokenizer).to(tgt.device)[None]
     choice = None
     if is_auto(tree):  # calibrated on the prompt itself
-        choice = auto_tree(tgt, drafter, [ids[0]], contract, eos_ids(model, tokenizer), temperature,
+        choice = auto_tree(tgt, drafter, [ids[0]], contract, eos_token_ids(model, tokenizer), temperature,
                            err if json_out else console)
         spec_tree = choice.spec
     else:
@@ -103,7 +105,7 @@ def generate_cmd(
     t0 = time.perf_counter()
     r = speculative_generate(tgt, drafter, ids, tree=spec_tree,
                              sampling=SamplingParams(temperature, top_p, top_k), max_new_tokens=max_new_tokens,
-                             eos_token_ids=eos_ids(model, tokenizer),
+                             eos_token_ids=eos_token_ids(model, tokenizer),
                              generator=torch.Generator(device=tgt.device).manual_seed(seed), on_token=stream)
     wall = time.perf_counter() - t0
     stats = r.stats.to_dict()
@@ -144,17 +146,17 @@ def bench_cmd(
 
     from eyas.bench import bench_set, bench_table, load_prompts, plot_accept_lengths
     from eyas.bench.report import acceptance_lines
-    from eyas.bench.run import eos_ids
+    from eyas.targets.structure import eos_token_ids
     from eyas.data.render import render_prompt
     from eyas.engine import SamplingParams, TreeSpec
-    from eyas.engine.autotree import CALIBRATION_PROMPTS
+    from eyas.tune.autotree import CALIBRATION_PROMPTS
 
     model, tokenizer, drafter, tgt, contract = load_for_serving(target, draft, device, force)
     sets = [(name, _run(load_prompts, name, limit)) for name in prompts]
     choice = None
     if is_auto(tree):  # calibrated on the first prompts of the first set
         calibration = [render_prompt(c, tokenizer).tolist() for c in sets[0][1][:CALIBRATION_PROMPTS]]
-        choice = auto_tree(tgt, drafter, calibration, contract, eos_ids(model, tokenizer), temperature,
+        choice = auto_tree(tgt, drafter, calibration, contract, eos_token_ids(model, tokenizer), temperature,
                            err if json_out else console)
         spec_tree = choice.spec
     else:

@@ -71,7 +71,7 @@ def new(
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
     """An untrained drafter for TARGET, with its contract (eyas format, SGLang-loadable)."""
-    from eyas.capture import parse_boundaries
+    from eyas.convention import parse_boundaries
     from eyas.drafter.build import new_drafter
     from eyas.interop import engine_view, save_drafter
     from eyas.targets import load_target
@@ -196,7 +196,7 @@ def train(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Train an EAGLE-3 drafter with training-time test; resumes from the newest checkpoint in OUT."""
-    from eyas.capture import parse_boundaries
+    from eyas.convention import parse_boundaries
     from eyas.interop import read_contract
     from eyas.training.config import TrainConfig
     from eyas.training.loop import train as run_training

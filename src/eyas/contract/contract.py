@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from eyas import __version__
-from eyas.capture.hooks import find_decoder_blocks, find_embedding, find_final_norm
+from eyas.targets.structure import find_decoder_blocks, find_embedding, find_final_norm, text_config
+from eyas.errors import EyasError
 
 SCHEMA_VERSION = 1
 
@@ -39,7 +40,7 @@ class TargetIdentity(_Model):
 
 
 class CaptureContract(_Model):
-    boundaries: list[int]  # eyas convention (eyas.capture.boundaries)
+    boundaries: list[int]  # eyas convention (eyas.convention.boundaries)
     dtype: str = "bfloat16"
     values: Literal["pre_norm_residual"] = "pre_norm_residual"
 
@@ -95,11 +96,6 @@ class Contract(_Model):
 # ---------------------------------------------------------------------------------------------
 
 
-def _text_config(model: nn.Module) -> Any:
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
 def weights_fingerprint(model: nn.Module, max_rows: int = 1024) -> str:
     emb = find_embedding(model).weight.detach()
     rows = torch.linspace(0, emb.shape[0] - 1, min(max_rows, emb.shape[0])).round().long()
@@ -110,7 +106,7 @@ def weights_fingerprint(model: nn.Module, max_rows: int = 1024) -> str:
 
 
 def target_identity(model: nn.Module, source: str | None = None) -> TargetIdentity:
-    cfg = _text_config(model)
+    cfg = text_config(model)
     archs = getattr(model.config, "architectures", None) or [type(model).__name__]
     return TargetIdentity(
         architecture=archs[0],
@@ -198,7 +194,7 @@ def compare(expected: Contract, found: Contract, fields: Iterable[str] = CHECKED
     return out
 
 
-class ContractError(ValueError):
+class ContractError(EyasError, ValueError):
     """A dataset or drafter met a target (or engine config) it was not made for."""
 
     def __init__(self, mismatches: list[Mismatch], context: str) -> None:

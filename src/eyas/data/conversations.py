@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Mapping, Sequence
 
 from eyas.io import atomic_write_text
+from eyas.errors import EyasError
 
 logger = logging.getLogger("eyas.data")
 
@@ -95,7 +96,7 @@ def _show(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class DataFormatError(ValueError):
+class DataFormatError(EyasError, ValueError):
     """A record or a file that cannot be read as conversations. ``problem`` says where and why."""
 
     def __init__(self, problem: "Problem | str"):

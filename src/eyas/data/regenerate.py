@@ -40,9 +40,11 @@ from tqdm.auto import tqdm
 from eyas import __version__
 from eyas.data.conversations import Conversation
 from eyas.data.render import TEMPLATE_DEFAULT, render_prompt, system_prompt_mode
+from eyas.errors import EyasError
+from eyas.targets.structure import eos_token_ids
 
 
-class RegenerateError(ValueError):
+class RegenerateError(EyasError, ValueError):
     """The output file cannot be resumed (corrupt line, other generation parameters)."""
 
 
@@ -139,15 +141,11 @@ class RegenerateSummary:
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    """Every id that ends a turn: the tokenizer's eos and the model's generation_config eos."""
-    ids: list[int] = []
-    for v in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
-        if v is None:
-            continue
-        ids += [int(x) for x in (v if isinstance(v, (list, tuple)) else [v])]
+    """Every id that ends a turn; refuses a target with none (an answer would never end)."""
+    ids = eos_token_ids(model, tokenizer)
     if not ids:
         raise RegenerateError(f"{type(tokenizer).__name__} has no eos token: cannot tell where an answer ends")
-    return sorted(set(ids))
+    return ids
 
 
 def _generation_params(max_new_tokens: int, temperature: float, top_p: float, seed: int,

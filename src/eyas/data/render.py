@@ -53,12 +53,13 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .conversations import Conversation
+from eyas.errors import EyasError
 
 TEMPLATE_DEFAULT = "template_default"
 NO_SYSTEM_PROMPT = "none"
 
 
-class TemplateAlignmentError(ValueError):
+class TemplateAlignmentError(EyasError, ValueError):
     """The chat template's renderings of prefixes do not line up with the full rendering, so the
     assistant mask cannot be computed safely."""
 

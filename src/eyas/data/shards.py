@@ -59,7 +59,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from eyas.io import atomic_write_bytes, atomic_write_json, read_json_object
-from eyas.capture.boundaries import CaptureSpec
+from eyas.convention.boundaries import CaptureSpec
 from eyas.capture.hooks import BoundaryCapture
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract import (
@@ -73,6 +73,7 @@ from eyas.contract import (
 from eyas.data.conversations import Conversation
 from eyas.data.regenerate import conversation_id
 from eyas.data.render import TEMPLATE_DEFAULT, TemplateAlignmentError, render, system_prompt_mode
+from eyas.errors import EyasError
 
 FORMAT = "eyas-hidden-shards"
 FORMAT_VERSION = 1
@@ -86,7 +87,7 @@ _PLAN_PARAMS = ("boundaries", "dtype", "max_length", "shard_size", "shard_tokens
 _MAX_PROBLEMS_KEPT = 20
 
 
-class ShardError(ValueError):
+class ShardError(EyasError, ValueError):
     """A shard set that cannot be written, resumed or read; the message names the file."""
 
 

@@ -17,8 +17,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from eyas.capture.boundaries import CaptureSpec
-from eyas.capture.hooks import BoundaryCapture, find_decoder_blocks, find_final_norm
+from eyas.convention.boundaries import CaptureSpec
+from eyas.capture.hooks import BoundaryCapture
+from eyas.targets.structure import find_decoder_blocks, find_final_norm
 from eyas.capture.stats import FingerprintAccumulator, default_channels
 from eyas.contract.contract import SlotFingerprint
 from eyas.doctor.samples import Sample

@@ -131,14 +131,14 @@ class Stage:
 
     def to_dict(self) -> dict[str, Any]:
         return {"status": self.status, "summary": self.summary,
-                "findings": [f.to_dict() for f in self.findings], **_jsonable(self.data)}
+                "findings": [f.to_dict() for f in self.findings], **jsonable(self.data)}
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, float):
         return x if math.isfinite(x) else None
     if hasattr(x, "to_dict"):

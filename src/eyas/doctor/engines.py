@@ -4,7 +4,7 @@
 with eyas.json is the very thing the doctor diagnoses, so nothing here refuses an inconsistency
 that :func:`eyas.interop.load_drafter` would refuse); :func:`read_engine` models one engine's
 reading of that directory's ``config.json`` as it stands: which keys it reads, which defaults it
-falls back to, the +1 rules (the conversions themselves are :mod:`eyas.capture.boundaries`'), and
+falls back to, the +1 rules (the conversions themselves are :mod:`eyas.convention.boundaries`'), and
 which norm flags it builds the drafter with:
 
 =========  ===============================  ==========================================  =================
@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import ValidationError
 from torch import Tensor
 
-from eyas.capture.boundaries import (
+from eyas.convention.boundaries import (
     BoundaryError,
     SGLangRule,
     boundaries_to_sglang_ids,
@@ -44,7 +44,7 @@ from eyas.contract.contract import Contract
 from eyas.doctor.common import ENGINE_LABELS, NESTED_IDS, NORM_FLAGS, TOP_IDS, Edit
 from eyas.drafter.config import DrafterConfig
 from eyas.interop import sglang, speculators
-from eyas.interop._common import CONFIG_JSON, EYAS_JSON, CheckpointError, read_tensors
+from eyas.interop.common import CONFIG_JSON, EYAS_JSON, CheckpointError, read_tensors
 from eyas.interop.eyas_format import LAYOUTS, Meta, read_meta
 
 ENGINES = ("eyas", "sglang", "vllm")

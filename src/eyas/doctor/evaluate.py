@@ -2,7 +2,7 @@
 
 Accuracy is measured exactly as the training loop measures held-out accuracy: ``ttt_forward``
 (teacher-forced tokens, the drafter's own fed-back hidden state, loss mask shifted with the
-tokens) summed by the loop's ``Tally``. Only the target's argmax is needed for accuracy, so the
+tokens) summed by ``Tally``. Only the target's argmax is needed for accuracy, so the
 soft labels are a placeholder (the loss it computes is not reported).
 """
 
@@ -18,8 +18,7 @@ from eyas.doctor.samples import Sample
 from eyas.drafter.config import DrafterConfig
 from eyas.drafter.model import Eagle3Drafter
 from eyas.training.batches import pad_right
-from eyas.training.loop import Tally
-from eyas.training.ttt import TargetLabels, ttt_forward
+from eyas.drafter.ttt import Tally, TargetLabels, ttt_forward
 
 EMBEDDING = "embed_tokens.weight"
 

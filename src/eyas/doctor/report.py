@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eyas.doctor.common import FAIL, OK, PASS, SKIPPED, WARN, Stage, _jsonable, fmt_acc
+from eyas.doctor.common import FAIL, OK, PASS, SKIPPED, WARN, Stage, jsonable, fmt_acc
 
 STAGES = ("static", "replay", "live", "fingerprint", "search")
 
@@ -46,7 +46,7 @@ class DoctorReport:
             d[name] = self.stages[name].to_dict()
         d["png"] = self.png
         d["wall_s"] = round(self.wall_s, 2)
-        return _jsonable(d)
+        return jsonable(d)
 
     # -- curves ------------------------------------------------------------------------------------
 

@@ -12,8 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from eyas.capture.boundaries import BoundaryError
-from eyas.capture.hooks import find_decoder_blocks, find_embedding
+from eyas.targets.structure import find_decoder_blocks, find_embedding
 from eyas.contract.contract import SlotFingerprint, weights_fingerprint
 from eyas.doctor.capture import LiveCapture, capture_all, stored_labels
 from eyas.doctor.common import FAIL, Stage
@@ -27,7 +26,7 @@ from eyas.doctor.samples import SampleSet, load_samples
 from eyas.doctor.search import SearchResult, search_stage
 from eyas.doctor.static import static_stage
 from eyas.doctor.verdict import verdict
-from eyas.interop._common import CheckpointError
+from eyas.errors import EyasError
 
 DEFAULT_TTT_STEPS = 7  # DESIGN.md section 5, when the contract records no per-position metrics
 
@@ -59,15 +58,6 @@ def _capture_dtype(dd: DrafterDir, sset: SampleSet) -> str:
     if sset.source == "shards" and sset.stored_dtype:
         return sset.stored_dtype
     return dd.contract.capture.dtype if dd.contract is not None else "float32"
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from eyas.data.conversations import DataFormatError
-    from eyas.data.render import TemplateAlignmentError
-    from eyas.data.shards import ShardError
-
-    return (CheckpointError, BoundaryError, ShardError, DataFormatError, TemplateAlignmentError, FileNotFoundError,
-            ValueError)
 
 
 def run_doctor(
@@ -133,7 +123,7 @@ def run_doctor(
     say(f"reading {draft}")
     try:
         dd = read_drafter_dir(draft, L)
-    except _user_errors() as e:
+    except (EyasError, FileNotFoundError, ValueError) as e:
         stages["static"].add(FAIL, "unreadable", f"{draft}: {e}")
         stages["static"].settle("the drafter directory cannot be read")
         for name in STAGES[1:]:
@@ -147,7 +137,7 @@ def run_doctor(
     try:
         say("loading samples")
         sset = load_samples(data, model, tokenizer, dd.contract, dd.train_config, samples, max_length)
-    except _user_errors() as e:
+    except (EyasError, FileNotFoundError, ValueError) as e:
         data_error = f"--data {data}: {e}"
 
     trained, trained_note = trained_boundaries(dd, sset, H) if sset is not None else (dd.boundaries, None)

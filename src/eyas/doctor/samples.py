@@ -124,7 +124,7 @@ def _from_shards(path: str, train_config: Any, n: int, max_length: int) -> Sampl
     ds = ShardDataset(path, features=True, verify="header")
     held_out = train_config is not None and _same_path(train_config.data, path)
     if held_out:
-        from eyas.training.loop import split_indices
+        from eyas.training.config import split_indices
 
         _, pool = split_indices(len(ds), train_config)
         selection = f"held-out split of the training run ({len(pool)} samples of {len(ds)})"
@@ -184,7 +184,7 @@ def _from_conversations(path: str, model: Any, tokenizer: Any, train_config: Any
     samples: list[Sample] = []
     if held_out:
         # Exactly the training run's filtering (eyas.training.loop.load_samples), then its split.
-        from eyas.training.loop import split_indices
+        from eyas.training.config import split_indices
 
         kept = []
         for k, conv in enumerate(convs):

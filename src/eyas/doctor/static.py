@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from eyas.capture.boundaries import SGLangRule, boundaries_to_sglang_ids, sglang_rules_agree
+from eyas.convention.boundaries import SGLangRule, boundaries_to_sglang_ids, sglang_rules_agree
 from eyas.contract.contract import ADVISORY_FIELDS, Contract, compare, target_identity, tokenisation_of
 from eyas.doctor.common import FAIL, INFO, NORM_FLAGS, OK, WARN, Edit, Stage, boundary_name
 from eyas.doctor.engines import DrafterDir, EngineReading, boundary_edits, capturable, flag_edit, read_engine
 from eyas.doctor.samples import SampleSet
-from eyas.interop._common import CONFIG_JSON
+from eyas.interop.common import CONFIG_JSON
 
 _PROBE = "eyasDoctorProbe7c1"
 

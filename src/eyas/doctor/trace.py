@@ -56,8 +56,9 @@ from torch import Tensor
 from eyas.capture.hooks import BoundaryCapture
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract.contract import SlotFingerprint
-from eyas.doctor.common import CHANNEL_OFF, RMS_RATIO_OFF, RMS_Z_OFF, _jsonable, boundary_name, slot_label
+from eyas.doctor.common import CHANNEL_OFF, RMS_RATIO_OFF, RMS_Z_OFF, jsonable, boundary_name, slot_label
 from eyas.doctor.fingerprint import compare_slot, nearest
+from eyas.errors import EyasError
 
 JUNCTIONS = ("boundary", "concat", "fc_input")
 # A chunk of the concatenation is recognised as boundary b when its first row equals b's first
@@ -65,7 +66,7 @@ JUNCTIONS = ("boundary", "concat", "fc_input")
 MATCH_TOL = 2e-2
 
 
-class TraceError(ValueError):
+class TraceError(EyasError, ValueError):
     """A drafter that cannot be traced as asked (the engine cannot serve it, or it does not fit the target)."""
 
 
@@ -180,11 +181,11 @@ class Tracer(AbstractContextManager):
         if self.out is None:
             return
         with self.out.open("a") as f:
-            f.write(json.dumps(_jsonable(obj)) + "\n")
+            f.write(json.dumps(jsonable(obj)) + "\n")
 
     def _write(self, obj: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(_jsonable(obj)) + "\n")
+            self._file.write(json.dumps(jsonable(obj)) + "\n")
 
     def _record(self, rec: dict[str, Any]) -> None:
         rec = {"round": self.round, "phase": self._phase, **rec}
@@ -454,7 +455,7 @@ class TraceSummary:
         return 0 if self.healthy else 1
 
     def to_dict(self) -> dict[str, Any]:
-        return _jsonable({
+        return jsonable({
             "healthy": self.healthy, "problems": self.problems, "warnings": self.warnings, "rounds": self.rounds,
             "records": self.records,
             "served_boundaries": self.served_boundaries, "trained_boundaries": self.trained_boundaries,
@@ -487,7 +488,7 @@ class TraceReport:
         return self.summary.exit_code
 
     def to_dict(self) -> dict[str, Any]:
-        return _jsonable({"healthy": self.healthy, "out": self.out, "engine": self.engine, "target": self.target,
+        return jsonable({"healthy": self.healthy, "out": self.out, "engine": self.engine, "target": self.target,
                           "draft": self.draft, "generation": self.generation, "notes": self.notes,
                           "summary": self.summary.to_dict()})
 
@@ -515,9 +516,9 @@ def run_trace(
     ``model``/``tokenizer`` may be passed already loaded. Raises :class:`TraceError` when the engine
     cannot serve the directory or the drafter does not fit the target.
     """
-    from eyas.bench.run import eos_ids
-    from eyas.capture.boundaries import CaptureSpec
-    from eyas.capture.hooks import find_decoder_blocks, find_embedding
+    from eyas.targets.structure import eos_token_ids
+    from eyas.convention.boundaries import CaptureSpec
+    from eyas.targets.structure import find_decoder_blocks, find_embedding
     from eyas.contract.contract import weights_fingerprint
     from eyas.data.render import render_prompt
     from eyas.doctor.engines import normalise_engine, read_drafter_dir, read_engine, served_config
@@ -585,7 +586,7 @@ def run_trace(
     say(f"tracing {reading.label}: boundaries {reading.boundaries}, {ids.numel()} prompt tokens")
     with Tracer(tgt, drafter, out, header=header, channels=reference[0].channels if reference else None) as tr:
         result = speculative_generate(tgt, drafter, ids, tree=spec_tree, max_new_tokens=max_new_tokens,
-                                      eos_token_ids=eos_ids(model, tokenizer))
+                                      eos_token_ids=eos_token_ids(model, tokenizer))
     say("holding the trace against the training fingerprint")
     sequence = ids.reshape(-1).tolist() + result.tokens
     summary = tr.summary(reference, trained, ref_source, sequence=sequence, capture_dtype=capture_dtype)

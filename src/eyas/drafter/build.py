@@ -6,8 +6,8 @@ from typing import Any, Sequence
 
 import torch
 
-from eyas.capture.boundaries import CaptureSpec
-from eyas.capture.hooks import find_decoder_blocks, find_embedding
+from eyas.convention.boundaries import CaptureSpec
+from eyas.targets.structure import find_decoder_blocks, find_embedding
 from eyas.contract.contract import CaptureContract, Contract, DrafterFlags, target_identity, tokenisation_of
 from eyas.drafter.config import DrafterConfig
 from eyas.drafter.model import Eagle3Drafter

@@ -10,14 +10,10 @@
 
 Modules: target.py (the target interface and HFTarget), tree.py (drafting and masks),
 sampling.py (distributions and acceptance rules), speculative.py (the decoding loops),
-stopping.py (stop conditions), stats.py (per-request statistics), autotree.py (``--tree auto``: measure
-the hardware and the drafter, choose the tree).
+stopping.py (stop conditions), stats.py (per-request statistics). Choosing a tree for this hardware
+and this drafter (``--tree auto``) is a tuning tool, not the runtime: see :mod:`eyas.tune`.
 """
 
-from eyas.engine.autotree import (
-    AcceptanceProfile, CostModel, TreeChoice, acceptance_from_metrics, choose_tree, measure_acceptance, measure_cost,
-    predict_tau,
-)
 from eyas.engine.sampling import GREEDY, AcceptRule, SamplingParams, rejection_rule
 from eyas.engine.speculative import GenerationResult, plain_generate, speculative_generate
 from eyas.engine.stats import GenerationStats
@@ -25,7 +21,6 @@ from eyas.engine.target import HFTarget, Target
 from eyas.engine.tree import DraftTree, TreeSpec
 
 __all__ = [
-    "GREEDY", "AcceptRule", "AcceptanceProfile", "CostModel", "DraftTree", "GenerationResult", "GenerationStats",
-    "HFTarget", "SamplingParams", "Target", "TreeChoice", "TreeSpec", "acceptance_from_metrics", "choose_tree",
-    "measure_acceptance", "measure_cost", "plain_generate", "predict_tau", "rejection_rule", "speculative_generate",
+    "GREEDY", "AcceptRule", "DraftTree", "GenerationResult", "GenerationStats", "HFTarget", "SamplingParams",
+    "Target", "TreeSpec", "plain_generate", "rejection_rule", "speculative_generate",
 ]

@@ -26,8 +26,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from eyas.capture.boundaries import CaptureSpec
-from eyas.capture.hooks import BoundaryCapture, _text_config
+from eyas.convention.boundaries import CaptureSpec
+from eyas.capture.hooks import BoundaryCapture
+from eyas.targets.structure import text_config
 
 
 class Target(ABC):
@@ -77,7 +78,7 @@ class Target(ABC):
 
 
 def _decoder_attention(model: nn.Module) -> str | None:
-    cfg = _text_config(model)
+    cfg = text_config(model)
     return getattr(cfg, "_attn_implementation", None)
 
 
@@ -103,7 +104,7 @@ class HFTarget(Target):
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        cfg_len = getattr(_text_config(model), "max_position_embeddings", None)
+        cfg_len = getattr(text_config(model), "max_position_embeddings", None)
         self.max_length = int(max_length or cfg_len or 2**31 - 1)
         # transformers 5 renamed past_key_values to cache
         params = inspect.signature(model.forward).parameters

@@ -11,11 +11,11 @@ from typing import Any
 
 from torch import nn
 
-from eyas.capture.boundaries import SGLangRule, sglang_ids_to_boundaries, sglang_rules_agree
-from eyas.capture.hooks import find_decoder_blocks
+from eyas.convention.boundaries import SGLangRule, sglang_ids_to_boundaries, sglang_rules_agree
+from eyas.targets.structure import find_decoder_blocks
 from eyas.contract.contract import enforce
 from eyas.interop import sglang
-from eyas.interop._common import CheckpointError
+from eyas.interop.common import CheckpointError
 from eyas.interop.engines import engine_view
 from eyas.interop.eyas_format import against_target, new_contract, read_checkpoint, write_checkpoint
 

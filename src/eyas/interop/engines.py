@@ -1,7 +1,7 @@
 """Which physical boundaries each engine captures when it loads a drafter directory as it stands.
 
 Each engine is modelled by the one thing it reads from ``config.json`` (the conversions themselves
-live in :mod:`eyas.capture.boundaries`):
+live in :mod:`eyas.convention.boundaries`):
 - SGLang reads only ``eagle_config.eagle_aux_hidden_state_layer_ids`` (absent -> its default
   ``[2, L//2, L-3]``); before PR #25454 it adds 1 to every id, since then only when the first id is 1;
 - vLLM reads only the top-level ``eagle_aux_hidden_state_layer_ids`` as boundaries (absent -> default);
@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from eyas.capture.boundaries import SGLangRule, sglang_ids_to_boundaries, vllm_ids_to_boundaries
+from eyas.convention.boundaries import SGLangRule, sglang_ids_to_boundaries, vllm_ids_to_boundaries
 from eyas.interop import sglang
-from eyas.interop._common import CheckpointError
+from eyas.interop.common import CheckpointError
 from eyas.interop.eyas_format import read_meta
 
 

@@ -27,8 +27,8 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor, nn
 
-from eyas.capture.boundaries import BoundaryError, SGLangRule, validate_boundaries
-from eyas.capture.hooks import find_decoder_blocks, find_embedding
+from eyas.convention.boundaries import BoundaryError, SGLangRule, validate_boundaries
+from eyas.targets.structure import find_decoder_blocks, find_embedding
 from eyas.contract.contract import (
     CaptureContract,
     Contract,
@@ -43,7 +43,7 @@ from eyas.drafter.config import DrafterConfig
 from eyas.drafter.model import Eagle3Drafter
 from eyas.interop import sglang, speculators
 from eyas.io import atomic_write_json
-from eyas.interop._common import (
+from eyas.interop.common import (
     CONFIG_JSON,
     EYAS_JSON,
     NORM_FLAGS,

@@ -10,7 +10,7 @@ Layer ids, read by SGLang from ``eagle_config.eagle_aux_hidden_state_layer_ids``
   is imported with boundary = id + 1 (``[1, 29, 57]`` of a 61-block target = ``[2, 30, 58]``);
 - absent ids mean SGLang's default ``[2, L//2, L-3]`` boundaries, which needs L;
 - what a given SGLang captures from the ids depends on its version (``SGLangRule``): see
-  :mod:`eyas.capture.boundaries`.
+  :mod:`eyas.convention.boundaries`.
 eyas also writes the boundaries under ``eyas_boundaries`` (unambiguous) and top-level
 ``eagle_aux_hidden_state_layer_ids`` (read as boundaries by vLLM and by the SafeAILab reference).
 """
@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from eyas.capture.boundaries import (
+from eyas.convention.boundaries import (
     BoundaryError,
     SGLangRule,
     boundaries_to_sglang_ids,
@@ -31,7 +31,7 @@ from eyas.capture.boundaries import (
     validate_boundaries,
 )
 from eyas.drafter.config import DrafterConfig
-from eyas.interop._common import (
+from eyas.interop.common import (
     NORM_FLAGS, CheckpointError, default_boundaries_or_none, drafter_fields, llama_fields,
 )
 

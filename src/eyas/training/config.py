@@ -3,6 +3,7 @@ every checkpoint (``train_config`` in eyas.json)."""
 
 from __future__ import annotations
 
+import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
@@ -50,3 +51,12 @@ class TrainConfig(BaseModel):
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"val_fraction: expected 0 <= x < 1, found {self.val_fraction}")
         return self
+
+
+def split_indices(n: int, cfg: TrainConfig) -> tuple[list[int], list[int]]:
+    """Deterministic held-out split: a seeded permutation, the first val_fraction (capped) held out."""
+    if n < 2:
+        raise ValueError(f"training data: expected at least 2 samples with assistant tokens, found {n}")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    n_val = min(cfg.max_val_samples, max(1, round(n * cfg.val_fraction))) if cfg.val_fraction > 0 else 0
+    return sorted(perm[n_val:]), sorted(perm[:n_val])

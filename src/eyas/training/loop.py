@@ -22,16 +22,16 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from eyas.capture.boundaries import CaptureSpec
-from eyas.capture.hooks import find_decoder_blocks
+from eyas.convention.boundaries import CaptureSpec
+from eyas.targets.structure import find_decoder_blocks
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract.contract import SlotFingerprint
 from eyas.drafter.build import drafter_flags, new_drafter
 from eyas.drafter.model import Eagle3Drafter
 from eyas.training.batches import Batch, OfflineBatches, OnlineBatches
-from eyas.training.config import TrainConfig
+from eyas.training.config import TrainConfig, split_indices
 from eyas.training.state import checkpoint_dirs, commit_dir, load_train_state, save_train_state
-from eyas.training.ttt import TTTResult, accept_length, ttt_forward
+from eyas.drafter.ttt import Tally, ttt_forward
 from eyas.training.vocab import build_draft_vocab, count_targets
 
 METRICS_FILE = "metrics.jsonl"
@@ -82,15 +82,6 @@ def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     return f
-
-
-def split_indices(n: int, cfg: TrainConfig) -> tuple[list[int], list[int]]:
-    """Deterministic held-out split: a seeded permutation, the first val_fraction (capped) held out."""
-    if n < 2:
-        raise ValueError(f"training data: expected at least 2 samples with assistant tokens, found {n}")
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    n_val = min(cfg.max_val_samples, max(1, round(n * cfg.val_fraction))) if cfg.val_fraction > 0 else 0
-    return sorted(perm[n_val:]), sorted(perm[:n_val])
 
 
 def epoch_order(train_idx: Sequence[int], epoch: int, seed: int) -> list[int]:
@@ -170,35 +161,6 @@ def token_pairs(samples: Any, indices: Sequence[int]):
 # ---------------------------------------------------------------------------------------------
 
 
-class Tally:
-    """Counts summed over batches (and ranks) -> per-position accuracies and accept length."""
-
-    def __init__(self, steps: int) -> None:
-        self.t = torch.zeros(5, steps, dtype=torch.float64)  # loss*n, correct, total, cond_correct, cond_total
-
-    def add(self, r: TTTResult) -> None:
-        for k in range(self.t.shape[1]):
-            n = r.total[k]
-            self.t[:, k] += torch.tensor([float(r.step_loss[k]) * n, r.correct[k], n, r.cond_correct[k], r.cond_total[k]],
-                                         dtype=torch.float64)
-
-    def all_reduce(self, d: Dist) -> None:
-        if d.world > 1:
-            dist.all_reduce(self.t)
-
-    def summary(self) -> dict[str, Any]:
-        loss_n, correct, total, cc, ct = self.t
-        acc = (correct / total.clamp(min=1)).tolist()
-        cond = (cc / ct.clamp(min=1)).tolist()
-        return {
-            "loss_per_position": [round(x, 5) for x in (loss_n / total.clamp(min=1)).tolist()],
-            "accuracy_per_position": [round(x, 5) for x in acc],
-            "conditional_accuracy_per_position": [round(x, 5) for x in cond],
-            "simulated_accept_length": round(accept_length(cond), 5),
-            "tokens_counted": int(total[0]),
-        }
-
-
 @torch.no_grad()
 def evaluate(drafter: Eagle3Drafter, batches: Any, samples: Any, val_idx: Sequence[int], cfg: TrainConfig,
              d: Dist) -> dict[str, Any]:
@@ -208,7 +170,7 @@ def evaluate(drafter: Eagle3Drafter, batches: Any, samples: Any, val_idx: Sequen
     for i in range(0, len(mine), cfg.batch_size):
         b = batches.make([samples[j] for j in mine[i : i + cfg.batch_size]])
         tally.add(ttt_forward(drafter, b.input_ids, b.features, b.labels, b.loss_mask, cfg.ttt_steps, cfg.ttt_decay))
-    tally.all_reduce(d)
+    tally.all_reduce()
     drafter.train()
     return tally.summary()
 

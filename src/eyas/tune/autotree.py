@@ -12,7 +12,7 @@ Three parts, each usable alone:
 
 2. :func:`measure_acceptance` runs a short greedy calibration: the target's own greedy continuation
    of a few prompts, then ONE teacher-forced pass of the drafter over it per draft depth (the
-   training-time-test pattern of ``eyas.training.ttt``, which is exactly what the tree expansion
+   training-time-test pattern of ``eyas.drafter.ttt``, which is exactly what the tree expansion
    computes when the drafted path equals the target's tokens). At every position and depth d it
    records the rank r_d of the target's token among the drafter's candidates, given the true prefix
    -> conditional hit rates
@@ -388,7 +388,7 @@ def teacher_forced_ranks(target: Target, drafter: Eagle3Drafter, seq: Sequence[i
     engine runs (t + 1 >= start: the root is a generated token, ``start`` = the prompt's length) and
     the depth's token lies inside ``seq``.
     """
-    from eyas.training.ttt import TargetLabels, shift_left, ttt_forward
+    from eyas.drafter.ttt import TargetLabels, shift_left, ttt_forward
 
     dev = target.device
     ids = torch.tensor([list(seq)], device=dev)

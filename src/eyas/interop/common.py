@@ -19,6 +19,7 @@ from torch import Tensor
 
 from eyas.io import atomic_write, read_json_object
 from eyas.drafter.config import DrafterConfig
+from eyas.errors import EyasError
 
 CONFIG_JSON = "config.json"
 EYAS_JSON = "eyas.json"
@@ -27,7 +28,7 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(EyasError, ValueError):
     """A drafter directory that cannot be read or written: missing, corrupt or inconsistent files.
 
     The message always names the file, and where it applies the field or tensor, the expected
@@ -245,7 +246,7 @@ def tensors_dtype(tensors: dict[str, Tensor]) -> torch.dtype | None:
 def default_boundaries_or_none(num_blocks: int | None, where: str, missing: str) -> tuple[list[int] | None, str]:
     """A config without layer ids: engines fall back to the EAGLE-3 default [2, L//2, L-3], which
     needs the target's block count L (None, with the reason, when it is unknown)."""
-    from eyas.capture.boundaries import default_boundaries
+    from eyas.convention.boundaries import default_boundaries
 
     if num_blocks is None:
         return None, (f"{where} has no {missing}, so the drafter uses the EAGLE-3 default boundaries "

@@ -22,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from typing import Iterable, Sequence
+from eyas.errors import EyasError
 
 
-class BoundaryError(ValueError):
+class BoundaryError(EyasError, ValueError):
     """Boundaries that cannot be captured from, or written for, a target."""
 
 

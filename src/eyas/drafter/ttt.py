@@ -20,8 +20,10 @@ positions whose predicted token x_{t+2+k} is an assistant token (loss_mask shift
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -132,3 +134,33 @@ def accept_length(cond_acc: list[float]) -> float:
         prod *= a
         total += prod
     return total
+
+
+class Tally:
+    """Counts summed over batches (and ranks) -> per-position accuracies and accept length."""
+
+    def __init__(self, steps: int) -> None:
+        self.t = torch.zeros(5, steps, dtype=torch.float64)  # loss*n, correct, total, cond_correct, cond_total
+
+    def add(self, r: TTTResult) -> None:
+        for k in range(self.t.shape[1]):
+            n = r.total[k]
+            self.t[:, k] += torch.tensor([float(r.step_loss[k]) * n, r.correct[k], n, r.cond_correct[k], r.cond_total[k]],
+                                         dtype=torch.float64)
+
+    def all_reduce(self) -> None:
+        """Sum the counts over the ranks of a torchrun job (a no-op in a single process)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(self.t)
+
+    def summary(self) -> dict[str, Any]:
+        loss_n, correct, total, cc, ct = self.t
+        acc = (correct / total.clamp(min=1)).tolist()
+        cond = (cc / ct.clamp(min=1)).tolist()
+        return {
+            "loss_per_position": [round(x, 5) for x in (loss_n / total.clamp(min=1)).tolist()],
+            "accuracy_per_position": [round(x, 5) for x in acc],
+            "conditional_accuracy_per_position": [round(x, 5) for x in cond],
+            "simulated_accept_length": round(accept_length(cond), 5),
+            "tokens_counted": int(total[0]),
+        }
