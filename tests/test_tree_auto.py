@@ -27,6 +27,7 @@ from eyas.tune.autotree import (  # noqa: E402
 from eyas.engine.sampling import GREEDY  # noqa: E402
 from eyas.engine.tree import DraftState  # noqa: E402
 from eyas.drafter.ttt import accept_length  # noqa: E402
+from eyas.errors import EyasError  # noqa: E402
 
 runner = CliRunner()
 
@@ -47,7 +48,7 @@ def test_predicted_tau_matches_hand_computed_values():
     assert predict_tau(acc, TreeSpec.chain(2)) == pytest.approx(accept_length([0.8, 0.5]))  # training's number
     # nodes: 0.8, 0.1 | 0.4, 0.2, 0.05, 0.025; 3 kept -> 0.8 + 0.4 + 0.2
     assert predict_tau(acc, TreeSpec(2, 2, 3)) == pytest.approx(2.4)
-    assert predict_tau(acc, TreeSpec(2, 2, 2)) == pytest.approx(2.2)  # the budget goes to the chain, not 0.1
+    assert predict_tau(acc, TreeSpec(2, 2, 2)) == pytest.approx(2.2)  # the 2 tokens go to the chain, not 0.1
     assert predict_tau(acc, TreeSpec(2, 2, None)) == pytest.approx(1 + 0.8 + 0.1 + 0.4 + 0.2 + 0.05 + 0.025)
     assert predict_tau(acc, TreeSpec(1, 3, 3)) == pytest.approx(1.9)  # rank 3 is past the profile: q = 0
     # EAGLE-2 expands only top_k nodes per depth: q = (0.5, 0.5) everywhere, K = 2, depth 3:
@@ -118,6 +119,16 @@ def test_candidates_include_chains_and_cut_oversized_totals():
     # depth 3, top-k 2: at most 2 + 2 * 4 = 10 nodes, so 16 is cut to 10; totals below the depth go
     assert [s.total_tokens for s in specs if s.depth == 3 and s.top_k == 2] == [8, 10]
     assert [s.total_tokens for s in specs if s.depth == 1 and s.top_k == 2] == [2]
+
+
+def test_tree_size_has_one_name_total_tokens():
+    """TreeSpec.total_tokens is the size a round verifies: None or a request past what the expansion
+    can produce (K + (D-1) K^2) is stored as that number, so every report prints the same size."""
+    assert TreeSpec(2, 8, 100).total_tokens == 8 + 8**2 and TreeSpec(5, 3, None).total_tokens == 3 + 4 * 9
+    assert TreeSpec.parse("6,4,100") == TreeSpec(6, 4, 84) and TreeSpec.chain(4).total_tokens == 4
+    assert not hasattr(TreeSpec(3, 2, 6), "budget")
+    with pytest.raises(EyasError, match="--tree: expected DEPTH,TOPK,TOTAL"):
+        TreeSpec.parse("6,x")
 
 
 def test_acceptance_from_contract_metrics():
@@ -235,6 +246,13 @@ def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy_drafter, tmp
     assert auto["candidates"][0]["depth"] == auto["depth"]
     assert report["sets"][0]["identical_to_plain"] is True
     assert "chose" in r.stderr and "--tree auto" in r.stderr
+
+
+def test_bad_tree_text_is_a_clean_cli_error(toy_drafter):
+    target, draft = toy_drafter
+    r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",
+                            "--max-new-tokens", "2", "--tree", "6,4", "--device", "cpu"])
+    assert r.exit_code == 2 and "--tree: expected DEPTH,TOPK,TOTAL" in r.stderr and "'6,4'" in r.stderr
 
 
 def test_generate_tree_auto(toy_drafter):

@@ -74,6 +74,6 @@ def auto_tree_table(choice: Any, top: int = 8) -> Table:
         t.add_column(col, justify="right")
     for c in rows:
         style = "bold green" if c is choice.candidates[0] else None
-        t.add_row(f"{c.spec.depth},{c.spec.top_k},{c.spec.budget}", f"{c.tau:.2f}", f"{c.draft_s * 1e3:.2f}",
+        t.add_row(f"{c.spec.depth},{c.spec.top_k},{c.spec.total_tokens}", f"{c.tau:.2f}", f"{c.draft_s * 1e3:.2f}",
                   f"{c.verify_s * 1e3:.2f}", f"{c.round_s * 1e3:.2f}", f"{c.speedup:.2f}x", style=style)
     return t

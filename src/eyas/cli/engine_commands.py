@@ -112,7 +112,7 @@ def generate_cmd(
     text = tokenizer.decode(r.tokens, skip_special_tokens=True)
     if json_out:
         report = {"text": text, "tokens": r.tokens, "wall_s": round(wall, 3),
-                  "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.budget], "stats": stats}
+                  "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens], "stats": stats}
         if choice is not None:
             report["tree_auto"] = choice.to_dict()
         _print_json(report)

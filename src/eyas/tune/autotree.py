@@ -151,9 +151,9 @@ class CostModel:
         return _interp(self.bookkeeping_s_by_tokens, n, monotone=False)
 
     def parts_s(self, spec: TreeSpec, tau: float) -> float:
-        """draft_s(D, K) + verify_s(N + 1) + extend_s(tau) + bookkeeping_s(N + 1), with N = spec.budget
+        """draft_s(D, K) + verify_s(N + 1) + extend_s(tau) + bookkeeping_s(N + 1), with N = spec.total_tokens
         draft nodes (the root is verified too) and tau tokens re-read by the drafter."""
-        n = spec.budget + 1
+        n = spec.total_tokens + 1
         return self.draft_s(spec.depth, spec.top_k) + self.verify_s(n) + self.extend_s(tau) + self.bookkeeping_s(n)
 
     def round_s(self, spec: TreeSpec, tau: float) -> float:
@@ -502,7 +502,7 @@ def tree_nodes(acceptance: AcceptanceProfile, spec: TreeSpec) -> list[tuple[floa
         value(root) = 1
         depth d:  children of each expanded node v, child rank i < K:  value = value(v) * q_d(i)
                   expanded at depth d: the K most valuable nodes of depth d
-        kept:     the N = spec.budget most valuable drafted nodes (a parent is worth >= its child)
+        kept:     the N = spec.total_tokens most valuable drafted nodes (a parent is worth >= its child)
 
     value(node) = P(the node is the target's path), with q_d(i) = P(the target's token is the
     drafter's i-th choice at depth d | the path so far is right) from the profile. EAGLE-2 ranks
@@ -519,7 +519,7 @@ def tree_nodes(acceptance: AcceptanceProfile, spec: TreeSpec) -> list[tuple[floa
         nodes += new
         frontier = new[:K]
     nodes.sort(key=lambda n: (-n[0], len(n[1]), n[1]))  # ties: the parent (shorter path) first
-    return nodes[: spec.budget]
+    return nodes[: spec.total_tokens]
 
 
 def expected_tau(acceptance: AcceptanceProfile, spec: TreeSpec) -> float:
@@ -576,7 +576,7 @@ class Candidate:
     speedup: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"depth": self.spec.depth, "top_k": self.spec.top_k, "total_tokens": self.spec.budget,
+        return {"depth": self.spec.depth, "top_k": self.spec.top_k, "total_tokens": self.spec.total_tokens,
                 "predicted_tau": round(self.tau, 4), "predicted_speedup": round(self.speedup, 4),
                 "round_ms": round(self.round_s * 1e3, 4), "draft_ms": round(self.draft_s * 1e3, 4),
                 "verify_ms": round(self.verify_s * 1e3, 4)}
@@ -596,7 +596,7 @@ class TreeChoice:
     def to_dict(self, top: int = 5) -> dict[str, Any]:
         """The JSON ``tree_auto`` entry."""
         return {
-            "depth": self.spec.depth, "top_k": self.spec.top_k, "total_tokens": self.spec.budget,
+            "depth": self.spec.depth, "top_k": self.spec.top_k, "total_tokens": self.spec.total_tokens,
             "predicted_tau": round(self.predicted_tau, 4), "predicted_speedup": round(self.predicted_speedup, 4),
             "round_ms": round(self.round_s * 1e3, 4), "plain_ms": round(self.cost.plain_s * 1e3, 4),
             "verify_ms_by_tokens": self.cost.to_dict()["verify_ms_by_tokens"],
@@ -620,11 +620,11 @@ def candidate_trees(depths: Sequence[int] = DEFAULT_DEPTHS, topks: Sequence[int]
                 continue
             seen = set()
             for n in sorted(set(totals)):
-                spec = TreeSpec(d, k, n)
-                if n < d or spec.budget in seen:
+                spec = TreeSpec(d, k, n)  # total_tokens cut to what the expansion can produce
+                if n < d or spec.total_tokens in seen:
                     continue
-                seen.add(spec.budget)
-                out.append(TreeSpec(d, k, spec.budget))
+                seen.add(spec.total_tokens)
+                out.append(spec)
     return out
 
 
@@ -638,15 +638,15 @@ def choose_tree(cost: CostModel, acceptance: AcceptanceProfile, depths: Sequence
         tau = predict_tau(acceptance, spec)
         round_s = cost.round_s(spec, tau)
         cands.append(Candidate(spec, tau, round_s, cost.draft_s(spec.depth, spec.top_k),
-                               cost.verify_s(spec.budget + 1), tau * cost.plain_s / round_s if round_s > 0 else 0.0))
-    cands.sort(key=lambda c: (-round(c.speedup, 9), c.round_s, c.spec.budget, c.spec.depth, c.spec.top_k))
+                               cost.verify_s(spec.total_tokens + 1), tau * cost.plain_s / round_s if round_s > 0 else 0.0))
+    cands.sort(key=lambda c: (-round(c.speedup, 9), c.round_s, c.spec.total_tokens, c.spec.depth, c.spec.top_k))
     best = cands[0]
     reason = _reason(best, cands, cost, acceptance)
     return TreeChoice(best.spec, best.tau, best.speedup, best.round_s, cands, reason, cost, acceptance)
 
 
 def _fmt(spec: TreeSpec) -> str:
-    return f"{spec.depth},{spec.top_k},{spec.budget}"
+    return f"{spec.depth},{spec.top_k},{spec.total_tokens}"
 
 
 def _reason(best: Candidate, cands: list[Candidate], cost: CostModel, acceptance: AcceptanceProfile) -> str:
@@ -656,7 +656,7 @@ def _reason(best: Candidate, cands: list[Candidate], cost: CostModel, acceptance
     growth = cost.verify_s(big) / cost.verify_s(1) if cost.verify_s(1) > 0 else math.inf
     text = (f"chose {_fmt(s)} because it has the best predicted speedup, {best.speedup:.2f}x: "
             f"{best.tau:.2f} tokens per round (predicted accept length) for a {ms(best.round_s)} round "
-            f"(draft {ms(best.draft_s)}, verify {s.budget + 1} tokens {ms(best.verify_s)}) vs "
+            f"(draft {ms(best.draft_s)}, verify {s.total_tokens + 1} tokens {ms(best.verify_s)}) vs "
             f"{ms(cost.plain_s)} per plain token; verifying {big} tokens costs {growth:.1f}x one token here")
     chains = [c for c in cands if c.spec.top_k == 1]
     trees = [c for c in cands if c.spec.top_k > 1]
