@@ -1,4 +1,4 @@
-"""`--tree auto` (eyas.tune.autotree): the tau model against hand-computed values, the choice
+"""`--tree auto` (eyas.tune): the tau model against hand-computed values, the choice
 under synthetic cost models (flat verification -> a big tree, steep -> a chain), the calibration
 against the drafting engine it models, measurements that leave the target usable, and the CLI.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,9 +21,9 @@ from tiny import SPEC4, random_prompts  # noqa: E402
 
 from eyas.cli.main import app  # noqa: E402
 from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate  # noqa: E402
-from eyas.tune.autotree import (  # noqa: E402
-    AcceptanceProfile, CostModel, acceptance_from_metrics, candidate_trees, choose_tree, expected_tau,
-    measure_acceptance, measure_cost, predict_tau, simulate_rounds, teacher_forced_ranks,
+from eyas.tune import (  # noqa: E402
+    AcceptanceProfile, CostModel, TreeAutoError, acceptance_from_metrics, candidate_trees, choose_tree, expected_tau,
+    measure_acceptance, measure_cost, predict_tau, simulate_rounds, teacher_forced_ranks, tune_tree,
 )
 from eyas.engine.sampling import GREEDY  # noqa: E402
 from eyas.engine.tree import DraftState  # noqa: E402
@@ -137,6 +138,26 @@ def test_acceptance_from_contract_metrics():
     assert predict_tau(acc, TreeSpec.chain(2)) == pytest.approx(accept_length([0.8, 0.6]))
     assert "training metrics" in acc.source
     assert acceptance_from_metrics(None) is None and acceptance_from_metrics({"step": 1}) is None
+
+
+def test_tune_tree_falls_back_to_training_metrics_and_refuses_without_acceptance(monkeypatch):
+    """The glue behind `--tree auto`: no calibration prompts -> the contract's training metrics; no
+    metrics either -> an EyasError that names the missing field and the way out."""
+    import eyas.tune.auto as auto
+
+    cost = CostModel({1: 10e-3, 64: 10e-3}, **PARTS)
+    monkeypatch.setattr(auto, "measure_cost", lambda target, drafter: cost)  # the model's numbers, not this CPU's
+    metrics = {"step": 9, "conditional_accuracy_per_position": [0.8, 0.6]}
+    choice = tune_tree(None, None, [], SimpleNamespace(metrics=metrics), temperature=0.7)
+    assert choice.spec == choose_tree(cost, acceptance_from_metrics(metrics)).spec
+    assert "acceptance from the drafter's training metrics (step 9" in choice.reason
+    assert choice.reason.endswith("; acceptance was measured greedily, sampling at temperature 0.7 usually "
+                                  "accepts less")
+    assert choice.to_dict()["acceptance"]["tau_from"] == "expectation"
+    with pytest.raises(TreeAutoError, match=r"conditional_accuracy_per_position.*pass --tree DEPTH,TOPK,TOTAL"):
+        tune_tree(None, None, [], SimpleNamespace(metrics=None))
+    with pytest.raises(EyasError):
+        tune_tree(None, None, [], None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,7 +76,8 @@ class TreeSpec:
         if len(parts) == 1:
             return cls.chain(parts[0])
         if len(parts) != 3:
-            raise TreeSpecError(f"--tree: expected DEPTH,TOPK,TOTAL like '6,10,60' or DEPTH for a chain, found {text!r}")
+            raise TreeSpecError(f"--tree: expected DEPTH,TOPK,TOTAL like '6,10,60' or DEPTH for a chain, "
+                                f"found {text!r}")
         return cls(*parts)
 
     @property
