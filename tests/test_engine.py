@@ -254,7 +254,7 @@ def test_tree_shapes(llama, trained_drafter):
         assert tree.tokens[0] == x[-1] and tree.parents[0] == -1
         assert all(0 <= tree.parents[i] < i for i in range(1, N + 1))
         assert all(tree.depths[i] == tree.depths[tree.parents[i]] + 1 for i in range(1, N + 1))
-        assert N == spec.budget  # the drafter's distributions have full support here
+        assert N == spec.total_tokens  # the drafter's distributions have full support here
         assert int(tree.depths.max()) <= spec.depth
         for i, kids in enumerate(tree.children):
             assert len(kids) <= spec.top_k

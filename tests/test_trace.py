@@ -76,7 +76,7 @@ def test_records_cover_every_round_and_junction_with_the_right_shapes(tiny, tmp_
         assert [(b["slot"], b["boundary"]) for b in bounds] == list(enumerate(SPEC.boundaries))
         T = bounds[0]["shape"][1]
         assert all(b["shape"] == [1, T, H] and b["dtype"] == "float32" for b in bounds)
-        assert T == len(PROMPT) if k == 0 else 1 <= T <= tree.budget + 1  # the prompt, or the tree with its root
+        assert T == len(PROMPT) if k == 0 else 1 <= T <= tree.total_tokens + 1  # the prompt, or the tree with its root
         concat = [rec for rec in recs if rec["junction"] == "concat"]
         fc = [rec for rec in recs if rec["junction"] == "fc_input"]
         if k == rounds - 1 and not concat:

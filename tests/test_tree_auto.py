@@ -1,4 +1,4 @@
-"""`--tree auto` (eyas.tune.autotree): the tau model against hand-computed values, the choice
+"""`--tree auto` (eyas.tune): the tau model against hand-computed values, the choice
 under synthetic cost models (flat verification -> a big tree, steep -> a chain), the calibration
 against the drafting engine it models, measurements that leave the target usable, and the CLI.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,13 +21,14 @@ from tiny import SPEC4, random_prompts  # noqa: E402
 
 from eyas.cli.main import app  # noqa: E402
 from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate  # noqa: E402
-from eyas.tune.autotree import (  # noqa: E402
-    AcceptanceProfile, CostModel, acceptance_from_metrics, candidate_trees, choose_tree, expected_tau,
-    measure_acceptance, measure_cost, predict_tau, simulate_rounds, teacher_forced_ranks,
+from eyas.tune import (  # noqa: E402
+    AcceptanceProfile, CostModel, TreeAutoError, acceptance_from_metrics, candidate_trees, choose_tree, expected_tau,
+    measure_acceptance, measure_cost, predict_tau, simulate_rounds, teacher_forced_ranks, tune_tree,
 )
 from eyas.engine.sampling import GREEDY  # noqa: E402
 from eyas.engine.tree import DraftState  # noqa: E402
 from eyas.drafter.ttt import accept_length  # noqa: E402
+from eyas.errors import EyasError  # noqa: E402
 
 runner = CliRunner()
 
@@ -47,7 +49,7 @@ def test_predicted_tau_matches_hand_computed_values():
     assert predict_tau(acc, TreeSpec.chain(2)) == pytest.approx(accept_length([0.8, 0.5]))  # training's number
     # nodes: 0.8, 0.1 | 0.4, 0.2, 0.05, 0.025; 3 kept -> 0.8 + 0.4 + 0.2
     assert predict_tau(acc, TreeSpec(2, 2, 3)) == pytest.approx(2.4)
-    assert predict_tau(acc, TreeSpec(2, 2, 2)) == pytest.approx(2.2)  # the budget goes to the chain, not 0.1
+    assert predict_tau(acc, TreeSpec(2, 2, 2)) == pytest.approx(2.2)  # the 2 tokens go to the chain, not 0.1
     assert predict_tau(acc, TreeSpec(2, 2, None)) == pytest.approx(1 + 0.8 + 0.1 + 0.4 + 0.2 + 0.05 + 0.025)
     assert predict_tau(acc, TreeSpec(1, 3, 3)) == pytest.approx(1.9)  # rank 3 is past the profile: q = 0
     # EAGLE-2 expands only top_k nodes per depth: q = (0.5, 0.5) everywhere, K = 2, depth 3:
@@ -120,12 +122,42 @@ def test_candidates_include_chains_and_cut_oversized_totals():
     assert [s.total_tokens for s in specs if s.depth == 1 and s.top_k == 2] == [2]
 
 
+def test_tree_size_has_one_name_total_tokens():
+    """TreeSpec.total_tokens is the size a round verifies: None or a request past what the expansion
+    can produce (K + (D-1) K^2) is stored as that number, so every report prints the same size."""
+    assert TreeSpec(2, 8, 100).total_tokens == 8 + 8**2 and TreeSpec(5, 3, None).total_tokens == 3 + 4 * 9
+    assert TreeSpec.parse("6,4,100") == TreeSpec(6, 4, 84) and TreeSpec.chain(4).total_tokens == 4
+    assert not hasattr(TreeSpec(3, 2, 6), "budget")
+    with pytest.raises(EyasError, match="--tree: expected DEPTH,TOPK,TOTAL"):
+        TreeSpec.parse("6,x")
+
+
 def test_acceptance_from_contract_metrics():
     acc = acceptance_from_metrics({"step": 9, "conditional_accuracy_per_position": [0.8, 0.6]}, max_topk=3)
     assert acc.hit[0][0] == 0.8 and acc.hit[1][2] == pytest.approx(1 - 0.4 * 0.8**2)
     assert predict_tau(acc, TreeSpec.chain(2)) == pytest.approx(accept_length([0.8, 0.6]))
     assert "training metrics" in acc.source
     assert acceptance_from_metrics(None) is None and acceptance_from_metrics({"step": 1}) is None
+
+
+def test_tune_tree_falls_back_to_training_metrics_and_refuses_without_acceptance(monkeypatch):
+    """The glue behind `--tree auto`: no calibration prompts -> the contract's training metrics; no
+    metrics either -> an EyasError that names the missing field and the way out."""
+    import eyas.tune.auto as auto
+
+    cost = CostModel({1: 10e-3, 64: 10e-3}, **PARTS)
+    monkeypatch.setattr(auto, "measure_cost", lambda target, drafter: cost)  # the model's numbers, not this CPU's
+    metrics = {"step": 9, "conditional_accuracy_per_position": [0.8, 0.6]}
+    choice = tune_tree(None, None, [], SimpleNamespace(metrics=metrics), temperature=0.7)
+    assert choice.spec == choose_tree(cost, acceptance_from_metrics(metrics)).spec
+    assert "acceptance from the drafter's training metrics (step 9" in choice.reason
+    assert choice.reason.endswith("; acceptance was measured greedily, sampling at temperature 0.7 usually "
+                                  "accepts less")
+    assert choice.to_dict()["acceptance"]["tau_from"] == "expectation"
+    with pytest.raises(TreeAutoError, match=r"conditional_accuracy_per_position.*pass --tree DEPTH,TOPK,TOTAL"):
+        tune_tree(None, None, [], SimpleNamespace(metrics=None))
+    with pytest.raises(EyasError):
+        tune_tree(None, None, [], None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,6 +267,13 @@ def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy_drafter, tmp
     assert auto["candidates"][0]["depth"] == auto["depth"]
     assert report["sets"][0]["identical_to_plain"] is True
     assert "chose" in r.stderr and "--tree auto" in r.stderr
+
+
+def test_bad_tree_text_is_a_clean_cli_error(toy_drafter):
+    target, draft = toy_drafter
+    r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",
+                            "--max-new-tokens", "2", "--tree", "6,4", "--device", "cpu"])
+    assert r.exit_code == 2 and "--tree: expected DEPTH,TOPK,TOTAL" in r.stderr and "'6,4'" in r.stderr
 
 
 def test_generate_tree_auto(toy_drafter):

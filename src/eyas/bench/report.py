@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from eyas.tune import TreeChoice
 
 
 def bench_table(summaries: Sequence[dict[str, Any]]) -> Table:
@@ -61,9 +64,11 @@ def plot_accept_lengths(summaries: Sequence[dict[str, Any]], png: Path) -> Path:
     return png
 
 
-def auto_tree_table(choice: Any, top: int = 8) -> Table:
-    """`--tree auto`: the best candidates (a :class:`~eyas.tune.autotree.TreeChoice`), the chosen
+def auto_tree_table(choice: TreeChoice, top: int = 8) -> Table:
+    """`--tree auto`: the best candidates (a :class:`~eyas.tune.TreeChoice`), the chosen
     one first, plus the best chain when it is not among them."""
+    from eyas.tune import tree_label
+
     rows = list(choice.candidates[:top])
     chain = next((c for c in choice.candidates if c.spec.top_k == 1), None)
     if chain is not None and chain not in rows:
@@ -74,6 +79,6 @@ def auto_tree_table(choice: Any, top: int = 8) -> Table:
         t.add_column(col, justify="right")
     for c in rows:
         style = "bold green" if c is choice.candidates[0] else None
-        t.add_row(f"{c.spec.depth},{c.spec.top_k},{c.spec.budget}", f"{c.tau:.2f}", f"{c.draft_s * 1e3:.2f}",
+        t.add_row(tree_label(c.spec), f"{c.tau:.2f}", f"{c.draft_s * 1e3:.2f}",
                   f"{c.verify_s * 1e3:.2f}", f"{c.round_s * 1e3:.2f}", f"{c.speedup:.2f}x", style=style)
     return t

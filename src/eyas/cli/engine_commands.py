@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import typer
 
-from eyas.cli.common import TARGET_HELP, console, err, fail
+from eyas.cli.common import TARGET_HELP, console, err
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
 
@@ -44,25 +44,14 @@ def is_auto(tree: str) -> bool:
 
 def auto_tree(tgt: Any, drafter: Any, calibration: list[Any], contract: Any, eos: list[int], temperature: float,
               out: Any) -> Any:
-    """`--tree auto`: measure, choose, print the candidates and the reason on ``out``; returns the
-    TreeChoice. Acceptance comes from a greedy calibration on ``calibration`` (prompt token ids),
-    else from the drafter's training metrics in its contract."""
+    """`--tree auto`: :func:`eyas.tune.tune_tree` (measure, calibrate on ``calibration``, choose),
+    then print the candidates and the reason on ``out``; returns the TreeChoice."""
     from eyas.bench.report import auto_tree_table
-    from eyas.tune.autotree import acceptance_from_metrics, choose_tree, measure_acceptance, measure_cost
+    from eyas.tune import tune_tree
 
     t0 = time.perf_counter()
     out.print("[dim]--tree auto: timing target verification and drafting on this hardware...[/]")
-    cost = measure_cost(tgt, drafter)
-    acceptance = measure_acceptance(tgt, drafter, calibration, eos_token_ids=eos) if calibration else None
-    if acceptance is None:
-        acceptance = acceptance_from_metrics(getattr(contract, "metrics", None))
-    if acceptance is None:
-        fail("--tree auto: the calibration measured no draft position and the drafter's eyas.json has no "
-             "training metrics (metrics.conditional_accuracy_per_position); pass --tree DEPTH,TOPK,TOTAL")
-    choice = choose_tree(cost, acceptance)
-    if temperature > 0:
-        choice.reason += (f"; acceptance was measured greedily, sampling at temperature {temperature} usually "
-                          f"accepts less")
+    choice = _run(tune_tree, tgt, drafter, calibration, contract, eos_token_ids=eos, temperature=temperature)
     out.print(auto_tree_table(choice))
     out.print(choice.reason, highlight=False)
     out.print(f"[dim]--tree auto took {time.perf_counter() - t0:.1f}s[/]")
@@ -112,7 +101,7 @@ def generate_cmd(
     text = tokenizer.decode(r.tokens, skip_special_tokens=True)
     if json_out:
         report = {"text": text, "tokens": r.tokens, "wall_s": round(wall, 3),
-                  "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.budget], "stats": stats}
+                  "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens], "stats": stats}
         if choice is not None:
             report["tree_auto"] = choice.to_dict()
         _print_json(report)
@@ -149,7 +138,7 @@ def bench_cmd(
     from eyas.targets.structure import eos_token_ids
     from eyas.data.render import render_prompt
     from eyas.engine import SamplingParams, TreeSpec
-    from eyas.tune.autotree import CALIBRATION_PROMPTS
+    from eyas.tune import CALIBRATION_PROMPTS
 
     model, tokenizer, drafter, tgt, contract = load_for_serving(target, draft, device, force)
     sets = [(name, _run(load_prompts, name, limit)) for name in prompts]

@@ -34,22 +34,33 @@ from torch import Tensor
 
 from eyas.drafter.model import Eagle3Drafter
 from eyas.engine.sampling import SamplingParams, gumbel_top_k, probabilities
+from eyas.errors import EyasError
+
+
+class TreeSpecError(EyasError, ValueError):
+    """A tree shape that cannot be drafted (``--tree`` text that does not parse, a size below 1)."""
 
 
 @dataclass(frozen=True)
 class TreeSpec:
     """depth: most draft tokens on a path; top_k: nodes expanded per depth and children per
-    expanded node; total_tokens: draft nodes verified per round (root excluded), None = all
-    candidates. TreeSpec(d, 1, d) is a chain of d tokens."""
+    expanded node; total_tokens: draft nodes verified per round (root excluded).
+
+    ``total_tokens`` is the tree's one size: given as None (all candidates) or above what the
+    expansion can produce, top_k + (depth - 1) * top_k^2, it is stored as that number, so every
+    reader (the drafter, the JSON reports, ``--tree auto``) sees the size a round really verifies.
+    TreeSpec(d, 1, d) is a chain of d tokens."""
 
     depth: int = 5
     top_k: int = 1
-    total_tokens: int | None = None
+    total_tokens: int | None = None  # an int after construction (see above)
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1 or (self.total_tokens is not None and self.total_tokens < 1):
-            raise ValueError(f"tree: expected depth >= 1, top_k >= 1, total_tokens >= 1; found "
-                             f"depth={self.depth}, top_k={self.top_k}, total_tokens={self.total_tokens}")
+            raise TreeSpecError(f"tree: expected depth >= 1, top_k >= 1, total_tokens >= 1; found "
+                                f"depth={self.depth}, top_k={self.top_k}, total_tokens={self.total_tokens}")
+        most = self.top_k + (self.depth - 1) * self.top_k**2
+        object.__setattr__(self, "total_tokens", min(self.total_tokens or most, most))  # frozen: set once here
 
     @classmethod
     def chain(cls, depth: int) -> "TreeSpec":
@@ -65,14 +76,9 @@ class TreeSpec:
         if len(parts) == 1:
             return cls.chain(parts[0])
         if len(parts) != 3:
-            raise ValueError(f"tree: expected DEPTH,TOPK,TOTAL like '6,10,60' or DEPTH for a chain, found {text!r}")
+            raise TreeSpecError(f"--tree: expected DEPTH,TOPK,TOTAL like '6,10,60' or DEPTH for a chain, "
+                                f"found {text!r}")
         return cls(*parts)
-
-    @property
-    def budget(self) -> int:
-        """Draft nodes per round: total_tokens, at most every candidate the expansion can produce."""
-        most = self.top_k + (self.depth - 1) * self.top_k**2
-        return min(self.total_tokens or most, most)
 
     @property
     def scratch_slots(self) -> int:
@@ -147,7 +153,7 @@ class DraftState:
         """Draft a tree of at most ``depth`` (<= spec.depth) from the root. vocab_size: the
         target's, for the proposals q. depth 0 gives the root alone (a plain decoding step)."""
         greedy = sampling.greedy
-        budget = spec.budget
+        total = int(spec.total_tokens)  # draft nodes kept (greedy) or drawn at most (sampling)
         top_k = min(spec.top_k, self.drafter.config.draft_vocab_size)
         m = self.length
         # Every node drafted so far (index 0 = root): target token, parent, depth, cumulative log q.
@@ -180,7 +186,7 @@ class DraftState:
                 child_logq = q.gather(-1, drawn).log().tolist()
                 for row, node in enumerate(expand):  # best parents first: ``expand`` is sorted
                     # n is fixed before looking at the draws (see module docstring)
-                    n = min(top_k, support[row], budget - (len(tokens) - 1))
+                    n = min(top_k, support[row], total - (len(tokens) - 1))
                     if n <= 0:
                         continue
                     q_target = torch.zeros(vocab_size, device=self.device)
@@ -206,10 +212,10 @@ class DraftState:
             )
             expand, logits, hidden = frontier, out.logits[0], out.hidden[0]
 
-        if greedy:  # EAGLE-2: keep the `budget` best nodes; a parent always ranks before its child
+        if greedy:  # EAGLE-2: keep the `total_tokens` best nodes; a parent always ranks before its child
             chosen = {0}
             for i in sorted(range(1, len(tokens)), key=lambda i: (-scores[i], depths[i], i)):
-                if len(chosen) > budget:
+                if len(chosen) > total:
                     break
                 if parents[i] in chosen:
                     chosen.add(i)

@@ -1,0 +1,62 @@
+"""The choice of ``--tree auto``: the candidate tree with the highest predicted speedup.
+
+    best = argmax over candidate_trees(...) of  speedup = tau * plain_s / round_s
+
+ties broken by the cheaper round, then the smaller tree (total_tokens, depth, top-k), so the choice
+is deterministic for a given cost model and profile. The candidates are those of
+:mod:`eyas.tune.space`, each predicted by :mod:`eyas.tune.predict`; the sentence that explains the
+choice is written by :mod:`eyas.tune.reason`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from eyas.engine.tree import TreeSpec
+from eyas.tune.acceptance import AcceptanceProfile
+from eyas.tune.cost import CostModel
+from eyas.tune.predict import Candidate, predict_candidate
+from eyas.tune.reason import explain_choice
+from eyas.tune.space import DEFAULT_TOPKS, DEFAULT_TOTALS, candidate_trees
+
+
+@dataclass
+class TreeChoice:
+    """The chosen tree, what the model predicts for it, every candidate (best first), the reason
+    and the two measurements it came from."""
+
+    spec: TreeSpec
+    predicted_tau: float
+    predicted_speedup: float
+    round_s: float
+    candidates: list[Candidate]  # every candidate considered, best first
+    reason: str
+    cost: CostModel
+    acceptance: AcceptanceProfile
+
+    def to_dict(self, top: int = 5) -> dict[str, Any]:
+        """The JSON ``tree_auto`` entry."""
+        return {
+            "depth": self.spec.depth, "top_k": self.spec.top_k, "total_tokens": self.spec.total_tokens,
+            "predicted_tau": round(self.predicted_tau, 4), "predicted_speedup": round(self.predicted_speedup, 4),
+            "round_ms": round(self.round_s * 1e3, 4), "plain_ms": round(self.cost.plain_s * 1e3, 4),
+            "verify_ms_by_tokens": self.cost.to_dict()["verify_ms_by_tokens"],
+            "reason": self.reason,
+            "cost": self.cost.to_dict(),
+            "acceptance": self.acceptance.to_dict(),
+            "candidates": [c.to_dict() for c in self.candidates[:top]],
+            "candidates_considered": len(self.candidates),
+        }
+
+
+def choose_tree(cost: CostModel, acceptance: AcceptanceProfile, depths: Sequence[int] | None = None,
+                topks: Sequence[int] = DEFAULT_TOPKS, totals: Sequence[int] = DEFAULT_TOTALS) -> TreeChoice:
+    """The candidate with the highest predicted speedup tau * plain_s / round_s (ties: the cheaper
+    round, then the smaller tree). depths default to 1 .. the acceptance profile's depth."""
+    depths = depths or range(1, acceptance.max_depth + 1)
+    cands = [predict_candidate(spec, cost, acceptance) for spec in candidate_trees(depths, topks, totals)]
+    cands.sort(key=lambda c: (-round(c.speedup, 9), c.round_s, c.spec.total_tokens, c.spec.depth, c.spec.top_k))
+    best = cands[0]
+    return TreeChoice(best.spec, best.tau, best.speedup, best.round_s, cands,
+                      explain_choice(best, cands, cost, acceptance), cost, acceptance)
