@@ -71,17 +71,16 @@ def _train_cfg(target: Path, data: Path, out: Path, **kw):
 def world(tmp_path_factory, one_thread):
     """Targets, data and two trained drafters, built once for the module."""
     import eyas.training.loop as loop
-    from eyas.convention import CaptureSpec
     from eyas.data.conversations import read_conversations
-    from eyas.data.shards import capture_shards
+    from eyas.data.shards import CaptureOptions, capture_shards
     from eyas.targets import load_target
 
     root = tmp_path_factory.mktemp("doctor")
     target = _toy_target(root / "target")
     model, tok, _ = load_target(str(target))
     convs = _conversations(model, tok, root / "conversations.jsonl")
-    capture_shards(model, tok, read_conversations(convs).conversations, root / "shards", CaptureSpec(tuple(TRAINED), L),
-                   dtype="bfloat16", progress=False)
+    capture_shards(model, tok, read_conversations(convs).conversations,
+                   CaptureOptions(out_dir=root / "shards", boundaries=list(TRAINED), dtype="bfloat16", progress=False))
     # 1. offline, from shards, on the default boundaries [2, 6, 9]
     loop.train(_train_cfg(target, root / "shards", root / "base"), log=lambda m: None)
     # 2. online, with the embedding output as slot 0, and norm_before_fc (TrainConfig has no flag options)

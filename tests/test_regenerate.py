@@ -19,7 +19,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from tiny import tiny_config  # noqa: E402
 
 from eyas.data.conversations import Conversation, read_conversations  # noqa: E402
-from eyas.data.regenerate import RegenerateError, conversation_id, read_resumable_jsonl, regenerate  # noqa: E402
+from eyas.data.regenerate import (  # noqa: E402
+    RegenerateError,
+    RegenerateOptions,
+    conversation_id,
+    read_resumable_jsonl,
+    regenerate,
+)
 
 # ChatML with a default system prompt when the conversation has none (like SmolLM2's template).
 CHATML = (
@@ -87,13 +93,18 @@ def prompts(n: int = 7) -> list[Conversation]:
 KW = dict(max_new_tokens=6, batch_size=3, progress=False)
 
 
+def opts(out, **kw) -> RegenerateOptions:
+    """The tests' options: KW, then ``kw``."""
+    return RegenerateOptions(out_path=out, **(KW | kw))
+
+
 def lines(path) -> list[dict]:
     return [json.loads(x) for x in pathlib.Path(path).read_text().splitlines()]
 
 
 def test_regenerate_writes_every_conversation_turn_by_turn(tmp_path, tok, target):
     out = tmp_path / "answers.jsonl"
-    s = regenerate(target, tok, prompts(), out, source="tiny", **KW)
+    s = regenerate(target, tok, prompts(), opts(out), source="tiny")
     recs = lines(out)
     assert [r["id"] for r in recs] == [f"p{i}" for i in range(7)]
     assert (s.total, s.written, s.skipped, s.failed) == (7, 7, 0, 0)
@@ -123,7 +134,8 @@ def test_greedy_is_the_targets_own_argmax(tmp_path, tok, target):
     from eyas.data.render import render_prompt
 
     conv = prompts(4)[3]
-    regenerate(target, tok, [conv], tmp_path / "a.jsonl", max_new_tokens=5, batch_size=1, progress=False)
+    regenerate(target, tok, [conv], RegenerateOptions(out_path=tmp_path / "a.jsonl", max_new_tokens=5, batch_size=1,
+                                                      progress=False))
     rec = lines(tmp_path / "a.jsonl")[0]
     ids = render_prompt(conv, tok)[None]
     new = []
@@ -151,34 +163,34 @@ def _crash_after(k: int):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_resume_after_crash_is_byte_identical(tmp_path, tok, target, temperature):
-    kw = dict(KW, temperature=temperature, seed=3)
+    kw = dict(temperature=temperature, seed=3)
     ref = tmp_path / "ref.jsonl"
-    regenerate(target, tok, prompts(), ref, **kw)
+    regenerate(target, tok, prompts(), opts(ref, **kw))
 
     out = tmp_path / "out.jsonl"
     with pytest.raises(Crash):
-        regenerate(target, tok, prompts(), out, on_chunk_written=_crash_after(0), **kw)
+        regenerate(target, tok, prompts(), opts(out, **kw), on_chunk_written=_crash_after(0))
     assert len(lines(out)) == 3
     with out.open("a") as f:  # the crash also tore the first line of the next chunk
         f.write('{"id": "p3", "messages": [{"role": "us')
-    s = regenerate(target, tok, prompts(), out, **kw)
+    s = regenerate(target, tok, prompts(), opts(out, **kw))
     assert (s.skipped, s.written) == (3, 4)
     assert out.read_bytes() == ref.read_bytes()
 
     # A second rerun has nothing left to do.
-    s = regenerate(target, tok, prompts(), out, **kw)
+    s = regenerate(target, tok, prompts(), opts(out, **kw))
     assert (s.skipped, s.written, s.new_tokens) == (7, 0, 0)
     assert out.read_bytes() == ref.read_bytes()
 
 
 def test_resume_of_a_partly_written_chunk_keeps_order_and_adds_no_duplicates(tmp_path, tok, target):
     ref = tmp_path / "ref.jsonl"
-    regenerate(target, tok, prompts(), ref, **KW)
+    regenerate(target, tok, prompts(), opts(ref))
     out = tmp_path / "out.jsonl"
     text = ref.read_text().splitlines(keepends=True)
     # Chunk 1 = p3, p4, p5: only p3 made it to disk, p4 is torn.
     out.write_text("".join(text[:4]) + text[4][: len(text[4]) // 2])
-    s = regenerate(target, tok, prompts(), out, **KW)
+    s = regenerate(target, tok, prompts(), opts(out))
     assert s.written == 3 and s.skipped == 4
     assert out.read_bytes() == ref.read_bytes()
     ids = [r["id"] for r in lines(out)]
@@ -187,8 +199,8 @@ def test_resume_of_a_partly_written_chunk_keeps_order_and_adds_no_duplicates(tmp
 
 def test_sampling_depends_on_the_seed(tmp_path, tok, target):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    regenerate(target, tok, prompts(3), a, temperature=1.0, seed=1, **KW)
-    regenerate(target, tok, prompts(3), b, temperature=1.0, seed=2, **KW)
+    regenerate(target, tok, prompts(3), opts(a, temperature=1.0, seed=1))
+    regenerate(target, tok, prompts(3), opts(b, temperature=1.0, seed=2))
     ca = [r["messages"][-1]["content"] for r in lines(a)]
     cb = [r["messages"][-1]["content"] for r in lines(b)]
     assert ca != cb
@@ -196,18 +208,29 @@ def test_sampling_depends_on_the_seed(tmp_path, tok, target):
 
 def test_resume_with_other_parameters_is_refused(tmp_path, tok, target):
     out = tmp_path / "out.jsonl"
-    regenerate(target, tok, prompts(3), out, **KW)
+    regenerate(target, tok, prompts(3), opts(out))
     with pytest.raises(RegenerateError, match=r"max_new_tokens: file has 6, now 9"):
-        regenerate(target, tok, prompts(3), out, **dict(KW, max_new_tokens=9))
+        regenerate(target, tok, prompts(3), opts(out, max_new_tokens=9))
+
+
+def test_options_name_field_expected_and_found_and_greedy_ignores_sampling_knobs(tmp_path):
+    with pytest.raises(RegenerateError, match=r"batch_size: expected greater than 0, found 0"):
+        RegenerateOptions(out_path=tmp_path / "o.jsonl", batch_size=0)
+    with pytest.raises(RegenerateError, match=r"max_new_tokens: expected a valid integer.*, found 'many'"):
+        RegenerateOptions(out_path=tmp_path / "o.jsonl", max_new_tokens="many")
+    greedy = RegenerateOptions(out_path=tmp_path / "o.jsonl", top_p=0.5, seed=4).generation()
+    assert greedy.model_dump() == {"do_sample": False, "temperature": 0.0, "top_p": 1.0, "seed": None,
+                                   "max_new_tokens": 1024, "batch_size": 64, "system_prompt": "template_default",
+                                   "max_prompt_tokens": None, "max_turns": None}
 
 
 def test_corrupt_line_inside_the_file_names_file_and_line(tmp_path, tok, target):
     out = tmp_path / "out.jsonl"
-    regenerate(target, tok, prompts(3), out, **KW)
+    regenerate(target, tok, prompts(3), opts(out))
     text = out.read_text().splitlines(keepends=True)
     out.write_text(text[0] + "{not json\n" + "".join(text[1:]))
     with pytest.raises(RegenerateError, match=rf"{out}:2: not valid JSON"):
-        regenerate(target, tok, prompts(3), out, **KW)
+        regenerate(target, tok, prompts(3), opts(out))
 
 
 def test_torn_tail_is_truncated_on_read(tmp_path):
@@ -222,7 +245,7 @@ def test_limit_duplicates_and_ids_from_provenance(tmp_path, tok, target):
     convs.insert(2, Conversation([{"role": "user", "content": "dup"}], id="p0"))
     anon = Conversation([{"role": "user", "content": "no id"}], provenance={"source": "/x/train.jsonl", "line": 9})
     assert conversation_id(anon, 0) == "train.jsonl:9"
-    s = regenerate(target, tok, convs + [anon], tmp_path / "o.jsonl", limit=4, **KW)
+    s = regenerate(target, tok, convs + [anon], opts(tmp_path / "o.jsonl", limit=4))
     assert s.duplicates == 1 and s.total == 4
     assert [r["id"] for r in lines(tmp_path / "o.jsonl")] == ["p0", "p1", "p2", "p3"]
 
@@ -240,12 +263,12 @@ def test_unusable_conversations_go_to_the_sidecar_and_are_not_retried(tmp_path, 
     convs = prompts(6)
     convs.append(Conversation([{"role": "user", "content": "x" * 400}], id="long"))
     out = tmp_path / "o.jsonl"
-    s = regenerate(target, tok, convs, out, max_prompt_tokens=200, **KW)
+    s = regenerate(target, tok, convs, opts(out, max_prompt_tokens=200))
     assert (s.written, s.failed) == (5, 2)
     side = lines(out.with_name("o.jsonl.skipped.jsonl"))
     assert {r["id"] for r in side} == {"p4", "long"}
     assert any("empty answer" in r["reason"] for r in side) and any("max_prompt_tokens" in r["reason"] for r in side)
     before = out.read_bytes()
-    s = regenerate(target, tok, convs, out, max_prompt_tokens=200, **KW)
+    s = regenerate(target, tok, convs, opts(out, max_prompt_tokens=200))
     assert (s.written, s.failed, s.skipped) == (0, 0, 7)
     assert out.read_bytes() == before

@@ -27,6 +27,8 @@ from eyas.contract import ContractError  # noqa: E402
 from eyas.data.conversations import Conversation  # noqa: E402
 from eyas.data.render import render  # noqa: E402
 from eyas.data.shards import (  # noqa: E402
+    PLAN_PARAMS,
+    CaptureOptions,
     ShardDataset,
     ShardError,
     capture_shards,
@@ -70,6 +72,11 @@ def conversations(n: int = 11) -> list[Conversation]:
 KW = dict(max_length=MAXLEN, batch_size=3, dtype="float32", shard_size=3, progress=False)
 
 
+def opts(out: pathlib.Path, **kw) -> CaptureOptions:
+    """The tests' capture options: SPEC's boundaries, KW, then ``kw``."""
+    return CaptureOptions(out_dir=out, boundaries=list(SPEC.boundaries), **(KW | kw))
+
+
 def files(d: pathlib.Path) -> dict[str, bytes]:
     """Every shard and the manifest, by name (the outputs that must be identical)."""
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())
@@ -87,7 +94,7 @@ def live(model, ids: torch.Tensor):
 def ref_dir(tmp_path_factory, tok, target):
     """An uninterrupted single-rank capture, the reference for the resume tests."""
     d = tmp_path_factory.mktemp("ref")
-    s = capture_shards(target, tok, conversations(), d, SPEC, source="tiny", source_data="convs.jsonl", **KW)
+    s = capture_shards(target, tok, conversations(), opts(d, source_data="convs.jsonl"), source="tiny")
     assert s.manifest == str(d / "manifest.json")
     return d
 
@@ -96,7 +103,7 @@ def ref_dir(tmp_path_factory, tok, target):
 
 
 def test_shards_read_back_equal_the_live_capture(tmp_path, tok, target):
-    s = capture_shards(target, tok, conversations(), tmp_path, SPEC, **dict(KW, batch_size=1))
+    s = capture_shards(target, tok, conversations(), opts(tmp_path, batch_size=1))
     assert (s.conversations, s.samples, s.no_loss_tokens, s.truncated) == (11, 10, 1, 1)
     ds = ShardDataset(tmp_path)
     assert len(ds) == 10 and sorted(ds.ids) == sorted(f"c{i}" for i in range(11) if i != 5)
@@ -133,7 +140,7 @@ def test_batched_capture_matches_within_float_rounding(ref_dir, tok, target):
 
 
 def test_bfloat16_storage(tmp_path, tok, target):
-    capture_shards(target, tok, conversations(4), tmp_path, SPEC, **dict(KW, dtype="bfloat16"))
+    capture_shards(target, tok, conversations(4), opts(tmp_path, dtype="bfloat16"))
     item = ShardDataset(tmp_path)[0]
     assert item["slots"].dtype == torch.bfloat16 and item["last_hidden"].dtype == torch.bfloat16
     slots, _ = live(target, item["input_ids"])
@@ -148,11 +155,36 @@ def test_manifest_and_shard_metadata(ref_dir):
     assert m["contract"]["target"]["source"] == "tiny" and m["contract"]["target"]["num_blocks"] == 6
     assert m["contract"]["tokenisation"]["system_prompt"] == "template_default"
     assert sum(len(e["ids"]) for e in m["shards"]) == m["counts"]["samples"] == 10
+    assert tuple(m["params"]) == PLAN_PARAMS and m["params"]["shard_tokens"] is not None  # resolved
     with safe_open(str(ref_dir / shard_name(0, 0)), "pt") as f:
         meta = json.loads(f.metadata()["eyas"])
         assert meta["ids"] == m["shards"][0]["ids"] and meta["boundaries"] == [0, 3, 5] and meta["index"] == 0
         assert f.get_tensor("input_ids").dtype == torch.int32 and f.get_tensor("loss_mask").dtype == torch.uint8
         assert f.get_tensor("offsets").dtype == torch.int64
+
+
+def test_capture_options_name_field_expected_and_found(tmp_path):
+    # The plan parameters (a resume must share them) are the options marked PLAN, in field order.
+    assert PLAN_PARAMS == ("boundaries", "dtype", "max_length", "shard_size", "shard_tokens", "system_prompt",
+                           "world_size", "channels")
+    with pytest.raises(ShardError, match=r"dtype: expected 'bfloat16', 'float16' or 'float32', found 'int8'"):
+        CaptureOptions(out_dir=tmp_path, dtype="int8")
+    with pytest.raises(ShardError, match=r"shard_size: expected greater than 0, found 0"):
+        CaptureOptions(out_dir=tmp_path, shard_size=0)
+    with pytest.raises(ShardError, match=r"batchsize: expected one of out_dir, .*, found 3"):
+        CaptureOptions(out_dir=tmp_path, batchsize=3)
+    # The CLI refuses a bad flag before it reads data or loads a target.
+    import typer
+    from typer.testing import CliRunner
+
+    from eyas.cli.data_commands import register
+
+    app = typer.Typer()
+    register(app)
+    r = CliRunner().invoke(app, ["capture", "--target", "nowhere", "--data", str(tmp_path / "none.jsonl"),
+                                 "--out", str(tmp_path / "s"), "--dtype", "int8"])
+    said = " ".join(r.output.split())  # rich wraps long lines
+    assert r.exit_code == 2 and "dtype: expected 'bfloat16', 'float16' or 'float32', found 'int8'" in said
 
 
 def test_plan_shards_caps_samples_and_tokens():
@@ -173,19 +205,19 @@ def test_resume_after_crash_gives_identical_files(tmp_path, ref_dir, tok, target
             raise Crash
 
     with pytest.raises(Crash):
-        capture_shards(target, tok, conversations(), tmp_path, SPEC, on_shard_written=crash,
-                       source="tiny", source_data="convs.jsonl", **KW)
+        capture_shards(target, tok, conversations(), opts(tmp_path, source_data="convs.jsonl"), source="tiny",
+                       on_shard_written=crash)
     assert not (tmp_path / "manifest.json").exists()
     with pytest.raises(ShardError, match="missing manifest.*progress files"):
         ShardDataset(tmp_path)
-    s = capture_shards(target, tok, conversations(), tmp_path, SPEC, source="tiny", source_data="convs.jsonl", **KW)
+    s = capture_shards(target, tok, conversations(), opts(tmp_path, source_data="convs.jsonl"), source="tiny")
     assert (s.shards_resumed, s.shards_written) == (2, 2)
     assert files(tmp_path) == files(ref_dir)
 
 
 def test_resume_after_deleting_the_last_shard_or_the_progress(tmp_path, ref_dir, tok, target):
-    run = lambda: capture_shards(target, tok, conversations(), tmp_path, SPEC, source="tiny",  # noqa: E731
-                                 source_data="convs.jsonl", **KW)
+    run = lambda: capture_shards(target, tok, conversations(), opts(tmp_path, source_data="convs.jsonl"),  # noqa: E731
+                                 source="tiny")
     run()
     (tmp_path / shard_name(0, 3)).unlink()
     s = run()
@@ -198,20 +230,20 @@ def test_resume_after_deleting_the_last_shard_or_the_progress(tmp_path, ref_dir,
 
 
 def test_resume_with_other_parameters_is_refused(tmp_path, tok, target):
-    capture_shards(target, tok, conversations(4), tmp_path, SPEC, **KW)
+    capture_shards(target, tok, conversations(4), opts(tmp_path))
     with pytest.raises(ShardError, match=r"progress-r00.json: cannot resume.*shard_size: progress has 3, now 2"):
-        capture_shards(target, tok, conversations(4), tmp_path, SPEC, **dict(KW, shard_size=2))
+        capture_shards(target, tok, conversations(4), opts(tmp_path, shard_size=2))
     with pytest.raises(ShardError, match="the rendered samples or their shard plan changed"):
-        capture_shards(target, tok, conversations(5), tmp_path, SPEC, **KW)
+        capture_shards(target, tok, conversations(5), opts(tmp_path))
 
 
 # -- ranks ----------------------------------------------------------------------------------------
 
 
 def test_two_ranks_cover_every_sample_exactly_once(tmp_path, ref_dir, tok, target):
-    s0 = capture_shards(target, tok, conversations(), tmp_path, SPEC, rank=0, world_size=2, **KW)
+    s0 = capture_shards(target, tok, conversations(), opts(tmp_path, rank=0, world_size=2))
     assert s0.manifest is None  # rank 1 has not finished
-    s1 = capture_shards(target, tok, conversations(), tmp_path, SPEC, rank=1, world_size=2, **KW)
+    s1 = capture_shards(target, tok, conversations(), opts(tmp_path, rank=1, world_size=2))
     assert s1.manifest == str(tmp_path / "manifest.json")
     assert (s0.conversations, s1.conversations) == (6, 5)
     ds, ref = ShardDataset(tmp_path), ShardDataset(ref_dir)
@@ -235,7 +267,7 @@ def test_two_ranks_cover_every_sample_exactly_once(tmp_path, ref_dir, tok, targe
 def test_rank_from_torchrun_environment(tmp_path, tok, target, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    s = capture_shards(target, tok, conversations(), tmp_path, SPEC, **KW)
+    s = capture_shards(target, tok, conversations(), opts(tmp_path))
     assert (s.rank, s.world_size, s.conversations, s.manifest) == (1, 3, 4, None)
     with pytest.raises(ShardError, match="progress-r00.json: no progress file"):
         finalize_manifest(tmp_path)

@@ -192,17 +192,16 @@ def test_offline_and_online_training_give_the_same_first_step_loss(toy, tmp_path
     """Both paths go through the same capture code: float32 shards of the same conversations must
     give the same features and labels, hence the same first-step loss (one batch = all samples, so
     the shards' sample order does not matter)."""
-    from eyas.convention import CaptureSpec
     from eyas.data.conversations import read_conversations
-    from eyas.data.shards import capture_shards
+    from eyas.data.shards import CaptureOptions, capture_shards
     from eyas.targets import load_target
 
     target, data = toy
     few = tmp_path / "few.jsonl"
     few.write_text("".join(data.read_text().splitlines(keepends=True)[:6]))
     model, tok, _ = load_target(str(target))
-    capture_shards(model, tok, read_conversations(few).conversations, tmp_path / "shards",
-                   CaptureSpec.default(10), dtype="float32", progress=False)
+    capture_shards(model, tok, read_conversations(few).conversations,
+                   CaptureOptions(out_dir=tmp_path / "shards", dtype="float32", progress=False))  # [2, L//2, L-3]
 
     def first_loss(data_path, out):
         cfg = _cfg(toy, out, data=str(data_path), steps=1, batch_size=6, val_fraction=0.0, log_every=1)

@@ -94,15 +94,15 @@ def regenerate_cmd(
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
     """Answer prompts with the target itself (the drafter trains on the target's own answers)."""
-    from eyas.data.regenerate import regenerate
+    from eyas.data.regenerate import RegenerateOptions, regenerate
 
     t0 = time.perf_counter()
+    options = _run(RegenerateOptions, out_path=out, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                   temperature=temperature, top_p=top_p, seed=seed, limit=limit, system_prompt=system_prompt,
+                   max_prompt_tokens=max_prompt_tokens, max_turns=max_turns, progress=not json_out)
     read = _read(prompts)
     model, tokenizer, src = _load(target, device, target_dtype)
-    s = _run(regenerate, model, tokenizer, read.conversations, out, max_new_tokens=max_new_tokens,
-             batch_size=batch_size, temperature=temperature, top_p=top_p, seed=seed, limit=limit,
-             system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens, max_turns=max_turns,
-             source=str(src), progress=not json_out)
+    s = _run(regenerate, model, tokenizer, read.conversations, options, source=str(src))
     report = {"command": "regenerate", "target": str(src), "prompts": str(prompts), **s.to_dict(),
               "read": read.counts, "total_wall_s": round(time.perf_counter() - t0, 3)}
     if json_out:
@@ -139,16 +139,17 @@ def capture_cmd(
     to finish writes manifest.json."""
     from eyas.convention import CaptureSpec, parse_boundaries
     from eyas.targets.structure import find_decoder_blocks
-    from eyas.data.shards import capture_shards
+    from eyas.data.shards import CaptureOptions, capture_shards
 
     t0 = time.perf_counter()
     bs = _run(parse_boundaries, boundaries) if boundaries else None
+    options = _run(CaptureOptions, out_dir=out, boundaries=bs, max_length=max_length, batch_size=batch_size,
+                   dtype=dtype, shard_size=shard_size, shard_tokens=shard_tokens, system_prompt=system_prompt,
+                   source_data=str(data), progress=not json_out)
     read = _read(data)
     model, tokenizer, src = _load(target, device, target_dtype)
     spec = _run(CaptureSpec.create, len(find_decoder_blocks(model)), bs)
-    s = _run(capture_shards, model, tokenizer, read.conversations, out, spec, max_length=max_length,
-             batch_size=batch_size, dtype=dtype, shard_size=shard_size, shard_tokens=shard_tokens,
-             source=str(src), system_prompt=system_prompt, source_data=str(data), progress=not json_out)
+    s = _run(capture_shards, model, tokenizer, read.conversations, options, source=str(src))
     report = {"command": "capture", "target": str(src), "data": str(data), "boundaries": list(spec.boundaries),
               **s.to_dict(), "read": read.counts, "total_wall_s": round(time.perf_counter() - t0, 3)}
     if json_out:

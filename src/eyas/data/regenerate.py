@@ -25,6 +25,7 @@ longer than ``max_prompt_tokens``) are not written to the output; they are liste
 ``<out>.skipped.jsonl`` so that a resumed run knows they were attempted.
 """
 
+
 from __future__ import annotations
 
 import json
@@ -32,14 +33,16 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt
 from tqdm.auto import tqdm
 
 from eyas import __version__
 from eyas.data.conversations import Conversation
 from eyas.data.render import TEMPLATE_DEFAULT, render_prompt, system_prompt_mode
+from eyas.data.runs import RunOptions, Throughput, changed_params, eval_mode
 from eyas.errors import EyasError
 from eyas.targets.structure import eos_token_ids
 
@@ -112,12 +115,75 @@ def _append_lines(path: Path, records: Sequence[dict[str, Any]]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------------
+
+
+class GenerationParams(BaseModel):
+    """What the answers depend on, recorded in every record's ``provenance.generation``; a resume
+    must use the same (field order = the recorded key order)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    do_sample: bool
+    temperature: float  # 0.0 when greedy
+    top_p: float  # 1.0 when greedy
+    seed: int | None  # None when greedy
+    max_new_tokens: int
+    batch_size: int  # batch composition changes the numerics of padded batches
+    system_prompt: str  # its mode: template_default | none | custom
+    max_prompt_tokens: int | None
+    max_turns: int | None
+
+
+class RegenerateOptions(RunOptions):
+    """Every option of ``eyas regenerate`` (:func:`regenerate`), flat and typed. Invalid values
+    raise :class:`RegenerateError` naming the field, expected and found."""
+
+    error: ClassVar[type[EyasError]] = RegenerateError
+
+    out_path: Path  # JSONL to write: appended to, and resumed, if it exists (failures: <out>.skipped.jsonl)
+    # --- what the answers depend on (GenerationParams: recorded, a resume must use the same) ---
+    max_new_tokens: PositiveInt = 1024  # per answer; an answer cut there has finish reason "length"
+    # Conversations generated together (left-padded batch); also the resume unit. Large batches are
+    # nearly free on a GPU: a decode step of a small target is dominated by per-step overhead
+    # (SmolLM2-sized on an H200: ~600 tok/s at 64, ~3200 at 256).
+    batch_size: PositiveInt = 64
+    temperature: float = 0.0  # 0: greedy; > 0: sampled with top_p, seeded per chunk from seed
+    top_p: float = 1.0  # nucleus sampling (only with temperature > 0)
+    seed: int = 0  # chunk k samples with torch seed seed * 1_000_003 + k: a resumed chunk samples the same
+    # As in eyas.data.render.render; recorded as its mode, and a custom prompt is written into the conversation.
+    system_prompt: str = TEMPLATE_DEFAULT
+    max_prompt_tokens: NonNegativeInt | None = None  # a turn whose prompt is longer ends the conversation before it
+    max_turns: NonNegativeInt | None = None  # answer at most this many user turns per conversation; None or 0: all
+    # --- which conversations, and how it runs ---
+    limit: NonNegativeInt | None = None  # only the first N conversations (after de-duplication by id); None: all
+    progress: bool = True  # show a progress bar
+
+    def generation(self) -> GenerationParams:
+        """What the answers depend on; the sampling knobs are normalised away when greedy (they
+        change nothing then, so a greedy resume does not refuse over them)."""
+        sampled = self.temperature > 0
+        return GenerationParams(
+            do_sample=sampled,
+            temperature=float(self.temperature) if sampled else 0.0,
+            top_p=float(self.top_p) if sampled else 1.0,
+            seed=int(self.seed) if sampled else None,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
+            system_prompt=system_prompt_mode(self.system_prompt),
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_turns=self.max_turns,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
 # Generation
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass
-class RegenerateSummary:
+class RegenerateSummary(Throughput):
     out_path: str
     total: int = 0  # conversations considered (after de-duplication and limit)
     written: int = 0  # conversations written by this run
@@ -131,13 +197,8 @@ class RegenerateSummary:
     skipped_path: str | None = None
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["tokens_per_s"] = round(self.tokens_per_s, 2)
-        return d
+    def rated_tokens(self) -> int:
+        return self.new_tokens
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -148,33 +209,16 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-def _generation_params(max_new_tokens: int, temperature: float, top_p: float, seed: int,
-                       batch_size: int, system_prompt: str, max_prompt_tokens: int | None,
-                       max_turns: int | None) -> dict[str, Any]:
-    """What the answers depend on (recorded in provenance; a resume must use the same)."""
-    sampled = temperature > 0
-    return {
-        "do_sample": sampled,
-        "temperature": float(temperature) if sampled else 0.0,
-        "top_p": float(top_p) if sampled else 1.0,
-        "seed": int(seed) if sampled else None,
-        "max_new_tokens": int(max_new_tokens),
-        "batch_size": int(batch_size),  # batch composition changes the numerics of padded batches
-        "system_prompt": system_prompt_mode(system_prompt),
-        "max_prompt_tokens": max_prompt_tokens,
-        "max_turns": max_turns,
-    }
 
-
-def _hf_generation_config(params: dict[str, Any], pad_id: int, eos_ids: list[int]) -> Any:
+def _hf_generation_config(params: GenerationParams, pad_id: int, eos_ids: list[int]) -> Any:
     from transformers import GenerationConfig
 
     # Every knob set explicitly: generate() fills unset (None) fields from the model's own
     # generation_config, which may carry top_k / repetition_penalty defaults we do not want.
-    kw: dict[str, Any] = dict(max_new_tokens=params["max_new_tokens"], pad_token_id=pad_id,
+    kw: dict[str, Any] = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id,
                               eos_token_id=eos_ids, repetition_penalty=1.0, num_beams=1)
-    if params["do_sample"]:
-        kw.update(do_sample=True, temperature=params["temperature"], top_p=params["top_p"], top_k=0)
+    if params.do_sample:
+        kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
     else:
         kw.update(do_sample=False)
     return GenerationConfig(**kw)
@@ -233,39 +277,91 @@ def _turns(conv: Conversation, system_prompt: str, max_turns: int | None) -> tup
     return head, users[:max_turns] if max_turns else users
 
 
+
+# ---------------------------------------------------------------------------------------------
+# regenerate: plan -> resume -> generate -> write -> finalise
+# ---------------------------------------------------------------------------------------------
+
+_Item = tuple[str, Conversation]  # (conversation id, conversation)
+
+
+def _select(conversations: Sequence[Conversation], limit: int | None) -> tuple[list[_Item], int]:
+    """Step 1, plan: the conversations to answer, and how many were dropped as duplicates.
+
+    Invariant: de-duplicated by id (the first wins) and then cut to ``limit``, in input order; the
+    chunks are fixed by position in this list, so a rerun on the same input cuts the same chunks."""
+    items: list[_Item] = []
+    seen: set[str] = set()
+    duplicates = 0
+    for i, conv in enumerate(conversations):
+        cid = conversation_id(conv, i)
+        if cid in seen:
+            duplicates += 1
+            continue
+        seen.add(cid)
+        items.append((cid, conv))
+    return (items[:limit] if limit is not None else items), duplicates
+
+
+@dataclass
+class _OutputFiles:
+    """The output JSONL and its ``.skipped.jsonl`` sidecar, and the ids each already holds.
+
+    Invariant: an id is appended at most once to each file (resume never duplicates); a chunk's
+    sidecar lines are appended before its output lines, so a crash between the two leaves the
+    chunk incomplete in the output, and the rerun generates it again."""
+
+    output: Path
+    sidecar: Path
+    written: set[str]  # ids in the output
+    failed: set[str]  # ids in the sidecar
+
+    @classmethod
+    def resume(cls, output: Path, generation: GenerationParams) -> "_OutputFiles":
+        """Step 2, resume: read what an earlier run wrote (a torn last line is cut off); refuse an
+        output written with other generation parameters (RegenerateError naming each one)."""
+        existing = read_resumable_jsonl(output)
+        now = generation.model_dump()
+        for rec in existing[:1]:
+            theirs = (rec.get("provenance") or {}).get("generation")
+            if theirs is not None and theirs != now:
+                raise RegenerateError(
+                    f"{output}: written with other generation parameters "
+                    f"({', '.join(changed_params(theirs, now, now, 'file has'))}); "
+                    f"resume with the same parameters or write to a new file")
+        sidecar = output.with_name(output.name + ".skipped.jsonl")
+        return cls(output, sidecar, {r["id"] for r in existing}, {r["id"] for r in read_resumable_jsonl(sidecar)})
+
+    def holds(self, cid: str) -> bool:
+        return cid in self.written or cid in self.failed
+
+    def append(self, records: list[dict], failures: list[dict]) -> tuple[list[dict], list[dict]]:
+        """Step 4, write: append the chunk's records and failures that the files do not hold yet
+        (one fsynced write each); -> (records appended, failures appended)."""
+        new_records = [r for r in records if r["id"] not in self.written]
+        new_failures = [r for r in failures if r["id"] not in self.failed]
+        _append_lines(self.sidecar, new_failures)  # sidecar first: a crash before the output line
+        _append_lines(self.output, new_records)  # leaves the chunk incomplete, so it is redone
+        self.written.update(r["id"] for r in new_records)
+        self.failed.update(r["id"] for r in new_failures)
+        return new_records, new_failures
+
+
 def regenerate(
     model: Any,
     tokenizer: Any,
     conversations: Sequence[Conversation],
-    out_path: str | os.PathLike,
+    options: RegenerateOptions,
     *,
-    max_new_tokens: int = 1024,
-    batch_size: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    limit: int | None = None,
-    system_prompt: str = TEMPLATE_DEFAULT,
-    max_prompt_tokens: int | None = None,
-    max_turns: int | None = None,
     source: str | None = None,
-    progress: bool = True,
     on_chunk_written: Callable[[int, list[dict[str, Any]]], None] | None = None,
 ) -> RegenerateSummary:
-    """Answer every user turn of ``conversations`` with ``model`` and append them to ``out_path``.
+    """Answer every user turn of ``conversations`` with ``model`` and append them to
+    ``options.out_path``: plan -> resume -> generate -> write -> finalise.
 
     Args:
         conversations: prompts (user turns, optional system message); assistant turns are ignored.
-        max_new_tokens: per answer; an answer cut there has finish reason ``"length"``.
-        batch_size: conversations generated together (left-padded batch); also the resume unit.
-            Large batches are nearly free on a GPU: a decode step of a small target is dominated
-            by per-step overhead (SmolLM2-sized on an H200: ~600 tok/s at 64, ~3200 at 256).
-        temperature: 0 = greedy; > 0 = sampled with ``top_p``, seeded per chunk from ``seed``.
-        limit: only the first ``limit`` conversations of the input (after de-duplication by id).
-        system_prompt: as in :func:`eyas.data.render.render`; recorded in provenance, and a custom
-            prompt is written into the conversation.
-        max_prompt_tokens: a turn whose prompt is longer ends the conversation before it.
-        max_turns: answer at most this many user turns per conversation.
+        options: see :class:`RegenerateOptions`.
         source: the target's name for provenance (e.g. ``str(TargetSource)``).
         on_chunk_written: called as ``f(chunk_index, records)`` after each chunk is on disk.
 
@@ -274,130 +370,118 @@ def regenerate(
     from eyas.contract import weights_fingerprint
 
     t0 = time.perf_counter()
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    side = out.with_name(out.name + ".skipped.jsonl")
-    summary = RegenerateSummary(out_path=str(out))
-    params = _generation_params(max_new_tokens, temperature, top_p, seed, batch_size, system_prompt,
-                                max_prompt_tokens, max_turns)
-
-    # Input: de-duplicate by id (first wins), then limit. Chunks are fixed by position in this list.
-    items: list[tuple[str, Conversation]] = []
-    seen: set[str] = set()
-    for i, conv in enumerate(conversations):
-        cid = conversation_id(conv, i)
-        if cid in seen:
-            summary.duplicates += 1
-            continue
-        seen.add(cid)
-        items.append((cid, conv))
-    if limit is not None:
-        items = items[:limit]
+    options.out_path.parent.mkdir(parents=True, exist_ok=True)
+    summary = RegenerateSummary(out_path=str(options.out_path))
+    generation = options.generation()
+    items, summary.duplicates = _select(conversations, options.limit)
     summary.total = len(items)
-
-    # Resume state.
-    existing = read_resumable_jsonl(out)
-    for rec in existing[:1]:
-        theirs = (rec.get("provenance") or {}).get("generation")
-        if theirs is not None and theirs != params:
-            diff = {k: (theirs.get(k), v) for k, v in params.items() if theirs.get(k) != v}
-            raise RegenerateError(
-                f"{out}: written with other generation parameters ({', '.join(f'{k}: file has {a!r}, now {b!r}' for k, (a, b) in diff.items())}); "
-                f"resume with the same parameters or write to a new file")
-    written_ids = {r["id"] for r in existing}
-    failed_ids = {r["id"] for r in read_resumable_jsonl(side)}
-    done = written_ids | failed_ids
-
-    chunks = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
-    todo = [(k, c) for k, c in enumerate(chunks) if any(cid not in done for cid, _ in c)]
-    summary.skipped = sum(1 for cid, _ in items if cid in done)
-
+    files = _OutputFiles.resume(options.out_path, generation)
+    chunks = [items[i:i + options.batch_size] for i in range(0, len(items), options.batch_size)]
+    todo = [(k, c) for k, c in enumerate(chunks) if not all(files.holds(cid) for cid, _ in c)]
+    summary.skipped = sum(1 for cid, _ in items if files.holds(cid))
     target_info = {"target": source, "target_fingerprint": weights_fingerprint(model)}
-    eos_ids = _eos_ids(model, tokenizer)
-    bar = tqdm(total=sum(len(c) for _, c in todo), desc="regenerate", unit="conv",
-               disable=not progress, dynamic_ncols=True)
-    was_training = model.training
-    model.eval()
-    try:
-        with _LeftPadding(tokenizer) as pad_id:
-            gen_config = _hf_generation_config(params, pad_id, eos_ids)
-            for k, chunk in todo:
-                if params["do_sample"]:
-                    torch.manual_seed(seed * 1_000_003 + k)  # per chunk: a resumed chunk samples the same
-                recs, fails = _answer_chunk(model, tokenizer, chunk, params, gen_config, eos_ids,
-                                            system_prompt, summary)
-                new_recs = [r for r in recs if r["id"] not in written_ids]
-                new_fails = [r for r in fails if r["id"] not in failed_ids]
-                for r in new_recs:
-                    r["provenance"].update(target_info)
-                _append_lines(side, new_fails)  # sidecar first: a crash before the output line
-                _append_lines(out, new_recs)  # leaves the chunk incomplete, so it is redone
-                written_ids.update(r["id"] for r in new_recs)
-                failed_ids.update(r["id"] for r in new_fails)
-                summary.written += len(new_recs)
-                summary.failed += len(new_fails)
-                bar.update(len(chunk))
-                bar.set_postfix(tok_s=f"{summary.new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
-                if on_chunk_written is not None:
-                    on_chunk_written(k, new_recs)
-    finally:
-        bar.close()
-        model.train(was_training)
-    summary.skipped_path = str(side) if side.exists() else None
+    _generate(model, tokenizer, todo, options, generation, files, target_info, summary, on_chunk_written)
+    summary.skipped_path = str(files.sidecar) if files.sidecar.exists() else None  # step 5, finalise
     summary.wall_s = time.perf_counter() - t0
     return summary
 
 
-def _answer_chunk(model: Any, tokenizer: Any, chunk: list[tuple[str, Conversation]], params: dict[str, Any],
-                  gen_config: Any, eos_ids: list[int], system_prompt: str,
+def _generate(model: Any, tokenizer: Any, todo: list[tuple[int, list[_Item]]], options: RegenerateOptions,
+              generation: GenerationParams, files: _OutputFiles, target_info: dict[str, Any],
+              summary: RegenerateSummary, on_chunk_written: Callable[[int, list[dict[str, Any]]], None] | None) -> None:
+    """Step 3 and 4, generate and write: each chunk still to do, in chunk order, answered as one
+    batch and appended before the next one starts.
+
+    Invariant: a chunk is generated with all its original members, also when some of them are
+    already in the output, and sampled with its own seed: its answers are those of an
+    uninterrupted run, and only the missing lines are appended."""
+    eos_ids = _eos_ids(model, tokenizer)
+    t0 = time.perf_counter()
+    bar = tqdm(total=sum(len(c) for _, c in todo), desc="regenerate", unit="conv",
+               disable=not options.progress, dynamic_ncols=True)
+    try:
+        with eval_mode(model), _LeftPadding(tokenizer) as pad_id:
+            gen_config = _hf_generation_config(generation, pad_id, eos_ids)
+            for k, chunk in todo:
+                if generation.do_sample:
+                    torch.manual_seed(options.seed * 1_000_003 + k)  # per chunk: a resumed chunk samples the same
+                records, failures = _answer_chunk(model, tokenizer, chunk, options, generation, gen_config,
+                                                  eos_ids, summary)
+                for r in records:
+                    r["provenance"].update(target_info)
+                new_records, new_failures = files.append(records, failures)
+                summary.written += len(new_records)
+                summary.failed += len(new_failures)
+                bar.update(len(chunk))
+                bar.set_postfix(tok_s=f"{summary.new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+                if on_chunk_written is not None:
+                    on_chunk_written(k, new_records)
+    finally:
+        bar.close()
+
+
+@dataclass
+class _Dialogue:
+    """One conversation of a chunk, answered turn by turn."""
+
+    id: str
+    conv: Conversation
+    messages: list[dict]  # the output so far: the kept system message, then user / assistant turns
+    users: list[str]  # the user turns to answer, in order
+    finish: list[str] = field(default_factory=list)  # per answered turn: "eos" | "length"
+    new_tokens: list[int] = field(default_factory=list)  # per answered turn, the end-of-turn token included
+    stop: str | None = None  # why it ended before its last user turn
+
+    def record(self, generation: GenerationParams) -> dict[str, Any]:
+        """The output line: messages, and the source's provenance with this generation's."""
+        prov = {k: v for k, v in self.conv.provenance.items()
+                if k not in ("target", "target_fingerprint", "generation", "finish_reasons", "new_tokens")}
+        prov.update(generation=generation.model_dump(), finish_reasons=self.finish, new_tokens=self.new_tokens,
+                    eyas_version=__version__)
+        if self.stop:
+            prov["stopped"] = self.stop
+        return {"id": self.id, "messages": self.messages, "provenance": prov}
+
+    def failure(self) -> dict[str, Any]:
+        """The sidecar line of a conversation that produced no answer."""
+        return {"id": self.id, "reason": self.stop or "no user turn", "provenance": dict(self.conv.provenance)}
+
+
+def _answer_chunk(model: Any, tokenizer: Any, chunk: list[_Item], options: RegenerateOptions,
+                  generation: GenerationParams, gen_config: Any, eos_ids: list[int],
                   summary: RegenerateSummary) -> tuple[list[dict], list[dict]]:
     """Answer all conversations of one chunk turn by turn: at turn t the conversations that still
     have a t-th user turn form one batch. -> (output records, failure records), in chunk order."""
-    state = []
-    for cid, conv in chunk:
-        head, users = _turns(conv, system_prompt, params["max_turns"])
-        state.append({"id": cid, "conv": conv, "messages": head, "users": users, "finish": [],
-                      "new_tokens": [], "stop": None})
-    for t in range(max(len(s["users"]) for s in state)):
+    dialogues = [_Dialogue(cid, conv, *_turns(conv, options.system_prompt, options.max_turns)) for cid, conv in chunk]
+    for t in range(max(len(d.users) for d in dialogues)):
         active, prompts = [], []
-        for s in state:
-            if s["stop"] is not None or t >= len(s["users"]):
+        for d in dialogues:
+            if d.stop is not None or t >= len(d.users):
                 continue
-            s["messages"].append({"role": "user", "content": s["users"][t]})
+            d.messages.append({"role": "user", "content": d.users[t]})
             # render_prompt applies the same system-prompt handling as training-time render().
-            ids = render_prompt(s["messages"], tokenizer, system_prompt=system_prompt).tolist()
-            if params["max_prompt_tokens"] is not None and len(ids) > params["max_prompt_tokens"]:
-                s["messages"].pop()
-                s["stop"] = f"prompt of turn {t} has {len(ids)} tokens > max_prompt_tokens {params['max_prompt_tokens']}"
+            ids = render_prompt(d.messages, tokenizer, system_prompt=options.system_prompt).tolist()
+            if options.max_prompt_tokens is not None and len(ids) > options.max_prompt_tokens:
+                d.messages.pop()
+                d.stop = f"prompt of turn {t} has {len(ids)} tokens > max_prompt_tokens {options.max_prompt_tokens}"
                 continue
-            active.append(s)
+            active.append(d)
             prompts.append(ids)
         if not active:
             break
-        for s, ids, (ans, finish) in zip(active, prompts, _generate_batch(model, tokenizer, prompts, gen_config, eos_ids)):
+        for d, ids, (ans, finish) in zip(active, prompts, _generate_batch(model, tokenizer, prompts, gen_config, eos_ids)):
             text = tokenizer.decode(ans, skip_special_tokens=True)
             n_new = len(ans) + (finish == "eos")
             summary.new_tokens += n_new
             summary.prompt_tokens += len(ids)
             summary.finish[finish] += 1
             if not text.strip():  # an empty answer is not a training example; stop here
-                s["messages"].pop()
-                s["stop"] = f"empty answer at turn {t} ({finish} after {n_new} tokens)"
+                d.messages.pop()
+                d.stop = f"empty answer at turn {t} ({finish} after {n_new} tokens)"
                 continue
-            s["messages"].append({"role": "assistant", "content": text})
-            s["finish"].append(finish)
-            s["new_tokens"].append(n_new)
-    recs, fails = [], []
-    for s in state:
-        if not s["finish"]:
-            fails.append({"id": s["id"], "reason": s["stop"] or "no user turn",
-                          "provenance": dict(s["conv"].provenance)})
-            continue
-        prov = {k: v for k, v in s["conv"].provenance.items()
-                if k not in ("target", "target_fingerprint", "generation", "finish_reasons", "new_tokens")}
-        prov.update(generation=params, finish_reasons=s["finish"], new_tokens=s["new_tokens"],
-                    eyas_version=__version__)
-        if s["stop"]:
-            prov["stopped"] = s["stop"]
-        recs.append({"id": s["id"], "messages": s["messages"], "provenance": prov})
-    return recs, fails
+            d.messages.append({"role": "assistant", "content": text})
+            d.finish.append(finish)
+            d.new_tokens.append(n_new)
+    records = [d.record(generation) for d in dialogues if d.finish]
+    failures = [d.failure() for d in dialogues if not d.finish]
+    return records, failures

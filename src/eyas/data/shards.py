@@ -50,11 +50,12 @@ import json
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Annotated, Any, Callable, ClassVar, Literal, Sequence
 
 import torch
+from pydantic import PositiveInt
 from torch import Tensor
 from torch.utils.data import Dataset
 
@@ -73,17 +74,15 @@ from eyas.contract import (
 from eyas.data.conversations import Conversation
 from eyas.data.regenerate import conversation_id
 from eyas.data.render import TEMPLATE_DEFAULT, TemplateAlignmentError, render, system_prompt_mode
+from eyas.data.runs import RunOptions, Throughput, changed_params, eval_mode
 from eyas.errors import EyasError
+from eyas.targets.structure import find_decoder_blocks
 
 FORMAT = "eyas-hidden-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_SHARD_BYTES = 1 << 30  # hidden states per shard when shard_tokens is not given
-# What a rerun must share with the run it resumes (batch_size may change: it only moves values at
-# the level of float rounding, and is recorded per shard).
-_PLAN_PARAMS = ("boundaries", "dtype", "max_length", "shard_size", "shard_tokens", "system_prompt",
-                "world_size", "channels")
 _MAX_PROBLEMS_KEPT = 20
 
 
@@ -97,6 +96,65 @@ def shard_name(rank: int, index: int) -> str:
 
 def progress_name(rank: int) -> str:
     return f"progress-r{rank:02d}.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------------
+
+
+class _PlanParameter:
+    """Marks an option as a plan parameter (``Annotated[..., PLAN]``): it decides which tokens land
+    in which shard or which values are stored, so a rerun resumes only when it is unchanged."""
+
+    def __repr__(self) -> str:
+        return "PLAN"
+
+
+PLAN = _PlanParameter()
+
+
+class CaptureOptions(RunOptions):
+    """Every option of one rank's capture (``eyas capture``, :func:`capture_shards`), flat and typed.
+
+    The fields marked ``PLAN`` are the plan parameters (:data:`PLAN_PARAMS`): resolved (no ``None``
+    left), they are recorded in each rank's progress file and in the manifest, and a rerun resumes
+    only when every one of them is unchanged. ``batch_size`` is not one: it moves values only at
+    the level of float rounding, and every shard records its own. Invalid values raise
+    :class:`ShardError` naming the field, expected and found.
+    """
+
+    error: ClassVar[type[EyasError]] = ShardError
+
+    out_dir: Path  # the shard directory: created if missing, resumed if it holds an unfinished capture
+    # --- what is stored, and how it is cut into shards (all plan parameters) ---
+    boundaries: Annotated[list[int] | None, PLAN] = None  # slot order (eyas boundaries); None: [2, L//2, L-3]
+    dtype: Annotated[Literal["bfloat16", "float16", "float32"], PLAN] = "bfloat16"  # of slots and last_hidden
+    max_length: Annotated[PositiveInt, PLAN] = 2048  # tokens per rendered conversation (truncated)
+    shard_size: Annotated[PositiveInt, PLAN] = 256  # at most this many samples per shard
+    shard_tokens: Annotated[PositiveInt | None, PLAN] = None  # and tokens per shard; None: ~1 GiB of hidden states
+    system_prompt: Annotated[str, PLAN] = TEMPLATE_DEFAULT  # as in eyas.data.render.render; recorded as its mode
+    # --- who captures which conversations; what the fingerprint measures ---
+    rank: int | None = None  # this process takes conversations rank::world_size; None: $RANK, else 0
+    world_size: Annotated[int | None, PLAN] = None  # processes sharing the input; None: $WORLD_SIZE, else 1
+    channels: Annotated[list[int] | None, PLAN] = None  # fingerprint channel indices; None: 8 evenly spaced
+    # --- how it runs (free to change on a rerun) ---
+    batch_size: PositiveInt = 8  # samples per forward pass
+    source_data: str | None = None  # the conversations file, recorded in the manifest
+    progress: bool = True  # show progress bars
+    finalize: bool = True  # write the manifest once every rank is complete
+
+    def plan_params(self) -> dict[str, Any]:
+        """The plan parameters as the progress file and the manifest record them (of resolved options):
+        JSON values in field order, the system prompt as its mode (a custom prompt's text reaches the
+        rendered tokens, so the plan digest sees a change of it)."""
+        params = self.model_dump(mode="json", include=set(PLAN_PARAMS))
+        params["system_prompt"] = system_prompt_mode(self.system_prompt)
+        return params
+
+
+# What a rerun must share with the run it resumes, in field order.
+PLAN_PARAMS: tuple[str, ...] = tuple(name for name, f in CaptureOptions.model_fields.items() if PLAN in f.metadata)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,6 +189,21 @@ class _Sample:
         return int(self.input_ids.shape[0])
 
 
+@dataclass
+class _RenderCounts:
+    """What rendering this rank's conversations left out, and why (field order = the progress
+    file's ``counts`` order)."""
+
+    conversations: int = 0  # assigned to this rank
+    no_loss_tokens: int = 0  # no assistant token after truncation: left out (no loss)
+    truncated: int = 0  # cut at max_length (kept)
+    render_problems: int = 0  # the template does not line up: left out
+    problems: list[str] = field(default_factory=list)  # the first _MAX_PROBLEMS_KEPT, "<id>: <message>"
+
+    def counts(self) -> dict[str, int]:
+        return {k: v for k, v in asdict(self).items() if k != "problems"}
+
+
 def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
     world = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
@@ -140,30 +213,29 @@ def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def _render_samples(conversations: Sequence[Conversation], rank: int, world: int, tokenizer: Any,
-                    max_length: int, system_prompt: str, progress: bool) -> tuple[list[_Sample], dict[str, Any]]:
+                    max_length: int, system_prompt: str, progress: bool) -> tuple[list[_Sample], _RenderCounts]:
     """This rank's conversations (positions rank::world) rendered; conversations without any
     assistant token after truncation are left out (they carry no loss), and so are those whose
     template does not line up (reported)."""
     from tqdm.auto import tqdm
 
     samples: list[_Sample] = []
-    stats: dict[str, Any] = {"conversations": 0, "no_loss_tokens": 0, "truncated": 0, "render_problems": 0,
-                             "problems": []}
+    stats = _RenderCounts()
     positions = range(rank, len(conversations), world)
     for i in tqdm(positions, desc=f"render r{rank}", unit="conv", disable=not progress, dynamic_ncols=True):
         conv = conversations[i]
         cid = conversation_id(conv, i)  # position in the whole input: the same id on every rank count
-        stats["conversations"] += 1
+        stats.conversations += 1
         try:
             r = render(conv, tokenizer, max_length=max_length, system_prompt=system_prompt)
         except TemplateAlignmentError as e:
-            stats["render_problems"] += 1
-            if len(stats["problems"]) < _MAX_PROBLEMS_KEPT:
-                stats["problems"].append(f"{cid}: {e}")
+            stats.render_problems += 1
+            if len(stats.problems) < _MAX_PROBLEMS_KEPT:
+                stats.problems.append(f"{cid}: {e}")
             continue
-        stats["truncated"] += int(r.truncated)
+        stats.truncated += int(r.truncated)
         if r.num_assistant_tokens == 0:
-            stats["no_loss_tokens"] += 1
+            stats.no_loss_tokens += 1
             continue
         samples.append(_Sample(cid, r.input_ids.long(), r.loss_mask.long()))
     return samples, stats
@@ -197,6 +269,80 @@ def _plan_digest(samples: Sequence[_Sample], plan: list[list[int]]) -> str:
         h.update(s.loss_mask.to(torch.uint8).numpy().tobytes())
     h.update(json.dumps(plan).encode())
     return h.hexdigest()
+
+
+def _base_contract(model: Any, tokenizer: Any, spec: CaptureSpec, dtype: str, system_prompt: str,
+                   source: str | None, contract: Contract | None) -> Contract:
+    live = Contract(target=target_identity(model, source),
+                    capture=CaptureContract(boundaries=list(spec.boundaries), dtype=dtype),
+                    tokenisation=tokenisation_of(tokenizer, system_prompt_mode(system_prompt)))
+    if contract is None:
+        return live
+    # A contract passed in (e.g. with the target's source name) must describe this very target.
+    enforce(compare(contract, live, fields=[f for f in ("target.architecture", "target.num_blocks",
+                                                        "target.hidden_size", "target.vocab_size",
+                                                        "target.fingerprint")]),
+            "capture_shards: the contract passed in vs the live target")
+    return contract.model_copy(update={"capture": live.capture,
+                                       "tokenisation": contract.tokenisation or live.tokenisation,
+                                       "drafter": None, "fingerprint": None, "metrics": None})
+
+
+@dataclass
+class _CapturePlan:
+    """One rank's capture, fixed before the first forward pass.
+
+    Invariant: a function of the options, the target and the conversations only, so a rerun
+    computes the same plan; ``digest`` says whether it did."""
+
+    options: CaptureOptions  # resolved: boundaries, shard_tokens, rank, world_size, channels are set
+    rank: int  # = options.rank
+    world: int  # = options.world_size
+    spec: CaptureSpec
+    contract: Contract  # target, capture and tokenisation; the fingerprint is merged into the manifest
+    samples: list[_Sample]  # this rank's, in input order
+    rendered: _RenderCounts
+    shards: list[list[int]]  # positions in ``samples``, per shard (plan_shards)
+    digest: str  # _plan_digest(samples, shards)
+    total_conversations: int  # in the whole input, every rank's
+
+    @property
+    def out(self) -> Path:
+        return self.options.out_dir
+
+    @property
+    def hidden_size(self) -> int:
+        return self.contract.target.hidden_size
+
+    def members(self, k: int) -> list[_Sample]:
+        """Shard k's samples in stored order: longest first (stable), so batches are runs of
+        similar lengths (less padding)."""
+        return sorted((self.samples[j] for j in self.shards[k]), key=lambda x: -x.length)
+
+
+def _plan_capture(model: Any, tokenizer: Any, conversations: Sequence[Conversation], options: CaptureOptions,
+                  source: str | None, contract: Contract | None) -> _CapturePlan:
+    """Step 1, plan: resolve every default of ``options`` (boundaries from the target's depth, rank
+    and world from torchrun's environment, shard_tokens from about 1 GiB of hidden states, the
+    fingerprint channels), render this rank's conversations and cut them into shards."""
+    rank, world = _rank_world(options.rank, options.world_size)
+    spec = CaptureSpec.create(len(find_decoder_blocks(model)), options.boundaries)
+    base = _base_contract(model, tokenizer, spec, options.dtype, options.system_prompt, source, contract)
+    hidden = base.target.hidden_size
+    shard_tokens = options.shard_tokens
+    if shard_tokens is None:
+        per_token = (spec.num_slots + 1) * hidden * DTYPES[options.dtype].itemsize  # slots + last_hidden
+        shard_tokens = max(options.max_length, DEFAULT_SHARD_BYTES // per_token)
+    resolved = options.model_copy(update={
+        "boundaries": list(spec.boundaries), "shard_tokens": shard_tokens, "rank": rank, "world_size": world,
+        "channels": FingerprintAccumulator(spec.boundaries, hidden, options.channels).channels,
+    })
+    samples, rendered = _render_samples(conversations, rank, world, tokenizer, options.max_length,
+                                        options.system_prompt, options.progress)
+    shards = plan_shards([s.length for s in samples], options.shard_size, shard_tokens)
+    return _CapturePlan(options=resolved, spec=spec, contract=base, samples=samples, rendered=rendered,
+                        shards=shards, digest=_plan_digest(samples, shards),
+                        total_conversations=len(conversations), rank=rank, world=world)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,13 +421,30 @@ def _write_shard(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str
     return len(data), h.hexdigest()
 
 
+def _shard_metadata(plan: _CapturePlan, k: int, ids: list[str]) -> dict[str, str]:
+    """The safetensors metadata of shard k: one key holding JSON. (safetensors writes a metadata
+    map in hash order, which would make the bytes of identical shards differ from run to run.)"""
+    return {"eyas": json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "rank": plan.rank, "index": k,
+                                "boundaries": list(plan.spec.boundaries), "dtype": plan.options.dtype, "ids": ids})}
+
+
+def _shard_entry(plan: _CapturePlan, k: int, members: Sequence[_Sample], tensors: dict[str, Tensor],
+                 acc: FingerprintAccumulator) -> dict[str, Any]:
+    """Shard k's record in the progress file (and, less batch_size and fingerprint, in the manifest);
+    ``bytes`` and ``sha256`` are filled in once the file is written."""
+    return {"file": shard_name(plan.rank, k), "rank": plan.rank, "index": k, "samples": len(members),
+            "tokens": int(tensors["input_ids"].shape[0]), "loss_tokens": int(tensors["loss_mask"].sum()),
+            "bytes": None, "sha256": None, "batch_size": plan.options.batch_size, "ids": [x.id for x in members],
+            "fingerprint": acc.state()}
+
+
 # ---------------------------------------------------------------------------------------------
 # capture_shards
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass
-class CaptureSummary:
+class CaptureSummary(Throughput):
     out_dir: str
     rank: int
     world_size: int
@@ -301,210 +464,202 @@ class CaptureSummary:
     manifest: str | None = None  # set once the manifest (all ranks) is written
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_captured / self.wall_s if self.wall_s > 0 else 0.0
+    def rated_tokens(self) -> int:
+        return self.tokens_captured
 
-    def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["tokens_per_s"] = round(self.tokens_per_s, 2)
-        return d
-
-
-def _base_contract(model: Any, tokenizer: Any, spec: CaptureSpec, dtype: str, system_prompt: str,
-                   source: str | None, contract: Contract | None) -> Contract:
-    live = Contract(target=target_identity(model, source),
-                    capture=CaptureContract(boundaries=list(spec.boundaries), dtype=dtype),
-                    tokenisation=tokenisation_of(tokenizer, system_prompt_mode(system_prompt)))
-    if contract is None:
-        return live
-    # A contract passed in (e.g. with the target's source name) must describe this very target.
-    enforce(compare(contract, live, fields=[f for f in ("target.architecture", "target.num_blocks",
-                                                        "target.hidden_size", "target.vocab_size",
-                                                        "target.fingerprint")]),
-            "capture_shards: the contract passed in vs the live target")
-    return contract.model_copy(update={"capture": live.capture,
-                                       "tokenisation": contract.tokenisation or live.tokenisation,
-                                       "drafter": None, "fingerprint": None, "metrics": None})
+    @classmethod
+    def of(cls, plan: _CapturePlan) -> "CaptureSummary":
+        """The counts a plan fixes; the run adds what it wrote, resumed and how long it took."""
+        r = plan.rendered
+        return cls(out_dir=str(plan.out), rank=plan.rank, world_size=plan.world, conversations=r.conversations,
+                   samples=len(plan.samples), tokens=sum(s.length for s in plan.samples),
+                   loss_tokens=sum(int(s.loss_mask.sum()) for s in plan.samples), shards=len(plan.shards),
+                   no_loss_tokens=r.no_loss_tokens, truncated=r.truncated, render_problems=r.render_problems,
+                   problems=list(r.problems))
 
 
-def _resume_state(path: Path, params: dict[str, Any], digest: str, contract: Contract,
-                  plan: list[list[int]], out_dir: Path) -> list[dict[str, Any]]:
-    """Finished shards of an earlier run that this run may keep (all of them, up to the first whose
-    file is missing or differs); errors when the earlier run had other parameters or data."""
+class _RankProgress:
+    """This rank's ``progress-rNN.json``: the plan (parameters, digest, counts, contract) and the
+    shards that are on disk.
+
+    Invariant: it lists exactly the shards whose files are complete under their final names, in
+    index order, and says ``complete`` once that is every planned shard; it is rewritten atomically,
+    so a crash leaves the previous version."""
+
+    def __init__(self, plan: _CapturePlan, summary: CaptureSummary, entries: list[dict[str, Any]]) -> None:
+        self.path = plan.out / progress_name(plan.rank)
+        self.plan = plan
+        self.summary = summary
+        self.entries = entries
+
+    def add(self, entry: dict[str, Any]) -> None:
+        """Record one more shard that is on disk (the next index) and rewrite the file."""
+        self.entries.append(entry)
+        self.save()
+
+    def save(self) -> None:
+        plan, summary = self.plan, self.summary
+        _atomic_write_json(self.path, {
+            "format": FORMAT + "+progress", "version": FORMAT_VERSION, "rank": plan.rank, "world_size": plan.world,
+            "params": plan.options.plan_params(), "plan_sha256": plan.digest, "num_shards": len(plan.shards),
+            "counts": plan.rendered.counts()
+            | {"samples": summary.samples, "tokens": summary.tokens, "loss_tokens": summary.loss_tokens,
+               "total_conversations": plan.total_conversations},
+            "problems": plan.rendered.problems, "source_data": plan.options.source_data,
+            "contract": plan.contract.model_dump(mode="json"),
+            "shards": self.entries, "complete": len(self.entries) == len(plan.shards),
+        })
+
+
+def _resume(plan: _CapturePlan) -> list[dict[str, Any]]:
+    """Step 2, resume: the finished shards of an earlier run that this run keeps.
+
+    Invariant: resuming never duplicates nor reorders a shard. Kept are the earlier run's shards
+    0..k-1, up to the first whose file is missing or has another size; that shard and every later
+    one are captured again. An earlier run with other plan parameters, another target or other
+    rendered samples is refused (ShardError naming each difference). Temporary files of a write
+    that a crash interrupted are removed."""
+    for tmp in plan.out.glob(f".shard-r{plan.rank:02d}-*.tmp"):  # left by a crash inside atomic_write
+        tmp.unlink(missing_ok=True)
+    path = plan.out / progress_name(plan.rank)
     if not path.exists():
         return []
     prog = _read_json(path, "progress file")
-    diff = [f"{k}: progress has {prog['params'].get(k)!r}, now {params[k]!r}"
-            for k in _PLAN_PARAMS if prog["params"].get(k) != params[k]]
-    old = Contract.model_validate(prog["contract"])
-    diff += [str(m) for m in compare(old, contract)]
-    if prog.get("plan_sha256") != digest:
+    diff = changed_params(prog["params"], plan.options.plan_params(), PLAN_PARAMS, "progress has")
+    diff += [str(m) for m in compare(Contract.model_validate(prog["contract"]), plan.contract)]
+    if prog.get("plan_sha256") != plan.digest:
         diff.append("the rendered samples or their shard plan changed (other data, tokenizer or max_length)")
     if diff:
         raise ShardError(f"{path}: cannot resume, the earlier run differs: " + "; ".join(diff)
-                         + f". Use another output directory, or delete {out_dir} to start over")
+                         + f". Use another output directory, or delete {plan.out} to start over")
     kept = []
     for k, entry in enumerate(prog["shards"]):
-        f = out_dir / entry["file"]
-        if entry["index"] != k or k >= len(plan) or not f.exists() or f.stat().st_size != entry["bytes"]:
+        f = plan.out / entry["file"]
+        if entry["index"] != k or k >= len(plan.shards) or not f.exists() or f.stat().st_size != entry["bytes"]:
             break  # this shard and every later one are redone
         kept.append(entry)
     return kept
+
+
+class _ShardWriter:
+    """Writes shards in one background thread while the next shard is captured.
+
+    Invariants: at most one shard is in flight (host memory: the shard being captured, the one
+    being written and its serialised copy); a shard counts (progress file, summary, callback) only
+    once its file is complete under its final name (written to a temporary name, then renamed), and
+    shards count in index order. Leaving the block on an error still counts a shard whose write
+    succeeded."""
+
+    def __init__(self, progress: _RankProgress, summary: CaptureSummary,
+                 on_shard_written: Callable[[int, dict[str, Any]], None] | None) -> None:
+        self.progress, self.summary, self.on_shard_written = progress, summary, on_shard_written
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eyas-shard-writer")
+        self._pending: tuple[Future, dict[str, Any]] | None = None
+
+    def submit(self, path: Path, tensors: dict[str, Tensor], metadata: dict[str, str], entry: dict[str, Any]) -> None:
+        self.settle()  # shard k-1 must be on disk (and in the progress file) before shard k is
+        self._pending = (self._pool.submit(_write_shard, path, tensors, metadata), entry)
+
+    def settle(self) -> None:
+        """Wait for the shard being written, if any; then it counts."""
+        if self._pending is None:
+            return
+        fut, entry = self._pending
+        self._pending = None
+        entry["bytes"], entry["sha256"] = fut.result()
+        self.progress.add(entry)
+        self.summary.shards_written += 1
+        self.summary.tokens_captured += entry["tokens"]
+        if self.on_shard_written is not None:
+            self.on_shard_written(entry["index"], entry)
+
+    def __enter__(self) -> "_ShardWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        try:
+            if exc_type is None:
+                self.settle()
+            elif self._pending is not None:  # keep a shard that was being written when something else failed
+                try:
+                    self.settle()
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    pass
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def _capture_planned(model: Any, pad_id: int, plan: _CapturePlan, progress: _RankProgress,
+                     summary: CaptureSummary, on_shard_written: Callable[[int, dict[str, Any]], None] | None) -> None:
+    """Step 3 and 4, capture and write: every planned shard after the resumed ones, in index order.
+
+    Shard k is captured while shard k-1 is written (:class:`_ShardWriter`). The fingerprint sums of
+    a shard see exactly its stored values and travel with its progress entry, so a resumed run
+    merges the same sums as an uninterrupted one."""
+    from tqdm.auto import tqdm
+
+    opts = plan.options
+    first = len(progress.entries)
+    todo_tokens = sum(plan.samples[j].length for shard in plan.shards[first:] for j in shard)
+    bar = tqdm(total=todo_tokens, desc=f"capture r{plan.rank}", unit="tok", unit_scale=True,
+               disable=not opts.progress, dynamic_ncols=True)
+    try:
+        with eval_mode(model), _ShardWriter(progress, summary, on_shard_written) as writer:
+            for k in range(first, len(plan.shards)):
+                members = plan.members(k)
+                acc = FingerprintAccumulator(plan.spec.boundaries, plan.hidden_size, opts.channels)
+                tensors = _capture_shard(model, plan.spec, members, opts.batch_size, DTYPES[opts.dtype], pad_id,
+                                         acc, bar.update)
+                entry = _shard_entry(plan, k, members, tensors, acc)
+                writer.submit(plan.out / entry["file"], tensors, _shard_metadata(plan, k, entry["ids"]), entry)
+                del tensors  # the writer holds the only reference: freed once written
+    finally:
+        bar.close()
 
 
 def capture_shards(
     model: Any,
     tokenizer: Any,
     conversations: Sequence[Conversation],
-    out_dir: str | os.PathLike,
-    spec: CaptureSpec,
+    options: CaptureOptions,
     *,
-    max_length: int = 2048,
-    batch_size: int = 8,
-    dtype: str = "bfloat16",
-    shard_size: int = 256,
-    shard_tokens: int | None = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-    contract: Contract | None = None,
     source: str | None = None,
-    system_prompt: str = TEMPLATE_DEFAULT,
-    source_data: str | None = None,
-    channels: Sequence[int] | None = None,
-    progress: bool = True,
-    finalize: bool = True,
+    contract: Contract | None = None,
     on_shard_written: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> CaptureSummary:
-    """Capture ``spec``'s boundaries (and boundary L) of ``model`` over ``conversations`` into shards.
+    """Capture the boundaries ``options.boundaries`` (and boundary L) of ``model`` over
+    ``conversations`` into this rank's shards: plan -> resume -> capture and write -> finalise.
 
     Args:
         conversations: the whole input (every rank passes the same list); rank r takes r::world_size.
-        spec: boundaries to capture, in slot order.
-        max_length: rendered conversations are truncated to this many tokens.
-        batch_size: samples per forward pass.
-        dtype: stored dtype of ``slots`` and ``last_hidden`` (bfloat16 | float16 | float32).
-        shard_size / shard_tokens: at most this many samples / tokens per shard (shard_tokens
-            default: about 1 GiB of stored hidden states).
-        rank / world_size: default from ``RANK`` / ``WORLD_SIZE`` (torchrun), else 0 / 1.
+        options: see :class:`CaptureOptions`.
+        source: the target's name, recorded in the contract (``target.source``).
         contract: optional; its target identity must match the model (checked); capture, fingerprint
             are filled in here.
-        source: the target's name, recorded in the contract (``target.source``).
-        system_prompt: as in :func:`eyas.data.render.render`; recorded in the contract.
-        source_data: the data file, recorded in the manifest.
-        channels: channel indices for the fingerprint (default 8 evenly spaced).
-        finalize: write the manifest when every rank is complete.
         on_shard_written: called as ``f(index, progress_entry)`` after each shard is on disk.
 
     Returns: a :class:`CaptureSummary` for this rank (``manifest`` set when the manifest was written).
     """
     t0 = time.perf_counter()
-    if dtype not in DTYPES:
-        raise ShardError(f"dtype: expected one of {', '.join(DTYPES)}, found {dtype!r}")
-    rank, world = _rank_world(rank, world_size)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    base = _base_contract(model, tokenizer, spec, dtype, system_prompt, source, contract)
-    hidden = base.target.hidden_size
-    acc_channels = FingerprintAccumulator(spec.boundaries, hidden, channels).channels
-    if shard_tokens is None:
-        per_token = (spec.num_slots + 1) * hidden * DTYPES[dtype].itemsize  # slots + last_hidden
-        shard_tokens = max(max_length, DEFAULT_SHARD_BYTES // per_token)
-    params = {"boundaries": list(spec.boundaries), "dtype": dtype, "max_length": max_length,
-              "shard_size": shard_size, "shard_tokens": shard_tokens,
-              "system_prompt": system_prompt_mode(system_prompt), "world_size": world, "channels": acc_channels}
-
-    samples, rstats = _render_samples(conversations, rank, world, tokenizer, max_length, system_prompt, progress)
-    plan = plan_shards([s.length for s in samples], shard_size, shard_tokens)
-    digest = _plan_digest(samples, plan)
-    summary = CaptureSummary(
-        out_dir=str(out), rank=rank, world_size=world, conversations=rstats["conversations"],
-        samples=len(samples), tokens=sum(s.length for s in samples),
-        loss_tokens=sum(int(s.loss_mask.sum()) for s in samples), shards=len(plan),
-        no_loss_tokens=rstats["no_loss_tokens"], truncated=rstats["truncated"],
-        render_problems=rstats["render_problems"], problems=list(rstats["problems"]),
-    )
-
-    prog_path = out / progress_name(rank)
-    for tmp in out.glob(f".shard-r{rank:02d}-*.tmp"):  # left by a crash inside _atomic_write
-        tmp.unlink(missing_ok=True)
-    entries = _resume_state(prog_path, params, digest, base, plan, out)
+    plan = _plan_capture(model, tokenizer, conversations, options, source, contract)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    summary = CaptureSummary.of(plan)
+    entries = _resume(plan)
     summary.shards_resumed = len(entries)
-
-    def save_progress() -> None:
-        _atomic_write_json(prog_path, {
-            "format": FORMAT + "+progress", "version": FORMAT_VERSION, "rank": rank, "world_size": world,
-            "params": params, "plan_sha256": digest, "num_shards": len(plan),
-            "counts": {k: v for k, v in rstats.items() if k != "problems"}
-            | {"samples": summary.samples, "tokens": summary.tokens, "loss_tokens": summary.loss_tokens,
-               "total_conversations": len(conversations)},
-            "problems": rstats["problems"], "source_data": source_data, "contract": base.model_dump(mode="json"),
-            "shards": entries, "complete": len(entries) == len(plan),
-        })
-
-    save_progress()  # also records an empty rank (more ranks than conversations) as complete
+    progress = _RankProgress(plan, summary, entries)
+    progress.save()  # also records an empty rank (more ranks than conversations) as complete
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked anyway
-    todo_tokens = sum(samples[j].length for shard in plan[len(entries):] for j in shard)
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=todo_tokens, desc=f"capture r{rank}", unit="tok", unit_scale=True,
-               disable=not progress, dynamic_ncols=True)
-    pending: list[tuple[Future, dict[str, Any]]] = []  # the shard being written, at most one
-
-    def settle() -> None:
-        """Wait for the shard being written; then it counts: progress file, summary, callback."""
-        fut, entry = pending.pop()
-        entry["bytes"], entry["sha256"] = fut.result()
-        entries.append(entry)
-        save_progress()
-        summary.shards_written += 1
-        summary.tokens_captured += entry["tokens"]
-        if on_shard_written is not None:
-            on_shard_written(entry["index"], entry)
-
-    was_training = model.training
-    model.eval()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eyas-shard-writer")
-    try:
-        for k in range(len(entries), len(plan)):
-            # Stored order: longest first (stable), so batches are runs of similar lengths.
-            members = sorted((samples[j] for j in plan[k]), key=lambda x: -x.length)
-            acc = FingerprintAccumulator(spec.boundaries, hidden, acc_channels)
-            tensors = _capture_shard(model, spec, members, batch_size, DTYPES[dtype], pad_id, acc, bar.update)
-            if pending:
-                settle()  # shard k-1 must be on disk (and in the progress file) before shard k is
-            name = shard_name(rank, k)
-            ids = [x.id for x in members]
-            # One metadata key holding JSON: safetensors writes a metadata map in hash order,
-            # which would make the bytes of identical shards differ from run to run.
-            meta = {"eyas": json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "rank": rank, "index": k,
-                                        "boundaries": list(spec.boundaries), "dtype": dtype, "ids": ids})}
-            entry = {"file": name, "rank": rank, "index": k, "samples": len(members),
-                     "tokens": int(tensors["input_ids"].shape[0]), "loss_tokens": int(tensors["loss_mask"].sum()),
-                     "bytes": None, "sha256": None, "batch_size": batch_size, "ids": ids,
-                     "fingerprint": acc.state()}
-            pending.append((pool.submit(_write_shard, out / name, tensors, meta), entry))
-            del tensors
-        if pending:
-            settle()
-    except BaseException:
-        if pending:  # keep a shard that was being written when something else failed
-            try:
-                settle()
-            except Exception:  # noqa: BLE001 - the first error is the one to report
-                pass
-        raise
-    finally:
-        pool.shutdown(wait=True)
-        bar.close()
-        model.train(was_training)
-
-    if finalize:
-        summary.manifest = _finalize_when_complete(out, rank, world)
+    _capture_planned(model, pad_id, plan, progress, summary, on_shard_written)
+    if options.finalize:
+        summary.manifest = _finalize_when_complete(plan.out, plan.rank, plan.world)
     summary.wall_s = time.perf_counter() - t0
     return summary
 
 
 def _finalize_when_complete(out: Path, rank: int, world: int) -> str | None:
+    """Step 5, finalise: the manifest's path once every rank's progress is complete (written here by
+    one rank: rank 0 after a barrier under torch.distributed, else whichever rank finds all complete);
+    None while another rank still has shards to capture."""
     import torch.distributed as dist
 
     if world > 1 and dist.is_available() and dist.is_initialized():
