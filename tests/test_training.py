@@ -121,7 +121,7 @@ def test_trained_drafter_beats_the_best_unigram_predictor(toy, tmp_path):
     train(cfg)
     contract = read_contract(tmp_path / "run")
     metrics = contract.metrics
-    acc0 = metrics["accuracy_per_position"][0]
+    acc0 = metrics.accuracy_per_position[0]
     # online training records the fingerprint of the live capture, one entry per slot
     assert [f.boundary for f in contract.fingerprint] == contract.capture.boundaries == [2, 5, 7]
     assert all(f.rms_mean > 0 and f.num_tokens > 100 for f in contract.fingerprint)
@@ -142,8 +142,8 @@ def test_trained_drafter_beats_the_best_unigram_predictor(toy, tmp_path):
             argmaxes += top[1:-1][keep].tolist()
     unigram = collections.Counter(argmaxes).most_common(1)[0][1] / len(argmaxes)
     print(f"held-out position-0 accuracy {acc0:.3f} vs best unigram {unigram:.3f}; "
-          f"simulated accept length {metrics['simulated_accept_length']:.2f}")
-    assert metrics["tokens_counted"] > 100
+          f"simulated accept length {metrics.simulated_accept_length:.2f}")
+    assert metrics.tokens_counted > 100
     assert acc0 > unigram + 0.15
     assert (tmp_path / "run" / "training.png").stat().st_size > 1000
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
