@@ -133,12 +133,12 @@ def test_healthy_drafter_passes_with_no_warning_on_every_engine_setting(world, e
     assert r.stages["live"].status == "pass" and r.stages["fingerprint"].status == "pass"
     assert r.stages["search"].status == "skipped"
     # the held-out split of the training run is reproduced: replay gives exactly the recorded accuracy
-    trained = r.stages["replay"].data["training"]["accuracy_per_position"]
-    assert r.stages["replay"].data["accuracy_per_position"] == pytest.approx(trained, abs=1e-4)
-    assert r.stages["live"].data["accuracy_per_position"] == pytest.approx(trained, abs=0.02)
+    trained = r.stages.replay.result.training.accuracy_per_position
+    assert r.stages.replay.result.accuracy.accuracy_per_position == pytest.approx(trained, abs=1e-4)
+    assert r.stages.live.result.accuracy.accuracy_per_position == pytest.approx(trained, abs=0.02)
     assert trained[0] > 0.15  # the drafter learned something: the checks below are not about a dead drafter
-    for slot in r.stages["fingerprint"].data["slots"]:
-        assert slot["looks_like"] == slot["trained_boundary"] and abs(slot["rms_z"]) < 1
+    for slot in r.stages.fingerprint.result.slots:
+        assert slot.looks_like == slot.trained_boundary and abs(slot.rms_z) < 1
 
 
 def test_healthy_speculators_export_read_by_vllm(world, tmp_path):
@@ -149,7 +149,7 @@ def test_healthy_speculators_export_read_by_vllm(world, tmp_path):
     assert r.healthy and r.warnings == [], (r.cause, r.warnings)
     # without --data and without train_config.json (an export has none), the target answers built-in prompts
     r = doctor(world, tmp_path / "spec", "vllm", data=None)
-    assert r.healthy and r.warnings == [] and r.data["source"] == "generated", (r.cause, r.warnings)
+    assert r.healthy and r.warnings == [] and r.data.source == "generated", (r.cause, r.warnings)
     # SGLang cannot load that format at all: said, with the export that fixes it
     s = doctor(world, tmp_path / "spec", "sglang")
     assert not s.healthy and "engine_cannot_load" in codes(s, "static")
@@ -199,14 +199,17 @@ def test_embedding_served_as_first_slot_and_last_slot_dropped(world, tmp_path):
     assert "slot 0 is the embedding output (boundary 0)" in r.cause and "boundary 9" in r.cause
     assert "slot 0 looks like boundary 0 (the embedding output)" in r.cause  # named by the fingerprint
     assert "top-level eagle_aux_hidden_state_layer_ids: [2, 6, 9]" in r.fix
-    assert r.fix_edits == [{"file": "config.json", "key": "eagle_aux_hidden_state_layer_ids", "value": [2, 6, 9],
-                            "text": "top-level eagle_aux_hidden_state_layer_ids: [2, 6, 9]"}]
-    slot0 = r.stages["fingerprint"].data["slots"][0]
-    assert slot0["off"] and slot0["looks_like"] == 0 and slot0["trained_matches"] == 2
-    live, replay = r.stages["live"].data["accuracy_per_position"], r.stages["replay"].data["accuracy_per_position"]
+    assert [e.to_dict() for e in r.fix_edits] == [
+        {"file": "config.json", "key": "eagle_aux_hidden_state_layer_ids", "value": [2, 6, 9],
+         "text": "top-level eagle_aux_hidden_state_layer_ids: [2, 6, 9]"}]
+    slot0 = r.stages.fingerprint.result.slots[0]
+    assert slot0.off and slot0.looks_like == 0 and slot0.trained_matches == 2
+    live = r.stages.live.result.accuracy.accuracy_per_position
+    replay = r.stages.replay.result.accuracy.accuracy_per_position
     assert live[0] < replay[0] / 2
-    win = r.stages["search"].data["winner"]
-    assert win["boundaries"] == "[2, 6, 9]" and win["accuracy_per_position"][0] == pytest.approx(replay[0], abs=0.02)
+    search = r.stages.search.result
+    assert search.winner.boundaries == "[2, 6, 9]"
+    assert search.winner_accuracy.accuracy_per_position[0] == pytest.approx(replay[0], abs=0.02)
     assert (tmp_path / "doctor.png").stat().st_size > 1000
     json.dumps(r.to_dict())  # the whole report is JSON
 
@@ -225,10 +228,10 @@ def test_trained_with_embedding_first_served_without_it(world):
     assert "slot 0 was trained on the embedding output (boundary 0)" in r.cause
     assert "absent" in r.cause  # the engine's default is named as the reason
     assert "top-level eagle_aux_hidden_state_layer_ids: [0, 6, 9]" in r.fix
-    assert r.stages["fingerprint"].data["slots"][0]["trained_matches"] == 0
+    assert r.stages.fingerprint.result.slots[0].trained_matches == 0
     # an SGLang before PR #25454 reads the ids eyas wrote for the current rule ([0, 6, 9]) as [1, 7, 10]
     r = doctor(world, world["emb"], "sglang", "legacy", data="convs")
-    assert not r.healthy and r.stages["static"].data["engine"]["boundaries"] == [1, 7, 10]
+    assert not r.healthy and r.stages.static.result.engine.boundaries == [1, 7, 10]
     assert "eagle_config.eagle_aux_hidden_state_layer_ids: [-1, 5, 8]" in r.fix
     # ...while the current rule reads them right (a warning says the legacy rule would not)
     r = doctor(world, world["emb"], "sglang", "pr25454", data="convs")
@@ -247,7 +250,7 @@ def test_sglang_convention_read_by_vllm_is_off_by_one(world):
     assert not r.healthy
     assert "[1, 5, 8]" in r.cause and "one block before" in r.cause
     assert "top-level eagle_aux_hidden_state_layer_ids: [2, 6, 9]" in r.fix
-    assert r.stages["search"].data["winner"]["boundaries"] == "[2, 6, 9]"
+    assert r.stages.search.result.winner.boundaries == "[2, 6, 9]"
 
 
 def test_vllm_convention_read_by_sglang_is_off_by_one(world):
@@ -299,7 +302,7 @@ def test_a_third_party_directory_is_judged_by_its_training_shards(world, tmp_pat
     r = doctor(world, d, "sglang", "legacy")
     assert not r.healthy and "one block after" in r.cause
     assert "eagle_config.eagle_aux_hidden_state_layer_ids: [1, 5, 8]" in r.fix
-    assert r.stages["replay"].data["features"].startswith("stored training features")
+    assert r.stages.replay.result.features.startswith("stored training features")
     r = doctor(world, d, "vllm")  # no top-level ids: vLLM's default [2, 6, 9] is right
     assert r.healthy and any("no eyas.json contract" in w for w in r.warnings)
 
@@ -316,7 +319,7 @@ def test_norm_before_fc_trained_on_but_missing_from_config(world, engine):
     assert not r.healthy and codes(r, "static") == {"flag:norm_before_fc"}
     assert "norm_before_fc=false" in r.cause and "norm_before_fc=true" in r.cause and "input_norm.weight" in r.cause
     assert r.fix.endswith('set "norm_before_fc": true')
-    assert r.stages["live"].data["flags"]["norm_before_fc"] is False
+    assert r.stages.live.result.flags["norm_before_fc"] is False
 
 
 def test_norm_before_fc_missing_still_serves_right_in_eyas_with_a_warning(world):
@@ -448,7 +451,7 @@ def test_fingerprint_z_scores_and_resemblance():
     live = {0: fp(0, 0.06, 0.01, [0.0, 0.01]), 2: fp(2, 0.4, 0.05, [0.1, -0.2]), 6: fp(6, 0.7, 0.1, [0.3, 0.1])}
     trained_slot0 = fp(2, 0.41, 0.05, [0.1, -0.19])
     ok = compare_slot(live[2], trained_slot0)
-    assert not ok["off"] and abs(ok["rms_z"]) < 1
+    assert not ok.off and abs(ok.rms_z) < 1
     off = compare_slot(live[0], trained_slot0)
-    assert off["off"] and off["rms_z"] < -3 and off["rms_ratio"] < 0.2
+    assert off.off and off.rms_z < -3 and off.rms_ratio < 0.2
     assert nearest(live[0], live)[0] == 0 and nearest(trained_slot0, live)[0] == 2

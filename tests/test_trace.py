@@ -145,12 +145,12 @@ def test_summary_matches_itself_and_catches_a_shifted_capture(tiny):
         s = tr.summary(trained=list(SPEC.boundaries), sequence=PROMPT + r.tokens)
         assert s.healthy is healthy and s.exit_code == (0 if healthy else 1), s.problems
         assert s.reference.startswith("no training fingerprint")
-        assert s.slot_order == list(spec.boundaries) and s.fc_input["width"] == 3 * H
+        assert s.slot_order == list(spec.boundaries) and s.fc_input.width == 3 * H
         if healthy:
-            assert all(row["verdict"] == "ok" and row["looks_like"] == b for row, b in zip(s.slots, SPEC.boundaries))
-            assert all(abs(row["rms_z"]) < 1 for row in s.slots)
+            assert all(row.verdict == "ok" and row.looks_like == b for row, b in zip(s.slots, SPEC.boundaries))
+            assert all(abs(row.rms_z) < 1 for row in s.slots)
         else:
-            assert all(row["off"] and row["boundary_mismatch"] for row in s.slots)
+            assert all(row.off and row.boundary_mismatch for row in s.slots)
             assert "slot 0 is fed boundary 3 (output of block 2) but was trained on boundary 2" in " ".join(s.problems)
         json.dumps(s.to_dict())
 
@@ -173,10 +173,10 @@ def test_a_channel_shift_alone_is_a_warning_when_the_slot_is_what_it_should_be(t
     shifted = [moved(live[b], shift=1.0) for b in SPEC.boundaries]
     s = tr.summary(shifted, sequence=seq)
     assert s.healthy and s.exit_code == 0 and len(s.warnings) == 3, s.problems
-    assert all(row["channel_off"] and row["fingerprint_off"] and not row["off"] for row in s.slots)
+    assert all(row.channel_off and row.fingerprint_off and not row.off for row in s.slots)
     assert not tr.summary(shifted).healthy  # no live target to tell what the slot is
     s = tr.summary([moved(live[b], rms=2.0) for b in SPEC.boundaries], sequence=seq)
-    assert s.exit_code == 1 and all(row["rms_off"] and row["off"] for row in s.slots)
+    assert s.exit_code == 1 and all(row.rms_off and row.off for row in s.slots)
     assert s.problems[0].startswith("slot 0 is off: per-token RMS") and "ratio 0.50" in s.problems[0]
 
 

@@ -41,6 +41,21 @@ def test_accept_length_is_one_plus_sum_of_cumulative_products():
     assert accept_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
 
 
+def test_validation_metrics_keep_the_json_of_the_old_metrics_dict():
+    """contract.metrics is typed, and eyas.json reads and writes as when it was a plain dict: the
+    fields in training's order, absent ones left out, keys another writer added kept."""
+    from eyas.contract import ValidationMetrics
+
+    old = {"step": 60, "loss_per_position": [2.5, 3.0], "accuracy_per_position": [0.3, 0.2],
+           "conditional_accuracy_per_position": [0.3, 0.5], "simulated_accept_length": 1.45, "tokens_counted": 120,
+           "by_another_writer": {"x": 1}}
+    m = ValidationMetrics.model_validate(old)
+    assert m.accuracy_per_position == [0.3, 0.2] and m.step == 60
+    assert m.model_dump() == old and list(m.model_dump()) == list(old) and json.loads(m.model_dump_json()) == old
+    assert ValidationMetrics(step=5).model_dump() == {"step": 5}  # a run without a validation split
+    assert not ValidationMetrics.model_validate({}).recorded and m.recorded
+
+
 def test_draft_vocab_takes_most_frequent_loss_masked_targets():
     ids = torch.tensor([5, 5, 5, 7, 7, 1, 9, 9, 9, 9])
     mask = torch.tensor([1, 1, 1, 1, 1, 1, 0, 0, 0, 0])  # the 9s are prompt tokens: not counted
@@ -121,7 +136,7 @@ def test_trained_drafter_beats_the_best_unigram_predictor(toy, tmp_path):
     train(cfg)
     contract = read_contract(tmp_path / "run")
     metrics = contract.metrics
-    acc0 = metrics["accuracy_per_position"][0]
+    acc0 = metrics.accuracy_per_position[0]
     # online training records the fingerprint of the live capture, one entry per slot
     assert [f.boundary for f in contract.fingerprint] == contract.capture.boundaries == [2, 5, 7]
     assert all(f.rms_mean > 0 and f.num_tokens > 100 for f in contract.fingerprint)
@@ -142,8 +157,8 @@ def test_trained_drafter_beats_the_best_unigram_predictor(toy, tmp_path):
             argmaxes += top[1:-1][keep].tolist()
     unigram = collections.Counter(argmaxes).most_common(1)[0][1] / len(argmaxes)
     print(f"held-out position-0 accuracy {acc0:.3f} vs best unigram {unigram:.3f}; "
-          f"simulated accept length {metrics['simulated_accept_length']:.2f}")
-    assert metrics["tokens_counted"] > 100
+          f"simulated accept length {metrics.simulated_accept_length:.2f}")
+    assert metrics.tokens_counted > 100
     assert acc0 > unigram + 0.15
     assert (tmp_path / "run" / "training.png").stat().st_size > 1000
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

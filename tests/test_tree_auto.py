@@ -133,11 +133,13 @@ def test_tree_size_has_one_name_total_tokens():
 
 
 def test_acceptance_from_contract_metrics():
-    acc = acceptance_from_metrics({"step": 9, "conditional_accuracy_per_position": [0.8, 0.6]}, max_topk=3)
+    from eyas.contract import ValidationMetrics
+
+    acc = acceptance_from_metrics(ValidationMetrics(step=9, conditional_accuracy_per_position=[0.8, 0.6]), max_topk=3)
     assert acc.hit[0][0] == 0.8 and acc.hit[1][2] == pytest.approx(1 - 0.4 * 0.8**2)
     assert predict_tau(acc, TreeSpec.chain(2)) == pytest.approx(accept_length([0.8, 0.6]))
     assert "training metrics" in acc.source
-    assert acceptance_from_metrics(None) is None and acceptance_from_metrics({"step": 1}) is None
+    assert acceptance_from_metrics(None) is None and acceptance_from_metrics(ValidationMetrics(step=1)) is None
 
 
 def test_tune_tree_falls_back_to_training_metrics_and_refuses_without_acceptance(monkeypatch):

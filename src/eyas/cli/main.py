@@ -121,8 +121,8 @@ def info(
             )
         if contract.drafter:
             console.print("  drafter  " + ", ".join(f"{k}={v}" for k, v in contract.drafter.model_dump().items()))
-        if contract.metrics:
-            console.print(f"  metrics  {json.dumps(contract.metrics)}")
+        if contract.metrics is not None and contract.metrics.recorded:
+            console.print(f"  metrics  {json.dumps(contract.metrics.model_dump())}")
     console.print(engine_table(view))
 
 
@@ -212,13 +212,13 @@ def train(
     path = _run(run_training, cfg, force=force, log=log).out
     metrics = read_contract(path).metrics
     if json_out:
-        _print_json({"path": str(path), "wall_s": round(time.perf_counter() - t0, 1), "metrics": metrics})
+        _print_json({"path": str(path), "wall_s": round(time.perf_counter() - t0, 1),
+                     "metrics": metrics.model_dump() if metrics is not None else None})
         return
-    m = metrics or {}
-    if m:
-        console.print(f"held-out accuracy per position: {m.get('accuracy_per_position')}")
-        console.print(f"conditional accuracy:           {m.get('conditional_accuracy_per_position')}")
-        console.print(f"simulated accept length:        {m.get('simulated_accept_length')}")
+    if metrics is not None and metrics.recorded:
+        console.print(f"held-out accuracy per position: {metrics.accuracy_per_position}")
+        console.print(f"conditional accuracy:           {metrics.conditional_accuracy_per_position}")
+        console.print(f"simulated accept length:        {metrics.simulated_accept_length}")
 
 
 register_data_commands(app)  # eyas regenerate, eyas capture

@@ -10,6 +10,7 @@ from eyas.contract.contract import (
     SlotFingerprint,
     TargetIdentity,
     Tokenisation,
+    ValidationMetrics,
     compare,
     enforce,
     target_identity,
@@ -19,6 +20,6 @@ from eyas.contract.contract import (
 
 __all__ = [
     "CHECKED_FIELDS", "CaptureContract", "Contract", "ContractError", "DrafterFlags", "Mismatch",
-    "SlotFingerprint", "TargetIdentity", "Tokenisation", "compare", "enforce", "target_identity",
+    "SlotFingerprint", "TargetIdentity", "Tokenisation", "ValidationMetrics", "compare", "enforce", "target_identity",
     "tokenisation_of", "weights_fingerprint",
 ]

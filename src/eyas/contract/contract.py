@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_serializer
 from torch import nn
 
 from eyas import __version__
@@ -73,6 +73,40 @@ class SlotFingerprint(_Model):
     num_tokens: int
 
 
+class ValidationMetrics(BaseModel):
+    """The held-out metrics of a training run, as :class:`eyas.drafter.ttt.Tally` sums them, and the
+    step they were measured at (``contract.metrics`` in ``eyas.json``).
+
+    Per draft position k (the k-th TTT step): ``loss_per_position[k]`` the mean soft cross-entropy,
+    ``accuracy_per_position[k]`` P(drafter argmax == target argmax), ``conditional_accuracy_per_position[k]``
+    the same among positions whose steps 0..k-1 were all right; ``simulated_accept_length`` =
+    1 + sum_k prod_{i<=k} cond_acc_i; ``tokens_counted``: the positions counted at step 0.
+
+    Every field is optional: a run without a validation split records only its ``step``, and a
+    reader with the accuracy alone (the doctor) leaves the loss out. Absent fields are left out of
+    the JSON, so eyas.json reads as it did when metrics were a plain dict; keys other writers added
+    are kept (extra="allow").
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    step: int | None = None
+    loss_per_position: list[float] | None = None
+    accuracy_per_position: list[float] | None = None
+    conditional_accuracy_per_position: list[float] | None = None
+    simulated_accept_length: float | None = None
+    tokens_counted: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+    @property
+    def recorded(self) -> bool:
+        """Whether anything was recorded (an old eyas.json may carry ``"metrics": {}``)."""
+        return bool(self.model_dump())
+
+
 class Contract(_Model):
     schema_version: int = SCHEMA_VERSION
     eyas_version: str = __version__
@@ -81,7 +115,7 @@ class Contract(_Model):
     tokenisation: Tokenisation | None = None
     drafter: DrafterFlags | None = None  # absent in a dataset manifest
     fingerprint: list[SlotFingerprint] | None = None  # from the training data
-    metrics: dict[str, Any] | None = None  # validation metrics of the training run
+    metrics: ValidationMetrics | None = None  # validation metrics of the training run
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)

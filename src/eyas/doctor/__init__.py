@@ -3,8 +3,10 @@
     from eyas.doctor import run_doctor
     report = run_doctor("smollm2", "runs/drafter", data="shards/", engine="vllm")
     report.healthy, report.cause, report.fix, report.to_dict()
+    report.stages.replay.result.accuracy     # each stage's typed result
 
-Stages (each its own module): static, replay, live, fingerprint, search, verdict; see
+Stages (each its own module): static, replay, live, fingerprint, search, verdict; each a function
+of the :class:`~eyas.doctor.context.DoctorContext` returning its typed stage. See
 :mod:`eyas.doctor.run` for the order and :mod:`eyas.doctor.common` for the thresholds.
 
 ``eyas trace`` (:mod:`eyas.doctor.trace`) records the engine's three junctions per round and holds

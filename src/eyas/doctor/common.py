@@ -1,8 +1,9 @@
 """What every doctor stage shares: findings, stages, config edits, thresholds and names.
 
 A stage reports a status (``pass`` | ``warn`` | ``fail`` | ``skipped``), a one-line summary, a list
-of :class:`Finding` and stage-specific data. A finding with level ``fail`` makes the drafter
-unhealthy; ``warn`` is reported but does not; ``info`` is context.
+of :class:`Finding` and its typed result (a dataclass with ``to_dict()``, e.g.
+:class:`eyas.doctor.replay.ReplayResult`; None when the stage measured nothing). A finding with
+level ``fail`` makes the drafter unhealthy; ``warn`` is reported but does not; ``info`` is context.
 """
 
 from __future__ import annotations
@@ -11,7 +12,14 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from dataclasses import field as _field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, Iterator, TypeVar
+
+if TYPE_CHECKING:
+    from eyas.doctor.fingerprint import FingerprintResult
+    from eyas.doctor.live import LiveResult
+    from eyas.doctor.replay import ReplayResult
+    from eyas.doctor.search import SearchResult
+    from eyas.doctor.static import StaticResult
 
 # ---------------------------------------------------------------------------------------------
 # Thresholds (one place, each with its reason)
@@ -100,13 +108,16 @@ class Finding:
         return d
 
 
+R = TypeVar("R")
+
+
 @dataclass
-class Stage:
+class Stage(Generic[R]):
     name: str
     status: str = PASS  # pass | warn | fail | skipped
     summary: str = ""
     findings: list[Finding] = _field(default_factory=list)
-    data: dict[str, Any] = _field(default_factory=dict)
+    result: R | None = None  # the stage's typed measurements; None when it measured nothing
 
     def add(self, level: str, code: str, message: str, **kw: Any) -> Finding:
         f = Finding(level, code, message, **kw)
@@ -130,11 +141,50 @@ class Stage:
         return [f for f in self.findings if f.level == FAIL]
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON of the stage: status, summary, findings, then the result's keys at the same level."""
+        result = jsonable(self.result) if self.result is not None else {}
         return {"status": self.status, "summary": self.summary,
-                "findings": [f.to_dict() for f in self.findings], **jsonable(self.data)}
+                "findings": [f.to_dict() for f in self.findings], **result}
+
+
+STAGES = ("static", "replay", "live", "fingerprint", "search")
+
+
+@dataclass
+class DoctorStages:
+    """The doctor's five stages in their order, each with its typed result. ``stages["live"]``
+    reads a stage by name (the report's loops); ``stages.live.result`` reads it typed."""
+
+    static: Stage[StaticResult] = _field(default_factory=lambda: Stage("static"))
+    replay: Stage[ReplayResult] = _field(default_factory=lambda: Stage("replay"))
+    live: Stage[LiveResult] = _field(default_factory=lambda: Stage("live"))
+    fingerprint: Stage[FingerprintResult] = _field(default_factory=lambda: Stage("fingerprint"))
+    search: Stage[SearchResult] = _field(default_factory=lambda: Stage("search"))
+
+    def __getitem__(self, name: str) -> Stage:
+        if name not in STAGES:
+            raise KeyError(f"no doctor stage {name!r}: expected one of {list(STAGES)}")
+        return getattr(self, name)
+
+    def __setitem__(self, name: str, stage: Stage) -> None:
+        if name not in STAGES or stage.name != name:
+            raise KeyError(f"doctor stage {name!r}: expected one of {list(STAGES)} holding a stage of that name, "
+                           f"found {stage.name!r}")
+        setattr(self, name, stage)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(STAGES)
+
+    def items(self) -> list[tuple[str, Stage]]:
+        return [(name, self[name]) for name in STAGES]
+
+    def values(self) -> list[Stage]:
+        return [self[name] for name in STAGES]
 
 
 def jsonable(x: Any) -> Any:
+    """Plain JSON values: dicts, lists, finite floats (inf and nan -> None), and objects through
+    their ``to_dict()`` (dataclasses) or ``model_dump()`` (pydantic models)."""
     if isinstance(x, dict):
         return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -142,7 +192,9 @@ def jsonable(x: Any) -> Any:
     if isinstance(x, float):
         return x if math.isfinite(x) else None
     if hasattr(x, "to_dict"):
-        return x.to_dict()
+        return jsonable(x.to_dict())
+    if hasattr(x, "model_dump"):
+        return jsonable(x.model_dump())
     return x
 
 

@@ -8,7 +8,8 @@ soft labels are a placeholder (the loss it computes is not reported).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -21,6 +22,33 @@ from eyas.training.batches import pad_right
 from eyas.drafter.ttt import Tally, TargetLabels, ttt_forward
 
 EMBEDDING = "embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """A drafter's per-position accuracy on the doctor's samples, as the training loop measures
+    held-out accuracy (:class:`eyas.drafter.ttt.Tally`), without the loss.
+
+    ``accuracy_per_position[k]``: P(step k's argmax == the target's argmax) over the counted
+    positions; ``conditional_accuracy_per_position[k]``: the same among positions whose steps
+    0..k-1 were all right; ``simulated_accept_length`` = 1 + sum_k prod_{i<=k} cond_acc_i;
+    ``tokens_counted``: the positions counted at step 0.
+    """
+
+    accuracy_per_position: list[float]
+    conditional_accuracy_per_position: list[float]
+    simulated_accept_length: float
+    tokens_counted: int
+
+    def score(self, positions: int) -> float:
+        """Mean accuracy over the first ``positions`` draft positions (the search's yardstick)."""
+        acc = self.accuracy_per_position[:positions]
+        return sum(acc) / len(acc) if acc else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"accuracy_per_position": self.accuracy_per_position,
+                "conditional_accuracy_per_position": self.conditional_accuracy_per_position,
+                "simulated_accept_length": self.simulated_accept_length, "tokens_counted": self.tokens_counted}
 
 
 def build_drafter(dd: DrafterDir, cfg: DrafterConfig, target_embedding: Tensor,
@@ -54,7 +82,7 @@ def build_drafter(dd: DrafterDir, cfg: DrafterConfig, target_embedding: Tensor,
 
 @torch.no_grad()
 def accuracy(drafter: Eagle3Drafter, samples: Sequence[Sample], features: Callable[[int], Tensor],
-             labels: Sequence[Tensor], steps: int, batch_size: int = 8) -> dict:
+             labels: Sequence[Tensor], steps: int, batch_size: int = 8) -> Accuracy:
     """Per-position accuracy, conditional accuracy and simulated accept length of ``drafter`` on
     ``samples`` whose target features are ``features(i)`` [T, S*H] and labels ``labels[i]`` [T]."""
     device = drafter.fc.weight.device
@@ -68,12 +96,8 @@ def accuracy(drafter: Eagle3Drafter, samples: Sequence[Sample], features: Callab
         argmax = pad_right([labels[i] for i in idx]).to(device)
         lab = TargetLabels(argmax=argmax, draft_logits=feats.new_zeros(*argmax.shape, 1))  # accuracy only
         tally.add(ttt_forward(drafter, ids, feats, lab, mask, steps))
-    out = tally.summary()
-    out.pop("loss_per_position", None)
-    return out
-
-
-def score(summary: dict, positions: int) -> float:
-    """Mean accuracy over the first ``positions`` draft positions (the search's yardstick)."""
-    acc = summary["accuracy_per_position"][:positions]
-    return sum(acc) / len(acc) if acc else 0.0
+    m = tally.summary()
+    assert m.accuracy_per_position is not None and m.conditional_accuracy_per_position is not None
+    assert m.simulated_accept_length is not None and m.tokens_counted is not None  # a Tally fills them all
+    return Accuracy(m.accuracy_per_position, m.conditional_accuracy_per_position, m.simulated_accept_length,
+                    m.tokens_counted)

@@ -22,10 +22,14 @@ hold an engine's observed junctions against the same fingerprint.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
 from eyas.contract.contract import SlotFingerprint
 from eyas.doctor.common import CHANNEL_OFF, FAIL, OK, RMS_RATIO_OFF, RMS_Z_OFF, Stage, boundary_name, slot_label
+
+if TYPE_CHECKING:
+    from eyas.doctor.context import DoctorContext
 
 
 def distance(a: SlotFingerprint, b: SlotFingerprint) -> float:
@@ -42,23 +46,98 @@ def nearest(stats: SlotFingerprint, candidates: dict[int, SlotFingerprint]) -> t
     return best, distance(stats, candidates[best])
 
 
-def compare_slot(observed: SlotFingerprint, trained: SlotFingerprint) -> dict[str, float | bool]:
+@dataclass(frozen=True)
+class SlotComparison:
+    """Observed slot statistics against the training fingerprint (formulas in the module docstring)."""
+
+    rms_z: float
+    rms_ratio: float
+    channel_z: float
+
+    @property
+    def rms_off(self) -> bool:
+        return abs(self.rms_z) > RMS_Z_OFF or not (1 / RMS_RATIO_OFF <= self.rms_ratio <= RMS_RATIO_OFF)
+
+    @property
+    def channel_off(self) -> bool:
+        return self.channel_z > CHANNEL_OFF
+
+    @property
+    def off(self) -> bool:
+        return self.rms_off or self.channel_off
+
+
+def compare_slot(observed: SlotFingerprint, trained: SlotFingerprint) -> SlotComparison:
     rms_z = (observed.rms_mean - trained.rms_mean) / trained.rms_std if trained.rms_std > 0 else (
         0.0 if observed.rms_mean == trained.rms_mean else math.inf)
     ratio = observed.rms_mean / trained.rms_mean if trained.rms_mean > 0 else math.inf
     ch = [abs(o - t) for c, o in zip(observed.channels, observed.channel_means)
           for c2, t in zip(trained.channels, trained.channel_means) if c == c2]
     ch_z = max(ch) / trained.rms_mean if ch and trained.rms_mean > 0 else 0.0
-    off = abs(rms_z) > RMS_Z_OFF or not (1 / RMS_RATIO_OFF <= ratio <= RMS_RATIO_OFF) or ch_z > CHANNEL_OFF
-    return {"rms_z": rms_z, "rms_ratio": ratio, "channel_z": ch_z, "off": off}
+    return SlotComparison(rms_z, ratio, ch_z)
 
 
-def fingerprint_stage(reference: Sequence[SlotFingerprint] | None, reference_source: str,
-                      served: Sequence[int] | None, boundary_stats: dict[int, SlotFingerprint],
-                      num_blocks: int, engine_label: str) -> Stage:
+@dataclass
+class FingerprintSlot:
+    """One slot: the boundary it is fed, its statistics against training's, and what it resembles."""
+
+    slot: int
+    served_boundary: int | str  # slot_label: an int, or "L+final_norm"
+    trained_boundary: int
+    rms_observed: float
+    rms_trained: float
+    rms_std_trained: float
+    comparison: SlotComparison
+    looks_like: int | str  # the live boundary the observed statistics are nearest to
+    looks_like_name: str
+    trained_matches: int | str  # the live boundary the training statistics are nearest to
+    trained_matches_name: str
+    tokens_observed: int
+    tokens_trained: int
+
+    @property
+    def rms_z(self) -> float:
+        return self.comparison.rms_z
+
+    @property
+    def off(self) -> bool:
+        return self.comparison.off
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.comparison
+        return {"slot": self.slot, "served_boundary": self.served_boundary, "trained_boundary": self.trained_boundary,
+                "rms_observed": self.rms_observed, "rms_trained": self.rms_trained,
+                "rms_std_trained": self.rms_std_trained, "rms_z": c.rms_z, "rms_ratio": c.rms_ratio,
+                "channel_z": c.channel_z, "off": c.off, "looks_like": self.looks_like,
+                "looks_like_name": self.looks_like_name, "trained_matches": self.trained_matches,
+                "trained_matches_name": self.trained_matches_name, "tokens_observed": self.tokens_observed,
+                "tokens_trained": self.tokens_trained}
+
+
+@dataclass
+class FingerprintResult:
+    reference: str  # where the training fingerprint came from
+    slots: list[FingerprintSlot]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reference": self.reference, "slots": [s.to_dict() for s in self.slots]}
+
+
+def fingerprint_stage(ctx: DoctorContext) -> Stage[FingerprintResult]:
+    """The served slots of the live capture against the training fingerprint (see the module docstring)."""
+    ctx.live_capture()
+    reading = ctx.served
+    assert ctx.capture is not None
+    return compare_fingerprints(ctx.reference, ctx.reference_source, reading.boundaries if reading.loadable else None,
+                                ctx.capture.stats, ctx.target.num_blocks, reading.label)
+
+
+def compare_fingerprints(reference: Sequence[SlotFingerprint] | None, reference_source: str,
+                         served: Sequence[int] | None, boundary_stats: dict[int, SlotFingerprint],
+                         num_blocks: int, engine_label: str) -> Stage[FingerprintResult]:
     """``served``: the boundary each slot is fed (None: the engine cannot serve); ``boundary_stats``:
     the live target's statistics of every boundary 0..L+1 (L+1 = boundary L after the final norm)."""
-    st = Stage("fingerprint")
+    st: Stage[FingerprintResult] = Stage("fingerprint")
     L = num_blocks
     if not reference:
         return st.skip("no training fingerprint")
@@ -70,24 +149,25 @@ def fingerprint_stage(reference: Sequence[SlotFingerprint] | None, reference_sou
     for i, (b, ref) in enumerate(zip(served, reference)):
         obs = boundary_stats[b]
         cmp = compare_slot(obs, ref)
-        looks, d_looks = nearest(obs, boundary_stats)
-        should, d_should = nearest(ref, boundary_stats)
-        row = {"slot": i, "served_boundary": slot_label(b, L), "trained_boundary": ref.boundary,
-               "rms_observed": obs.rms_mean, "rms_trained": ref.rms_mean, "rms_std_trained": ref.rms_std, **cmp,
-               "looks_like": slot_label(looks, L), "looks_like_name": boundary_name(looks, L),
-               "trained_matches": slot_label(should, L), "trained_matches_name": boundary_name(should, L),
-               "tokens_observed": obs.num_tokens, "tokens_trained": ref.num_tokens}
-        slots.append(row)
-        if cmp["off"]:
+        looks, _ = nearest(obs, boundary_stats)
+        should, _ = nearest(ref, boundary_stats)
+        slots.append(FingerprintSlot(
+            slot=i, served_boundary=slot_label(b, L), trained_boundary=ref.boundary, rms_observed=obs.rms_mean,
+            rms_trained=ref.rms_mean, rms_std_trained=ref.rms_std, comparison=cmp, looks_like=slot_label(looks, L),
+            looks_like_name=boundary_name(looks, L), trained_matches=slot_label(should, L),
+            trained_matches_name=boundary_name(should, L), tokens_observed=obs.num_tokens,
+            tokens_trained=ref.num_tokens))
+        if cmp.off:
             st.add(FAIL, "slot_off",
                    f"slot {i} is off: per-token RMS {obs.rms_mean:.4g} against {ref.rms_mean:.4g} at training "
-                   f"(z = {cmp['rms_z']:+.1f}, ratio {cmp['rms_ratio']:.2f}, channel shift {cmp['channel_z']:.2f}); "
+                   f"(z = {cmp.rms_z:+.1f}, ratio {cmp.rms_ratio:.2f}, channel shift {cmp.channel_z:.2f}); "
                    f"slot {i} looks like {boundary_name(looks, L)}; the training statistics of slot {i} match "
                    f"{boundary_name(should, L)} of this target",
                    field=f"slot {i}", expected=ref.boundary, found=slot_label(looks, L))
-    st.data.update({"reference": reference_source, "slots": slots})
-    off = [r["slot"] for r in slots if r["off"]]
+    st.result = FingerprintResult(reference_source, slots)
+    off = [r.slot for r in slots if r.off]
     if not off:
         st.add(OK, "fingerprint", f"every slot matches the training fingerprint (max |rms_z| "
-               f"{max(abs(r['rms_z']) for r in slots):.2f}, max channel shift {max(r['channel_z'] for r in slots):.2f})")
+               f"{max(abs(r.rms_z) for r in slots):.2f}, max channel shift "
+               f"{max(r.comparison.channel_z for r in slots):.2f})")
     return st.settle(f"slots {off} off the training fingerprint" if off else "all slots match the training fingerprint")

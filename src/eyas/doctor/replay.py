@@ -11,15 +11,37 @@ labels are not what training had, before any engine is involved.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 from torch import Tensor
 
-from eyas.doctor.capture import LiveCapture
+from eyas.contract.contract import ValidationMetrics
+from eyas.doctor.capture import LiveCapture, stored_labels
 from eyas.doctor.common import FAIL, INFO, OK, Stage, fmt_acc, replay_tolerance
-from eyas.doctor.engines import DrafterDir
-from eyas.doctor.evaluate import accuracy
+from eyas.doctor.evaluate import Accuracy, accuracy
 from eyas.doctor.samples import SampleSet
+
+if TYPE_CHECKING:
+    from eyas.doctor.context import DoctorContext
+
+# The recorded training metrics the report shows next to the replay (in this order, absent ones as null).
+TRAINING_KEYS = ("accuracy_per_position", "conditional_accuracy_per_position", "simulated_accept_length",
+                 "tokens_counted", "step")
+
+
+@dataclass
+class ReplayResult:
+    features: str  # where the features came from (stored shards, or the live target's trained boundaries)
+    samples: int
+    selection: str  # which samples (the held-out split of the run, or an even spread)
+    accuracy: Accuracy
+    training: ValidationMetrics | None  # recorded at training (contract.metrics), when any was
+
+    def to_dict(self) -> dict[str, Any]:
+        training = None if self.training is None else {k: getattr(self.training, k) for k in TRAINING_KEYS}
+        return {"features": self.features, "samples": self.samples, "selection": self.selection,
+                **self.accuracy.to_dict(), "training": training}
 
 
 def replay_features(trained: list[int], samples: SampleSet, cap: LiveCapture, live_labels: list[Tensor],
@@ -35,23 +57,27 @@ def replay_features(trained: list[int], samples: SampleSet, cap: LiveCapture, li
         f"the live target's trained boundaries {bs}, captured through eyas' capture path"
 
 
-def replay_stage(dd: DrafterDir, samples: SampleSet, drafter: Any, features: Callable[[int], Tensor],
-                 labels: list[Tensor], how: str, steps: int) -> tuple[Stage, dict]:
-    st = Stage("replay")
-    summary = accuracy(drafter, samples.samples, features, labels, steps)
-    metrics = (dd.contract.metrics if dd.contract is not None else None) or {}
-    trained = metrics.get("accuracy_per_position")
-    st.data.update({"features": how, "samples": len(samples.samples), "selection": samples.selection, **summary,
-                    "training": {k: metrics.get(k) for k in ("accuracy_per_position", "conditional_accuracy_per_position",
-                                                             "simulated_accept_length", "tokens_counted", "step")}
-                    if metrics else None})
-    acc = summary["accuracy_per_position"]
+def replay_stage(ctx: DoctorContext) -> Stage[ReplayResult]:
+    """The drafter built with its trained flags, on the trained features of the samples, held
+    against the accuracy recorded at training."""
+    cap = ctx.live_capture()
+    ctx.say("replay")
+    sset = ctx.sample_set
+    stored = stored_labels(ctx.model, sset.samples) if sset.source == "shards" else None
+    features, labels, how = replay_features(ctx.trained, sset, cap, cap.argmax, stored)
+    drafter = ctx.drafter_cache.get(ctx.dd.trained_flags)
+    measured = accuracy(drafter, sset.samples, features, labels, ctx.steps)
+    metrics = ctx.metrics
+    st: Stage[ReplayResult] = Stage("replay", result=ReplayResult(how, len(sset.samples), sset.selection, measured, metrics))
+    acc = measured.accuracy_per_position
+    trained = metrics.accuracy_per_position if metrics is not None else None
     if not trained:
         st.add(INFO, "no_metrics", "no accuracy was recorded at training (contract.metrics): replay is the reference")
-        return st.settle(f"replay accuracy {fmt_acc(acc)} (nothing recorded at training to compare)"), summary
-    p, n = trained[0], summary["tokens_counted"]
-    tol = replay_tolerance(p, min(n, metrics.get("tokens_counted") or n))
-    if acc[0] < p - tol and samples.source == "generated":
+        return st.settle(f"replay accuracy {fmt_acc(acc)} (nothing recorded at training to compare)")
+    assert metrics is not None
+    p, n = trained[0], measured.tokens_counted
+    tol = replay_tolerance(p, min(n, metrics.tokens_counted or n))
+    if acc[0] < p - tol and sset.source == "generated":
         st.add(INFO, "replay_other_text", f"position-0 accuracy {acc[0]:.3f} on the built-in prompts vs {p:.3f} recorded "
                f"at training on the training data (other text, so not a failure; --data with the training data compares them)")
     elif acc[0] < p - tol:
@@ -61,5 +87,5 @@ def replay_stage(dd: DrafterDir, samples: SampleSet, drafter: Any, features: Cal
                f"labels are not what training had", field="accuracy_per_position[0]", expected=p, found=acc[0])
     else:
         st.add(OK, "replay", f"position-0 accuracy {acc[0]:.3f} vs {p:.3f} recorded at training "
-               f"(tolerance {tol:.3f}; {'the same held-out samples' if samples.held_out else samples.selection})")
-    return st.settle(f"replay {fmt_acc(acc)} vs training {fmt_acc(trained)}"), summary
+               f"(tolerance {tol:.3f}; {'the same held-out samples' if sset.held_out else sset.selection})")
+    return st.settle(f"replay {fmt_acc(acc)} vs training {fmt_acc(trained)}")

@@ -3,47 +3,84 @@ PNG of accuracy per draft position (training, replay, live, and the protocol the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from eyas.doctor.common import FAIL, OK, PASS, SKIPPED, WARN, Stage, jsonable, fmt_acc
+from eyas.doctor.common import FAIL, OK, PASS, SKIPPED, STAGES, WARN, DoctorStages, Edit, fmt_acc, jsonable
 
-STAGES = ("static", "replay", "live", "fingerprint", "search")
+if TYPE_CHECKING:
+    from eyas.doctor.context import EngineChoice, TargetFacts
+    from eyas.doctor.samples import SampleSet
+    from eyas.doctor.verdict import Verdict
+
+__all__ = ["STAGES", "DoctorReport", "DraftFacts", "plot_png", "render"]
+
+
+@dataclass(frozen=True)
+class DraftFacts:
+    """The drafter directory as the report names it (None where it could not be read)."""
+
+    path: str
+    layout: str | None = None
+    format: str | None = None
+    trained_boundaries: list[int] | None = None
+    trained_flags: dict[str, bool] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "layout": self.layout, "format": self.format,
+                "trained_boundaries": self.trained_boundaries, "trained_flags": self.trained_flags}
 
 
 @dataclass
 class DoctorReport:
-    healthy: bool
-    cause: str | None
-    fix: str | None
-    fix_edits: list[dict[str, Any]]
-    warnings: list[str]
-    problems: list[str]
-    engine: dict[str, Any]
-    target: dict[str, Any]
-    draft: dict[str, Any]
-    data: dict[str, Any] | None
-    stages: dict[str, Stage]
+    verdict: Verdict
+    engine: EngineChoice
+    target: TargetFacts
+    draft: DraftFacts
+    data: SampleSet | None
+    stages: DoctorStages
     png: str | None = None
     wall_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        return self.verdict.healthy
+
+    @property
+    def cause(self) -> str | None:
+        return self.verdict.cause
+
+    @property
+    def fix(self) -> str | None:
+        return self.verdict.fix
+
+    @property
+    def fix_edits(self) -> list[Edit]:
+        return self.verdict.fix_edits
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.verdict.warnings
+
+    @property
+    def problems(self) -> list[str]:
+        return self.verdict.problems
 
     @property
     def exit_code(self) -> int:
         return 0 if self.healthy else 1
 
-    def stage(self, name: str) -> Stage:
-        return self.stages[name]
-
     def to_dict(self) -> dict[str, Any]:
+        v = self.verdict
         d: dict[str, Any] = {
-            "healthy": self.healthy, "cause": self.cause, "fix": self.fix, "fix_edits": self.fix_edits,
-            "warnings": self.warnings, "problems": self.problems, "engine": self.engine, "target": self.target,
-            "draft": self.draft, "data": self.data,
+            "healthy": v.healthy, "cause": v.cause, "fix": v.fix, "fix_edits": [e.to_dict() for e in v.fix_edits],
+            "warnings": v.warnings, "problems": v.problems, "engine": self.engine.to_dict(),
+            "target": self.target.to_dict(), "draft": self.draft.to_dict(),
+            "data": self.data.to_dict() if self.data is not None else None,
         }
-        for name in STAGES:
-            d[name] = self.stages[name].to_dict()
+        for name, stage in self.stages.items():
+            d[name] = stage.to_dict()
         d["png"] = self.png
         d["wall_s"] = round(self.wall_s, 2)
         return jsonable(d)
@@ -51,19 +88,21 @@ class DoctorReport:
     # -- curves ------------------------------------------------------------------------------------
 
     def curves(self) -> dict[str, list[float]]:
+        """Accuracy per draft position: recorded at training, replay, live, and the search's winner."""
         out: dict[str, list[float]] = {}
-        training = (self.stages["replay"].data.get("training") or {}).get("accuracy_per_position")
+        st = self.stages
+        replay, live, search = st.replay.result, st.live.result, st.search.result
+        training = replay.training.accuracy_per_position if replay is not None and replay.training is not None else None
         if training:
             out["training (recorded)"] = training
-        live_bs = self.stages["live"].data.get("boundaries")
-        live_label = f"live ({self.engine.get('label')}" + (f", boundaries {live_bs})" if live_bs else ")")
-        for name, label in (("replay", "replay (as trained)"), ("live", live_label)):
-            acc = self.stages[name].data.get("accuracy_per_position")
-            if acc and self.stages[name].status != SKIPPED:
-                out[label] = acc
-        winner = self.stages["search"].data.get("winner")
-        if winner:
-            out[f"search: {winner['label']}, boundaries {winner['boundaries']}"] = winner["accuracy_per_position"]
+        live_label = f"live ({self.engine.label}" + (f", boundaries {live.boundaries})" if live is not None else ")")
+        if replay is not None and st.replay.status != SKIPPED:
+            out["replay (as trained)"] = replay.accuracy.accuracy_per_position
+        if live is not None and st.live.status != SKIPPED:
+            out[live_label] = live.accuracy.accuracy_per_position
+        if search is not None and search.winner is not None and search.winner_accuracy is not None:
+            w = search.winner
+            out[f"search: {w.protocol.label}, boundaries {w.boundaries}"] = search.winner_accuracy.accuracy_per_position
         return out
 
 
@@ -92,7 +131,7 @@ def plot_png(report: DoctorReport, path: str | Path) -> Path:
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1)
     verdict = "healthy" if report.healthy else "NOT healthy"
-    ax.set_title(f"eyas doctor ({report.engine.get('label')}): {verdict}", fontsize=10)
+    ax.set_title(f"eyas doctor ({report.engine.label}): {verdict}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
@@ -122,13 +161,13 @@ def render(report: DoctorReport, console: Any) -> None:
     from rich.table import Table
 
     e = escape
-    console.print(f"[bold]eyas doctor[/]  drafter {e(str(report.draft.get('path')))}  target {e(str(report.target.get('source')))}"
-                  f"  engine [bold]{e(str(report.engine.get('label')))}[/]")
-    if report.data:
+    console.print(f"[bold]eyas doctor[/]  drafter {e(str(report.draft.path))}  target {e(str(report.target.source))}"
+                  f"  engine [bold]{e(str(report.engine.label))}[/]")
+    if report.data is not None:
         d = report.data
-        console.print(f"  data: {d['source']} {e(str(d.get('path') or ''))} - {d['samples']} samples, {d['tokens']} tokens "
-                      f"({e(d['selection'])})")
-        for n in d.get("notes") or []:
+        console.print(f"  data: {d.source} {e(str(d.path or ''))} - {len(d.samples)} samples, {d.num_tokens} tokens "
+                      f"({e(d.selection)})")
+        for n in d.notes:
             console.print(f"  [dim]{e(n)}[/]")
 
     for name in STAGES:
@@ -140,16 +179,17 @@ def render(report: DoctorReport, console: Any) -> None:
             if f.level == OK and name != "static":
                 continue
             console.print(f"  {_MARK.get(f.level, f.level)} {e(f.message)}")
-        if name == "static" and "engine" in st.data:
-            eng = st.data["engine"]
-            t = Table(title=f"what {e(eng['label'])} reads from the directory", title_justify="left", show_lines=False)
+        static = report.stages.static.result
+        if name == "static" and static is not None:
+            eng = static.engine
+            t = Table(title=f"what {e(eng.label)} reads from the directory", title_justify="left", show_lines=False)
             for c in ("key", "as written", "used", "note"):
                 t.add_column(c)
-            for k in eng["keys"]:
-                t.add_row(e(k["key"]), e(_fmt(k["raw"]) if k["present"] else "[absent]"), e(_fmt(k["used"])), e(k["note"]))
+            for k in eng.keys:
+                t.add_row(e(k.key), e(_fmt(k.raw) if k.present else "[absent]"), e(_fmt(k.used)), e(k.note))
             console.print(t)
-            caps = st.data.get("captures") or {}
-            trained = st.data.get("trained", {}).get("boundaries")
+            caps = static.captures
+            trained = static.trained.boundaries
             if caps:
                 console.print("  trained boundaries " + e(str(trained)) + "; each engine captures: " + "; ".join(
                     f"{e(k)} {e(str(v))}{'' if v == trained else ' [red](differs)[/]'}" for k, v in caps.items()))
@@ -164,28 +204,30 @@ def render(report: DoctorReport, console: Any) -> None:
                 for label, acc in curves.items():
                     t.add_row(e(label), *[f"{a:.3f}" for a in acc] + [""] * (width - len(acc)))
                 console.print(t)
-            for stage_name in ("replay", "live"):
-                s = report.stages[stage_name].data
-                if "simulated_accept_length" in s:
-                    console.print(f"  {stage_name}: simulated accept length {s['simulated_accept_length']:.2f}, "
-                                  f"{s.get('tokens_counted')} tokens counted")
-        if name == "fingerprint" and st.data.get("slots"):
-            t = Table(title=f"slots vs training fingerprint ({e(st.data.get('reference', ''))})", title_justify="left")
+            for stage_name, measured in (("replay", report.stages.replay.result), ("live", report.stages.live.result)):
+                if measured is not None:
+                    a = measured.accuracy
+                    console.print(f"  {stage_name}: simulated accept length {a.simulated_accept_length:.2f}, "
+                                  f"{a.tokens_counted} tokens counted")
+        fingerprint = report.stages.fingerprint.result
+        if name == "fingerprint" and fingerprint is not None and fingerprint.slots:
+            t = Table(title=f"slots vs training fingerprint ({e(fingerprint.reference)})", title_justify="left")
             for c in ("slot", "served", "trained", "RMS live", "RMS train", "rms z", "channel", "looks like", "off"):
                 t.add_column(c)
-            for r in st.data["slots"]:
-                t.add_row(str(r["slot"]), str(r["served_boundary"]), str(r["trained_boundary"]),
-                          f"{r['rms_observed']:.4g}", f"{r['rms_trained']:.4g}", f"{r['rms_z']:+.1f}",
-                          f"{r['channel_z']:.2f}", e(r["looks_like_name"]), "[bold red]yes[/]" if r["off"] else "no")
+            for r in fingerprint.slots:
+                t.add_row(str(r.slot), str(r.served_boundary), str(r.trained_boundary),
+                          f"{r.rms_observed:.4g}", f"{r.rms_trained:.4g}", f"{r.rms_z:+.1f}",
+                          f"{r.comparison.channel_z:.2f}", e(r.looks_like_name), "[bold red]yes[/]" if r.off else "no")
             console.print(t)
-        if name == "search" and st.data.get("candidates"):
-            t = Table(title=f"protocols tried (score = mean accuracy over the first {st.data['positions_scored']} "
-                            f"positions; replay {st.data['reference_score']:.3f}, as served {st.data['served_score']:.3f})",
+        search = report.stages.search.result
+        if name == "search" and search is not None and search.candidates:
+            t = Table(title=f"protocols tried (score = mean accuracy over the first {search.positions_scored} "
+                            f"positions; replay {search.reference_score:.3f}, as served {search.served_score:.3f})",
                       title_justify="left")
             for c in ("protocol", "boundaries", "score", "restores"):
                 t.add_column(c)
-            for r in st.data["candidates"][:8]:
-                t.add_row(e(r["label"]), e(str(r["boundaries"])), f"{r['score']:.3f}", "[green]yes[/]" if r["restores"] else "no")
+            for r in search.candidates[:8]:
+                t.add_row(e(r.protocol.label), e(r.boundaries), f"{r.score:.3f}", "[green]yes[/]" if r.restores else "no")
             console.print(t)
 
     if report.healthy:
@@ -206,5 +248,6 @@ def render(report: DoctorReport, console: Any) -> None:
         console.print(Panel(body, title="verdict", border_style="red"))
     if report.png:
         console.print(f"  plot: {e(report.png)}")
-    acc = [fmt_acc(report.stages[n].data.get("accuracy_per_position")) for n in ("replay", "live")]
+    acc = [fmt_acc(m.accuracy.accuracy_per_position if m is not None else None)
+           for m in (report.stages.replay.result, report.stages.live.result)]
     console.print(f"  [dim]{report.wall_s:.1f} s; replay/live accuracies {acc[0]} / {acc[1]}[/]")

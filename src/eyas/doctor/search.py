@@ -22,14 +22,15 @@ protocol wins when it restores; otherwise the best restoring candidate.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
-
-from eyas.doctor.capture import LiveCapture
 from eyas.doctor.common import NORM_FLAGS, OK, SEARCH_POSITIONS, WARN, Stage, short_by, slots_text
-from eyas.doctor.evaluate import accuracy, score
+from eyas.doctor.evaluate import Accuracy, accuracy
+from eyas.doctor.fingerprint import nearest
+
+if TYPE_CHECKING:
+    from eyas.doctor.context import DoctorContext
 
 
 @dataclass(frozen=True)
@@ -101,65 +102,116 @@ def candidates(served: list[int], served_flags: dict[str, bool], L: int, trained
 
 
 @dataclass
+class ScoredProtocol:
+    """A candidate protocol and how the drafter does with it on the live capture."""
+
+    protocol: Protocol
+    boundaries: str  # the slots as text (slot L+1 written "L+final_norm")
+    score: float  # mean accuracy over the first positions_scored draft positions
+    accuracy_per_position: list[float]  # those first positions
+    restores: bool  # no further below the replay than a healthy live would be
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.protocol
+        return {"label": p.label, "kind": p.kind, "boundaries": self.boundaries, "flags": p.flag_dict,
+                "score": self.score, "accuracy_per_position": self.accuracy_per_position, "restores": self.restores}
+
+
+@dataclass
 class SearchResult:
-    stage: Stage
-    winner: Protocol | None = None
-    winner_summary: dict | None = None
-    evaluated: list[dict] = field(default_factory=list)
+    positions_scored: int
+    reference_score: float  # the replay's score
+    served_score: float  # the engine's protocol's score (live)
+    candidates: list[ScoredProtocol]  # best score first
+    winner: ScoredProtocol | None = None
+    winner_accuracy: Accuracy | None = None  # the winner over every draft position
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"positions_scored": self.positions_scored, "reference_score": self.reference_score,
+                             "served_score": self.served_score, "candidates": [c.to_dict() for c in self.candidates]}
+        if self.winner is not None and self.winner_accuracy is not None:
+            w = self.winner.to_dict()
+            d["winner"] = {k: w[k] for k in ("label", "kind", "boundaries", "flags", "score")} | self.winner_accuracy.to_dict()
+        return d
 
 
-def search_stage(needed: bool, why_not: str, served: list[int] | None, served_flags: dict[str, bool], L: int,
-                 trained: list[int] | None, trained_flags: dict[str, bool] | None,
-                 fingerprint_match: list[int] | None, cap: LiveCapture, samples: list, labels: list[Tensor],
-                 drafter_for: Callable[[dict[str, bool]], Any], reference: dict, served_summary: dict | None,
-                 steps: int) -> SearchResult:
-    st = Stage("search")
-    if not needed or served is None:
-        return SearchResult(st.skip(why_not))
-    k = min(steps, SEARCH_POSITIONS)
-    ref = score(reference, k)
-    base = score(served_summary, k) if served_summary else 0.0
-    rows: list[dict] = []
-    cands = candidates(served, served_flags, L, trained, trained_flags, fingerprint_match)
+class _Scorer:
+    """Scores protocols on the live capture: the drafter built with the protocol's flags, fed the
+    protocol's slots of the same samples, over the first ``positions`` draft positions."""
 
-    def run(p: Protocol) -> dict:
-        s = accuracy(drafter_for(p.flag_dict), samples, lambda i: cap.features(i, p.slots), labels, k)
-        row = {"label": p.label, "kind": p.kind, "boundaries": slots_text(p.slots, L), "flags": p.flag_dict,
-               "score": score(s, k), "accuracy_per_position": s["accuracy_per_position"],
-               "restores": not short_by(score(s, k), ref), "protocol": p}
-        rows.append(row)
+    def __init__(self, ctx: DoctorContext, positions: int, reference: float) -> None:
+        self.ctx, self.positions, self.reference = ctx, positions, reference
+        self.scored: list[ScoredProtocol] = []
+
+    def accuracy(self, p: Protocol, positions: int) -> Accuracy:
+        ctx = self.ctx
+        cap = ctx.live_capture()
+        return accuracy(ctx.drafter_cache.get(p.flag_dict), ctx.sample_set.samples, lambda i: cap.features(i, p.slots),
+                        cap.argmax, positions)
+
+    def run(self, p: Protocol) -> ScoredProtocol:
+        a = self.accuracy(p, self.positions)
+        score = a.score(self.positions)
+        row = ScoredProtocol(p, slots_text(p.slots, self.ctx.target.num_blocks), score, a.accuracy_per_position,
+                             not short_by(score, self.reference))
+        self.scored.append(row)
         return row
 
-    for p in cands:
-        run(p)
-    if not any(r["restores"] for r in rows):
-        best = max((r for r in rows if r["kind"] in ("boundaries", "fingerprint")), key=lambda r: r["score"], default=None)
-        if best is not None:
-            bp: Protocol = best["protocol"]
-            seen = {r["protocol"].key() for r in rows}
-            for flag in NORM_FLAGS:
-                fl = dict(bp.flag_dict, **{flag: not bp.flag_dict[flag]})
-                if fl.get("norm_before_fc") and fl.get("fc_norm"):
-                    continue
-                p = Protocol(bp.slots, _flags(fl), f"{bp.label}, and {flag}={str(fl[flag]).lower()}", "combined")
-                if p.key() not in seen:
-                    run(p)
-    restoring = [r for r in rows if r["restores"]]
-    winner_row = next((r for r in restoring if r["kind"] == "trained"), None) or (
-        max(restoring, key=lambda r: r["score"]) if restoring else None)
-    rows.sort(key=lambda r: -r["score"])
-    st.data.update({"positions_scored": k, "reference_score": ref, "served_score": base,
-                    "candidates": [{kk: v for kk, v in r.items() if kk != "protocol"} for r in rows]})
-    if winner_row is None:
-        st.add(WARN, "no_protocol", f"none of {len(rows)} plausible protocols restores the replay accuracy "
-               f"(best {rows[0]['score']:.3f} with {rows[0]['label']}, replay {ref:.3f}, served {base:.3f})"
-               if rows else "no candidate protocol")
-        return SearchResult(st.settle("no plausible protocol restores the replay accuracy"), evaluated=rows)
-    wp: Protocol = winner_row["protocol"]
-    full = accuracy(drafter_for(wp.flag_dict), samples, lambda i: cap.features(i, wp.slots), labels, steps)
-    st.data["winner"] = {"label": wp.label, "kind": wp.kind, "boundaries": slots_text(wp.slots, L),
-                         "flags": wp.flag_dict, "score": winner_row["score"], **full}
-    st.add(OK, "restored", f"with {wp.label} (boundaries {slots_text(wp.slots, L)}) the replay accuracy returns: "
-           f"{winner_row['score']:.3f} over the first {k} positions against {ref:.3f} in replay and {base:.3f} as served")
-    return SearchResult(st.settle(f"restored by {wp.label}"), wp, full, rows)
 
+def _combined(best: Protocol) -> list[Protocol]:
+    """``best``'s slots with each norm flag toggled (never norm_before_fc together with fc_norm)."""
+    out = []
+    for flag in NORM_FLAGS:
+        fl = dict(best.flag_dict, **{flag: not best.flag_dict[flag]})
+        if fl.get("norm_before_fc") and fl.get("fc_norm"):
+            continue
+        out.append(Protocol(best.slots, _flags(fl), f"{best.label}, and {flag}={str(fl[flag]).lower()}", "combined"))
+    return out
+
+
+def search_stage(ctx: DoctorContext) -> Stage[SearchResult]:
+    """Run only when live falls short of replay: score every candidate protocol; if none restores,
+    the best boundaries with each flag toggled; the trained protocol wins when it restores, else
+    the best restoring one, which is then measured over every draft position."""
+    st: Stage[SearchResult] = Stage("search")
+    live, reading = ctx.stages.live, ctx.served
+    served = reading.boundaries if reading.loadable else None
+    if not any(f.code == "live_short" for f in live.findings) or served is None:
+        return st.skip("live matches replay" if live.status != "skipped" else f"no live run: {live.summary}")
+    replay = ctx.stages.replay.result
+    assert replay is not None and live.result is not None  # live_short compares the two
+    cap, L = ctx.live_capture(), ctx.target.num_blocks
+    assert ctx.reference is not None
+    fingerprint_match = [nearest(r, cap.stats)[0] for r in ctx.reference]  # the boundary each trained slot resembles
+    ctx.say("searching the plausible protocols")
+    cap.ensure(ctx.model, ctx.sample_set.samples, fingerprint_match)
+    k = min(ctx.steps, SEARCH_POSITIONS)
+    ref, base = replay.accuracy.score(k), live.result.accuracy.score(k)
+    scorer = _Scorer(ctx, k, ref)
+    dd = ctx.dd
+    for p in candidates(served, reading.flags, L, ctx.trained, dd.trained_flags, fingerprint_match):
+        scorer.run(p)
+    if not any(r.restores for r in scorer.scored):
+        best = max((r for r in scorer.scored if r.protocol.kind in ("boundaries", "fingerprint")),
+                   key=lambda r: r.score, default=None)
+        if best is not None:
+            seen = {r.protocol.key() for r in scorer.scored}
+            for p in _combined(best.protocol):
+                if p.key() not in seen:
+                    scorer.run(p)
+    rows = scorer.scored
+    restoring = [r for r in rows if r.restores]
+    winner = next((r for r in restoring if r.protocol.kind == "trained"), None) or (
+        max(restoring, key=lambda r: r.score) if restoring else None)
+    rows.sort(key=lambda r: -r.score)
+    st.result = SearchResult(k, ref, base, rows)
+    if winner is None:
+        st.add(WARN, "no_protocol", f"none of {len(rows)} plausible protocols restores the replay accuracy "
+               f"(best {rows[0].score:.3f} with {rows[0].protocol.label}, replay {ref:.3f}, served {base:.3f})"
+               if rows else "no candidate protocol")
+        return st.settle("no plausible protocol restores the replay accuracy")
+    wp = winner.protocol
+    st.result.winner, st.result.winner_accuracy = winner, scorer.accuracy(wp, ctx.steps)
+    st.add(OK, "restored", f"with {wp.label} (boundaries {winner.boundaries}) the replay accuracy returns: "
+           f"{winner.score:.3f} over the first {k} positions against {ref:.3f} in replay and {base:.3f} as served")
+    return st.settle(f"restored by {wp.label}")

@@ -12,7 +12,8 @@ what the drafter was trained on and against the live target, without running any
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,7 +24,54 @@ from eyas.doctor.engines import DrafterDir, EngineReading, boundary_edits, captu
 from eyas.doctor.samples import SampleSet
 from eyas.interop.common import CONFIG_JSON
 
+if TYPE_CHECKING:
+    from eyas.doctor.context import DoctorContext
+
 _PROBE = "eyasDoctorProbe7c1"
+
+
+@dataclass(frozen=True)
+class SystemPromptDrift:
+    """How the start of a training sequence differs from what the chat template renders now."""
+
+    training_prefix: str  # the training text before the first user message
+    template_prefix: str  # what this template renders there
+    training_system_prompt: str | None  # the system prompt training had and the template lacks, when recoverable
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"training_prefix": self.training_prefix, "template_prefix": self.template_prefix,
+                "training_system_prompt": self.training_system_prompt}
+
+
+@dataclass(frozen=True)
+class TrainedView:
+    """What the drafter was trained with, and where that was read."""
+
+    boundaries: list[int]
+    boundaries_source: str
+    flags: dict[str, bool]
+    flags_source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"boundaries": self.boundaries, "boundaries_source": self.boundaries_source, "flags": self.flags,
+                "flags_source": self.flags_source}
+
+
+@dataclass
+class StaticResult:
+    """The static stage's two views of the directory: as the engine serves it, and as it was trained."""
+
+    engine: EngineReading  # the served view
+    trained: TrainedView
+    captures: dict[str, list[int] | str | None]  # per engine setting: the boundaries it captures, or why it cannot load
+    layout: str
+    format: str | None
+    system_prompt_drift: SystemPromptDrift | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        drift = {"system_prompt_drift": self.system_prompt_drift.to_dict()} if self.system_prompt_drift else {}
+        return {**drift, "engine": self.engine.to_dict(), "trained": self.trained.to_dict(), "captures": self.captures,
+                "layout": self.layout, "format": self.format}
 
 
 def _retrain_fix(contract: Contract) -> str:
@@ -32,10 +80,9 @@ def _retrain_fix(contract: Contract) -> str:
             f"{contract.target.fingerprint}, or train a drafter for this target")
 
 
-def system_prompt_drift(tokenizer: Any, training_ids: torch.Tensor | None) -> dict[str, Any] | None:
+def system_prompt_drift(tokenizer: Any, training_ids: torch.Tensor | None) -> SystemPromptDrift | None:
     """How the start of a training sequence differs from what this chat template renders before
-    the first user message: {"training_prefix", "template_prefix", "training_system_prompt"}.
-    None when they agree or cannot be compared."""
+    the first user message. None when they agree or cannot be compared."""
     if training_ids is None or not getattr(tokenizer, "chat_template", None):
         return None
     try:
@@ -51,7 +98,7 @@ def system_prompt_drift(tokenizer: Any, training_ids: torch.Tensor | None) -> di
     # The user header is the longest tail of the live prefix that occurs in the training text.
     header = next((live_prefix[j:] for j in range(len(live_prefix)) if live_prefix[j:] and live_prefix[j:] in text), "")
     if not header:
-        return {"training_prefix": text[:120], "template_prefix": live_prefix, "training_system_prompt": None}
+        return SystemPromptDrift(text[:120], live_prefix, None)
     training_prefix = text[: text.find(header)]
     template_prefix = live_prefix[: len(live_prefix) - len(header)]
     system_text = None
@@ -61,8 +108,7 @@ def system_prompt_drift(tokenizer: Any, training_ids: torch.Tensor | None) -> di
         closing = after[: len(after) - len(header)] if after.endswith(header) else after
         body = training_prefix[len(pre[0]):]
         system_text = body[: body.find(closing)] if closing and closing in body else body
-    return {"training_prefix": training_prefix, "template_prefix": template_prefix,
-            "training_system_prompt": system_text}
+    return SystemPromptDrift(training_prefix, template_prefix, system_text)
 
 
 def _check_boundaries(st: Stage, dd: DrafterDir, r: EngineReading, L: int, trained: list[int], source: str) -> None:
@@ -191,12 +237,15 @@ def _check_shapes(st: Stage, dd: DrafterDir, r: EngineReading, H: int, V: int) -
             st.add(OK, "vocab", f"draft vocabulary {d2t.shape[0]} ids, all inside the target's {V}; t2d consistent")
 
 
-def _check_contract(st: Stage, dd: DrafterDir, model: Any, tokenizer: Any, samples: SampleSet | None) -> None:
+def _check_contract(st: Stage, dd: DrafterDir, model: Any, tokenizer: Any,
+                    samples: SampleSet | None) -> SystemPromptDrift | None:
+    """The contract against the live target; returns the system prompt drift when the template differs."""
     c = dd.contract
+    drift = None
     if c is None:
         st.add(WARN, "no_contract", f"{dd.path} has no eyas.json contract: the target, chat template and training "
                f"accuracy cannot be checked (`eyas import --target` records one)")
-        return
+        return drift
     mode = c.tokenisation.system_prompt if c.tokenisation else "template_default"
     live = Contract(target=target_identity(model), capture=c.capture,
                     tokenisation=tokenisation_of(tokenizer, mode) if tokenizer is not None else None)
@@ -209,7 +258,6 @@ def _check_contract(st: Stage, dd: DrafterDir, model: Any, tokenizer: Any, sampl
         st.add(FAIL, "target_mismatch", f"{m}: the target is {what}, not the one the drafter was trained for",
                field=m.field, expected=m.expected, found=m.found, fix=_retrain_fix(c))
     if tok_mm:
-        drift = None
         if samples is not None and samples.source == "shards" and samples.samples:
             drift = system_prompt_drift(tokenizer, samples.samples[0].input_ids)
         for m in tok_mm:
@@ -218,9 +266,9 @@ def _check_contract(st: Stage, dd: DrafterDir, model: Any, tokenizer: Any, sampl
             if m.field == "tokenisation.chat_template_sha256":
                 msg = f"the target's chat template differs from training (sha256 {m.expected}, found {m.found})"
                 if drift is not None:
-                    sp = drift.get("training_system_prompt")
-                    msg += (f": training sequences begin with {drift['training_prefix']!r} before the first user "
-                            f"message, this template renders {drift['template_prefix']!r}")
+                    sp = drift.training_system_prompt
+                    msg += (f": training sequences begin with {drift.training_prefix!r} before the first user "
+                            f"message, this template renders {drift.template_prefix!r}")
                     if sp:
                         msg += f" (the training system prompt {sp!r} is missing)"
                         fix = (f"restore the training chat template (sha256 {m.expected}) in the target's "
@@ -231,14 +279,13 @@ def _check_contract(st: Stage, dd: DrafterDir, model: Any, tokenizer: Any, sampl
                        found=m.found)
                 continue
             st.add(FAIL, "template_mismatch", msg, field=m.field, expected=m.expected, found=m.found, fix=fix)
-        if drift is not None:
-            st.data["system_prompt_drift"] = drift
     if all(m.field in ADVISORY_FIELDS for m in mismatches):
         st.add(OK, "contract", f"the target matches the contract (weights fingerprint {c.target.fingerprint}, "
                f"{c.target.num_blocks} blocks, hidden {c.target.hidden_size}, vocab {c.target.vocab_size}; "
                f"chat template and special tokens)")
     if max(dd.boundaries) > c.target.num_blocks:
         st.add(FAIL, "boundaries_range", f"trained boundaries {dd.boundaries} exceed the target's {c.target.num_blocks} blocks")
+    return drift
 
 
 def _check_data(st: Stage, dd: DrafterDir, samples: SampleSet | None) -> None:
@@ -256,33 +303,30 @@ def _check_data(st: Stage, dd: DrafterDir, samples: SampleSet | None) -> None:
                f"{mc.target.fingerprint}) than the drafter's ({dd.contract.target.fingerprint})")
 
 
-def static_stage(dd: DrafterDir, reading: EngineReading, model: Any, tokenizer: Any, L: int, H: int, V: int,
-                 samples: SampleSet | None, trained: list[int] | None = None, trained_note: str | None = None) -> Stage:
-    """``trained``: the boundaries the drafter was trained on when they are not the directory's own
-    (a directory without a contract, given its training shards; ``trained_note`` says so)."""
-    st = Stage("static")
+def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
+    """The directory as the engine reads it, against the trained boundaries (``ctx.trained``: the
+    directory's own, or its training shards' when it has no contract, which ``ctx.trained_note``
+    says), the trained flags, the shapes, the contract and the data, without running anything."""
+    dd, reading, model, tokenizer, samples = ctx.dd, ctx.served, ctx.model, ctx.tokenizer, ctx.samples
+    L, H, V = ctx.target.num_blocks, ctx.target.hidden_size, ctx.target.vocab_size
+    trained, trained_note = ctx.trained, ctx.trained_note
+    st: Stage[StaticResult] = Stage("static")
     for p in dd.problems:
         st.add(WARN, "checkpoint", p)
     if trained_note:
         st.add(INFO, "trained_from_shards", trained_note)
-    trained = trained if trained is not None else dd.boundaries
     source = "the training shards" if trained_note else dd.meta.boundaries_source
     _check_boundaries(st, dd, reading, L, trained, source)
     _check_flags(st, dd, reading)
     _check_shapes(st, dd, reading, H, V)
-    _check_contract(st, dd, model, tokenizer, samples)
+    drift = _check_contract(st, dd, model, tokenizer, samples)
     _check_data(st, dd, samples)
     captures = {}
     for engine, version in (("eyas", None), ("sglang", "pr25454"), ("sglang", "legacy"), ("vllm", None)):
         o = read_engine(dd, engine, version, L)
         captures[o.label] = o.boundaries if o.loadable else f"cannot load: {o.why_not}"
-    st.data.update({
-        "engine": reading.to_dict(),
-        "trained": {"boundaries": trained, "boundaries_source": source,
-                    "flags": dd.trained_flags, "flags_source": dd.trained_source},
-        "captures": captures,
-        "layout": dd.layout, "format": dd.meta.format,
-    })
+    st.result = StaticResult(engine=reading, trained=TrainedView(trained, source, dd.trained_flags, dd.trained_source),
+                             captures=captures, layout=dd.layout, format=dd.meta.format, system_prompt_drift=drift)
     fails = st.failures()
     return st.settle(f"{len(fails)} problem(s): " + "; ".join(f.code for f in fails) if fails
                      else "config, shapes, vocabulary and contract agree with training and the target")

@@ -56,8 +56,8 @@ from torch import Tensor
 from eyas.capture.hooks import BoundaryCapture
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract.contract import SlotFingerprint
-from eyas.doctor.common import CHANNEL_OFF, RMS_RATIO_OFF, RMS_Z_OFF, jsonable, boundary_name, slot_label
-from eyas.doctor.fingerprint import compare_slot, nearest
+from eyas.doctor.common import NORM_FLAGS, boundary_name, jsonable, slot_label
+from eyas.doctor.fingerprint import SlotComparison, compare_slot, nearest
 from eyas.errors import EyasError
 
 JUNCTIONS = ("boundary", "concat", "fc_input")
@@ -128,7 +128,7 @@ class Tracer(AbstractContextManager):
         self.round = -1
         self.acc = FingerprintAccumulator(self.spec.boundaries, self.width, channels)
         self.slot_orders: list[tuple[int | None, ...]] = []
-        self._fc = {"tokens": 0, "rms_sum": 0.0, "slot_rms_sum": [0.0] * self.spec.num_slots, "widths": set()}
+        self._fc = FcInputTally([0.0] * self.spec.num_slots)
         self._handles: list[Any] = []
         self._capture: BoundaryCapture | None = None
         self._file: Any = None
@@ -274,13 +274,7 @@ class Tracer(AbstractContextManager):
         slot_rms = _slot_rms(counted, self.width) if rows.shape[-1] % self.width == 0 else []
         self._record({"junction": "fc_input", "shape": list(x.shape), "dtype": _dtype(x),
                       "expected_width": self.fc_in, **stats, "slot_rms": slot_rms})
-        fc = self._fc
-        fc["widths"].add(int(x.shape[-1]))
-        if stats["tokens"]:
-            fc["tokens"] += stats["tokens"]
-            fc["rms_sum"] += stats["rms"] * stats["tokens"]
-            if len(slot_rms) == len(fc["slot_rms_sum"]):
-                fc["slot_rms_sum"] = [s + r * stats["tokens"] for s, r in zip(fc["slot_rms_sum"], slot_rms)]
+        self._fc.add(int(x.shape[-1]), stats["tokens"], stats["rms"], slot_rms)
 
     # -- summary --------------------------------------------------------------------------------
 
@@ -310,126 +304,267 @@ class Tracer(AbstractContextManager):
         ``sequence``: the whole token sequence (prompt + output); with it, what each slot
         resembles is named from every boundary of the live target on it, and without a
         reference the live target's trained boundaries stand in for one.
+
+        Problems, in order: slot counts, the slot order of the concatenation, the fc input width,
+        then per slot its statistics and its boundary (:func:`slot_row`, :func:`slot_findings`).
         """
         L = self.spec.num_blocks
         served = list(self.spec.boundaries)
         trained = list(trained) if trained is not None else (
             [f.boundary for f in reference] if reference else list(served))
-        problems: list[str] = []
-        warnings: list[str] = []
         live = self.live_boundary_stats(sequence, capture_dtype) if sequence is not None else None
-        ref = list(reference) if reference else None
-        source = reference_source or ("the training fingerprint" if ref else "")
-        if ref is None and live is not None and all(b in live for b in trained):
-            ref = [live[b] for b in trained]
-            source = ("no training fingerprint: the live target's trained boundaries on this request "
-                      "(catches a wrong capture, not a wrong target)")
-        if ref is not None and len(ref) != len(served):
-            problems.append(f"the engine feeds {len(served)} slots, the training fingerprint has {len(ref)}")
-            ref = None
-        if len(trained) != len(served):
-            problems.append(f"the engine captures {len(served)} boundaries {served}, the drafter was trained on "
-                            f"{len(trained)} {trained}")
-
-        # slot order, as recovered from the values
-        counts = Counter(self.slot_orders)
-        order = list(counts.most_common(1)[0][0]) if counts else None
-        if len(counts) > 1:
-            problems.append(f"the slot order of the concatenation changes between rounds: "
-                            f"{[list(o) for o in counts]}")
-        if order is not None:
-            for i, (got, want) in enumerate(zip(order, served)):
-                if got != want:
-                    what = "none of the captured boundaries" if got is None else f"boundary {got}"
-                    problems.append(f"chunk {i} of the drafter's input holds {what}, the engine captured boundary "
-                                    f"{want} for slot {i}")
-
-        fc = self._fc
-        widths = sorted(fc["widths"])
-        fc_summary = {"width": widths[0] if len(widths) == 1 else widths, "expected_width": self.fc_in,
-                      "tokens": fc["tokens"],
-                      "rms": fc["rms_sum"] / fc["tokens"] if fc["tokens"] else None,
-                      "slot_rms": [s / fc["tokens"] for s in fc["slot_rms_sum"]] if fc["tokens"] else None}
-        if widths and widths != [self.fc_in]:
-            problems.append(f"fc input width {widths}, expected {self.fc_in} "
+        ref, source = reference_for(reference, reference_source, live, trained)
+        problems: list[str] = []
+        ref = check_slot_counts(ref, trained, served, problems)
+        order = recovered_slot_order(self.slot_orders, served, problems)
+        fc_input = self._fc.summary(self.fc_in)
+        if fc_input.widths and fc_input.widths != [self.fc_in]:
+            problems.append(f"fc input width {fc_input.widths}, expected {self.fc_in} "
                             f"({self.spec.num_slots} slots x {self.width})")
-
         obs = self.observed()
+        warnings: list[str] = []
         rows = []
         for i, b in enumerate(served):
-            row: dict[str, Any] = {"slot": i, "served_boundary": b,
-                                   "observed_boundary": order[i] if order is not None and i < len(order) else None,
-                                   "trained_boundary": trained[i] if i < len(trained) else None}
-            row["boundary_mismatch"] = row["trained_boundary"] is not None and b != row["trained_boundary"]
-            o = obs[i] if obs is not None else None
-            r = ref[i] if ref is not None else None
-            row.update({"rms_observed": o.rms_mean if o else None, "rms_std_observed": o.rms_std if o else None,
-                        "tokens_observed": o.num_tokens if o else 0,
-                        "rms_trained": r.rms_mean if r else None, "rms_std_trained": r.rms_std if r else None,
-                        "tokens_trained": r.num_tokens if r else None})
-            cmp = compare_slot(o, r) if (o is not None and r is not None) else None
-            row.update(cmp or {"rms_z": None, "rms_ratio": None, "channel_z": None, "off": None})
-            row["fingerprint_off"] = row.pop("off")  # the doctor's rule (any of RMS z, ratio, channel shift)
-            looks = should = None
-            if live is not None:
-                if o is not None:
-                    looks = nearest(o, live)[0]
-                if r is not None:
-                    should = nearest(r, live)[0]
-            row.update({"looks_like": slot_label(looks, L) if looks is not None else None,
-                        "looks_like_name": boundary_name(looks, L) if looks is not None else None,
-                        "trained_matches": slot_label(should, L) if should is not None else None,
-                        "trained_matches_name": boundary_name(should, L) if should is not None else None})
-            # The RMS scale of a boundary hardly depends on the text; channel means do, and one
-            # request is not the training data. A channel shift alone fails a slot only when the
-            # slot does not also match its trained boundary of the live target on these very tokens.
-            row["rms_off"] = None if cmp is None else (
-                abs(cmp["rms_z"]) > RMS_Z_OFF or not (1 / RMS_RATIO_OFF <= cmp["rms_ratio"] <= RMS_RATIO_OFF))
-            row["channel_off"] = None if cmp is None else cmp["channel_z"] > CHANNEL_OFF
-            trained_b = row["trained_boundary"]
-            looks_right = None if looks is None or trained_b is None else looks == trained_b
-            channel_fails = bool(row["channel_off"]) and looks_right is not True
-            row["order_mismatch"] = order is not None and row["observed_boundary"] != b
-            row["off"] = bool(row["rms_off"]) or channel_fails or row["boundary_mismatch"] or row["order_mismatch"]
-            if row["rms_off"] or channel_fails:
-                msg = (f"slot {i} is off: per-token RMS {o.rms_mean:.4g} against {r.rms_mean:.4g} at training "
-                       f"(z = {cmp['rms_z']:+.1f}, ratio {cmp['rms_ratio']:.2f}, channel shift {cmp['channel_z']:.2f})")
-                if looks is not None:
-                    msg += f"; slot {i} looks like {boundary_name(looks, L)}"
-                if should is not None:
-                    msg += f"; the training statistics of slot {i} match {boundary_name(should, L)} of this target"
-                problems.append(msg)
-            elif row["channel_off"]:
-                warnings.append(f"slot {i}: channel means {cmp['channel_z']:.2f} x RMS away from training on this "
-                                f"request (its text, not the capture: the slot matches {boundary_name(looks, L)}, "
-                                f"the trained one, of the live target on the same tokens)")
-            if row["boundary_mismatch"]:
-                problems.append(f"slot {i} is fed {boundary_name(b, L)} but was trained on "
-                                f"{boundary_name(trained_b, L)}")
-            row["verdict"] = _verdict(row, L)
+            row = slot_row(i, b, order, trained, obs[i] if obs is not None else None,
+                           ref[i] if ref is not None else None, live, L)
+            slot_problems, slot_warnings = slot_findings(row, L)
+            problems += slot_problems
+            warnings += slot_warnings
             rows.append(row)
         return TraceSummary(rounds=self.round + 1, records=len(self.records), served_boundaries=served,
                             trained_boundaries=trained, slot_order=order, reference=source if ref else None,
-                            slots=rows, fc_input=fc_summary, problems=problems, warnings=warnings,
+                            slots=rows, fc_input=fc_input, problems=problems, warnings=warnings,
                             tokens_observed=self.acc.count)
 
 
-def _verdict(row: dict[str, Any], L: int) -> str:
-    if row["off"]:
-        parts = []
-        if row["boundary_mismatch"]:
-            parts.append(f"fed boundary {row['served_boundary']}, trained on {row['trained_boundary']}")
-        if row["order_mismatch"]:
-            parts.append(f"the drafter's input holds {row['observed_boundary']} here")
-        if row["fingerprint_off"]:
-            parts.append(f"looks like {row['looks_like_name']}" if row["looks_like"] is not None
-                         else "statistics off the training fingerprint")
-        return "OFF: " + "; ".join(parts)
-    if not row["tokens_observed"]:
-        return "not checked (the drafter read nothing)"
-    if row["fingerprint_off"] is None:
-        return "not checked (no reference)"
-    return "ok (channel means differ: this request's text)" if row["channel_off"] else "ok"
+# ---------------------------------------------------------------------------------------------
+# The summary's parts
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FcInputSummary:
+    """What reached ``drafter.fc``: its width(s), and the mean per-token RMS over every counted token
+    (overall and per slot-wide chunk)."""
+
+    widths: list[int]  # every width seen (one, when healthy)
+    expected_width: int
+    tokens: int
+    rms: float | None
+    slot_rms: list[float] | None
+
+    @property
+    def width(self) -> int | list[int]:
+        return self.widths[0] if len(self.widths) == 1 else self.widths
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"width": self.width, "expected_width": self.expected_width, "tokens": self.tokens, "rms": self.rms,
+                "slot_rms": self.slot_rms}
+
+
+@dataclass
+class FcInputTally:
+    """Token-weighted sums of the fc input's statistics over the rounds."""
+
+    slot_rms_sum: list[float]  # per slot: sum over tokens of the chunk's per-token RMS
+    tokens: int = 0
+    rms_sum: float = 0.0
+    widths: set[int] = field(default_factory=set)
+
+    def add(self, width: int, tokens: int, rms: float | None, slot_rms: list[float | None]) -> None:
+        self.widths.add(width)
+        if not tokens or rms is None:
+            return
+        self.tokens += tokens
+        self.rms_sum += rms * tokens
+        if len(slot_rms) == len(self.slot_rms_sum):
+            self.slot_rms_sum = [s + (r or 0.0) * tokens for s, r in zip(self.slot_rms_sum, slot_rms)]
+
+    def summary(self, expected_width: int) -> FcInputSummary:
+        n = self.tokens
+        return FcInputSummary(sorted(self.widths), expected_width, n, self.rms_sum / n if n else None,
+                              [x / n for x in self.slot_rms_sum] if n else None)
+
+
+def reference_for(reference: Sequence[SlotFingerprint] | None, reference_source: str,
+                  live: dict[int, SlotFingerprint] | None, trained: list[int]) -> tuple[list[SlotFingerprint] | None, str]:
+    """The statistics to hold the slots against, and what they are: the training fingerprint, else
+    (given the live target's statistics on the request) its trained boundaries."""
+    ref = list(reference) if reference else None
+    source = reference_source or ("the training fingerprint" if ref else "")
+    if ref is None and live is not None and all(b in live for b in trained):
+        ref = [live[b] for b in trained]
+        source = ("no training fingerprint: the live target's trained boundaries on this request "
+                  "(catches a wrong capture, not a wrong target)")
+    return ref, source
+
+
+def check_slot_counts(ref: list[SlotFingerprint] | None, trained: list[int], served: list[int],
+                      problems: list[str]) -> list[SlotFingerprint] | None:
+    """The reference when it has one entry per served slot (else None); appends the count problems."""
+    if ref is not None and len(ref) != len(served):
+        problems.append(f"the engine feeds {len(served)} slots, the training fingerprint has {len(ref)}")
+        ref = None
+    if len(trained) != len(served):
+        problems.append(f"the engine captures {len(served)} boundaries {served}, the drafter was trained on "
+                        f"{len(trained)} {trained}")
+    return ref
+
+
+def recovered_slot_order(slot_orders: list[tuple[int | None, ...]], served: list[int],
+                         problems: list[str]) -> list[int | None] | None:
+    """The slot order the concatenation held most often (None before any draft); appends a problem
+    when it changes between rounds and one per chunk that holds another boundary than captured."""
+    counts = Counter(slot_orders)
+    order = list(counts.most_common(1)[0][0]) if counts else None
+    if len(counts) > 1:
+        problems.append(f"the slot order of the concatenation changes between rounds: {[list(o) for o in counts]}")
+    if order is not None:
+        for i, (got, want) in enumerate(zip(order, served)):
+            if got != want:
+                what = "none of the captured boundaries" if got is None else f"boundary {got}"
+                problems.append(f"chunk {i} of the drafter's input holds {what}, the engine captured boundary "
+                                f"{want} for slot {i}")
+    return order
+
+
+@dataclass
+class SlotRow:
+    """One slot of the concatenation: what was captured for it, what the drafter's input held, what
+    it was trained on, and its statistics against the reference.
+
+    A slot is off when it is fed another boundary than trained (``boundary_mismatch``), holds another
+    than captured (``order_mismatch``), its RMS is off, or its channel means are off and it does not
+    match its trained boundary of the live target either (one request's text moves channel means)."""
+
+    slot: int
+    served_boundary: int  # captured by the engine for this slot
+    observed_boundary: int | None  # recovered from the concatenation's values
+    trained_boundary: int | None
+    observed: SlotFingerprint | None  # every token the drafter read but the first
+    reference: SlotFingerprint | None
+    comparison: SlotComparison | None  # observed against reference (None without either)
+    looks_like: int | str | None  # the live boundary the observed statistics are nearest to (slot_label)
+    looks_like_name: str | None
+    trained_matches: int | str | None  # the live boundary the reference is nearest to (slot_label)
+    trained_matches_name: str | None
+    order_mismatch: bool  # a slot order was recovered and this chunk does not hold the captured boundary
+
+    @property
+    def boundary_mismatch(self) -> bool:
+        return self.trained_boundary is not None and self.served_boundary != self.trained_boundary
+
+    @property
+    def tokens_observed(self) -> int:
+        return self.observed.num_tokens if self.observed is not None else 0
+
+    @property
+    def rms_z(self) -> float | None:
+        return self.comparison.rms_z if self.comparison else None
+
+    @property
+    def fingerprint_off(self) -> bool | None:
+        """The doctor's rule (any of RMS z, ratio, channel shift); None without a comparison."""
+        return self.comparison.off if self.comparison else None
+
+    @property
+    def rms_off(self) -> bool | None:
+        return self.comparison.rms_off if self.comparison else None
+
+    @property
+    def channel_off(self) -> bool | None:
+        return self.comparison.channel_off if self.comparison else None
+
+    @property
+    def channel_fails(self) -> bool:
+        """A channel shift that counts: the slot does not (or cannot be shown to) match its trained
+        boundary of the live target on the same tokens."""
+        looks_right = (None if self.looks_like is None or self.trained_boundary is None
+                       else self.looks_like == self.trained_boundary)
+        return bool(self.channel_off) and looks_right is not True
+
+    @property
+    def off(self) -> bool:
+        return bool(self.rms_off) or self.channel_fails or self.boundary_mismatch or self.order_mismatch
+
+    @property
+    def verdict(self) -> str:
+        if self.off:
+            parts = []
+            if self.boundary_mismatch:
+                parts.append(f"fed boundary {self.served_boundary}, trained on {self.trained_boundary}")
+            if self.order_mismatch:
+                parts.append(f"the drafter's input holds {self.observed_boundary} here")
+            if self.fingerprint_off:
+                parts.append(f"looks like {self.looks_like_name}" if self.looks_like is not None
+                             else "statistics off the training fingerprint")
+            return "OFF: " + "; ".join(parts)
+        if not self.tokens_observed:
+            return "not checked (the drafter read nothing)"
+        if self.fingerprint_off is None:
+            return "not checked (no reference)"
+        return "ok (channel means differ: this request's text)" if self.channel_off else "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        o, r, c = self.observed, self.reference, self.comparison
+        return {"slot": self.slot, "served_boundary": self.served_boundary, "observed_boundary": self.observed_boundary,
+                "trained_boundary": self.trained_boundary, "boundary_mismatch": self.boundary_mismatch,
+                "rms_observed": o.rms_mean if o else None, "rms_std_observed": o.rms_std if o else None,
+                "tokens_observed": self.tokens_observed,
+                "rms_trained": r.rms_mean if r else None, "rms_std_trained": r.rms_std if r else None,
+                "tokens_trained": r.num_tokens if r else None,
+                "rms_z": c.rms_z if c else None, "rms_ratio": c.rms_ratio if c else None,
+                "channel_z": c.channel_z if c else None, "fingerprint_off": self.fingerprint_off,
+                "looks_like": self.looks_like, "looks_like_name": self.looks_like_name,
+                "trained_matches": self.trained_matches, "trained_matches_name": self.trained_matches_name,
+                "rms_off": self.rms_off, "channel_off": self.channel_off, "order_mismatch": self.order_mismatch,
+                "off": self.off, "verdict": self.verdict}
+
+
+def slot_row(i: int, served: int, order: list[int | None] | None, trained: list[int],
+             observed: SlotFingerprint | None, reference: SlotFingerprint | None,
+             live: dict[int, SlotFingerprint] | None, num_blocks: int) -> SlotRow:
+    """Slot ``i``'s row; what it and its reference resemble is named from ``live`` (every boundary
+    of the live target on the same tokens) when given."""
+    L = num_blocks
+    looks = nearest(observed, live)[0] if live is not None and observed is not None else None
+    should = nearest(reference, live)[0] if live is not None and reference is not None else None
+    observed_boundary = order[i] if order is not None and i < len(order) else None
+    return SlotRow(
+        slot=i, served_boundary=served, observed_boundary=observed_boundary,
+        order_mismatch=order is not None and observed_boundary != served,
+        trained_boundary=trained[i] if i < len(trained) else None, observed=observed, reference=reference,
+        comparison=compare_slot(observed, reference) if (observed is not None and reference is not None) else None,
+        looks_like=slot_label(looks, L) if looks is not None else None,
+        looks_like_name=boundary_name(looks, L) if looks is not None else None,
+        trained_matches=slot_label(should, L) if should is not None else None,
+        trained_matches_name=boundary_name(should, L) if should is not None else None)
+
+
+def slot_findings(row: SlotRow, num_blocks: int) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of one slot: its statistics off (or only its channel means, on a slot
+    that is what it should be: a warning), and another boundary than trained."""
+    L, i = num_blocks, row.slot
+    problems: list[str] = []
+    warnings: list[str] = []
+    c, o, r = row.comparison, row.observed, row.reference
+    if c is not None and o is not None and r is not None and (row.rms_off or row.channel_fails):
+        msg = (f"slot {i} is off: per-token RMS {o.rms_mean:.4g} against {r.rms_mean:.4g} at training "
+               f"(z = {c.rms_z:+.1f}, ratio {c.rms_ratio:.2f}, channel shift {c.channel_z:.2f})")
+        if row.looks_like_name is not None:
+            msg += f"; slot {i} looks like {row.looks_like_name}"
+        if row.trained_matches_name is not None:
+            msg += f"; the training statistics of slot {i} match {row.trained_matches_name} of this target"
+        problems.append(msg)
+    elif c is not None and row.channel_off:
+        warnings.append(f"slot {i}: channel means {c.channel_z:.2f} x RMS away from training on this "
+                        f"request (its text, not the capture: the slot matches {row.looks_like_name}, "
+                        f"the trained one, of the live target on the same tokens)")
+    if row.boundary_mismatch:
+        assert row.trained_boundary is not None
+        problems.append(f"slot {i} is fed {boundary_name(row.served_boundary, L)} but was trained on "
+                        f"{boundary_name(row.trained_boundary, L)}")
+    return problems, warnings
 
 
 @dataclass
@@ -440,8 +575,8 @@ class TraceSummary:
     trained_boundaries: list[int]
     slot_order: list[int | None] | None  # recovered from the concatenation's values
     reference: str | None  # what the observed statistics were held against
-    slots: list[dict[str, Any]]
-    fc_input: dict[str, Any]
+    slots: list[SlotRow]
+    fc_input: FcInputSummary
     problems: list[str] = field(default_factory=list)  # any problem: the slot is off (exit code 1)
     warnings: list[str] = field(default_factory=list)
     tokens_observed: int = 0
@@ -460,7 +595,7 @@ class TraceSummary:
             "records": self.records,
             "served_boundaries": self.served_boundaries, "trained_boundaries": self.trained_boundaries,
             "slot_order": self.slot_order, "reference": self.reference, "tokens_observed": self.tokens_observed,
-            "slots": self.slots, "fc_input": self.fc_input,
+            "slots": [r.to_dict() for r in self.slots], "fc_input": self.fc_input.to_dict(),
         })
 
 
@@ -469,14 +604,69 @@ class TraceSummary:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TraceEngine:
+    """How the engine serves the directory: the boundaries it captures (its slot order) and its flags."""
+
+    name: str
+    version: str | None
+    label: str
+    boundaries: list[int]
+    boundaries_note: str
+    flags: dict[str, bool]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "label": self.label, "boundaries": self.boundaries,
+                "boundaries_note": self.boundaries_note, "flags": self.flags}
+
+
+@dataclass(frozen=True)
+class TraceTarget:
+    source: str
+    num_blocks: int
+    hidden_size: int
+    vocab_size: int
+    fingerprint: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "num_blocks": self.num_blocks, "hidden_size": self.hidden_size,
+                "vocab_size": self.vocab_size, "fingerprint": self.fingerprint}
+
+
+@dataclass(frozen=True)
+class TraceDraft:
+    path: str
+    layout: str
+    trained_boundaries: list[int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "layout": self.layout, "trained_boundaries": self.trained_boundaries}
+
+
+@dataclass(frozen=True)
+class TraceGeneration:
+    """The traced answer, with the engine's per-request statistics."""
+
+    text: str
+    new_tokens: int
+    rounds: int
+    tau: float
+    stop_reason: str
+    acceptance_at_depth: list[float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "new_tokens": self.new_tokens, "rounds": self.rounds, "tau": self.tau,
+                "stop_reason": self.stop_reason, "acceptance_at_depth": self.acceptance_at_depth}
+
+
 @dataclass
 class TraceReport:
     summary: TraceSummary
     out: str
-    engine: dict[str, Any]
-    target: dict[str, Any]
-    draft: dict[str, Any]
-    generation: dict[str, Any]
+    engine: TraceEngine
+    target: TraceTarget
+    draft: TraceDraft
+    generation: TraceGeneration
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -491,6 +681,80 @@ class TraceReport:
         return jsonable({"healthy": self.healthy, "out": self.out, "engine": self.engine, "target": self.target,
                           "draft": self.draft, "generation": self.generation, "notes": self.notes,
                           "summary": self.summary.to_dict()})
+
+
+@dataclass
+class _ServedDrafter:
+    """The drafter directory as the engine serves it, built for the eyas engine."""
+
+    directory: Any  # eyas.doctor.engines.DrafterDir
+    engine: TraceEngine
+    target: Any  # eyas.engine.HFTarget capturing the engine's boundaries
+    drafter: Any  # Eagle3Drafter in the target's dtype and device
+    notes: list[str]
+
+
+def _load_target(target: str | None, model: Any, tokenizer: Any, device: str) -> tuple[Any, Any, str]:
+    """The target (fp32 on CPU, bf16 on a GPU), its tokenizer and source; loaded here unless given."""
+    if model is not None:
+        return model, tokenizer, str(target)
+    from eyas.targets import load_target
+
+    dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer, src = load_target(target, dtype=torch.float32 if dev == "cpu" else torch.bfloat16, device=dev)
+    return model, tokenizer, str(src)
+
+
+def _target_facts(model: Any, source: str) -> TraceTarget:
+    from eyas.contract.contract import weights_fingerprint
+    from eyas.targets.structure import find_decoder_blocks, find_embedding
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return TraceTarget(source, len(find_decoder_blocks(model)), int(cfg.hidden_size),
+                       int(find_embedding(model).weight.shape[0]), weights_fingerprint(model))
+
+
+def _serve(draft: str | Path, engine: str, version: str | None, model: Any, facts: TraceTarget) -> _ServedDrafter:
+    """Read ``draft`` as ``engine`` does and build what it would serve; TraceError when it cannot
+    serve it or the drafter does not fit the target."""
+    from eyas.convention.boundaries import CaptureSpec
+    from eyas.doctor.engines import read_drafter_dir, read_engine, served_config
+    from eyas.doctor.evaluate import build_drafter
+    from eyas.engine import HFTarget
+    from eyas.targets.structure import find_embedding
+
+    L, H, V = facts.num_blocks, facts.hidden_size, facts.vocab_size
+    dd = read_drafter_dir(draft, L)
+    reading = read_engine(dd, engine, version, L)
+    if not reading.loadable or reading.boundaries is None:
+        raise TraceError(f"{reading.label} cannot serve {draft}: {reading.why_not}")
+    cfg = served_config(dd, reading)
+    misfit = [m for m in (
+        f"the drafter reads {cfg.target_hidden_size}-wide target states, the target's are {H}"
+        if cfg.target_hidden_size != H else None,
+        f"the drafter's vocabulary has {cfg.vocab_size} ids, the target's {V}" if cfg.vocab_size != V else None,
+        f"{reading.label} captures {len(reading.boundaries)} boundaries {reading.boundaries}; the drafter's fc "
+        f"takes {cfg.num_slots} slots" if len(reading.boundaries) != cfg.num_slots else None,
+    ) if m]
+    if misfit:
+        raise TraceError(f"{draft} does not fit the target: " + "; ".join(misfit))
+    param = next(model.parameters())
+    drafter, notes = build_drafter(dd, cfg, find_embedding(model).weight, param.device)
+    drafter = drafter.to(param.device, dtype=param.dtype).eval()
+    served = TraceEngine(engine, version, reading.label, list(reading.boundaries), reading.boundaries_note,
+                         {f: bool(getattr(cfg, f)) for f in NORM_FLAGS})
+    return _ServedDrafter(dd, served, HFTarget(model, CaptureSpec(tuple(reading.boundaries), L)), drafter, notes)
+
+
+def _training_reference(dd: Any) -> tuple[list[SlotFingerprint] | None, list[int], str, str]:
+    """(training fingerprint or None, trained boundaries, what the fingerprint is, capture dtype)."""
+    contract = dd.contract
+    if contract is not None and contract.fingerprint:
+        reference = list(contract.fingerprint)
+        return reference, [f.boundary for f in reference], "contract.fingerprint (from the training data)", \
+            contract.capture.dtype
+    trained = list(contract.capture.boundaries) if contract is not None else list(dd.boundaries)
+    return None, trained, "", contract.capture.dtype if contract is not None else "float32"
 
 
 def run_trace(
@@ -516,76 +780,31 @@ def run_trace(
     ``model``/``tokenizer`` may be passed already loaded. Raises :class:`TraceError` when the engine
     cannot serve the directory or the drafter does not fit the target.
     """
-    from eyas.targets.structure import eos_token_ids
-    from eyas.convention.boundaries import CaptureSpec
-    from eyas.targets.structure import find_decoder_blocks, find_embedding
-    from eyas.contract.contract import weights_fingerprint
     from eyas.data.render import render_prompt
-    from eyas.doctor.engines import normalise_engine, read_drafter_dir, read_engine, served_config
-    from eyas.doctor.evaluate import build_drafter
-    from eyas.engine import HFTarget, TreeSpec, speculative_generate
+    from eyas.doctor.engines import normalise_engine
+    from eyas.engine import TreeSpec, speculative_generate
+    from eyas.targets.structure import eos_token_ids
 
     say = log or (lambda m: None)
     engine, engine_version = normalise_engine(engine, engine_version)
     spec_tree = tree if isinstance(tree, TreeSpec) else TreeSpec.parse(str(tree))
-    source = str(target)
-    if model is None:
-        from eyas.targets import load_target
-
-        dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        model, tokenizer, src = load_target(target, dtype=torch.float32 if dev == "cpu" else torch.bfloat16,
-                                            device=dev)
-        source = str(src)
+    model, tokenizer, source = _load_target(target, model, tokenizer, device)
     if tokenizer is None:
         raise TraceError("a tokenizer is needed to render the prompt")
-    cfg_t = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    L = len(find_decoder_blocks(model))
-    H = int(cfg_t.hidden_size)
-    emb = find_embedding(model).weight
-    V = int(emb.shape[0])
-    param = next(model.parameters())
-
+    facts = _target_facts(model, source)
     say(f"reading {draft}")
-    dd = read_drafter_dir(draft, L)
-    reading = read_engine(dd, engine, engine_version, L)
-    if not reading.loadable or reading.boundaries is None:
-        raise TraceError(f"{reading.label} cannot serve {draft}: {reading.why_not}")
-    cfg = served_config(dd, reading)
-    misfit = [m for m in (
-        f"the drafter reads {cfg.target_hidden_size}-wide target states, the target's are {H}"
-        if cfg.target_hidden_size != H else None,
-        f"the drafter's vocabulary has {cfg.vocab_size} ids, the target's {V}" if cfg.vocab_size != V else None,
-        f"{reading.label} captures {len(reading.boundaries)} boundaries {reading.boundaries}; the drafter's fc "
-        f"takes {cfg.num_slots} slots" if len(reading.boundaries) != cfg.num_slots else None,
-    ) if m]
-    if misfit:
-        raise TraceError(f"{draft} does not fit the target: " + "; ".join(misfit))
-    drafter, notes = build_drafter(dd, cfg, emb, param.device)
-    drafter = drafter.to(param.device, dtype=param.dtype).eval()
-    tgt = HFTarget(model, CaptureSpec(tuple(reading.boundaries), L))
-
-    contract = dd.contract
-    reference = list(contract.fingerprint) if contract is not None and contract.fingerprint else None
-    if reference is not None:
-        trained = [f.boundary for f in reference]
-        ref_source = "contract.fingerprint (from the training data)"
-    else:
-        trained = list(contract.capture.boundaries) if contract is not None else list(dd.boundaries)
-        ref_source = ""
-    capture_dtype = contract.capture.dtype if contract is not None else "float32"
+    served = _serve(draft, engine, engine_version, model, facts)
+    reference, trained, ref_source, capture_dtype = _training_reference(served.directory)
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    ids = render_prompt(messages, tokenizer).to(param.device)
-    engine_info = {"name": engine, "version": engine_version, "label": reading.label,
-                   "boundaries": list(reading.boundaries), "boundaries_note": reading.boundaries_note,
-                   "flags": {f: bool(getattr(cfg, f)) for f in ("norm_before_residual", "norm_before_fc", "fc_norm",
-                                                                  "norm_output")}}
-    header = {"engine": engine_info, "target": source, "draft": str(draft), "trained_boundaries": trained,
+    ids = render_prompt(messages, tokenizer).to(next(model.parameters()).device)
+    header = {"engine": served.engine.to_dict(), "target": source, "draft": str(draft), "trained_boundaries": trained,
               "prompt_tokens": int(ids.numel()), "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens],
               "max_new_tokens": max_new_tokens}
-    say(f"tracing {reading.label}: boundaries {reading.boundaries}, {ids.numel()} prompt tokens")
-    with Tracer(tgt, drafter, out, header=header, channels=reference[0].channels if reference else None) as tr:
-        result = speculative_generate(tgt, drafter, ids, tree=spec_tree, max_new_tokens=max_new_tokens,
+    say(f"tracing {served.engine.label}: boundaries {served.engine.boundaries}, {ids.numel()} prompt tokens")
+    with Tracer(served.target, served.drafter, out, header=header,
+                channels=reference[0].channels if reference else None) as tr:
+        result = speculative_generate(served.target, served.drafter, ids, tree=spec_tree, max_new_tokens=max_new_tokens,
                                       eos_token_ids=eos_token_ids(model, tokenizer))
     say("holding the trace against the training fingerprint")
     sequence = ids.reshape(-1).tolist() + result.tokens
@@ -595,15 +814,12 @@ def run_trace(
         raise TraceError(f"the drafter read no target features but the first token's in {summary.rounds} round(s) "
                          f"(generation stopped at once): nothing to hold against the fingerprint; raise "
                          f"--max-new-tokens")
-    stats = result.stats.to_dict()
-    generation = {"text": tokenizer.decode(result.tokens, skip_special_tokens=True), "new_tokens": stats["new_tokens"],
-                  "rounds": stats["rounds"], "tau": stats["tau"], "stop_reason": stats["stop_reason"],
-                  "acceptance_at_depth": stats["acceptance_at_depth"]}
-    target_info = {"source": source, "num_blocks": L, "hidden_size": H, "vocab_size": V,
-                   "fingerprint": weights_fingerprint(model)}
-    return TraceReport(summary=summary, out=str(out), engine=engine_info, target=target_info,
-                       draft={"path": str(draft), "layout": dd.layout, "trained_boundaries": trained},
-                       generation=generation, notes=list(notes))
+    stats = result.stats
+    generation = TraceGeneration(tokenizer.decode(result.tokens, skip_special_tokens=True), stats.new_tokens,
+                                 stats.rounds, stats.tau, stats.stop_reason, stats.acceptance_at_depth)
+    return TraceReport(summary=summary, out=str(out), engine=served.engine, target=facts,
+                       draft=TraceDraft(str(draft), served.directory.layout, trained), generation=generation,
+                       notes=list(served.notes))
 
 
 def render_trace(report: TraceReport, console: Any) -> None:
@@ -613,15 +829,15 @@ def render_trace(report: TraceReport, console: Any) -> None:
     from rich.table import Table
 
     s, g = report.summary, report.generation
-    console.print(f"[bold]eyas trace[/]  drafter {e(report.draft['path'])}  target {e(str(report.target['source']))}"
-                  f"  engine [bold]{e(report.engine['label'])}[/] (boundaries {e(str(report.engine['boundaries']))})")
-    tau = g.get("tau")
-    console.print(f"  {g['new_tokens']} new tokens in {s.rounds} rounds"
+    console.print(f"[bold]eyas trace[/]  drafter {e(report.draft.path)}  target {e(str(report.target.source))}"
+                  f"  engine [bold]{e(report.engine.label)}[/] (boundaries {e(str(report.engine.boundaries))})")
+    tau = g.tau
+    console.print(f"  {g.new_tokens} new tokens in {s.rounds} rounds"
                   + (f" (tau {tau:.2f})" if isinstance(tau, float) and math.isfinite(tau) else "")
                   + f"; {s.records} junction records -> {e(report.out)}")
     order = "-" if s.slot_order is None else str(s.slot_order)
     console.print(f"  concatenation slot order {e(order)} (trained {e(str(s.trained_boundaries))}); fc input width "
-                  f"{s.fc_input['width']} (expected {s.fc_input['expected_width']})")
+                  f"{s.fc_input.width} (expected {s.fc_input.expected_width})")
     for n in report.notes:
         console.print(f"  [dim]{e(n)}[/]")
     t = Table(title=f"slots vs {e(s.reference or 'no reference')} ({s.tokens_observed} tokens traced)",
@@ -633,12 +849,13 @@ def render_trace(report: TraceReport, console: Any) -> None:
         return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
     for r in s.slots:
-        train = num(r["rms_trained"], ".4g") + (f" ± {r['rms_std_trained']:.2g}" if r["rms_std_trained"] else "")
-        verdict = f"[bold red]{e(r['verdict'])}[/]" if r["off"] else (
-            "[green]ok[/]" if r["verdict"] == "ok" else e(r["verdict"]))
-        looks = "-" if r["looks_like"] is None else str(r["looks_like"])
-        t.add_row(str(r["slot"]), str(r["served_boundary"]), str(r["trained_boundary"]), num(r["rms_observed"], ".4g"),
-                  train, num(r["rms_z"], "+.1f"), num(r["channel_z"], ".2f"), e(looks), verdict)
+        ref, c = r.reference, r.comparison
+        train = num(ref.rms_mean if ref else None, ".4g") + (f" ± {ref.rms_std:.2g}" if ref and ref.rms_std else "")
+        verdict = f"[bold red]{e(r.verdict)}[/]" if r.off else ("[green]ok[/]" if r.verdict == "ok" else e(r.verdict))
+        looks = "-" if r.looks_like is None else str(r.looks_like)
+        t.add_row(str(r.slot), str(r.served_boundary), str(r.trained_boundary),
+                  num(r.observed.rms_mean if r.observed else None, ".4g"), train, num(r.rms_z, "+.1f"),
+                  num(c.channel_z if c else None, ".2f"), e(looks), verdict)
     console.print(t)
     for w in s.warnings:
         console.print(f"  [yellow]warning[/] {e(w)}")

@@ -12,10 +12,11 @@ the fix in words when no edit can help.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
 
-from eyas.doctor.common import FAIL, WARN, Edit, Finding, Stage, boundary_name, edits_text, slots_text
+from eyas.doctor.common import FAIL, WARN, DoctorStages, Edit, Finding, boundary_name, edits_text, slots_text
 from eyas.doctor.engines import DrafterDir, EngineReading, boundary_edits, flag_edit
+from eyas.doctor.fingerprint import FingerprintResult
 from eyas.doctor.search import SearchResult
 
 PRIORITY = ("unreadable", "engine_cannot_load", "target_mismatch", "target_hidden_size", "fc_width", "vocab_size",
@@ -57,37 +58,44 @@ def describe_boundaries(trained: list[int], served: list[int], L: int) -> str:
     return "; ".join(parts) if parts else f"{S} slots differ"
 
 
-def _fingerprint_evidence(fp: Stage) -> str:
-    rows = [r for r in fp.data.get("slots", []) if r.get("off")]
+@dataclass
+class Verdict:
+    healthy: bool
+    cause: str | None = None  # the most fundamental failure, in one sentence
+    fix: str | None = None  # the config edits in words, then the fix in words when no edit helps
+    fix_edits: list[Edit] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # "stage: message" of every warning
+    problems: list[str] = field(default_factory=list)  # "code: message" of every failure
+
+
+def _fingerprint_evidence(fp: FingerprintResult | None) -> str:
+    rows = [r for r in (fp.slots if fp is not None else []) if r.off]
     if not rows:
         return ""
-    bits = [f"slot {r['slot']} looks like {r['looks_like_name']} (RMS z = {r['rms_z']:+.1f} against training)"
+    bits = [f"slot {r.slot} looks like {r.looks_like_name} (RMS z = {r.rms_z:+.1f} against training)"
             for r in rows[:3]]
     return "; the fingerprint shows " + ", ".join(bits)
 
 
-def _search_evidence(search: SearchResult) -> str:
-    if search.winner is None:
+def _search_evidence(search: SearchResult | None) -> str:
+    if search is None or search.winner is None:
         return ""
-    d = search.stage.data
-    k = d.get("positions_scored", 2)
-    return (f"; the search confirms it: with {search.winner.label}, live accuracy (mean over the first {k} draft "
-            f"positions) returns to {d['winner']['score']:.3f} (replay {d['reference_score']:.3f}, as served "
-            f"{d['served_score']:.3f})")
+    k = search.positions_scored
+    return (f"; the search confirms it: with {search.winner.protocol.label}, live accuracy (mean over the first {k} "
+            f"draft positions) returns to {search.winner.score:.3f} (replay {search.reference_score:.3f}, as served "
+            f"{search.served_score:.3f})")
 
 
-def verdict(stages: dict[str, Stage], dd: DrafterDir | None, reading: EngineReading | None, L: int,
-            search: SearchResult | None) -> dict[str, Any]:
+def verdict(stages: DoctorStages, dd: DrafterDir | None, reading: EngineReading | None, L: int) -> Verdict:
     fails = [f for st in stages.values() for f in st.findings if f.level == FAIL]
     warnings = [f"{name}: {f.message}" for name, st in stages.items() for f in st.findings if f.level == WARN]
-    out: dict[str, Any] = {"healthy": not fails, "cause": None, "fix": None, "fix_edits": [], "warnings": warnings,
-                           "problems": [f"{f.code}: {f.message}" for f in fails]}
+    out = Verdict(healthy=not fails, warnings=warnings, problems=[f"{f.code}: {f.message}" for f in fails])
     if not fails:
         return out
-    static = stages.get("static")
-    static_fails = sorted([f for f in (static.findings if static else []) if f.level == FAIL], key=_rank)
+    static_fails = sorted(stages.static.failures(), key=_rank)
     label = reading.label if reading is not None else "the engine"
-    search = search or SearchResult(Stage("search").skip(""))
+    search = stages.search.result
+    fingerprint = stages.fingerprint.result
 
     # Every config-fixable static failure contributes its edits (boundaries and flags together).
     edits: list[Edit] = []
@@ -105,7 +113,7 @@ def verdict(stages: dict[str, Stage], dd: DrafterDir | None, reading: EngineRead
             cause = (f"{label} feeds the drafter boundaries {served} ({reading.boundaries_note}) but it was trained on "
                      f"{trained}: {describe_boundaries(trained, served, L)}"
                      + (f" ({reading.why_not})" if not reading.loadable and reading.why_not else "")
-                     + _fingerprint_evidence(stages["fingerprint"]) + _search_evidence(search))
+                     + _fingerprint_evidence(fingerprint) + _search_evidence(search))
             if not top.edits:
                 words = top.fix or top.message
         elif top.code.startswith("flag:"):
@@ -113,9 +121,9 @@ def verdict(stages: dict[str, Stage], dd: DrafterDir | None, reading: EngineRead
         else:
             cause = top.message
             words = top.fix
-    elif search.winner is not None and dd is not None and reading is not None:
+    elif search is not None and search.winner is not None and dd is not None and reading is not None:
         # Nothing recorded says what is wrong, but a protocol restores the accuracy: fix towards it.
-        wp = search.winner
+        wp = search.winner.protocol
         slots = list(wp.slots)
         if slots != list(reading.boundaries or []):
             if L + 1 in slots:
@@ -130,7 +138,7 @@ def verdict(stages: dict[str, Stage], dd: DrafterDir | None, reading: EngineRead
                 edits.append(flag_edit(f, v))
         cause = (f"served as {label} serves it (boundaries {slots_text(reading.boundaries or [], L)}) the drafter falls "
                  f"short of its replay accuracy, and with {wp.label} (boundaries {slots_text(slots, L)}) it returns"
-                 + _fingerprint_evidence(stages["fingerprint"]))
+                 + _fingerprint_evidence(fingerprint))
     else:
         order = ("replay", "live", "fingerprint")
         first = next((f for name in order for f in stages[name].findings if f.level == FAIL), fails[0])
@@ -143,10 +151,10 @@ def verdict(stages: dict[str, Stage], dd: DrafterDir | None, reading: EngineRead
             words = "no config edit found: compare the engine's capture with `eyas trace`"
         elif first.code == "slot_off":
             words = "feed each slot the boundary its training statistics match (see the fingerprint stage)"
-    out["cause"] = cause
-    out["fix_edits"] = [e.to_dict() for e in edits]
+    out.cause = cause
+    out.fix_edits = edits
     fix = edits_text(edits, str(dd.path)) if edits and dd is not None else None
     if words and fix:
         fix = f"{fix}; {words}"
-    out["fix"] = fix or words
+    out.fix = fix or words
     return out

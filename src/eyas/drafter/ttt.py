@@ -20,13 +20,13 @@ positions whose predicted token x_{t+2+k} is an assistant token (loss_mask shift
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from eyas.contract.contract import ValidationMetrics
 from eyas.drafter.model import ConcatKVCache, Eagle3Drafter
 
 
@@ -153,14 +153,15 @@ class Tally:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(self.t)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> ValidationMetrics:
+        """Per-position means of the counts (rounded to 5 places), without a step (the caller's)."""
         loss_n, correct, total, cc, ct = self.t
         acc = (correct / total.clamp(min=1)).tolist()
         cond = (cc / ct.clamp(min=1)).tolist()
-        return {
-            "loss_per_position": [round(x, 5) for x in (loss_n / total.clamp(min=1)).tolist()],
-            "accuracy_per_position": [round(x, 5) for x in acc],
-            "conditional_accuracy_per_position": [round(x, 5) for x in cond],
-            "simulated_accept_length": round(accept_length(cond), 5),
-            "tokens_counted": int(total[0]),
-        }
+        return ValidationMetrics(
+            loss_per_position=[round(x, 5) for x in (loss_n / total.clamp(min=1)).tolist()],
+            accuracy_per_position=[round(x, 5) for x in acc],
+            conditional_accuracy_per_position=[round(x, 5) for x in cond],
+            simulated_accept_length=round(accept_length(cond), 5),
+            tokens_counted=int(total[0]),
+        )

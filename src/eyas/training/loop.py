@@ -25,7 +25,7 @@ from tqdm import tqdm
 from eyas.convention.boundaries import CaptureSpec
 from eyas.targets.structure import find_decoder_blocks
 from eyas.capture.stats import FingerprintAccumulator
-from eyas.contract.contract import SlotFingerprint
+from eyas.contract.contract import SlotFingerprint, ValidationMetrics
 from eyas.drafter.build import drafter_flags, new_drafter
 from eyas.drafter.model import Eagle3Drafter
 from eyas.training.batches import Batch, OfflineBatches, OnlineBatches
@@ -163,7 +163,7 @@ def token_pairs(samples: Any, indices: Sequence[int]):
 
 @torch.no_grad()
 def evaluate(drafter: Eagle3Drafter, batches: Any, samples: Any, val_idx: Sequence[int], cfg: TrainConfig,
-             d: Dist) -> dict[str, Any]:
+             d: Dist) -> ValidationMetrics:
     drafter.eval()
     tally = Tally(cfg.ttt_steps)
     mine = list(val_idx)[d.rank :: d.world]
@@ -292,10 +292,10 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         with the metrics in its contract; intermediate ones also get the resumable train state."""
         val = evaluate(drafter, batches, samples, val_idx, cfg, d) if val_idx else None
         if val is not None:
-            record({"kind": "val", "step": step, **val})
+            record({"kind": "val", "step": step, **val.model_dump()})
         if not d.main:
             return
-        c = contract.model_copy(update={"metrics": {"step": step, **(val or {})}})
+        c = contract.model_copy(update={"metrics": (val or ValidationMetrics()).model_copy(update={"step": step})})
         if final:
             save_drafter(drafter, c, out)
             (out / "train_config.json").write_text(cfg.model_dump_json(indent=2))
@@ -334,14 +334,14 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
             s = window.summary()
             tok_s = tokens / (time.perf_counter() - t0)
             record({"kind": "train", "step": done, "loss": r.loss.item(), "lr": sched.get_last_lr()[0],
-                    "grad_norm": float(grad_norm), "tokens_per_s": round(tok_s, 1), **s})
-            bar.set_postfix(loss=f"{r.loss.item():.3f}", acc0=f"{s['accuracy_per_position'][0]:.3f}",
+                    "grad_norm": float(grad_norm), "tokens_per_s": round(tok_s, 1), **s.model_dump()})
+            bar.set_postfix(loss=f"{r.loss.item():.3f}", acc0=f"{s.accuracy_per_position[0]:.3f}",
                             tok_s=f"{tok_s:.0f}")
             window = Tally(cfg.ttt_steps)
         if done < total_steps and done % cfg.save_every == 0:
             checkpoint(done, final=False)
         elif done < total_steps and done % cfg.eval_every == 0 and val_idx:
-            record({"kind": "val", "step": done, **evaluate(drafter, batches, samples, val_idx, cfg, d)})
+            record({"kind": "val", "step": done, **evaluate(drafter, batches, samples, val_idx, cfg, d).model_dump()})
         if stop_after is not None and done - start >= stop_after:
             return TrainResult(out, drafter, done)
     checkpoint(total_steps, final=True)
