@@ -1,7 +1,7 @@
 """Stage 3, live: the target captured the way the chosen engine captures it, on the same token
 sequences as the replay, and the drafter built with the norm flags that engine reads.
 
-The engine's protocol comes from :func:`eyas.doctor.engines.read_engine` (the boundaries it reads
+The engine's protocol comes from :func:`eyas.interop.read_as` (the boundaries it reads
 from the directory as it stands, in its slot order; its norm flags); the values come from eyas'
 one capture path. Live falls short when its position-0 accuracy is below the replay's by more than
 max(3 points, 5 %): both run on the same tokens, so a healthy serving path matches to rounding.
@@ -15,9 +15,9 @@ from torch import Tensor
 
 from eyas.doctor.capture import LiveCapture
 from eyas.doctor.common import FAIL, INFO, OK, Stage, fmt_acc, replay_tolerance, short_by
-from eyas.doctor.engines import EngineReading
 from eyas.doctor.evaluate import accuracy
 from eyas.doctor.samples import SampleSet
+from eyas.interop.servers import EngineReading
 
 
 def live_stage(reading: EngineReading, samples: SampleSet, cap: LiveCapture, labels: list[Tensor], drafter: Any,

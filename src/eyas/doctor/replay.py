@@ -17,9 +17,9 @@ from torch import Tensor
 
 from eyas.doctor.capture import LiveCapture
 from eyas.doctor.common import FAIL, INFO, OK, Stage, fmt_acc, replay_tolerance
-from eyas.doctor.engines import DrafterDir
 from eyas.doctor.evaluate import accuracy
 from eyas.doctor.samples import SampleSet
+from eyas.interop.directory import DrafterDir
 
 
 def replay_features(trained: list[int], samples: SampleSet, cap: LiveCapture, live_labels: list[Tensor],

@@ -16,17 +16,17 @@ from eyas.targets.structure import find_decoder_blocks, find_embedding
 from eyas.contract.contract import SlotFingerprint, weights_fingerprint
 from eyas.doctor.capture import LiveCapture, capture_all, stored_labels
 from eyas.doctor.common import FAIL, Stage
-from eyas.doctor.engines import DrafterDir, EngineReading, normalise_engine, read_drafter_dir, read_engine
-from eyas.doctor.evaluate import build_drafter
 from eyas.doctor.fingerprint import fingerprint_stage, nearest
 from eyas.doctor.live import live_stage
 from eyas.doctor.replay import replay_features, replay_stage
 from eyas.doctor.report import STAGES, DoctorReport, plot_png
-from eyas.doctor.samples import SampleSet, load_samples
+from eyas.doctor.samples import SampleSet, load_samples, training_config
 from eyas.doctor.search import SearchResult, search_stage
 from eyas.doctor.static import static_stage
 from eyas.doctor.verdict import verdict
 from eyas.errors import EyasError
+from eyas.interop import DrafterDir, build_drafter, read_as, read_drafter_dir, servers
+from eyas.interop.servers import EngineReading
 
 DEFAULT_TTT_STEPS = 7  # DESIGN.md section 5, when the contract records no per-position metrics
 
@@ -65,7 +65,7 @@ def run_doctor(
     draft: str | Path,
     data: str | None = None,
     engine: str = "eyas",
-    engine_version: str | None = None,
+    sglang_rule: str | None = None,
     samples: int = 32,
     max_length: int = 512,
     png: str | Path | None = None,
@@ -74,7 +74,8 @@ def run_doctor(
     tokenizer: Any = None,
     log: Callable[[str], None] | None = None,
 ) -> DoctorReport:
-    """Diagnose the drafter at ``draft`` against ``target`` as ``engine`` would serve it.
+    """Diagnose the drafter at ``draft`` against ``target`` as ``engine`` would serve it (an engine
+with several id rules, SGLang, following ``sglang_rule``; default: its current one).
 
     ``model``/``tokenizer`` may be passed already loaded (then ``target`` only names it in the
     report). Raises only for a target that cannot be loaded or a bad ``engine``; every problem with
@@ -82,7 +83,8 @@ def run_doctor(
     """
     t0 = time.perf_counter()
     say = log or (lambda m: None)
-    engine, engine_version = normalise_engine(engine, engine_version)
+    spec = servers.get(engine)
+    engine, engine_version = spec.name, spec.rule(sglang_rule)
     source = str(target)
     if model is None:
         from eyas.targets import load_target
@@ -98,7 +100,7 @@ def run_doctor(
                    "num_blocks": L, "hidden_size": H, "vocab_size": V, "fingerprint": weights_fingerprint(model)}
     stages = {name: Stage(name) for name in STAGES}
     engine_info: dict[str, Any] = {"name": engine, "version": engine_version,
-                                   "label": EngineReading(engine, engine_version).label}
+                                   "label": spec.label(engine_version)}
 
     def finish(dd: DrafterDir | None, reading: EngineReading | None, sset: SampleSet | None,
                search: SearchResult | None) -> DoctorReport:
@@ -129,14 +131,14 @@ def run_doctor(
         for name in STAGES[1:]:
             stages[name].skip("the drafter directory cannot be read")
         return finish(None, None, None, None)
-    reading = read_engine(dd, engine, engine_version, L)
+    reading = read_as(engine, dd, L, engine_version)
 
     # --- samples ---
     sset: SampleSet | None = None
     data_error = None
     try:
         say("loading samples")
-        sset = load_samples(data, model, tokenizer, dd.contract, dd.train_config, samples, max_length)
+        sset = load_samples(data, model, tokenizer, dd.contract, training_config(dd), samples, max_length)
     except (EyasError, FileNotFoundError, ValueError) as e:
         data_error = f"--data {data}: {e}"
 
@@ -182,7 +184,8 @@ def run_doctor(
     def _drafter(flags: dict[str, bool]) -> tuple[Any, list[str]]:
         key = tuple(sorted(flags.items()))
         if key not in drafters:
-            drafters[key] = build_drafter(dd, dd.trained.model_copy(update=dict(flags)), emb, device)
+            drafter, notes = build_drafter(dd.trained.model_copy(update=dict(flags)), dd.tensors, emb)
+            drafters[key] = (drafter.to(device).eval(), notes)
         return drafters[key]
 
     # --- replay ---

@@ -503,7 +503,7 @@ def run_trace(
     max_new_tokens: int = 64,
     tree: Any = "5",
     engine: str = "eyas",
-    engine_version: str | None = None,
+    sglang_rule: str | None = None,
     device: str = "cpu",
     model: Any = None,
     tokenizer: Any = None,
@@ -521,12 +521,13 @@ def run_trace(
     from eyas.targets.structure import find_decoder_blocks, find_embedding
     from eyas.contract.contract import weights_fingerprint
     from eyas.data.render import render_prompt
-    from eyas.doctor.engines import normalise_engine, read_drafter_dir, read_engine, served_config
-    from eyas.doctor.evaluate import build_drafter
+    from eyas.drafter.config import NORM_FLAGS
+    from eyas.interop import build_drafter, read_as, read_drafter_dir, served_config, servers
     from eyas.engine import HFTarget, TreeSpec, speculative_generate
 
     say = log or (lambda m: None)
-    engine, engine_version = normalise_engine(engine, engine_version)
+    spec = servers.get(engine)
+    engine, engine_version = spec.name, spec.rule(sglang_rule)
     spec_tree = tree if isinstance(tree, TreeSpec) else TreeSpec.parse(str(tree))
     source = str(target)
     if model is None:
@@ -547,7 +548,7 @@ def run_trace(
 
     say(f"reading {draft}")
     dd = read_drafter_dir(draft, L)
-    reading = read_engine(dd, engine, engine_version, L)
+    reading = read_as(engine, dd, L, engine_version)
     if not reading.loadable or reading.boundaries is None:
         raise TraceError(f"{reading.label} cannot serve {draft}: {reading.why_not}")
     cfg = served_config(dd, reading)
@@ -560,7 +561,7 @@ def run_trace(
     ) if m]
     if misfit:
         raise TraceError(f"{draft} does not fit the target: " + "; ".join(misfit))
-    drafter, notes = build_drafter(dd, cfg, emb, param.device)
+    drafter, notes = build_drafter(cfg, dd.tensors, emb)
     drafter = drafter.to(param.device, dtype=param.dtype).eval()
     tgt = HFTarget(model, CaptureSpec(tuple(reading.boundaries), L))
 
@@ -578,8 +579,7 @@ def run_trace(
     ids = render_prompt(messages, tokenizer).to(param.device)
     engine_info = {"name": engine, "version": engine_version, "label": reading.label,
                    "boundaries": list(reading.boundaries), "boundaries_note": reading.boundaries_note,
-                   "flags": {f: bool(getattr(cfg, f)) for f in ("norm_before_residual", "norm_before_fc", "fc_norm",
-                                                                  "norm_output")}}
+                   "flags": {f: bool(getattr(cfg, f)) for f in NORM_FLAGS}}
     header = {"engine": engine_info, "target": source, "draft": str(draft), "trained_boundaries": trained,
               "prompt_tokens": int(ids.numel()), "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens],
               "max_new_tokens": max_new_tokens}
