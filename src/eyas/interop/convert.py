@@ -94,9 +94,9 @@ def import_drafter(
 ) -> Path:
     """Convert an SGLang/SpecForge/EAGLE-3 or speculators directory to an eyas directory.
 
-    Layer ids are read in the source format's convention (SpecForge: boundary = id + 1; speculators:
-    ids are boundaries); absent ids mean the default ``[2, L//2, L-3]``, which needs
-    ``num_target_blocks`` or ``target``. With ``target`` the drafter is checked against it (see
+    Layer ids are read in the source layout's own convention, as its engine's spec says
+    (:meth:`~eyas.interop.servers.ServerSpec.trained_boundaries`); absent ids mean the default
+    ``[2, L//2, L-3]``, which needs ``num_target_blocks`` or ``target``. With ``target`` the drafter is checked against it (see
     :func:`~eyas.interop.load_drafter`) and the contract records it.
     """
     blocks = len(find_decoder_blocks(target)) if target is not None else None

@@ -1,14 +1,15 @@
 """The eyas checkpoint: an SGLang-loadable drafter directory plus ``eyas.json``.
 
-    config.json        LlamaForCausalLMEagle3 config (see eyas.interop.servers.sglang), SGLang ids for the
-                       PR #25454 rule, top-level ids = boundaries (vLLM), every norm flag explicit
+    config.json        LlamaForCausalLMEagle3 config (eyas.interop.servers.sglang writes it), SGLang
+                       ids for the current rule, top-level ids = boundaries (vLLM), every norm flag
     model.safetensors  the drafter's state_dict names; embed_tokens.weight only when asked for (the
                        engines take the target's embedding otherwise)
     eyas.json          {"format", "embeddings": "saved"|"from_target", "boundaries",
                         "num_target_blocks", "drafter_config", "contract"}
 
-Exports (the SGLang / speculators layouts, written by each engine's spec in eyas.interop.servers) carry the same ``eyas.json`` so that the
-contract survives a trip through an engine format; its ``format`` then names that layout.
+Exports (the SGLang / speculators layouts, each written by its engine's spec in
+eyas.interop.servers) carry the same ``eyas.json`` so that the contract survives a trip through an
+engine format; its ``format`` then names that layout.
 ``contract`` is null only for drafters imported without a target.
 
 Reading goes through :func:`read_checkpoint` for every supported layout: the layout of

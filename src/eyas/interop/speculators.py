@@ -4,8 +4,9 @@ Facts this module relies on (read from the sources, not guessed):
 - vllm-project/speculators ``src/speculators/models/eagle3/config.py``: ``Eagle3SpeculatorConfig``
   has ``speculators_model_type: "eagle3"``, ``architectures: ["Eagle3Speculator"]``,
   ``transformer_layer_config`` (an HF config dict of the decoder layer), ``draft_vocab_size``,
-  ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids`` and the flags ``norm_before_residual``,
-  ``norm_before_fc``, ``fc_norm``, ``norm_output`` (all default false there), and rejects
+  ``target_hidden_size``, the top-level layer ids (read as :mod:`eyas.interop.servers.vllm` says) and
+  the flags ``norm_before_residual``, ``norm_before_fc``, ``fc_norm``, ``norm_output`` (all default
+  false there), and rejects
   ``norm_before_fc`` together with ``fc_norm``.
 - ``src/speculators/config.py``: ``speculators_config`` = {algorithm, proposal_methods,
   default_proposal_method, verifier: {name_or_path, architectures}}; ``src/speculators/proposals/greedy.py``:

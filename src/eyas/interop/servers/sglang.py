@@ -34,9 +34,8 @@ from eyas.drafter.config import NORM_FLAGS, DrafterConfig
 from eyas.interop import speculators
 from eyas.interop import sglang as layout
 from eyas.interop.common import CONFIG_JSON, CheckpointError, default_boundaries_or_none, llama_fields
-from eyas.interop.servers.spec import (
-    TOP_IDS, Edit, EngineReading, KeyRead, RuleCheck, ServerSpec, WrittenConfig, ids_or_none,
-)
+from eyas.interop.servers.spec import Edit, EngineReading, KeyRead, RuleCheck, ServerSpec, WrittenConfig
+from eyas.interop.servers.vllm import TOP_IDS  # written too, so that vLLM loads an SGLang directory
 
 if TYPE_CHECKING:
     import torch
@@ -189,12 +188,7 @@ class SGLangServer(ServerSpec):
         config = meta.config
         ids = nested_ids(config)
         if ids is None:
-            if L is None:
-                r.boundaries_note = (f"{NESTED_IDS} absent: SGLang's default [2, L//2, L-3] depends on the "
-                                     f"target's block count, which is unknown")
-            else:
-                r.boundaries = default_boundaries(L)
-                r.boundaries_note = f"{NESTED_IDS} absent: SGLang's default [2, L//2, L-3] = {r.boundaries}"
+            self.read_absent_ids(r, L)
         else:
             how = sg_rule.reading(ids)[1]
             try:

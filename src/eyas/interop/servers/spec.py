@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from eyas.convention.boundaries import default_boundaries
 from eyas.drafter.config import NORM_FLAGS, DrafterConfig
 from eyas.errors import EyasError
 from eyas.interop.common import CONFIG_JSON
@@ -34,8 +35,6 @@ if TYPE_CHECKING:  # the directory as read (eyas_format imports the specs) and t
     import torch
     from eyas.contract.contract import Contract
     from eyas.interop.eyas_format import Meta
-
-TOP_IDS = "eagle_aux_hidden_state_layer_ids"  # the top-level key (its meaning is each engine's own)
 
 
 class ServerError(EyasError, ValueError):
@@ -235,6 +234,16 @@ class ServerSpec(ABC):
         ``num_blocks`` blocks (None: unknown; defaults then stay unresolved). ``files_config`` is
         what config.json and the weights say when eyas.json does not (None when the weights were
         not read); ``problems`` what went wrong reading the directory."""
+
+    def read_absent_ids(self, r: EngineReading, num_blocks: int | None) -> None:
+        """No ids under :attr:`id_key`: the engine falls back to the EAGLE-3 default ``[2, L//2, L-3]``
+        (left unresolved, None, while the block count is unknown)."""
+        if num_blocks is None:
+            r.boundaries_note = (f"{self.id_key} absent: {self.title}'s default [2, L//2, L-3] depends on the "
+                                 f"target's block count, which is unknown")
+        else:
+            r.boundaries = default_boundaries(num_blocks)
+            r.boundaries_note = f"{self.id_key} absent: {self.title}'s default [2, L//2, L-3] = {r.boundaries}"
 
     def can_capture(self, boundaries: Sequence[int], num_blocks: int) -> bool:
         return self.captures_last_boundary or num_blocks not in boundaries

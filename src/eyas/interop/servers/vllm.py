@@ -22,14 +22,14 @@ from eyas.convention.boundaries import BoundaryError, default_boundaries, valida
 from eyas.drafter.config import NORM_FLAGS, DrafterConfig
 from eyas.interop import speculators as layout
 from eyas.interop.common import CONFIG_JSON, CheckpointError, default_boundaries_or_none, llama_fields
-from eyas.interop.servers.spec import (
-    TOP_IDS, Edit, EngineReading, KeyRead, ServerSpec, WrittenConfig, ids_or_none,
-)
+from eyas.interop.servers.spec import Edit, EngineReading, KeyRead, ServerSpec, WrittenConfig, ids_or_none
 
 if TYPE_CHECKING:
     import torch
     from eyas.contract.contract import Contract
     from eyas.interop.eyas_format import Meta
+
+TOP_IDS = "eagle_aux_hidden_state_layer_ids"  # top-level: boundaries, as vLLM reads them
 
 
 def vllm_ids_to_boundaries(ids: Sequence[int] | None, num_blocks: int | None) -> list[int]:
@@ -73,12 +73,7 @@ class VLLMServer(ServerSpec):
         llama = (config.get("transformer_layer_config") or {}) if meta.layout == "speculators" else config
         top = self.read_ids(config)
         if top is None:
-            if L is None:
-                r.boundaries_note = (f"{TOP_IDS} absent: vLLM's default [2, L//2, L-3] depends on the target's "
-                                     f"block count, which is unknown")
-            else:
-                r.boundaries = default_boundaries(L)
-                r.boundaries_note = f"{TOP_IDS} absent: vLLM's default [2, L//2, L-3] = {r.boundaries}"
+            self.read_absent_ids(r, L)
         else:
             try:
                 r.boundaries = vllm_ids_to_boundaries(top, L)
