@@ -1,7 +1,7 @@
 """The eyas checkpoint: an SGLang-loadable drafter directory plus ``eyas.json``.
 
     config.json        LlamaForCausalLMEagle3 config (eyas.interop.servers.sglang writes it), SGLang
-                       ids for the current rule, top-level ids = boundaries (vLLM), every norm flag
+                       ids for the current rule, top-level ids = boundaries (vLLM), all flags explicit
     model.safetensors  the drafter's state_dict names; embed_tokens.weight only when asked for (the
                        engines take the target's embedding otherwise)
     eyas.json          {"format", "embeddings": "saved"|"from_target", "boundaries",
