@@ -1,4 +1,5 @@
-"""The layer convention (DESIGN.md section 2) and the converters to every engine's ids."""
+"""The layer convention (DESIGN.md section 2) and the converters to every engine's ids (each in its
+server module of eyas.interop.servers)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,19 @@ import pytest
 from eyas.convention.boundaries import (
     BoundaryError,
     CaptureSpec,
-    SGLangRule,
     boundaries_to_hf_indices,
-    boundaries_to_sglang_ids,
-    boundaries_to_vllm_ids,
     default_boundaries,
     hf_indices_to_boundaries,
     parse_boundaries,
+    validate_boundaries,
+)
+from eyas.interop.servers.sglang import (
+    SGLangRule,
+    boundaries_to_sglang_ids,
     sglang_ids_to_boundaries,
     sglang_rules_agree,
-    validate_boundaries,
-    vllm_ids_to_boundaries,
 )
+from eyas.interop.servers.vllm import boundaries_to_vllm_ids, vllm_ids_to_boundaries
 
 LEGACY, PR = SGLangRule.LEGACY, SGLangRule.PR25454
 
@@ -137,7 +139,7 @@ def test_sglang_default_both_rules_agree(rule, L):
     assert boundaries_to_sglang_ids(bs, L, rule) == ids
     assert sglang_ids_to_boundaries(ids, L, rule) == bs
     assert sglang_rules_agree(bs, L)
-    assert CaptureSpec.default(L).to_sglang(SGLangRule(rule)) == ids
+    assert boundaries_to_sglang_ids(CaptureSpec.default(L).boundaries, L, SGLangRule(rule)) == ids
 
 
 @pytest.mark.parametrize("rule", [LEGACY, PR])
@@ -168,7 +170,7 @@ def test_sglang_non_default_written_and_read_back(rule):
     ids = boundaries_to_sglang_ids(NON_DEFAULT, 32, rule)
     assert ids == WRITTEN[rule]
     assert sglang_ids_to_boundaries(ids, 32, rule) == NON_DEFAULT
-    assert CaptureSpec(tuple(NON_DEFAULT), 32).to_sglang(rule) == WRITTEN[rule]
+    assert boundaries_to_sglang_ids(CaptureSpec(tuple(NON_DEFAULT), 32).boundaries, 32, rule) == WRITTEN[rule]
 
 
 @pytest.mark.parametrize(
@@ -294,7 +296,7 @@ def test_sglang_roundtrip_property(rule):
 def test_vllm_ids_are_boundaries(bs):
     assert boundaries_to_vllm_ids(bs, 32) == bs
     assert vllm_ids_to_boundaries(bs, 32) == bs
-    assert CaptureSpec(tuple(bs), 32).to_vllm() == bs
+    assert boundaries_to_vllm_ids(CaptureSpec(tuple(bs), 32).boundaries, 32) == bs
 
 
 @pytest.mark.parametrize("ids", [None, []])

@@ -100,7 +100,7 @@ def doctor(world, draft, engine="eyas", version=None, data="shards", target=None
         name = target
     data_path = world[data] if data in ("shards", "convs") else data
     return run_doctor(str(name), str(draft), data=str(data_path) if data_path else None, engine=engine,
-                      engine_version=version, samples=16, model=model, tokenizer=tok, **kw)
+                      sglang_rule=version, samples=16, model=model, tokenizer=tok, **kw)
 
 
 def served_copy(world, src: str, name: str, edit=None) -> Path:
@@ -181,7 +181,7 @@ def test_cli_json_png_and_exit_codes(world, tmp_path):
     broken = served_copy(world, "base", "cli-broken", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5, 8]))
     bad = runner.invoke(cli, args + ["--draft", str(broken), "--engine", "vllm"])
     assert bad.exit_code == 1 and "NOT HEALTHY" in bad.stdout and "verdict" in bad.stdout
-    usage = runner.invoke(cli, args + ["--draft", str(broken), "--engine", "sglang", "--engine-version", "v9"])
+    usage = runner.invoke(cli, args + ["--draft", str(broken), "--engine", "sglang", "--sglang-rule", "v9"])
     assert usage.exit_code == 2
 
 

@@ -19,12 +19,12 @@ from eyas.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eyas.drafter.build import drafter_flags, new_drafter  # noqa: E402
 from eyas.interop import (  # noqa: E402
     CheckpointError,
-    engine_view,
     export_drafter,
     import_drafter,
     load_drafter,
     read_contract,
     save_drafter,
+    view_engines,
 )
 
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -177,12 +177,12 @@ def test_round_trip_through_sglang_keeps_every_tensor_and_the_boundaries(tmp_pat
     assert {f: exported[f] for f in FLAGS} == {f: getattr(drafter.config, f) for f in FLAGS}
     assert set(load_file(str(tmp_path / "sglang" / "model.safetensors"))) == set(drafter.state_dict())
 
-    back = import_drafter(report["path"], tmp_path / "back")
+    back = import_drafter(report.path, tmp_path / "back")
     loaded, c = load_drafter(back)
     assert_same_state(drafter, loaded)
     assert loaded.config == drafter.config
     assert c == contract
-    assert engine_view(back)["boundaries"] == [3, 10, 29]
+    assert view_engines(back).boundaries == [3, 10, 29]
 
 
 @pytest.mark.parametrize("flags", ROUND_TRIP_FLAGS)
@@ -194,7 +194,7 @@ def test_round_trip_through_speculators_keeps_every_tensor_and_the_boundaries(tm
     loaded, c = load_drafter(back)
     assert_same_state(drafter, loaded, skip={"embed_tokens.weight"})  # not saved: comes from the target
     assert loaded.config == drafter.config and c == contract
-    assert engine_view(back)["boundaries"] == [3, 10, 29]
+    assert view_engines(back).boundaries == [3, 10, 29]
 
 
 @pytest.mark.parametrize("flags", ROUND_TRIP_FLAGS)
@@ -208,7 +208,7 @@ def test_speculators_dir_alone_carries_boundaries_and_flags(tmp_path, flags):
     assert c is None  # imported without a target: nothing to vouch for
     assert_same_state(drafter, loaded, skip={"embed_tokens.weight"})
     assert loaded.config == drafter.config
-    assert engine_view(back)["boundaries"] == [3, 10, 29]
+    assert view_engines(back).boundaries == [3, 10, 29]
 
 
 def test_sglang_dir_alone_carries_boundaries_and_flags_when_the_rules_agree(tmp_path):
@@ -221,7 +221,7 @@ def test_sglang_dir_alone_carries_boundaries_and_flags_when_the_rules_agree(tmp_
     loaded, _ = load_drafter(back)
     assert_same_state(drafter, loaded, skip={"embed_tokens.weight"})
     assert loaded.config == drafter.config
-    assert engine_view(back)["boundaries"] == [2, 16, 29]
+    assert view_engines(back).boundaries == [2, 16, 29]
 
 
 def test_speculators_layout_names_flags_and_verifier(tmp_path):
@@ -303,9 +303,9 @@ def test_specforge_ids_are_output_of_block_and_import_as_boundaries(tmp_path):
     drafter = specforge_dir(tmp_path / "sf", {"eagle_aux_hidden_state_layer_ids": [1, 29, 57],
                                                "use_aux_hidden_state": True})
     out = import_drafter(tmp_path / "sf", tmp_path / "eyas", num_target_blocks=61)
-    view = engine_view(out)
-    assert view["boundaries"] == [2, 30, 58] and view["num_target_blocks"] == 61
-    assert view["engines"] == {"eyas": [2, 30, 58], "sglang": [2, 30, 58], "sglang_legacy": [2, 30, 58],
+    view = view_engines(out)
+    assert view.boundaries == [2, 30, 58] and view.num_target_blocks == 61
+    assert view.engines == {"eyas": [2, 30, 58], "sglang": [2, 30, 58], "sglang_legacy": [2, 30, 58],
                                "vllm": [2, 30, 58]}
     loaded, contract = load_drafter(out)
     assert contract is None
@@ -319,7 +319,7 @@ def test_specforge_dir_without_ids_needs_the_block_count(tmp_path):
         import_drafter(tmp_path / "sf", tmp_path / "eyas")
     assert "config.json" in str(e.value) and "[2, L//2, L-3]" in str(e.value)
     out = import_drafter(tmp_path / "sf", tmp_path / "eyas", num_target_blocks=32)
-    assert engine_view(out)["boundaries"] == [2, 16, 29]
+    assert view_engines(out).boundaries == [2, 16, 29]
 
 
 def test_specforge_dir_whose_ids_do_not_match_fc_fails_naming_num_slots(tmp_path):
@@ -347,7 +347,7 @@ def test_import_with_target_records_its_contract(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# engine_view
+# view_engines: every engine's reading
 # ---------------------------------------------------------------------------------------------
 
 
@@ -356,24 +356,24 @@ def test_engine_view_shows_what_each_sglang_rule_captures(tmp_path):
     src = save_drafter(drafter, contract, tmp_path / "eyas")
 
     new = export_drafter(src, "sglang", tmp_path / "new", sglang_rule="pr25454")
-    assert new["ids_written"]["eagle_config.eagle_aux_hidden_state_layer_ids"] == [3, 10, 29]
-    assert new["sglang_rules_agree"] is False and "[4, 11, 30]" in " ".join(new["notes"])
-    assert new["view"]["engines"] == {"eyas": [3, 10, 29], "sglang": [3, 10, 29],
+    assert new.ids_written["eagle_config.eagle_aux_hidden_state_layer_ids"] == [3, 10, 29]
+    assert new.sglang_rules_agree is False and "[4, 11, 30]" in " ".join(new.notes)
+    assert new.view.engines == {"eyas": [3, 10, 29], "sglang": [3, 10, 29],
                                       "sglang_legacy": [4, 11, 30], "vllm": [3, 10, 29]}
-    assert new["view"]["differs"] == ["sglang_legacy"]
+    assert new.view.differs == ["sglang_legacy"]
 
     old = export_drafter(src, "sglang", tmp_path / "old", sglang_rule="legacy")
-    assert old["ids_written"]["eagle_config.eagle_aux_hidden_state_layer_ids"] == [2, 9, 28]
-    assert old["view"]["engines"] == {"eyas": [3, 10, 29], "sglang": [2, 9, 28],
+    assert old.ids_written["eagle_config.eagle_aux_hidden_state_layer_ids"] == [2, 9, 28]
+    assert old.view.engines == {"eyas": [3, 10, 29], "sglang": [2, 9, 28],
                                       "sglang_legacy": [3, 10, 29], "vllm": [3, 10, 29]}
-    assert old["view"]["differs"] == ["sglang"]
-    assert engine_view(tmp_path / "old") == old["view"]
+    assert old.view.differs == ["sglang"]
+    assert view_engines(tmp_path / "old").to_dict() == old.view.to_dict()
 
     # A speculators directory has no nested ids: SGLang would fall back to its default.
     spec = export_drafter(src, "vllm", tmp_path / "spec")
-    assert spec["view"]["engines"]["vllm"] == [3, 10, 29]
-    assert spec["view"]["engines"]["sglang"] == [2, 16, 29]
-    assert spec["view"]["differs"] == ["sglang", "sglang_legacy"]
+    assert spec.view.engines["vllm"] == [3, 10, 29]
+    assert spec.view.engines["sglang"] == [2, 16, 29]
+    assert spec.view.differs == ["sglang", "sglang_legacy"]
 
 
 def test_engine_view_reads_config_json_as_it_stands(tmp_path):
@@ -383,16 +383,16 @@ def test_engine_view_reads_config_json_as_it_stands(tmp_path):
     edit_json(out / "config.json", lambda c: (c.pop("eagle_config"), c.pop("eagle_aux_hidden_state_layer_ids")))
     edit_json(out / "eyas.json", lambda e: e.__setitem__("boundaries", [3, 16, 29]))
     edit_json(out / "eyas.json", lambda e: e["contract"]["capture"].__setitem__("boundaries", [3, 16, 29]))
-    view = engine_view(out)
-    assert view["boundaries"] == [3, 16, 29]
-    assert view["engines"]["sglang"] == view["engines"]["vllm"] == [2, 16, 29]  # the default
+    view = view_engines(out)
+    assert view.boundaries == [3, 16, 29]
+    assert view.engines["sglang"] == view.engines["vllm"] == [2, 16, 29]  # the default
 
 
 def test_engine_view_rejects_a_block_count_that_contradicts_the_directory(tmp_path):
     drafter, contract = synthetic(num_blocks=32)
     out = save_drafter(drafter, contract, tmp_path / "eyas")
     with pytest.raises(CheckpointError, match=r"num_target_blocks: expected 32 .*found 30"):
-        engine_view(out, num_target_blocks=30)
+        view_engines(out, num_target_blocks=30)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,7 +548,7 @@ def test_truncated_safetensors_fails_naming_the_file(eyas_dir):
 def test_garbage_safetensors_fails_naming_the_file(eyas_dir):
     f = eyas_dir / "model.safetensors"
     f.write_bytes(b"this is not a safetensors file at all" * 4)
-    assert engine_view(eyas_dir)["boundaries"] == [2, 16, 29]  # metadata only: still readable
+    assert view_engines(eyas_dir).boundaries == [2, 16, 29]  # metadata only: still readable
     with pytest.raises(CheckpointError) as e:
         load_drafter(eyas_dir)
     assert str(f) in str(e.value)
@@ -614,7 +614,7 @@ def test_unknown_architecture_and_corrupt_json_are_named(eyas_dir):
         load_drafter(eyas_dir)
     (eyas_dir / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"config.json: file is not valid JSON .*; expected a JSON object"):
-        engine_view(eyas_dir)
+        view_engines(eyas_dir)
 
 
 def test_writing_over_stale_weight_files_is_refused(tmp_path):
@@ -634,15 +634,15 @@ def test_first_boundary_1_is_saved_for_the_legacy_rule_and_flagged(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 15, 28]
     assert cfg["eyas_sglang_rule"] == "legacy"
-    view = engine_view(out)
-    assert view["engines"]["sglang_legacy"] == [1, 16, 29] and view["engines"]["sglang"] == [0, 15, 28]
-    assert view["differs"] == ["sglang"]
+    view = view_engines(out)
+    assert view.engines["sglang_legacy"] == [1, 16, 29] and view.engines["sglang"] == [0, 15, 28]
+    assert view.differs == ["sglang"]
 
 
 def test_export_warns_that_engines_cannot_capture_the_last_boundary(tmp_path):
     drafter, contract = synthetic((2, 16, 32))
     report = export_drafter(save_drafter(drafter, contract, tmp_path / "eyas"), "vllm", tmp_path / "spec")
-    assert any("boundary 32 (the last block's output) is a slot" in n for n in report["notes"])
+    assert any("boundary 32 (the last block's output) is a slot" in n for n in report.notes)
 
 
 def test_another_eos_token_only_warns_another_bos_token_refuses(saved):

@@ -293,8 +293,8 @@ def test_cli_embedding_served_as_first_slot_is_flagged(world, tmp_path):
 
 
 def test_cli_unusable_input_exits_2(world, tmp_path):
-    res = trace_cli(world, world["base"], tmp_path / "x.jsonl", "--engine", "sglang", "--engine-version", "v9")
-    assert res.exit_code == 2 and "engine-version" in res.output
+    res = trace_cli(world, world["base"], tmp_path / "x.jsonl", "--engine", "sglang", "--sglang-rule", "v9")
+    assert res.exit_code == 2 and "sglang-rule" in res.output
     res = trace_cli(world, world["root"] / "nowhere", tmp_path / "x.jsonl")
     assert res.exit_code == 2
     # one new token: the drafter never reads anything, there is nothing to hold against the fingerprint

@@ -1,21 +1,38 @@
-"""What every `eyas` subcommand shares: consoles, JSON output, and turning eyas' own errors into a
-clean one-line message with exit code 2 instead of a traceback."""
+"""What every `eyas` subcommand shares: consoles, JSON output, the engine choices (from the engine
+registry), and turning eyas' own errors into a clean one-line message with exit code 2 instead of a
+traceback."""
 
 from __future__ import annotations
 
 import json
 import sys
+from enum import Enum
 from typing import Any, Callable
 
 import typer
 from rich.console import Console
 
 from eyas.errors import EyasError
+from eyas.interop import servers  # the registry only: no torch
 
 console = Console()
 err = Console(stderr=True)
 
 TARGET_HELP = "'smollm2' (the embedded default), a local model directory, a .gguf file or a HF id"
+
+
+def _choice(name: str, values: list[str]) -> type[Enum]:
+    return Enum(name, [(v, v) for v in values], type=str)  # type: ignore[return-value]
+
+
+# Every choice comes from eyas.interop.servers: registering an engine (or an SGLang rule) adds it here.
+EngineChoice = _choice("EngineChoice", servers.names())  # eyas doctor / trace --engine
+ExportChoice = _choice("ExportChoice", [s.name for s in servers.SERVERS.values() if s.export_names])  # export --to
+_SGLANG_RULES = list(servers.get("sglang").rules)
+SGLangRuleChoice = _choice("SGLangRuleChoice", _SGLANG_RULES)
+SGLANG_RULE_DEFAULT = SGLangRuleChoice(_SGLANG_RULES[0])
+SGLANG_RULE_HELP = (f"the SGLang version's layer-id rule: {' | '.join(_SGLANG_RULES)} "
+                    f"({_SGLANG_RULES[0]}, the current one, by default; legacy adds 1 to every id)")
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -10,22 +10,17 @@ not, 2 for unusable input). `main.py` adds both with ``register(app)``.
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from eyas.cli.common import TARGET_HELP, console, err
+from eyas.cli.common import (
+    SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_HELP, EngineChoice, SGLangRuleChoice, console, err,
+)
 from eyas.cli.common import fail as _fail
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
-
-
-class DoctorEngine(str, Enum):
-    eyas = "eyas"
-    sglang = "sglang"
-    vllm = "vllm"
 
 
 def doctor_cmd(
@@ -34,9 +29,8 @@ def doctor_cmd(
     data: Optional[str] = typer.Option(
         None, help="the training shards (replay on the stored hidden states) or a conversations file; "
                    "default: the data in the drafter's train_config.json, else built-in prompts"),
-    engine: DoctorEngine = typer.Option(DoctorEngine.eyas, help="read and capture the way this engine does"),
-    engine_version: Optional[str] = typer.Option(
-        None, help="for sglang: pr25454 (default, current) or legacy (+1 to every id)"),
+    engine: EngineChoice = typer.Option(EngineChoice("eyas"), help="read and capture the way this engine does"),
+    sglang_rule: SGLangRuleChoice = typer.Option(SGLANG_RULE_DEFAULT, help="with --engine sglang: " + SGLANG_RULE_HELP),
     samples: int = typer.Option(32, min=1, help="samples to evaluate on"),
     max_length: int = typer.Option(512, min=8, help="tokens per sample at most"),
     png: Optional[Path] = typer.Option(None, help="write a PNG of replay vs live accuracy per position"),
@@ -48,14 +42,8 @@ def doctor_cmd(
 
     if not draft.exists():
         _fail(f"--draft {draft}: no such directory")
-    try:
-        from eyas.doctor.engines import normalise_engine
-
-        normalise_engine(engine.value, engine_version)
-    except ValueError as e:
-        _fail(str(e))
     log = (lambda m: err.print(f"[dim]doctor: {m}[/]", highlight=False))
-    report = _run(run_doctor, target, str(draft), data=data, engine=engine.value, engine_version=engine_version,
+    report = _run(run_doctor, target, str(draft), data=data, engine=engine.value, sglang_rule=sglang_rule.value,
                   samples=samples, max_length=max_length, png=png, device=device, log=log)
     if json_out:
         _print_json(report.to_dict())
@@ -72,30 +60,27 @@ def trace_cmd(
     max_new_tokens: int = typer.Option(64, min=1),
     tree: str = typer.Option("5", help="DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24) or DEPTH for a chain"),
     system: Optional[str] = typer.Option(None, help="a system message (default: the template's own)"),
-    engine: DoctorEngine = typer.Option(
-        DoctorEngine.eyas, help="serve the boundaries and norm flags this engine reads from the directory"),
-    engine_version: Optional[str] = typer.Option(
-        None, help="for sglang: pr25454 (default, current) or legacy (+1 to every id)"),
+    engine: EngineChoice = typer.Option(
+        EngineChoice("eyas"), help="serve the boundaries and norm flags this engine reads from the directory"),
+    sglang_rule: SGLangRuleChoice = typer.Option(SGLANG_RULE_DEFAULT, help="with --engine sglang: " + SGLANG_RULE_HELP),
     device: str = typer.Option("auto", help="cpu | cuda | auto"),
     json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
     """Trace the engine's junctions (each captured boundary, the concatenation, the fc input) per round
     to JSONL, and hold them against the drafter's training fingerprint."""
-    from eyas.doctor.engines import normalise_engine
     from eyas.doctor.trace import TraceError, render_trace, run_trace
     from eyas.engine import TreeSpec
 
     if not draft.exists():
         _fail(f"--draft {draft}: no such directory")
     try:
-        normalise_engine(engine.value, engine_version)
         spec_tree = TreeSpec.parse(tree)
     except ValueError as e:
         _fail(str(e))
     log = (lambda m: err.print(f"[dim]trace: {m}[/]", highlight=False))
     try:
         report = _run(run_trace, target, str(draft), prompt, out, system=system, max_new_tokens=max_new_tokens,
-                      tree=spec_tree, engine=engine.value, engine_version=engine_version, device=device, log=log)
+                      tree=spec_tree, engine=engine.value, sglang_rule=sglang_rule.value, device=device, log=log)
     except TraceError as e:  # the engine cannot serve the directory, or the drafter does not fit the target
         _fail(str(e))
     if json_out:

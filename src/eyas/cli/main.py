@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import time
-from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 from rich.table import Table
 
-from eyas.cli.common import TARGET_HELP, console, err
+from eyas.cli.common import (
+    SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_HELP, ExportChoice, SGLangRuleChoice, console, err,
+)
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
 from eyas.cli.data_commands import register as register_data_commands
@@ -28,26 +29,17 @@ app = typer.Typer(
 )
 
 
-class Engine(str, Enum):
-    sglang = "sglang"
-    vllm = "vllm"
-
-
-class Rule(str, Enum):
-    pr25454 = "pr25454"
-    legacy = "legacy"
-
-
 # ---------------------------------------------------------------------------------------------
 
 
-def engine_table(view: dict[str, Any]) -> Table:
-    trained = view["boundaries"]
-    table = Table(title=f"boundaries each engine captures (target has {view['num_target_blocks']} blocks)")
+def engine_table(view: Any) -> Table:
+    """``view``: an :class:`eyas.interop.EngineView`."""
+    trained = view.boundaries
+    table = Table(title=f"boundaries each engine captures (target has {view.num_target_blocks} blocks)")
     table.add_column("engine")
     table.add_column("captures")
     table.add_column("vs trained " + str(trained))
-    for engine, got in view["engines"].items():
+    for engine, got in view.engines.items():
         if got == trained:
             status = "[green]same[/]"
         elif got is None:
@@ -73,16 +65,16 @@ def new(
     """An untrained drafter for TARGET, with its contract (eyas format, SGLang-loadable)."""
     from eyas.convention import parse_boundaries
     from eyas.drafter.build import new_drafter
-    from eyas.interop import engine_view, save_drafter
+    from eyas.interop import save_drafter, view_engines
     from eyas.targets import load_target
 
     bs = _run(parse_boundaries, boundaries) if boundaries else None
     model, tokenizer, src = _run(load_target, target)
     drafter, contract = _run(new_drafter, model, tokenizer, bs, draft_vocab, source=str(src), seed=seed)
     path = save_drafter(drafter, contract, out)
-    view = engine_view(path)
+    view = view_engines(path)
     if json_out:
-        _print_json({"path": str(path), **view, "contract": contract.model_dump()})
+        _print_json({"path": str(path), **view.to_dict(), "contract": contract.model_dump()})
         return
     console.print(f"wrote untrained drafter to [bold]{path}[/] for {src}")
     console.print(engine_table(view))
@@ -95,12 +87,12 @@ def info(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """The drafter's contract, and which physical boundaries each engine will capture for it."""
-    from eyas.interop import engine_view, read_contract
+    from eyas.interop import read_contract, view_engines
 
-    view = _run(engine_view, path, num_target_blocks)
+    view = _run(view_engines, path, num_target_blocks)
     contract = _run(read_contract, path)
     if json_out:
-        _print_json({**view, "contract": contract.model_dump() if contract else None})
+        _print_json({**view.to_dict(), "contract": contract.model_dump() if contract else None})
         return
     if contract is None:
         console.print(f"[yellow]{path}: no contract (not an eyas drafter, or imported without --target); "
@@ -129,25 +121,23 @@ def info(
 @app.command("export")
 def export_cmd(
     path: Path = typer.Argument(..., help="an eyas drafter directory"),
-    to: Engine = typer.Option(..., "--to", help="target engine format"),
+    to: ExportChoice = typer.Option(..., "--to", help="target engine format"),
     out: Path = typer.Option(..., help="directory to write"),
-    sglang_rule: Rule = typer.Option(Rule.pr25454, help="SGLang's id rule: pr25454 (current) or legacy (+1 always)"),
+    sglang_rule: SGLangRuleChoice = typer.Option(SGLANG_RULE_DEFAULT, help=SGLANG_RULE_HELP),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Write the drafter in SGLang or speculators/vLLM format, with layer ids in that engine's convention."""
     from eyas.interop import export_drafter
 
     report = _run(export_drafter, path, to.value, out, sglang_rule=sglang_rule.value)
-    report = report if isinstance(report, dict) else report.__dict__
     if json_out:
-        _print_json(report)
+        _print_json(report.to_dict())
         return
     console.print(f"wrote {to.value} format to [bold]{out}[/]")
-    for k, v in report.items():
+    for k, v in report.to_dict().items():
         if k != "view":
             console.print(f"  {k}: {v}")
-    if "view" in report:
-        console.print(engine_table(report["view"]))
+    console.print(engine_table(report.view))
 
 
 @app.command("import")
@@ -159,7 +149,7 @@ def import_cmd(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Convert a drafter from another format to the eyas format (boundaries in the eyas convention)."""
-    from eyas.interop import engine_view, import_drafter
+    from eyas.interop import import_drafter, view_engines
 
     model = None
     if target:
@@ -167,11 +157,11 @@ def import_cmd(
 
         model, _tok, _src = _run(load_target, target)
     dest = _run(import_drafter, path, out, num_target_blocks=num_target_blocks, target=model)
-    view = engine_view(dest)
+    view = view_engines(dest)
     if json_out:
-        _print_json({"path": str(dest), **view})
+        _print_json({"path": str(dest), **view.to_dict()})
         return
-    console.print(f"imported {path} -> [bold]{dest}[/] (trained boundaries {view['boundaries']})")
+    console.print(f"imported {path} -> [bold]{dest}[/] (trained boundaries {view.boundaries})")
     console.print(engine_table(view))
 
 

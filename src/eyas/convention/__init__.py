@@ -1,24 +1,18 @@
-"""The layer convention: residual-stream boundaries 0..L, the capture spec, and the converters to and
-from every engine's layer ids (see docs/conventions.md)."""
+"""The layer convention: residual-stream boundaries 0..L, the capture spec, and HF hidden-state
+indices (see docs/conventions.md). Each serving engine's own layer ids are converted in its module
+of :mod:`eyas.interop.servers`."""
 
 from eyas.convention.boundaries import (
     BoundaryError,
     CaptureSpec,
-    SGLangRule,
     boundaries_to_hf_indices,
-    boundaries_to_sglang_ids,
-    boundaries_to_vllm_ids,
     default_boundaries,
     hf_indices_to_boundaries,
     parse_boundaries,
-    sglang_ids_to_boundaries,
-    sglang_rules_agree,
     validate_boundaries,
-    vllm_ids_to_boundaries,
 )
 
 __all__ = [
-    "BoundaryError", "CaptureSpec", "SGLangRule", "boundaries_to_hf_indices", "boundaries_to_sglang_ids",
-    "boundaries_to_vllm_ids", "default_boundaries", "hf_indices_to_boundaries", "parse_boundaries",
-    "sglang_ids_to_boundaries", "sglang_rules_agree", "validate_boundaries", "vllm_ids_to_boundaries",
+    "BoundaryError", "CaptureSpec", "boundaries_to_hf_indices", "default_boundaries", "hf_indices_to_boundaries",
+    "parse_boundaries", "validate_boundaries",
 ]

@@ -16,10 +16,9 @@ them against the same training fingerprint:
     report = run_trace("smollm2", "runs/drafter", "Why is the sky blue?", "trace.jsonl", engine="vllm")
 """
 
-from eyas.doctor.engines import ENGINES, EngineReading, read_drafter_dir, read_engine
 from eyas.doctor.report import DoctorReport, plot_png, render
 from eyas.doctor.run import run_doctor
 from eyas.doctor.trace import TraceError, TraceReport, Tracer, TraceSummary, render_trace, run_trace
 
-__all__ = ["ENGINES", "DoctorReport", "EngineReading", "TraceError", "TraceReport", "TraceSummary", "Tracer",
-           "plot_png", "read_drafter_dir", "read_engine", "render", "render_trace", "run_doctor", "run_trace"]
+__all__ = ["DoctorReport", "TraceError", "TraceReport", "TraceSummary", "Tracer", "plot_png", "render",
+           "render_trace", "run_doctor", "run_trace"]

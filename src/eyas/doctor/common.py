@@ -8,7 +8,6 @@ level ``fail`` makes the drafter unhealthy; ``warn`` is reported but does not; `
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from dataclasses import field as _field
@@ -20,6 +19,9 @@ if TYPE_CHECKING:
     from eyas.doctor.replay import ReplayResult
     from eyas.doctor.search import SearchResult
     from eyas.doctor.static import StaticResult
+
+from eyas.drafter.config import NORM_FLAGS  # noqa: F401 - the doctor's stages read them from here
+from eyas.interop.servers import Edit
 
 # ---------------------------------------------------------------------------------------------
 # Thresholds (one place, each with its reason)
@@ -44,38 +46,12 @@ CHANNEL_OFF = 0.5
 # features, position 1 the drafter's own fed-back state: together they exercise every norm flag).
 SEARCH_POSITIONS = 2
 
-NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 FAIL, WARN, INFO, OK = "fail", "warn", "info", "ok"
 PASS, SKIPPED = "pass", "skipped"
 
-ENGINE_LABELS = {"eyas": "eyas", "sglang": "SGLang", "vllm": "vLLM"}
-
 # ---------------------------------------------------------------------------------------------
-# Config edits
+# Config edits (each an eyas.interop.servers.Edit, in the engine's own convention)
 # ---------------------------------------------------------------------------------------------
-
-NESTED_IDS = "eagle_config.eagle_aux_hidden_state_layer_ids"
-TOP_IDS = "eagle_aux_hidden_state_layer_ids"
-
-
-@dataclass(frozen=True)
-class Edit:
-    """One edit of a file in the drafter directory: set ``key`` (dotted for nested keys) to ``value``."""
-
-    file: str  # "config.json" | "eyas.json"
-    key: str
-    value: Any
-
-    def __str__(self) -> str:
-        value = json.dumps(self.value)
-        if self.key == TOP_IDS:
-            return f"top-level {TOP_IDS}: {value}"
-        if self.key in NORM_FLAGS:
-            return f'"{self.key}": {value}'
-        return f"{self.key}: {value}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"file": self.file, "key": self.key, "value": self.value, "text": str(self)}
 
 
 def edits_text(edits: list[Edit], directory: str) -> str:

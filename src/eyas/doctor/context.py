@@ -31,8 +31,8 @@ from torch import Tensor
 from eyas.contract.contract import SlotFingerprint, ValidationMetrics
 from eyas.doctor.capture import LiveCapture, capture_all
 from eyas.doctor.common import FAIL, STAGES, DoctorStages, Finding, Stage
-from eyas.doctor.engines import DrafterDir, EngineReading
-from eyas.doctor.evaluate import build_drafter
+from eyas.interop import DrafterDir, build_drafter
+from eyas.interop.servers import EngineReading
 from eyas.doctor.samples import SampleSet
 from eyas.drafter.model import Eagle3Drafter
 
@@ -90,7 +90,7 @@ class Blocker:
 class DrafterCache:
     """The directory's weights built into a drafter, once per set of norm flags (fp32, on ``device``,
     with the target's embedding unless the weights carry one; see
-    :func:`eyas.doctor.evaluate.build_drafter`)."""
+    :func:`eyas.interop.build_drafter`)."""
 
     def __init__(self, directory: DrafterDir, embedding: Tensor, device: str) -> None:
         self.directory, self.embedding, self.device = directory, embedding, device
@@ -101,7 +101,8 @@ class DrafterCache:
         key = tuple(sorted(flags.items()))
         if key not in self._built:
             cfg = self.directory.trained.model_copy(update=dict(flags))
-            self._built[key] = build_drafter(self.directory, cfg, self.embedding, self.device)
+            drafter, notes = build_drafter(cfg, self.directory.tensors, self.embedding)
+            self._built[key] = (drafter.to(self.device).eval(), notes)
         return self._built[key]
 
     def get(self, flags: dict[str, bool]) -> Eagle3Drafter:

@@ -1,4 +1,5 @@
-"""The drafter as an engine would build it, and its per-position accuracy with the training setup.
+"""A drafter's per-position accuracy with the training setup (the drafter as an engine builds it
+is :func:`eyas.interop.build_drafter`).
 
 Accuracy is measured exactly as the training loop measures held-out accuracy: ``ttt_forward``
 (teacher-forced tokens, the drafter's own fed-back hidden state, loss mask shifted with the
@@ -14,15 +15,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from eyas.doctor.engines import DrafterDir
 from eyas.doctor.samples import Sample
-from eyas.drafter.config import DrafterConfig
 from eyas.drafter.model import Eagle3Drafter
 from eyas.training.batches import pad_right
 from eyas.drafter.ttt import Tally, TargetLabels, ttt_forward
-
-EMBEDDING = "embed_tokens.weight"
-
 
 @dataclass(frozen=True)
 class Accuracy:
@@ -51,36 +47,6 @@ class Accuracy:
                 "simulated_accept_length": self.simulated_accept_length, "tokens_counted": self.tokens_counted}
 
 
-def build_drafter(dd: DrafterDir, cfg: DrafterConfig, target_embedding: Tensor,
-                  device: torch.device | str = "cpu") -> tuple[Eagle3Drafter, list[str]]:
-    """An fp32 drafter of architecture ``cfg`` holding ``dd``'s weights, as an engine loads it:
-    tensors the config has no module for are left out, a norm the config adds without a weight
-    stays all-ones, and the embedding comes from the target unless the checkpoint carries one.
-    Returns the drafter and notes on what did not fit."""
-    drafter = Eagle3Drafter(cfg)
-    state = drafter.state_dict()
-    notes: list[str] = []
-    with torch.no_grad():
-        for name, t in dd.tensors.items():
-            if name not in state:
-                notes.append(f"{name} in the weights is not used by this configuration")
-            elif tuple(state[name].shape) != tuple(t.shape):
-                notes.append(f"{name}: the configuration needs shape {tuple(state[name].shape)}, the weights have {tuple(t.shape)}")
-            else:
-                state[name].copy_(t)
-        absent = [k for k in state if k not in dd.tensors and k not in (EMBEDDING, "d2t", "t2d")]
-        if absent:
-            notes.append(f"{', '.join(absent)} not in the weights: left at initialisation (norm weights = 1)")
-        if EMBEDDING not in dd.tensors:
-            if tuple(target_embedding.shape) == tuple(drafter.embed_tokens.weight.shape):
-                drafter.embed_tokens.weight.copy_(target_embedding.detach().float())
-            else:
-                notes.append(f"embed_tokens: the target's embedding has shape {tuple(target_embedding.shape)}, "
-                             f"the drafter needs {tuple(drafter.embed_tokens.weight.shape)}")
-    return drafter.to(device).eval(), notes
-
-
-@torch.no_grad()
 def accuracy(drafter: Eagle3Drafter, samples: Sequence[Sample], features: Callable[[int], Tensor],
              labels: Sequence[Tensor], steps: int, batch_size: int = 8) -> Accuracy:
     """Per-position accuracy, conditional accuracy and simulated accept length of ``drafter`` on

@@ -1,7 +1,7 @@
 """Stage 3, live: the target captured the way the chosen engine captures it, on the same token
 sequences as the replay, and the drafter built with the norm flags that engine reads.
 
-The engine's protocol comes from :func:`eyas.doctor.engines.read_engine` (the boundaries it reads
+The engine's protocol comes from :func:`eyas.interop.read_as` (the boundaries it reads
 from the directory as it stands, in its slot order; its norm flags); the values come from eyas'
 one capture path. Live falls short when its position-0 accuracy is below the replay's by more than
 max(3 points, 10 %) (:func:`eyas.doctor.common.short_by`): both run on the same tokens, so a healthy serving path matches to rounding.

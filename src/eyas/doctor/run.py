@@ -20,16 +20,16 @@ import torch
 from eyas.contract.contract import weights_fingerprint
 from eyas.doctor.common import SKIPPED, Stage
 from eyas.doctor.context import DoctorContext, DoctorOptions, EngineChoice, TargetFacts
-from eyas.doctor.engines import EngineReading, normalise_engine, read_drafter_dir, read_engine
 from eyas.doctor.fingerprint import fingerprint_stage
 from eyas.doctor.live import live_stage
 from eyas.doctor.replay import replay_stage
 from eyas.doctor.report import DoctorReport, DraftFacts, plot_png
-from eyas.doctor.samples import SampleSet, load_samples
+from eyas.doctor.samples import SampleSet, load_samples, training_config
 from eyas.doctor.search import search_stage
 from eyas.doctor.static import static_stage
 from eyas.doctor.verdict import verdict
 from eyas.errors import EyasError
+from eyas.interop import read_as, read_drafter_dir, servers
 from eyas.targets.structure import find_decoder_blocks, find_embedding
 
 StageFunction = Callable[[DoctorContext], Stage]
@@ -46,7 +46,7 @@ def run_doctor(
     draft: str | Path,
     data: str | None = None,
     engine: str = "eyas",
-    engine_version: str | None = None,
+    sglang_rule: str | None = None,
     samples: int = 32,
     max_length: int = 512,
     png: str | Path | None = None,
@@ -55,18 +55,20 @@ def run_doctor(
     tokenizer: Any = None,
     log: Callable[[str], None] | None = None,
 ) -> DoctorReport:
-    """Diagnose the drafter at ``draft`` against ``target`` as ``engine`` would serve it.
+    """Diagnose the drafter at ``draft`` against ``target`` as ``engine`` would serve it (an engine
+with several id rules, SGLang, following ``sglang_rule``; default: its current one).
 
     ``model``/``tokenizer`` may be passed already loaded (then ``target`` only names it in the
     report). Raises only for a target that cannot be loaded or a bad ``engine``; every problem with
     the drafter or the data is a finding in the report.
     """
     t0 = time.perf_counter()
-    name, version = normalise_engine(engine, engine_version)
+    spec = servers.get(engine)
+    name, version = spec.name, spec.rule(sglang_rule)
     model, tokenizer, source = _target(target, model, tokenizer, device)
     ctx = DoctorContext(
         options=DoctorOptions(draft=draft, data=data, samples=samples, max_length=max_length, device=device),
-        engine=EngineChoice(name, version, EngineReading(name, version).label),
+        engine=EngineChoice(name, version, spec.label(version)),
         target=target_facts(model, source), model=model, tokenizer=tokenizer, embedding=find_embedding(model).weight,
         say=log or (lambda m: None))
     if _open_directory(ctx):
@@ -104,7 +106,7 @@ def _open_directory(ctx: DoctorContext) -> bool:
     except INPUT_ERRORS as e:
         ctx.unreadable(e)
         return False
-    ctx.open_directory(dd, read_engine(dd, ctx.engine.name, ctx.engine.version, L))
+    ctx.open_directory(dd, read_as(ctx.engine.name, dd, L, ctx.engine.version))
     return True
 
 
@@ -115,7 +117,7 @@ def _load_data(ctx: DoctorContext) -> None:
     data_error = None
     try:
         ctx.say("loading samples")
-        sset = load_samples(o.data, ctx.model, ctx.tokenizer, dd.contract, dd.train_config, o.samples, o.max_length)
+        sset = load_samples(o.data, ctx.model, ctx.tokenizer, dd.contract, training_config(dd), o.samples, o.max_length)
     except INPUT_ERRORS as e:
         data_error = f"--data {o.data}: {e}"
     ctx.load_data(sset, data_error)

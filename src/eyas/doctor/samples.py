@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from pydantic import ValidationError
 from torch import Tensor
 
 from eyas.contract.contract import Contract
 from eyas.data.render import NO_SYSTEM_PROMPT, TEMPLATE_DEFAULT, TemplateAlignmentError, render, render_prompt
+from eyas.interop.directory import TRAIN_CONFIG, DrafterDir
 
 BUILTIN_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -234,6 +236,21 @@ def _generated(model: Any, tokenizer: Any, n: int, mode: str, max_new_tokens: in
                      notes=["no --data and no training data on record: the target answers built-in prompts; replay "
                             "runs the trained protocol on them (there are no stored training samples) and, on other "
                             "text than training's, is not held against the accuracy recorded at training"])
+
+
+def training_config(dd: DrafterDir) -> Any | None:
+    """The drafter run's ``train_config.json`` as a TrainConfig (None when there is none); one that
+    does not validate is a problem of the directory, reported by the static stage."""
+    if dd.train_config_json is None:
+        return None
+    from eyas.training.config import TrainConfig
+
+    try:
+        return TrainConfig.model_validate(dd.train_config_json)
+    except ValidationError:
+        dd.problems.append(f"{dd.path / TRAIN_CONFIG}: unreadable; the held-out split of the training run cannot "
+                           f"be reproduced")
+        return None
 
 
 def load_samples(data: str | None, model: Any, tokenizer: Any, contract: Contract | None, train_config: Any,

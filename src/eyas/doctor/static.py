@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from eyas.convention.boundaries import SGLangRule, boundaries_to_sglang_ids, sglang_rules_agree
 from eyas.contract.contract import ADVISORY_FIELDS, Contract, compare, target_identity, tokenisation_of
 from eyas.doctor.common import FAIL, INFO, NORM_FLAGS, OK, WARN, Edit, Stage, boundary_name
-from eyas.doctor.engines import DrafterDir, EngineReading, boundary_edits, capturable, flag_edit, read_engine
 from eyas.doctor.samples import SampleSet
+from eyas.interop import servers
 from eyas.interop.common import CONFIG_JSON
+from eyas.interop.directory import DrafterDir
+from eyas.interop.engines import boundary_edits, read_as
+from eyas.interop.servers import EngineReading, flag_edit
 
 if TYPE_CHECKING:
     from eyas.doctor.context import DoctorContext
@@ -112,11 +114,13 @@ def system_prompt_drift(tokenizer: Any, training_ids: torch.Tensor | None) -> Sy
 
 
 def _check_boundaries(st: Stage, dd: DrafterDir, r: EngineReading, L: int, trained: list[int], source: str) -> None:
-    if r.engine == "sglang" and dd.layout == "speculators":
+    spec = servers.get(r.engine)
+    if r.refused_layout is not None:
         st.add(FAIL, "engine_cannot_load", f"{r.label} cannot load {dd.path}: {r.why_not}",
-               fix=f"export the drafter for SGLang: eyas export {dd.path} --to sglang --out {dd.path}-sglang")
+               fix=f"export the drafter for {spec.title}: eyas export {dd.path} --to {r.engine} "
+                   f"--out {dd.path}-{r.engine}")
         return
-    if not capturable(r.engine, trained, L):
+    if not spec.can_capture(trained, L):
         st.add(FAIL, "uncapturable", f"the drafter was trained on {trained}, whose boundary {L} (the last block's "
                f"output) {r.label} never captures: it captures block inputs only (boundaries 0..{L - 1})",
                field="boundaries", expected=trained, found=r.boundaries,
@@ -134,23 +138,23 @@ def _check_boundaries(st: Stage, dd: DrafterDir, r: EngineReading, L: int, train
             if not r.loadable:
                 msg += f"; {r.why_not}"
         if problem:
-            msg += f"; no id list makes this SGLang capture {trained}: {problem}"
+            msg += f"; no id list makes this {spec.title} capture {trained}: {problem}"
         st.add(FAIL, "boundaries", msg, field="boundaries", expected=trained, found=r.boundaries, edits=edits,
                fix=problem)
     else:
         st.add(OK, "boundaries", f"{r.label} captures boundaries {r.boundaries}, the trained ones ({r.boundaries_note})")
-    if r.engine == "sglang":
-        other = SGLangRule.LEGACY if r.rule is SGLangRule.PR25454 else SGLangRule.PR25454
-        o = read_engine(dd, "sglang", other.value, L)
+    for other in spec.rules:  # an engine whose versions read ids differently: each other version
+        if other == r.rule:
+            continue
+        o = read_as(r.engine, dd, L, other)
         if o.boundaries != trained:
-            both = sglang_rules_agree(trained, L)
-            advice = (f"write {boundaries_to_sglang_ids(trained, L, SGLangRule.LEGACY)}, which both rules read as {trained}"
-                      if both else "no id list is read the same by both rules unless the first boundary is 2: "
-                                   "pin the SGLang version")
+            agnostic = spec.rule_agnostic_ids(trained, L)
+            advice = (f"write {agnostic}, which both rules read as {trained}" if agnostic is not None
+                      else spec.rules_disagree_note)
             got = o.boundaries if o.boundaries is not None else o.boundaries_note
-            st.add(WARN, "sglang_rule", f"an SGLang following the {other.value} rule would capture {got} "
+            st.add(WARN, f"{r.engine}_rule", f"an {spec.title} following the {other} rule would capture {got} "
                    f"from these ids; {advice}",
-                   edits=boundary_edits(dd, o, trained, L)[0] if both else [])
+                   edits=boundary_edits(dd, o, trained, L)[0] if agnostic is not None else [])
 
 
 def _check_flags(st: Stage, dd: DrafterDir, r: EngineReading) -> None:
@@ -322,8 +326,8 @@ def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
     drift = _check_contract(st, dd, model, tokenizer, samples)
     _check_data(st, dd, samples)
     captures = {}
-    for engine, version in (("eyas", None), ("sglang", "pr25454"), ("sglang", "legacy"), ("vllm", None)):
-        o = read_engine(dd, engine, version, L)
+    for spec, rule in servers.readings():
+        o = read_as(spec.name, dd, L, rule)
         captures[o.label] = o.boundaries if o.loadable else f"cannot load: {o.why_not}"
     st.result = StaticResult(engine=reading, trained=TrainedView(trained, source, dd.trained_flags, dd.trained_source),
                              captures=captures, layout=dd.layout, format=dd.meta.format, system_prompt_drift=drift)

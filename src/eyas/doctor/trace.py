@@ -687,7 +687,7 @@ class TraceReport:
 class _ServedDrafter:
     """The drafter directory as the engine serves it, built for the eyas engine."""
 
-    directory: Any  # eyas.doctor.engines.DrafterDir
+    directory: Any  # eyas.interop.DrafterDir
     engine: TraceEngine
     target: Any  # eyas.engine.HFTarget capturing the engine's boundaries
     drafter: Any  # Eagle3Drafter in the target's dtype and device
@@ -718,14 +718,13 @@ def _serve(draft: str | Path, engine: str, version: str | None, model: Any, fact
     """Read ``draft`` as ``engine`` does and build what it would serve; TraceError when it cannot
     serve it or the drafter does not fit the target."""
     from eyas.convention.boundaries import CaptureSpec
-    from eyas.doctor.engines import read_drafter_dir, read_engine, served_config
-    from eyas.doctor.evaluate import build_drafter
+    from eyas.interop import build_drafter, read_as, read_drafter_dir, served_config
     from eyas.engine import HFTarget
     from eyas.targets.structure import find_embedding
 
     L, H, V = facts.num_blocks, facts.hidden_size, facts.vocab_size
     dd = read_drafter_dir(draft, L)
-    reading = read_engine(dd, engine, version, L)
+    reading = read_as(engine, dd, L, version)
     if not reading.loadable or reading.boundaries is None:
         raise TraceError(f"{reading.label} cannot serve {draft}: {reading.why_not}")
     cfg = served_config(dd, reading)
@@ -739,7 +738,7 @@ def _serve(draft: str | Path, engine: str, version: str | None, model: Any, fact
     if misfit:
         raise TraceError(f"{draft} does not fit the target: " + "; ".join(misfit))
     param = next(model.parameters())
-    drafter, notes = build_drafter(dd, cfg, find_embedding(model).weight, param.device)
+    drafter, notes = build_drafter(cfg, dd.tensors, find_embedding(model).weight)
     drafter = drafter.to(param.device, dtype=param.dtype).eval()
     served = TraceEngine(engine, version, reading.label, list(reading.boundaries), reading.boundaries_note,
                          {f: bool(getattr(cfg, f)) for f in NORM_FLAGS})
@@ -767,7 +766,7 @@ def run_trace(
     max_new_tokens: int = 64,
     tree: Any = "5",
     engine: str = "eyas",
-    engine_version: str | None = None,
+    sglang_rule: str | None = None,
     device: str = "cpu",
     model: Any = None,
     tokenizer: Any = None,
@@ -781,12 +780,12 @@ def run_trace(
     cannot serve the directory or the drafter does not fit the target.
     """
     from eyas.data.render import render_prompt
-    from eyas.doctor.engines import normalise_engine
     from eyas.engine import TreeSpec, speculative_generate
     from eyas.targets.structure import eos_token_ids
 
     say = log or (lambda m: None)
-    engine, engine_version = normalise_engine(engine, engine_version)
+    spec = servers.get(engine)
+    engine, engine_version = spec.name, spec.rule(sglang_rule)
     spec_tree = tree if isinstance(tree, TreeSpec) else TreeSpec.parse(str(tree))
     model, tokenizer, source = _load_target(target, model, tokenizer, device)
     if tokenizer is None:

@@ -15,9 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eyas.doctor.common import FAIL, WARN, DoctorStages, Edit, Finding, boundary_name, edits_text, slots_text
-from eyas.doctor.engines import DrafterDir, EngineReading, boundary_edits, flag_edit
 from eyas.doctor.fingerprint import FingerprintResult
 from eyas.doctor.search import SearchResult
+from eyas.interop.directory import DrafterDir
+from eyas.interop.engines import boundary_edits
+from eyas.interop.servers import EngineReading, flag_edit
 
 PRIORITY = ("unreadable", "engine_cannot_load", "target_mismatch", "target_hidden_size", "fc_width", "vocab_size",
             "draft_vocab_size", "embedding", "d2t", "t2d", "boundaries_range", "uncapturable", "boundaries", "flag:",

@@ -7,6 +7,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+# The drafter's variant flags (fields of DrafterConfig below). Every engine config eyas writes
+# states each one explicitly: loaders disagree on what an absent flag means.
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 class DrafterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

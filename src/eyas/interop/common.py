@@ -9,23 +9,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-import torch
 from pydantic import ValidationError
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from torch import Tensor
 
 from eyas.io import atomic_write, read_json_object
 from eyas.drafter.config import DrafterConfig
 from eyas.errors import EyasError
 
+if TYPE_CHECKING:  # torch and safetensors load when tensors are read or written: the engine specs
+    import torch  # (and the CLI's choices built from them) import this module without them
+    from torch import Tensor
+
 CONFIG_JSON = "config.json"
 EYAS_JSON = "eyas.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 class CheckpointError(EyasError, ValueError):
@@ -40,6 +39,13 @@ class CheckpointError(EyasError, ValueError):
 # Writing: every file goes to a temporary name in its final directory, then os.replace, so a
 # reader (or an engine started meanwhile) never sees half a file.
 # ---------------------------------------------------------------------------------------------
+
+
+def save_file(tensors: dict[str, Tensor], path: str, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' writer, imported on first use (it imports torch)."""
+    from safetensors.torch import save_file as write
+
+    write(tensors, path, metadata=metadata)
 
 
 def atomic_save_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
@@ -81,6 +87,9 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def _load_safetensors(path: Path) -> dict[str, Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     try:
         return load_file(str(path))
     except SafetensorError as e:

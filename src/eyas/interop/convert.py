@@ -6,80 +6,83 @@ tensors unchanged (names mapped, dtype and bits kept).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from eyas.convention.boundaries import SGLangRule, sglang_ids_to_boundaries, sglang_rules_agree
 from eyas.targets.structure import find_decoder_blocks
 from eyas.contract.contract import enforce
-from eyas.interop import sglang
+from eyas.interop import servers
 from eyas.interop.common import CheckpointError
-from eyas.interop.engines import engine_view
+from eyas.interop.engines import EngineView, view_engines
 from eyas.interop.eyas_format import against_target, new_contract, read_checkpoint, write_checkpoint
 
-EXPORT_TARGETS = {"sglang": "sglang", "vllm": "speculators", "speculators": "speculators"}
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What an export wrote, and what each engine will capture from it (``view``)."""
+
+    format: str  # the directory layout written: "sglang" | "speculators"
+    path: Path
+    boundaries: list[int]
+    num_target_blocks: int | None
+    ids_written: dict[str, list[int]]  # config.json key -> the layer ids written under it
+    sglang_rule: str | None  # the SGLang id rule the nested ids follow (None: none written)
+    sglang_rules_agree: bool | None  # every SGLang rule captures the boundaries (None: not an SGLang export)
+    view: EngineView
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "path": str(self.path), "boundaries": self.boundaries,
+                "num_target_blocks": self.num_target_blocks, "ids_written": self.ids_written,
+                "sglang_rule": self.sglang_rule, "sglang_rules_agree": self.sglang_rules_agree,
+                "notes": self.notes, "view": self.view.to_dict()}
 
 
 def export_drafter(
     src_dir: str | Path,
     to: str,
     out_dir: str | Path,
-    sglang_rule: SGLangRule | str = SGLangRule.PR25454,
+    sglang_rule: str | None = None,
     speculative_tokens: int = 3,
-) -> dict[str, Any]:
-    """Write the drafter at ``src_dir`` for ``to`` ("sglang", or "vllm" = speculators format).
-
-    Returns a report: {"format", "path", "boundaries", "num_target_blocks", "ids_written",
-    "sglang_rule", "sglang_rules_agree", "notes", "view"} where ``view`` is :func:`engine_view` of
-    the written directory (what each engine will capture).
-    """
-    layout = EXPORT_TARGETS.get(str(to).lower())
-    if layout is None:
-        raise CheckpointError(f"to: expected one of {sorted(EXPORT_TARGETS)}, found {to!r}")
+) -> ExportReport:
+    """Write the drafter at ``src_dir`` for the engine ``to`` ("sglang", or "vllm" = speculators
+    format), its layer ids in that engine's convention (SGLang: for ``sglang_rule``, default the
+    current one), and say what every engine will capture from the result."""
+    spec = servers.for_export(to)
+    if spec is None:
+        raise CheckpointError(f"to: expected one of {sorted(servers.export_names())}, found {to!r}")
     ckpt = read_checkpoint(src_dir)
     bs, L = ckpt.boundaries, ckpt.num_target_blocks
     written = write_checkpoint(
-        out_dir, ckpt.config, ckpt.tensors, bs, L, ckpt.contract, layout, sglang_rule, speculative_tokens
+        out_dir, ckpt.config, ckpt.tensors, bs, L, ckpt.contract, spec.layout, sglang_rule, speculative_tokens
     )
     notes: list[str] = []
-    agree = None
-    if layout == "sglang":
-        ids = written["ids_written"][sglang.NESTED_IDS]
-        agree = sglang_rules_agree(bs, L if L is not None else max(bs))
-        if not agree:
-            other = SGLangRule.LEGACY if written["sglang_rule"] == SGLangRule.PR25454.value else SGLangRule.PR25454
-            notes.append(
-                f"SGLang's two id rules disagree for boundaries {bs} (they agree only when the first "
-                f"boundary is 2): ids {ids} are written for the {written['sglang_rule']} rule; an SGLang "
-                f"following the {other.value} rule would capture "
-                f"{sglang_ids_to_boundaries(ids, L if L is not None else max(bs), other)}"
-            )
-    if ckpt.config.num_slots != 3:
-        # Both engines' llama_eagle3.py size fc as 3 * target_hidden_size.
+    check = spec.rule_check(bs, L if L is not None else max(bs), written.ids_written, written.sglang_rule)
+    notes += check.notes
+    engines = [s for s in servers.SERVERS.values() if s.layout is not None]
+    by_fc = [s.title for s in engines if s.fc_slots is not None and s.fc_slots != ckpt.config.num_slots]
+    if by_fc:
+        # The engines' llama_eagle3.py size fc as fc_slots * target_hidden_size.
+        owners = " and ".join(f"{title}'s" for title in by_fc)
+        slots = " / ".join(sorted({str(s.fc_slots) for s in engines if s.fc_slots}))
+        notes.append(f"the drafter has {ckpt.config.num_slots} slots; {owners} llama_eagle3 build fc for {slots}")
+    inputs_only = [s.title for s in engines if not s.captures_last_boundary]
+    if L is not None and L in bs and inputs_only:
+        # They capture at the INPUT of a layer (boundaries 0..L-1): boundary L never arrives.
         notes.append(
-            f"the drafter has {ckpt.config.num_slots} slots; SGLang's and vLLM's llama_eagle3 build fc for 3"
-        )
-    if L is not None and L in bs:
-        # Both engines capture at the INPUT of a layer (boundaries 0..L-1): boundary L never arrives.
-        notes.append(
-            f"boundary {L} (the last block's output) is a slot, but SGLang and vLLM only capture block "
+            f"boundary {L} (the last block's output) is a slot, but {' and '.join(inputs_only)} only capture block "
             f"inputs (boundaries 0..{L - 1}): served by them, this drafter gets {len(bs) - 1} slots and fails"
         )
     if L is None:
         notes.append("the target's number of blocks is unknown: default ids cannot be resolved")
-    return {
-        "format": layout,
-        "path": str(written["path"]),
-        "boundaries": bs,
-        "num_target_blocks": L,
-        "ids_written": written["ids_written"],
-        "sglang_rule": written["sglang_rule"],
-        "sglang_rules_agree": agree,
-        "notes": notes,
-        "view": engine_view(written["path"]),
-    }
+    return ExportReport(
+        format=spec.layout or "sglang", path=written.path, boundaries=bs, num_target_blocks=L,
+        ids_written=written.ids_written, sglang_rule=written.sglang_rule, sglang_rules_agree=check.rules_agree,
+        view=view_engines(written.path), notes=notes,
+    )
 
 
 def import_drafter(
@@ -91,9 +94,9 @@ def import_drafter(
 ) -> Path:
     """Convert an SGLang/SpecForge/EAGLE-3 or speculators directory to an eyas directory.
 
-    Layer ids are read in the source format's convention (SpecForge: boundary = id + 1; speculators:
-    ids are boundaries); absent ids mean the default ``[2, L//2, L-3]``, which needs
-    ``num_target_blocks`` or ``target``. With ``target`` the drafter is checked against it (see
+    Layer ids are read in the source layout's own convention, as its engine's spec says
+    (:meth:`~eyas.interop.servers.ServerSpec.trained_boundaries`); absent ids mean the default
+    ``[2, L//2, L-3]``, which needs ``num_target_blocks`` or ``target``. With ``target`` the drafter is checked against it (see
     :func:`~eyas.interop.load_drafter`) and the contract records it.
     """
     blocks = len(find_decoder_blocks(target)) if target is not None else None

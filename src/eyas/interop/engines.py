@@ -1,61 +1,117 @@
-"""Which physical boundaries each engine captures when it loads a drafter directory as it stands.
+"""A drafter directory as each serving engine reads it: :func:`read_as` for one engine,
+:func:`view_engines` for every engine of the registry at once.
 
-Each engine is modelled by the one thing it reads from ``config.json`` (the conversions themselves
-live in :mod:`eyas.convention.boundaries`):
-- SGLang reads only ``eagle_config.eagle_aux_hidden_state_layer_ids`` (absent -> its default
-  ``[2, L//2, L-3]``); before PR #25454 it adds 1 to every id, since then only when the first id is 1;
-- vLLM reads only the top-level ``eagle_aux_hidden_state_layer_ids`` as boundaries (absent -> default);
-- eyas reads ``eyas.json`` (without one, the directory's own convention, as :func:`load_drafter` does).
+Every command that says what an engine will capture goes through :func:`read_as`: ``eyas info``,
+``export``, ``import`` and ``new`` (through :func:`view_engines`), ``eyas doctor`` and ``eyas trace``
+(on a directory read tolerantly, :func:`eyas.interop.directory.read_drafter_dir`). The rules
+themselves are each engine's spec (:mod:`eyas.interop.servers`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Sequence
 
-from eyas.convention.boundaries import SGLangRule, sglang_ids_to_boundaries, vllm_ids_to_boundaries
-from eyas.interop import sglang
+from eyas.drafter.config import NORM_FLAGS, DrafterConfig
+from eyas.interop import servers
 from eyas.interop.common import CheckpointError
-from eyas.interop.eyas_format import read_meta
+from eyas.interop.directory import DrafterDir
+from eyas.interop.eyas_format import Meta, read_meta
+from eyas.interop.servers import Edit, EngineReading
 
 
-def _engine_reads(
-    convert: Callable[[list[int] | None, int], list[int]], ids: list[int] | None, num_blocks: int | None
-) -> list[int] | None:
-    """``convert(ids, L)``, or None when the ids are absent and the default needs an unknown L."""
-    if not ids and num_blocks is None:
-        return None
-    # With explicit ids the converters do not use the block count.
-    return convert(ids or None, num_blocks if num_blocks is not None else 0)
+def _meta(directory: str | Path | Meta | DrafterDir, num_blocks: int | None) -> Meta:
+    if isinstance(directory, DrafterDir):
+        return directory.meta
+    if isinstance(directory, Meta):
+        return directory
+    return read_meta(directory, default_num_blocks=num_blocks)
 
 
-def engine_view(path: str | Path, num_target_blocks: int | None = None) -> dict[str, Any]:
-    """The trained boundaries of the drafter at ``path`` and what each engine would capture.
+def read_as(
+    engine: str,
+    directory: str | Path | Meta | DrafterDir,
+    num_blocks: int | None = None,
+    rule: str | None = None,
+) -> EngineReading:
+    """What ``engine`` (following id ``rule``; default: its current one) builds from ``directory``'s
+    files as they stand, for a target of ``num_blocks`` blocks (None: unknown, defaults unresolved).
 
-    Returns {"path", "format", "boundaries", "boundaries_source", "num_target_blocks", "ids",
-    "engines": {"eyas", "sglang", "sglang_legacy", "vllm"}, "differs": [engines whose capture is
-    not the trained boundaries]}. An engine entry is None when it depends on an unknown block count.
+    ``directory`` is a path, or a directory already read: its metadata (:class:`Meta`) or, for
+    diagnosis, a :class:`DrafterDir` (then what config.json and the weights say stands in for a
+    missing eyas.json). Raises :class:`~eyas.interop.servers.ServerError` for an unknown engine or
+    rule; every problem with the files is in the reading (``loadable``, ``why_not``).
+    """
+    spec = servers.get(engine)
+    meta = _meta(directory, num_blocks)
+    if isinstance(directory, DrafterDir):
+        return spec.read(meta, num_blocks, rule, directory.files_config, directory.problems)
+    return spec.read(meta, num_blocks, rule)
+
+
+def boundary_edits(directory: Meta | DrafterDir, reading: EngineReading, boundaries: Sequence[int],
+                   num_blocks: int) -> tuple[list[Edit], str | None]:
+    """The edits that make ``reading``'s engine (and rule) capture ``boundaries``; (edits, problem)."""
+    meta = directory.meta if isinstance(directory, DrafterDir) else directory
+    return servers.get(reading.engine).boundary_edits(meta, boundaries, num_blocks, reading.rule)
+
+
+def served_config(dd: DrafterDir, reading: EngineReading) -> DrafterConfig:
+    """The drafter the engine builds: the trained architecture with the engine's norm flags."""
+    update = {f: reading.flags[f] for f in NORM_FLAGS if f in reading.flags}
+    return dd.trained.model_copy(update=update)
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """The trained boundaries of a drafter directory and what each engine (and id rule) captures.
+
+    ``engines`` maps a view key (the engine's name for its current rule, ``name_rule`` for another,
+    e.g. ``sglang_legacy``) to the boundaries it captures; None when that depends on an unknown
+    block count or the ids cannot be read.
+    """
+
+    path: Path
+    format: str
+    boundaries: list[int]
+    boundaries_source: str
+    num_target_blocks: int | None
+    ids: dict[str, list[int] | None]  # each engine's id key -> the ids as written
+    engines: dict[str, list[int] | None]
+    readings: dict[str, EngineReading]
+
+    @property
+    def differs(self) -> list[str]:
+        """The engines whose capture is not the trained boundaries."""
+        return [name for name, got in self.engines.items() if got is not None and got != self.boundaries]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "format": self.format,
+            "boundaries": list(self.boundaries),
+            "boundaries_source": self.boundaries_source,
+            "num_target_blocks": self.num_target_blocks,
+            "ids": dict(self.ids),
+            "engines": dict(self.engines),
+            "differs": self.differs,
+        }
+
+
+def view_engines(path: str | Path, num_target_blocks: int | None = None) -> EngineView:
+    """Every engine's reading of the drafter at ``path`` (metadata only: the weights are not read).
+
+    ``num_target_blocks`` is asserted: a directory that records another count is refused.
     """
     meta = read_meta(path, num_target_blocks)
     if meta.boundaries is None:
         raise CheckpointError(f"{meta.boundaries_source}: pass num_target_blocks (CLI: --num-target-blocks)")
     L = meta.num_target_blocks
-    nested = sglang.nested_ids(meta.config)
-    top = meta.config.get("eagle_aux_hidden_state_layer_ids")
-    top = [int(i) for i in top] if top else None
-    engines = {
-        "eyas": list(meta.boundaries),
-        "sglang": _engine_reads(lambda i, n: sglang_ids_to_boundaries(i, n, SGLangRule.PR25454), nested, L),
-        "sglang_legacy": _engine_reads(lambda i, n: sglang_ids_to_boundaries(i, n, SGLangRule.LEGACY), nested, L),
-        "vllm": _engine_reads(vllm_ids_to_boundaries, top, L),
-    }
-    return {
-        "path": str(meta.path),
-        "format": meta.format,
-        "boundaries": list(meta.boundaries),
-        "boundaries_source": meta.boundaries_source,
-        "num_target_blocks": L,
-        "ids": {sglang.NESTED_IDS: nested, "eagle_aux_hidden_state_layer_ids": top},
-        "engines": engines,
-        "differs": [name for name, got in engines.items() if got is not None and got != meta.boundaries],
-    }
+    readings = {spec.view_key(rule): spec.read(meta, L, rule) for spec, rule in servers.readings()}
+    ids = {spec.id_key: spec.read_ids(meta.config) for spec in servers.SERVERS.values() if spec.id_key}
+    return EngineView(
+        path=meta.path, format=meta.format, boundaries=list(meta.boundaries),
+        boundaries_source=meta.boundaries_source, num_target_blocks=L, ids=ids,
+        engines={key: r.boundaries for key, r in readings.items()}, readings=readings,
+    )

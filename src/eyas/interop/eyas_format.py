@@ -1,14 +1,15 @@
 """The eyas checkpoint: an SGLang-loadable drafter directory plus ``eyas.json``.
 
-    config.json        LlamaForCausalLMEagle3 config (see eyas.interop.sglang), SGLang ids for the
-                       PR #25454 rule, top-level ids = boundaries (vLLM), every norm flag explicit
+    config.json        LlamaForCausalLMEagle3 config (eyas.interop.servers.sglang writes it), SGLang
+                       ids for the current rule, top-level ids = boundaries (vLLM), all flags explicit
     model.safetensors  the drafter's state_dict names; embed_tokens.weight only when asked for (the
                        engines take the target's embedding otherwise)
     eyas.json          {"format", "embeddings": "saved"|"from_target", "boundaries",
                         "num_target_blocks", "drafter_config", "contract"}
 
-Exports (eyas.interop.sglang / .speculators layouts) carry the same ``eyas.json`` so that the
-contract survives a trip through an engine format; its ``format`` then names that layout.
+Exports (the SGLang / speculators layouts, each written by its engine's spec in
+eyas.interop.servers) carry the same ``eyas.json`` so that the contract survives a trip through an
+engine format; its ``format`` then names that layout.
 ``contract`` is null only for drafters imported without a target.
 
 Reading goes through :func:`read_checkpoint` for every supported layout: the layout of
@@ -21,13 +22,13 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from pydantic import ValidationError
 from torch import Tensor, nn
 
-from eyas.convention.boundaries import BoundaryError, SGLangRule, validate_boundaries
+from eyas.convention.boundaries import BoundaryError, validate_boundaries
 from eyas.targets.structure import find_decoder_blocks, find_embedding
 from eyas.contract.contract import (
     CaptureContract,
@@ -39,14 +40,13 @@ from eyas.contract.contract import (
     tokenisation_of,
 )
 from eyas.drafter.build import drafter_flags
-from eyas.drafter.config import DrafterConfig
+from eyas.drafter.config import NORM_FLAGS, DrafterConfig
 from eyas.drafter.model import Eagle3Drafter
-from eyas.interop import sglang, speculators
+from eyas.interop import servers, sglang, speculators
 from eyas.io import atomic_write_json
 from eyas.interop.common import (
     CONFIG_JSON,
     EYAS_JSON,
-    NORM_FLAGS,
     WEIGHTS,
     CheckpointError,
     atomic_save_tensors,
@@ -63,7 +63,7 @@ LAYOUTS = {"sglang": sglang, "speculators": speculators}
 
 
 # ---------------------------------------------------------------------------------------------
-# Metadata: config.json + eyas.json, no tensors (what engine_view needs)
+# Metadata: config.json + eyas.json, no tensors (what the engines' view needs)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -174,7 +174,7 @@ def read_meta(
     elif config.get("eyas_boundaries") is not None:
         bs, source = [int(b) for b in config["eyas_boundaries"]], f"{cfile} eyas_boundaries"
     else:
-        bs, source = LAYOUTS[layout].boundaries_from_config(config, L, str(cfile))
+        bs, source = servers.for_layout(layout).trained_boundaries(config, L, str(cfile))
     if bs is not None and known_L is not None:
         try:
             validate_boundaries(bs, known_L)
@@ -210,9 +210,19 @@ class Checkpoint:
         return EMBEDDING in self.tensors
 
 
+def config_json_fields(meta: Meta) -> dict[str, Any]:
+    """DrafterConfig fields (all but num_slots; draft_vocab_size may be None) from config.json alone:
+    the layout's Llama fields, and the norm flags as the engine native to the layout reads them
+    (absent flags at its defaults: vLLM's speculators loader reads norm_before_residual as true)."""
+    cfile = str(meta.path / CONFIG_JSON)
+    fields = LAYOUTS[meta.layout].config_fields(meta.config, cfile)
+    fields.update(servers.for_layout(meta.layout).flags_as_read(meta.config, meta.layout, cfile))
+    return fields
+
+
 def _config_from_files(meta: Meta, tensors: dict[str, Tensor], where: str) -> DrafterConfig:
     cfile = meta.path / CONFIG_JSON
-    fields = LAYOUTS[meta.layout].config_fields(meta.config, str(cfile))
+    fields = config_json_fields(meta)
     fc = tensors.get("fc.weight")
     if fc is None or fc.dim() != 2:
         raise CheckpointError(f"{where}: fc.weight: expected a 2-D tensor, found {None if fc is None else tuple(fc.shape)}")
@@ -318,21 +328,47 @@ def read_checkpoint(
     return Checkpoint(meta, cfg, tensors, list(meta.boundaries))
 
 
-def build_drafter(ckpt: Checkpoint) -> Eagle3Drafter:
-    """An fp32 drafter holding the checkpoint's tensors.
+class BuiltDrafter(NamedTuple):
+    drafter: Eagle3Drafter
+    notes: list[str]  # what of the weights did not fit the configuration, for people
 
-    When the checkpoint does not carry the embedding it is filled with NaN: a random one would make
-    a drafter that was never given its target's embedding (see :func:`load_drafter`) produce
-    plausible garbage, or leak into another model through ``state_dict()``.
+
+def build_drafter(
+    cfg: DrafterConfig, tensors: dict[str, Tensor], target_embedding: Tensor | None = None
+) -> BuiltDrafter:
+    """An fp32 drafter of architecture ``cfg`` holding ``tensors``, as an engine loads it.
+
+    Tensors the config has no module for, or of another shape, are left out; a module without a
+    tensor keeps its initialisation (norm weights = 1); each is noted. The embedding is the saved
+    one, else ``target_embedding`` when its shape fits, else NaN: a random one would make a drafter
+    that was never given its target's embedding produce plausible garbage, or leak into another
+    model through ``state_dict()``. For a checkpoint that passed :func:`read_checkpoint`'s checks
+    the only possible note is a target embedding that does not fit.
     """
-    drafter = Eagle3Drafter(ckpt.config)
+    drafter = Eagle3Drafter(cfg)
     state = drafter.state_dict()
+    notes: list[str] = []
     with torch.no_grad():
-        if not ckpt.embeddings_saved:
-            drafter.embed_tokens.weight.fill_(float("nan"))
-        for name, t in ckpt.tensors.items():
-            state[name].copy_(t)
-    return drafter
+        for name, t in tensors.items():
+            if name not in state:
+                notes.append(f"{name} in the weights is not used by this configuration")
+            elif tuple(state[name].shape) != tuple(t.shape):
+                notes.append(f"{name}: the configuration needs shape {tuple(state[name].shape)}, the weights have {tuple(t.shape)}")
+            else:
+                state[name].copy_(t)
+        absent = [k for k in state if k not in tensors and k not in (EMBEDDING, "d2t", "t2d")]
+        if absent:
+            notes.append(f"{', '.join(absent)} not in the weights: left at initialisation (norm weights = 1)")
+        if EMBEDDING not in tensors:
+            own = drafter.embed_tokens.weight
+            if target_embedding is not None and tuple(target_embedding.shape) == tuple(own.shape):
+                own.copy_(target_embedding.detach().to(own))
+            else:
+                own.fill_(float("nan"))
+                if target_embedding is not None:
+                    notes.append(f"embed_tokens: expected the target's embedding of shape {tuple(own.shape)}, "
+                                 f"found {tuple(target_embedding.shape)}; left NaN")
+    return BuiltDrafter(drafter, notes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,6 +382,13 @@ def _blocks_or_bound(bs: Sequence[int], num_blocks: int | None) -> int:
     return num_blocks if num_blocks is not None else max(bs)
 
 
+@dataclass(frozen=True)
+class WrittenCheckpoint:
+    path: Path
+    ids_written: dict[str, list[int]]  # config.json key -> the layer ids written under it
+    sglang_rule: str | None  # the SGLang id rule the nested ids follow (None: no SGLang ids written)
+
+
 def write_checkpoint(
     out_dir: str | Path,
     cfg: DrafterConfig,
@@ -354,13 +397,16 @@ def write_checkpoint(
     num_target_blocks: int | None,
     contract: Contract | None,
     layout: str = "eyas",
-    sglang_rule: SGLangRule | str = SGLangRule.PR25454,
+    sglang_rule: str | None = None,
     speculative_tokens: int = 3,
-) -> dict[str, Any]:
+) -> WrittenCheckpoint:
     """Write a drafter directory in ``layout`` ("eyas", "sglang" or "speculators"), ``eyas.json``
-    included. Returns {"path", "ids_written", "sglang_rule"}."""
-    if layout not in ("eyas", "sglang", "speculators"):
+    included; ``sglang_rule`` (default: the current one) is the SGLang id rule nested ids are
+    written for."""
+    if layout != "eyas" and layout not in LAYOUTS:
         raise CheckpointError(f"layout: expected 'eyas', 'sglang' or 'speculators', found {layout!r}")
+    # config.json comes from the engine the layout is for (eyas writes SGLang's, eyas.json beside it)
+    spec = servers.get("eyas") if layout == "eyas" else servers.for_layout(layout)
     bs = [int(b) for b in boundaries]
     L = num_target_blocks
     problems: list[str] = []
@@ -379,20 +425,12 @@ def write_checkpoint(
     except BoundaryError as e:
         raise CheckpointError(f"{out_dir}: {e}") from None
 
-    dtype = tensors_dtype(tensors)
-    rule: SGLangRule | None = None
-    if layout in ("eyas", "sglang"):
-        config, ids, rule = sglang.build_config(cfg, bs, _blocks_or_bound(bs, L), sglang_rule, dtype)
-        if L is None:
-            config["eyas_num_target_blocks"] = None
-        file_tensors = sglang.tensors_to_file(tensors)
-        ids_written = {sglang.NESTED_IDS: ids, "eagle_aux_hidden_state_layer_ids": bs}
-    else:
-        config = speculators.build_config(cfg, bs, _blocks_or_bound(bs, L), contract, dtype, speculative_tokens)
-        if L is None:
-            config["eyas_num_target_blocks"] = None
-        file_tensors = speculators.tensors_to_file(tensors)
-        ids_written = {"eagle_aux_hidden_state_layer_ids": bs}
+    written = spec.write_config(cfg, bs, _blocks_or_bound(bs, L), rule=sglang_rule, dtype=tensors_dtype(tensors),
+                                contract=contract, speculative_tokens=speculative_tokens)
+    config = written.config
+    if L is None:
+        config["eyas_num_target_blocks"] = None
+    file_tensors = LAYOUTS["sglang" if layout == "eyas" else layout].tensors_to_file(tensors)
 
     eyas_json: dict[str, Any] = {
         "format": layout,
@@ -402,15 +440,15 @@ def write_checkpoint(
         "drafter_config": cfg.model_dump(mode="json"),
         "contract": contract.model_dump(mode="json") if contract is not None else None,
     }
-    if rule is not None:
-        eyas_json["sglang_rule"] = rule.value
+    if written.rule is not None:
+        eyas_json["sglang_rule"] = written.rule
     out = prepare_out_dir(out_dir)
     # Each file is replaced atomically; the three together are not (an interrupted overwrite can
     # mix generations, which the checks on load against eyas.json report).
     atomic_save_tensors(out / WEIGHTS, file_tensors)
     atomic_write_json(out / CONFIG_JSON, config)
     atomic_write_json(out / EYAS_JSON, eyas_json)
-    return {"path": out, "ids_written": ids_written, "sglang_rule": rule.value if rule else None}
+    return WrittenCheckpoint(out, written.ids_written, written.rule)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,22 +523,15 @@ def load_drafter(
     """
     blocks = len(find_decoder_blocks(target)) if target is not None else None
     ckpt = read_checkpoint(path, default_num_blocks=blocks)
-    drafter = build_drafter(ckpt)
     contract = ckpt.contract
     if target is not None:
         mismatches = against_target(ckpt, target, tokenizer)
         enforce(mismatches, f"drafter {ckpt.meta.path} against target {type(target).__name__}", force)
-        if not ckpt.embeddings_saved:
-            emb = find_embedding(target).weight
-            if tuple(emb.shape) == tuple(drafter.embed_tokens.weight.shape):
-                with torch.no_grad():
-                    drafter.embed_tokens.weight.copy_(emb.detach().to(drafter.embed_tokens.weight))
-            else:
-                warnings.warn(
-                    f"embed_tokens: expected the target's embedding of shape "
-                    f"{tuple(drafter.embed_tokens.weight.shape)}, found {tuple(emb.shape)}; left NaN",
-                    stacklevel=2,
-                )
+    # Without a target an unsaved embedding is NaN (unknown); with one, the target's when it fits.
+    drafter, notes = build_drafter(ckpt.config, ckpt.tensors, find_embedding(target).weight if target is not None else None)
+    for note in notes:  # checked tensors: only a target embedding of another shape
+        warnings.warn(note, stacklevel=2)
+    if target is not None:
         if contract is None:
             contract = new_contract(ckpt, target)
     return drafter, contract

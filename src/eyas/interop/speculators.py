@@ -4,8 +4,9 @@ Facts this module relies on (read from the sources, not guessed):
 - vllm-project/speculators ``src/speculators/models/eagle3/config.py``: ``Eagle3SpeculatorConfig``
   has ``speculators_model_type: "eagle3"``, ``architectures: ["Eagle3Speculator"]``,
   ``transformer_layer_config`` (an HF config dict of the decoder layer), ``draft_vocab_size``,
-  ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids`` and the flags ``norm_before_residual``,
-  ``norm_before_fc``, ``fc_norm``, ``norm_output`` (all default false there), and rejects
+  ``target_hidden_size``, the top-level layer ids (read as :mod:`eyas.interop.servers.vllm` says) and
+  the flags ``norm_before_residual``, ``norm_before_fc``, ``fc_norm``, ``norm_output`` (all default
+  false there), and rejects
   ``norm_before_fc`` together with ``fc_norm``.
 - ``src/speculators/config.py``: ``speculators_config`` = {algorithm, proposal_methods,
   default_proposal_method, verifier: {name_or_path, architectures}}; ``src/speculators/proposals/greedy.py``:
@@ -14,30 +15,23 @@ Facts this module relies on (read from the sources, not guessed):
   ``midlayer``); the other tensors are ``fc``, ``norm``, ``lm_head``, ``embed_tokens`` (optional),
   ``d2t``, ``t2d``, ``input_norm``, ``fc_norm.{i}``; ``verifier_norm`` / ``verifier_lm_head`` are
   not saved. ``src/speculators/convert/eagle/eagle3_converter.py`` maps ``midlayer.`` -> ``layers.0.``.
-- vllm-project/vllm ``vllm/transformers_utils/configs/speculators/algos.py``: vLLM builds its config
-  from ``transformer_layer_config`` and copies the top-level fields; an ABSENT
-  ``norm_before_residual`` is read as TRUE (the others as false), and top-level
-  ``eagle_aux_hidden_state_layer_ids`` are boundaries (absent -> default [2, L//2, L-3]).
-  ``base.py``: ``speculators_config.proposal_methods[0].speculative_tokens`` and
+- vllm-project/vllm ``base.py``: ``speculators_config.proposal_methods[0].speculative_tokens`` and
   ``verifier.name_or_path`` must be present.
+
+This module is the layout only. What vLLM makes of the ids and of absent flags, and the config
+writer, are vLLM's rules: :mod:`eyas.interop.servers.vllm`.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
+from eyas.interop.common import CheckpointError, drafter_fields
 
-from eyas.convention.boundaries import validate_boundaries
-from eyas.contract.contract import Contract
-from eyas.drafter.config import DrafterConfig
-from eyas.interop.common import (
-    NORM_FLAGS, CheckpointError, default_boundaries_or_none, drafter_fields, llama_fields,
-)
+if TYPE_CHECKING:
+    from torch import Tensor
 
 ARCHITECTURE = "Eagle3Speculator"
 MODEL_TYPE = "eagle3"
@@ -62,61 +56,6 @@ def check_config(config: dict[str, Any], where: str) -> None:
         )
 
 
-def build_config(
-    cfg: DrafterConfig,
-    boundaries: Sequence[int],
-    num_blocks: int,
-    contract: Contract | None,
-    dtype: torch.dtype | None = None,
-    speculative_tokens: int = 3,
-) -> dict[str, Any]:
-    if cfg.norm_before_fc and cfg.fc_norm:
-        raise CheckpointError(
-            "drafter config: norm_before_fc and fc_norm: expected at most one true for the speculators "
-            "format (Eagle3SpeculatorConfig rejects both, and applies them in the other order), "
-            "found both true"
-        )
-    bs = validate_boundaries(boundaries, num_blocks, cfg.num_slots)
-    target = contract.target if contract is not None else None
-    return {
-        "architectures": [ARCHITECTURE],
-        "speculators_model_type": MODEL_TYPE,
-        "speculators_config": {
-            "algorithm": MODEL_TYPE,
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": speculative_tokens,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": target.source if target else None,
-                "architectures": [target.architecture] if target else [],
-            },
-        },
-        "transformer_layer_config": llama_fields(cfg, dtype),
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        # Every flag explicit: vLLM reads an absent norm_before_residual as true.
-        **{flag: getattr(cfg, flag) for flag in NORM_FLAGS},
-        "eagle_aux_hidden_state_layer_ids": bs,  # boundaries, as vLLM and speculators read them
-        "eyas_boundaries": bs,
-        "eyas_num_target_blocks": num_blocks,
-    }
-
-
-def boundaries_from_config(
-    config: dict[str, Any], num_blocks: int | None, where: str
-) -> tuple[list[int] | None, str]:
-    ids = config.get("eagle_aux_hidden_state_layer_ids")
-    if ids:
-        return [int(i) for i in ids], "top-level eagle_aux_hidden_state_layer_ids (boundaries)"
-    return default_boundaries_or_none(num_blocks, where, "eagle_aux_hidden_state_layer_ids")
-
-
 def verifier_num_blocks(config: dict[str, Any]) -> int | None:
     """The verifier's block count when ``verifier.name_or_path`` is a local directory (never a download)."""
     name = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
@@ -133,21 +72,11 @@ def verifier_num_blocks(config: dict[str, Any]) -> int | None:
 
 
 def config_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
-    """DrafterConfig fields except num_slots (which the fc weight decides); draft_vocab_size may be
-    None (then the lm_head decides)."""
+    """DrafterConfig fields except num_slots (which the fc weight decides) and the norm flags (which
+    the serving engine's defaults complete); draft_vocab_size may be None (then the lm_head decides)."""
     fields = drafter_fields(config["transformer_layer_config"], f"{where}: transformer_layer_config")
     fields["draft_vocab_size"] = config.get("draft_vocab_size")
     fields["target_hidden_size"] = config.get("target_hidden_size") or fields["hidden_size"]
-    for flag in NORM_FLAGS:
-        fields[flag] = bool(config.get(flag, False))
-    if "norm_before_residual" not in config:
-        # Serve what vLLM would serve: its speculators loader defaults this flag to true.
-        fields["norm_before_residual"] = True
-        warnings.warn(
-            f"{where}: norm_before_residual is absent; reading it as true, as vLLM's speculators "
-            f"loader does (the speculators library itself defaults it to false)",
-            stacklevel=3,
-        )
     return fields
 
 

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from eyas.contract.contract import ValidationMetrics
 from eyas.drafter.model import Eagle3Drafter
 from eyas.drafter.ttt import TargetLabels, shift_left, ttt_forward
 from eyas.engine.speculative import plain_generate
@@ -186,15 +187,15 @@ def measure_acceptance(
                              sequences)
 
 
-def acceptance_from_metrics(metrics: dict[str, Any] | None, max_topk: int = max(DEFAULT_TOPKS),
+def acceptance_from_metrics(metrics: ValidationMetrics | None, max_topk: int = max(DEFAULT_TOPKS),
                             spread: float = TOPK_SPREAD) -> AcceptanceProfile | None:
     """From the contract's training metrics: c[d][1] = ``conditional_accuracy_per_position``
     (held-out TTT, top-1), and top-k extrapolated as c[d][k] = 1 - (1 - c[d][1]) * spread^(k-1)
     (an assumption: training records top-1 only). None without those metrics."""
-    cond = (metrics or {}).get("conditional_accuracy_per_position")
+    cond = metrics.conditional_accuracy_per_position if metrics is not None else None
     if not cond:
         return None
     hit = [[1 - (1 - float(c)) * spread ** (k - 1) for k in range(1, max_topk + 1)] for c in cond]
-    step = (metrics or {}).get("step")
+    step = metrics.step
     return AcceptanceProfile(hit, f"the drafter's training metrics (step {step}; top-1 measured, top-k "
                                   f"extrapolated with spread {spread})")
