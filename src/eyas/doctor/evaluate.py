@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import torch
 from torch import Tensor
 
 from eyas.doctor.samples import Sample

@@ -21,7 +21,6 @@ from eyas.doctor.capture import LiveCapture, stored_labels
 from eyas.doctor.common import FAIL, INFO, OK, Stage, fmt_acc, replay_tolerance
 from eyas.doctor.evaluate import Accuracy, accuracy
 from eyas.doctor.samples import SampleSet
-from eyas.interop.directory import DrafterDir
 
 if TYPE_CHECKING:
     from eyas.doctor.context import DoctorContext

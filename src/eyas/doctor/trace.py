@@ -781,6 +781,7 @@ def run_trace(
     """
     from eyas.data.render import render_prompt
     from eyas.engine import TreeSpec, speculative_generate
+    from eyas.interop import servers
     from eyas.targets.structure import eos_token_ids
 
     say = log or (lambda m: None)
