@@ -78,7 +78,8 @@ def world(tmp_path_factory, one_thread):
 
     root = tmp_path_factory.mktemp("doctor")
     target = _toy_target(root / "target")
-    model, tok, _ = load_target(str(target))
+    loaded = load_target(str(target))
+    model, tok = loaded.model, loaded.tokenizer
     convs = _conversations(model, tok, root / "conversations.jsonl")
     capture_shards(model, tok, read_conversations(convs).conversations, root / "shards", CaptureSpec(tuple(TRAINED), L),
                    dtype="bfloat16", progress=False)
@@ -97,7 +98,8 @@ def doctor(world, draft, engine="eyas", version=None, data="shards", target=None
     if target is not None:
         from eyas.targets import load_target
 
-        model, tok, _ = load_target(str(target))
+        loaded = load_target(str(target))
+        model, tok = loaded.model, loaded.tokenizer
         name = target
     data_path = world[data] if data in ("shards", "convs") else data
     return run_doctor(str(name), str(draft), data=str(data_path) if data_path else None, engine=engine,

@@ -77,14 +77,14 @@ def new(
     from eyas.targets import load_target
 
     bs = _run(parse_boundaries, boundaries) if boundaries else None
-    model, tokenizer, src = _run(load_target, target)
-    drafter, contract = _run(new_drafter, model, tokenizer, bs, draft_vocab, source=str(src), seed=seed)
+    loaded = _run(load_target, target)
+    drafter, contract = _run(new_drafter, loaded.model, loaded.tokenizer, bs, draft_vocab, source=loaded.name, seed=seed)
     path = save_drafter(drafter, contract, out)
     view = engine_view(path)
     if json_out:
         _print_json({"path": str(path), **view, "contract": contract.model_dump()})
         return
-    console.print(f"wrote untrained drafter to [bold]{path}[/] for {src}")
+    console.print(f"wrote untrained drafter to [bold]{path}[/] for {loaded.name}")
     console.print(engine_table(view))
 
 
@@ -165,7 +165,7 @@ def import_cmd(
     if target:
         from eyas.targets import load_target
 
-        model, _tok, _src = _run(load_target, target)
+        model = _run(load_target, target).model
     dest = _run(import_drafter, path, out, num_target_blocks=num_target_blocks, target=model)
     view = engine_view(dest)
     if json_out:

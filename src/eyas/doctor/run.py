@@ -12,8 +12,9 @@ from typing import Any, Callable
 
 import torch
 
-from eyas.targets.structure import find_decoder_blocks, find_embedding
-from eyas.contract.contract import SlotFingerprint, weights_fingerprint
+from eyas.targets import LoadedTarget, TargetSource, load_target
+from eyas.targets.structure import find_embedding
+from eyas.contract.contract import SlotFingerprint
 from eyas.doctor.capture import LiveCapture, capture_all, stored_labels
 from eyas.doctor.common import FAIL, Stage
 from eyas.doctor.engines import DrafterDir, EngineReading, normalise_engine, read_drafter_dir, read_engine
@@ -83,19 +84,15 @@ def run_doctor(
     t0 = time.perf_counter()
     say = log or (lambda m: None)
     engine, engine_version = normalise_engine(engine, engine_version)
-    source = str(target)
     if model is None:
-        from eyas.targets import load_target
-
-        model, tokenizer, src = load_target(target, dtype=torch.float32, device=device)
-        source = str(src)
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    L = len(find_decoder_blocks(model))
-    H = int(cfg.hidden_size)
+        loaded = load_target(target, dtype=torch.float32, device=device)
+    else:
+        loaded = LoadedTarget.from_model(model, tokenizer, TargetSource(str(target)))
+    model, tokenizer, device = loaded.model, loaded.tokenizer, loaded.device
+    L, H, V = loaded.num_blocks, loaded.hidden_size, loaded.vocab_size
     emb = find_embedding(model).weight
-    V = int(emb.shape[0])
-    target_info = {"source": source, "architecture": (model.config.architectures or [type(model).__name__])[0],
-                   "num_blocks": L, "hidden_size": H, "vocab_size": V, "fingerprint": weights_fingerprint(model)}
+    target_info = {"source": loaded.name, **loaded.identity.model_dump(
+        include={"architecture", "num_blocks", "hidden_size", "vocab_size", "fingerprint"})}
     stages = {name: Stage(name) for name in STAGES}
     engine_info: dict[str, Any] = {"name": engine, "version": engine_version,
                                    "label": EngineReading(engine, engine_version).label}
@@ -142,12 +139,7 @@ def run_doctor(
 
     trained, trained_note = trained_boundaries(dd, sset, H) if sset is not None else (dd.boundaries, None)
     stages["static"] = static_stage(dd, reading, model, tokenizer, L, H, V, sset, trained, trained_note)
-    misfit = [m for m in (
-        f"trained boundaries {trained} exceed the target's {L} blocks" if max(trained) > L else None,
-        f"the drafter reads {dd.trained.target_hidden_size}-wide target states, the target's are {H}"
-        if dd.trained.target_hidden_size != H else None,
-        f"the drafter's vocabulary has {dd.trained.vocab_size} ids, the target's {V}" if dd.trained.vocab_size != V else None,
-    ) if m]
+    misfit = loaded.misfits(dd.trained.target_hidden_size, dd.trained.vocab_size, trained)
     if misfit:
         why = "the target does not fit the drafter (" + "; ".join(misfit) + "): nothing to measure"
         for name in ("replay", "live", "fingerprint", "search"):

@@ -516,10 +516,9 @@ def run_trace(
     ``model``/``tokenizer`` may be passed already loaded. Raises :class:`TraceError` when the engine
     cannot serve the directory or the drafter does not fit the target.
     """
-    from eyas.targets.structure import eos_token_ids
     from eyas.convention.boundaries import CaptureSpec
-    from eyas.targets.structure import find_decoder_blocks, find_embedding
-    from eyas.contract.contract import weights_fingerprint
+    from eyas.targets import LoadedTarget, TargetSource, load_target
+    from eyas.targets.structure import find_embedding
     from eyas.data.render import render_prompt
     from eyas.doctor.engines import normalise_engine, read_drafter_dir, read_engine, served_config
     from eyas.doctor.evaluate import build_drafter
@@ -528,22 +527,15 @@ def run_trace(
     say = log or (lambda m: None)
     engine, engine_version = normalise_engine(engine, engine_version)
     spec_tree = tree if isinstance(tree, TreeSpec) else TreeSpec.parse(str(tree))
-    source = str(target)
-    if model is None:
-        from eyas.targets import load_target
-
-        dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        model, tokenizer, src = load_target(target, dtype=torch.float32 if dev == "cpu" else torch.bfloat16,
-                                            device=dev)
-        source = str(src)
+    if model is None:  # bf16 on a GPU, float32 on the CPU
+        loaded = load_target(target, dtype="auto", device=device)
+    else:
+        loaded = LoadedTarget.from_model(model, tokenizer, TargetSource(str(target)))
+    model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.name
     if tokenizer is None:
         raise TraceError("a tokenizer is needed to render the prompt")
-    cfg_t = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    L = len(find_decoder_blocks(model))
-    H = int(cfg_t.hidden_size)
+    L = loaded.num_blocks
     emb = find_embedding(model).weight
-    V = int(emb.shape[0])
-    param = next(model.parameters())
 
     say(f"reading {draft}")
     dd = read_drafter_dir(draft, L)
@@ -551,17 +543,14 @@ def run_trace(
     if not reading.loadable or reading.boundaries is None:
         raise TraceError(f"{reading.label} cannot serve {draft}: {reading.why_not}")
     cfg = served_config(dd, reading)
-    misfit = [m for m in (
-        f"the drafter reads {cfg.target_hidden_size}-wide target states, the target's are {H}"
-        if cfg.target_hidden_size != H else None,
-        f"the drafter's vocabulary has {cfg.vocab_size} ids, the target's {V}" if cfg.vocab_size != V else None,
-        f"{reading.label} captures {len(reading.boundaries)} boundaries {reading.boundaries}; the drafter's fc "
-        f"takes {cfg.num_slots} slots" if len(reading.boundaries) != cfg.num_slots else None,
-    ) if m]
+    misfit = loaded.misfits(cfg.target_hidden_size, cfg.vocab_size, reading.boundaries)
+    if len(reading.boundaries) != cfg.num_slots:
+        misfit.append(f"{reading.label} captures {len(reading.boundaries)} boundaries {reading.boundaries}; the "
+                      f"drafter's fc takes {cfg.num_slots} slots")
     if misfit:
         raise TraceError(f"{draft} does not fit the target: " + "; ".join(misfit))
-    drafter, notes = build_drafter(dd, cfg, emb, param.device)
-    drafter = drafter.to(param.device, dtype=param.dtype).eval()
+    drafter, notes = build_drafter(dd, cfg, emb, loaded.device)
+    drafter = drafter.to(loaded.device, dtype=loaded.dtype).eval()
     tgt = HFTarget(model, CaptureSpec(tuple(reading.boundaries), L))
 
     contract = dd.contract
@@ -575,7 +564,7 @@ def run_trace(
     capture_dtype = contract.capture.dtype if contract is not None else "float32"
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    ids = render_prompt(messages, tokenizer).to(param.device)
+    ids = render_prompt(messages, tokenizer).to(loaded.device)
     engine_info = {"name": engine, "version": engine_version, "label": reading.label,
                    "boundaries": list(reading.boundaries), "boundaries_note": reading.boundaries_note,
                    "flags": {f: bool(getattr(cfg, f)) for f in ("norm_before_residual", "norm_before_fc", "fc_norm",
@@ -586,7 +575,7 @@ def run_trace(
     say(f"tracing {reading.label}: boundaries {reading.boundaries}, {ids.numel()} prompt tokens")
     with Tracer(tgt, drafter, out, header=header, channels=reference[0].channels if reference else None) as tr:
         result = speculative_generate(tgt, drafter, ids, tree=spec_tree, max_new_tokens=max_new_tokens,
-                                      eos_token_ids=eos_token_ids(model, tokenizer))
+                                      eos_token_ids=loaded.eos_ids)
     say("holding the trace against the training fingerprint")
     sequence = ids.reshape(-1).tolist() + result.tokens
     summary = tr.summary(reference, trained, ref_source, sequence=sequence, capture_dtype=capture_dtype)
@@ -599,8 +588,8 @@ def run_trace(
     generation = {"text": tokenizer.decode(result.tokens, skip_special_tokens=True), "new_tokens": stats["new_tokens"],
                   "rounds": stats["rounds"], "tau": stats["tau"], "stop_reason": stats["stop_reason"],
                   "acceptance_at_depth": stats["acceptance_at_depth"]}
-    target_info = {"source": source, "num_blocks": L, "hidden_size": H, "vocab_size": V,
-                   "fingerprint": weights_fingerprint(model)}
+    target_info = {"source": source, **loaded.identity.model_dump(
+        include={"num_blocks", "hidden_size", "vocab_size", "fingerprint"})}
     return TraceReport(summary=summary, out=str(out), engine=engine_info, target=target_info,
                        draft={"path": str(draft), "layout": dd.layout, "trained_boundaries": trained},
                        generation=generation, notes=list(notes))
