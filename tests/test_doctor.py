@@ -12,7 +12,6 @@ training split), so live accuracy visibly falls when the capture is wrong.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 import sys
@@ -85,10 +84,8 @@ def world(tmp_path_factory, one_thread):
                    dtype="bfloat16", progress=False)
     # 1. offline, from shards, on the default boundaries [2, 6, 9]
     loop.train(_train_cfg(target, root / "shards", root / "base"), log=lambda m: None)
-    # 2. online, with the embedding output as slot 0, and norm_before_fc (TrainConfig has no flag options)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loop, "new_drafter", functools.partial(loop.new_drafter, norm_before_fc=True))
-        loop.train(_train_cfg(target, convs, root / "emb", boundaries=EMB_TRAINED), log=lambda m: None)
+    # 2. online, with the embedding output as slot 0, and norm_before_fc
+    loop.train(_train_cfg(target, convs, root / "emb", boundaries=EMB_TRAINED, norm_before_fc=True), log=lambda m: None)
     return {"root": root, "target": target, "model": model, "tok": tok, "shards": root / "shards", "convs": convs,
            "base": root / "base", "emb": root / "emb"}
 

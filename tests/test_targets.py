@@ -97,3 +97,14 @@ def test_load_target_returns_a_loaded_target(toy_drafter):
     assert t.tokenizer.eos_token_id in t.eos_ids
     with pytest.raises(PlacementError):  # names are checked before anything is loaded
         load_target(str(target_dir), dtype="fp8")
+
+
+def test_train_config_carries_the_drafter_variant_flags():
+    from eyas.drafter.config import DrafterConfig
+    from eyas.training.config import TrainConfig
+
+    flags = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+    default = TrainConfig(steps=1)
+    assert all(getattr(default, f) == DrafterConfig.model_fields[f].default for f in flags)
+    assert TrainConfig(steps=1, norm_output=True, fc_norm=True).model_dump(include=set(flags)) == {
+        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": True, "norm_output": True}

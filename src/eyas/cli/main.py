@@ -192,6 +192,10 @@ def train(
     eval_every: int = typer.Option(100),
     seed: int = typer.Option(0),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    norm_before_residual: bool = typer.Option(False, help="drafter variant: residual = hidden_norm(h) instead of h"),
+    norm_before_fc: bool = typer.Option(False, help="drafter variant: one RMSNorm over the concatenated slots before fc"),
+    fc_norm: bool = typer.Option(False, help="drafter variant: one RMSNorm per slot before the concatenation"),
+    norm_output: bool = typer.Option(False, help="drafter variant: feed back the post-norm hidden state"),
     force: bool = typer.Option(False, help="train even when the shards' contract does not match the target"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -205,7 +209,8 @@ def train(
         target=target, data=data, out=str(out), steps=steps, epochs=epochs,
         boundaries=_run(parse_boundaries, boundaries) if boundaries else None, draft_vocab_size=draft_vocab,
         batch_size=batch_size, max_length=max_length, lr=lr, ttt_steps=ttt_steps, save_every=save_every,
-        eval_every=eval_every, seed=seed, device=device,
+        eval_every=eval_every, seed=seed, device=device, norm_before_residual=norm_before_residual,
+        norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output,
     )
     log = (lambda m: err.print(m, highlight=False)) if json_out else (lambda m: console.print(m, highlight=False))
     t0 = time.perf_counter()

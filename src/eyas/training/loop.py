@@ -241,7 +241,9 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     drafter, contract = new_drafter(model, tokenizer, spec.boundaries, cfg.draft_vocab_size, source=target.name,
-                                    capture_dtype="bfloat16" if use_bf16 else "float32", seed=cfg.seed)
+                                    capture_dtype="bfloat16" if use_bf16 else "float32", seed=cfg.seed,
+                                    norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.norm_before_fc,
+                                    fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
     drafter.set_vocab_map(vocab.ids)
     contract = contract.model_copy(update={"drafter": drafter_flags(drafter.config, "trained")})
     if contract.tokenisation is not None:
