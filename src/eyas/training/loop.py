@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from eyas.convention.boundaries import CaptureSpec
+from eyas.io import atomic_write_text
 from eyas.targets import LoadedTarget, load_target, resolve_device
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract.contract import SlotFingerprint
@@ -297,7 +298,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         c = contract.model_copy(update={"metrics": {"step": step, **(val or {})}})
         if final:
             save_drafter(drafter, c, out)
-            (out / "train_config.json").write_text(cfg.model_dump_json(indent=2))
+            atomic_write_text(out / "train_config.json", cfg.model_dump_json(indent=2))
             return
         final_dir = out / "checkpoints" / f"step-{step:07d}"
         tmp = final_dir.with_name(final_dir.name + ".tmp")
