@@ -12,7 +12,6 @@ training split), so live accuracy visibly falls when the capture is wrong.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 import sys
@@ -77,16 +76,15 @@ def world(tmp_path_factory, one_thread):
 
     root = tmp_path_factory.mktemp("doctor")
     target = _toy_target(root / "target")
-    model, tok, _ = load_target(str(target))
+    loaded = load_target(str(target))
+    model, tok = loaded.model, loaded.tokenizer
     convs = _conversations(model, tok, root / "conversations.jsonl")
     capture_shards(model, tok, read_conversations(convs).conversations,
                    CaptureOptions(out_dir=root / "shards", boundaries=list(TRAINED), dtype="bfloat16", progress=False))
     # 1. offline, from shards, on the default boundaries [2, 6, 9]
     loop.train(_train_cfg(target, root / "shards", root / "base"), log=lambda m: None)
-    # 2. online, with the embedding output as slot 0, and norm_before_fc (TrainConfig has no flag options)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loop, "new_drafter", functools.partial(loop.new_drafter, norm_before_fc=True))
-        loop.train(_train_cfg(target, convs, root / "emb", boundaries=EMB_TRAINED), log=lambda m: None)
+    # 2. online, with the embedding output as slot 0, and norm_before_fc
+    loop.train(_train_cfg(target, convs, root / "emb", boundaries=EMB_TRAINED, norm_before_fc=True), log=lambda m: None)
     return {"root": root, "target": target, "model": model, "tok": tok, "shards": root / "shards", "convs": convs,
            "base": root / "base", "emb": root / "emb"}
 
@@ -96,7 +94,8 @@ def doctor(world, draft, engine="eyas", version=None, data="shards", target=None
     if target is not None:
         from eyas.targets import load_target
 
-        model, tok, _ = load_target(str(target))
+        loaded = load_target(str(target))
+        model, tok = loaded.model, loaded.tokenizer
         name = target
     data_path = world[data] if data in ("shards", "convs") else data
     return run_doctor(str(name), str(draft), data=str(data_path) if data_path else None, engine=engine,

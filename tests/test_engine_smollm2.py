@@ -30,7 +30,8 @@ DRAFT_VOCAB = 512
 
 @pytest.fixture(scope="module")
 def smol():
-    model, tok, _ = load_target("smollm2")
+    loaded = load_target("smollm2")
+    model, tok = loaded.model, loaded.tokenizer
     model = model.float().eval()
     spec = CaptureSpec((2, 15, 27), num_blocks(model))
     prompts = {p: render_prompt([{"role": "user", "content": p}], tok).tolist() for p in TRAIN_PROMPTS + UNSEEN_PROMPTS}

@@ -205,7 +205,8 @@ def world(tmp_path_factory):
         for layer in model.model.layers:
             layer.mlp.down_proj.weight.mul_(3.0)
     model.save_pretrained(path)
-    model, tok, _ = load_target(str(path))
+    loaded = load_target(str(path))
+    model, tok = loaded.model, loaded.tokenizer
     # The training fingerprint, as online training records it: the captured slots of training
     # conversations (prompt and the target's own answer), every token but the first.
     spec = CaptureSpec(tuple(TRAINED), L)

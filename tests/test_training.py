@@ -143,7 +143,8 @@ def test_trained_drafter_beats_the_best_unigram_predictor(toy, tmp_path):
 
     # The best unigram predictor of the target's next token on the same held-out positions: the
     # single most frequent target argmax (an upper bound for any constant predictor).
-    model, tok, _ = load_target(str(toy[0]))
+    loaded = load_target(str(toy[0]))
+    model, tok = loaded.model, loaded.tokenizer
     convs = read_conversations(toy[1]).conversations
     samples = [render(c, tok, max_length=cfg.max_length) for c in convs]
     _, val_idx = split_indices(len(samples), cfg)
@@ -214,7 +215,8 @@ def test_offline_and_online_training_give_the_same_first_step_loss(toy, tmp_path
     target, data = toy
     few = tmp_path / "few.jsonl"
     few.write_text("".join(data.read_text().splitlines(keepends=True)[:6]))
-    model, tok, _ = load_target(str(target))
+    loaded = load_target(str(target))
+    model, tok = loaded.model, loaded.tokenizer
     capture_shards(model, tok, read_conversations(few).conversations,
                    CaptureOptions(out_dir=tmp_path / "shards", dtype="float32", progress=False))  # [2, L//2, L-3]
 

@@ -49,7 +49,8 @@ def make_toy_conversations(target_dir: Path, out: Path, n: int = 48, answer_toke
     temperature is given), as `eyas regenerate` would write them for a real target."""
     from eyas.targets import load_target
 
-    model, tok, _ = load_target(str(target_dir))
+    loaded = load_target(str(target_dir))
+    model, tok = loaded.model, loaded.tokenizer
     torch.manual_seed(seed)
     tok.padding_side = "left"
     rows = []

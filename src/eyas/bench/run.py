@@ -18,7 +18,7 @@ from tqdm import tqdm
 from eyas.data.conversations import Conversation
 from eyas.data.render import render_prompt
 from eyas.drafter.model import Eagle3Drafter
-from eyas.targets.structure import eos_token_ids
+from eyas.targets import LoadedTarget
 from eyas.engine import GenerationStats, HFTarget, SamplingParams, TreeSpec, plain_generate, speculative_generate
 
 METHODS = ("speculative", "plain", "hf")
@@ -126,8 +126,7 @@ def hf_generate(model: Any, ids: torch.Tensor, sampling: SamplingParams, max_new
 def bench_set(
     name: str,
     prompts: Sequence[Conversation],
-    model: Any,
-    tokenizer: Any,
+    loaded: LoadedTarget,
     target: HFTarget,
     drafter: Eagle3Drafter,
     tree: TreeSpec,
@@ -136,7 +135,11 @@ def bench_set(
     seed: int = 0,
     progress: bool = True,
 ) -> SetResult:
-    eos = eos_token_ids(model, tokenizer)
+    """Each prompt of the set through speculative decoding (``drafter`` on ``target``, the engine
+    view of ``loaded``), plain decoding and HF ``generate`` of ``loaded.model``, back to back, each
+    method seeded alike per prompt; all stop at the target's eos ids."""
+    model, tokenizer = loaded.model, loaded.tokenizer
+    eos = list(loaded.eos_ids)
     result = SetResult(name, sampling.greedy)
     for i, conv in enumerate(tqdm(prompts, desc=f"bench {name}", disable=not progress, dynamic_ncols=True)):
         ids = render_prompt(conv, tokenizer).to(target.device)[None]  # [1, n]

@@ -9,10 +9,9 @@ Both resume where a crashed run stopped (rerun the same command). `main.py` adds
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.table import Table
@@ -22,32 +21,18 @@ from eyas.cli.common import fail as _fail
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
 
+if TYPE_CHECKING:
+    from eyas.targets import LoadedTarget
+
 SYSTEM_HELP = "'template_default' (the conversation's own, else the template's), 'none', or the prompt text"
 
 
-def _device(device: str) -> str:
-    import torch
-
-    if device != "auto":
-        return device
-    if torch.cuda.is_available():
-        # Under torchrun each process takes its own GPU.
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    return "cpu"
-
-
-def _load(target: str, device: str, target_dtype: str) -> tuple[Any, Any, Any]:
-    import torch
-
+def _load(target: str, device: str, target_dtype: str) -> LoadedTarget:
+    """The LoadedTarget for ``--target``, ``--device`` and ``--target-dtype`` (rules in
+    eyas.targets.placement: under torchrun each process takes its own GPU)."""
     from eyas.targets import load_target
 
-    dev = _device(device)
-    if target_dtype == "auto":  # bf16 on GPUs, as served; fp32 on CPU (bf16 matmuls are slow there)
-        target_dtype = "bfloat16" if dev.startswith("cuda") else "float32"
-    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    if target_dtype not in dtypes:
-        _fail(f"--target-dtype: expected auto|{'|'.join(dtypes)}, found {target_dtype!r}")
-    return _run(load_target, target, dtype=dtypes[target_dtype], device=dev)
+    return _run(load_target, target, dtype=target_dtype, device=device)
 
 
 def _read(path: Path) -> Any:
@@ -101,7 +86,8 @@ def regenerate_cmd(
                    temperature=temperature, top_p=top_p, seed=seed, limit=limit, system_prompt=system_prompt,
                    max_prompt_tokens=max_prompt_tokens, max_turns=max_turns, progress=not json_out)
     read = _read(prompts)
-    model, tokenizer, src = _load(target, device, target_dtype)
+    loaded = _load(target, device, target_dtype)
+    model, tokenizer, src = loaded.model, loaded.tokenizer, loaded.name
     s = _run(regenerate, model, tokenizer, read.conversations, options, source=str(src))
     report = {"command": "regenerate", "target": str(src), "prompts": str(prompts), **s.to_dict(),
               "read": read.counts, "total_wall_s": round(time.perf_counter() - t0, 3)}
@@ -138,7 +124,6 @@ def capture_cmd(
     Under torchrun every rank captures its share (conversations rank::world_size) and the last one
     to finish writes manifest.json."""
     from eyas.convention import CaptureSpec, parse_boundaries
-    from eyas.targets.structure import find_decoder_blocks
     from eyas.data.shards import CaptureOptions, capture_shards
 
     t0 = time.perf_counter()
@@ -147,8 +132,9 @@ def capture_cmd(
                    dtype=dtype, shard_size=shard_size, shard_tokens=shard_tokens, system_prompt=system_prompt,
                    source_data=str(data), progress=not json_out)
     read = _read(data)
-    model, tokenizer, src = _load(target, device, target_dtype)
-    spec = _run(CaptureSpec.create, len(find_decoder_blocks(model)), bs)
+    loaded = _load(target, device, target_dtype)
+    model, tokenizer, src = loaded.model, loaded.tokenizer, loaded.name
+    spec = _run(CaptureSpec.create, loaded.num_blocks, bs)
     s = _run(capture_shards, model, tokenizer, read.conversations, options, source=str(src))
     report = {"command": "capture", "target": str(src), "data": str(data), "boundaries": list(spec.boundaries),
               **s.to_dict(), "read": read.counts, "total_wall_s": round(time.perf_counter() - t0, 3)}

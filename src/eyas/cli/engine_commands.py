@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -12,30 +12,28 @@ from eyas.cli.common import TARGET_HELP, console, err
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
 
+if TYPE_CHECKING:
+    from eyas.targets import LoadedTarget
+
 TREE_HELP = ("DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24), DEPTH for a chain, or 'auto': time the "
              "target's verification and the drafter on this hardware, measure the drafter's acceptance on a "
              "short greedy calibration, and use the tree with the best predicted speedup")
 
 
-def load_for_serving(target: str, draft: Path, device: str, force: bool) -> tuple[Any, Any, Any, Any, Any]:
-    """(model, tokenizer, drafter, HFTarget, contract), the drafter checked against the target's contract."""
-    import torch
-
+def load_for_serving(target: str, draft: Path, device: str, force: bool) -> tuple[LoadedTarget, Any, Any, Any]:
+    """(the loaded target, drafter, HFTarget, contract), the drafter checked against the target's
+    contract. ``--device auto`` and the dtype follow eyas.targets.placement: bf16 on a GPU, float32 on
+    the CPU (bf16 matmuls are slow there and greedy equality is exact in float32)."""
     from eyas.convention import CaptureSpec
-
-    from eyas.targets.structure import num_blocks
     from eyas.engine import HFTarget
     from eyas.interop import load_drafter
     from eyas.targets import load_target
 
-    dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    # float32 on CPU (bf16 matmuls are slow there and greedy equality is exact in float32).
-    model, tokenizer, _src = _run(load_target, target, dtype=torch.float32 if dev == "cpu" else torch.bfloat16,
-                                  device=dev)
-    drafter, contract = _run(load_drafter, draft, target=model, tokenizer=tokenizer, force=force)
-    drafter = drafter.to(dev, dtype=next(model.parameters()).dtype).eval()
-    spec = CaptureSpec(tuple(contract.capture.boundaries), num_blocks(model))
-    return model, tokenizer, drafter, HFTarget(model, spec), contract
+    loaded = _run(load_target, target, dtype="auto", device=device)
+    drafter, contract = _run(load_drafter, draft, target=loaded.model, tokenizer=loaded.tokenizer, force=force)
+    drafter = drafter.to(loaded.device, dtype=loaded.dtype).eval()
+    spec = CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks)
+    return loaded, drafter, HFTarget(loaded.model, spec), contract
 
 
 def is_auto(tree: str) -> bool:
@@ -76,16 +74,16 @@ def generate_cmd(
     """Generate a reply with speculative decoding; prints the text and per-request statistics."""
     import torch
 
-    from eyas.targets.structure import eos_token_ids
     from eyas.data.render import render_prompt
     from eyas.engine import SamplingParams, TreeSpec, speculative_generate
 
-    model, tokenizer, drafter, tgt, contract = load_for_serving(target, draft, device, force)
+    loaded, drafter, tgt, contract = load_for_serving(target, draft, device, force)
+    tokenizer = loaded.tokenizer
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = render_prompt(messages, tokenizer).to(tgt.device)[None]
     choice = None
     if is_auto(tree):  # calibrated on the prompt itself
-        choice = auto_tree(tgt, drafter, [ids[0]], contract, eos_token_ids(model, tokenizer), temperature,
+        choice = auto_tree(tgt, drafter, [ids[0]], contract, list(loaded.eos_ids), temperature,
                            err if json_out else console)
         spec_tree = choice.spec
     else:
@@ -94,7 +92,7 @@ def generate_cmd(
     t0 = time.perf_counter()
     r = speculative_generate(tgt, drafter, ids, tree=spec_tree,
                              sampling=SamplingParams(temperature, top_p, top_k), max_new_tokens=max_new_tokens,
-                             eos_token_ids=eos_token_ids(model, tokenizer),
+                             eos_token_ids=loaded.eos_ids,
                              generator=torch.Generator(device=tgt.device).manual_seed(seed), on_token=stream)
     wall = time.perf_counter() - t0
     stats = r.stats.to_dict()
@@ -135,17 +133,17 @@ def bench_cmd(
 
     from eyas.bench import bench_set, bench_table, load_prompts, plot_accept_lengths
     from eyas.bench.report import acceptance_lines
-    from eyas.targets.structure import eos_token_ids
     from eyas.data.render import render_prompt
     from eyas.engine import SamplingParams, TreeSpec
     from eyas.tune import CALIBRATION_PROMPTS
 
-    model, tokenizer, drafter, tgt, contract = load_for_serving(target, draft, device, force)
+    loaded, drafter, tgt, contract = load_for_serving(target, draft, device, force)
+    tokenizer = loaded.tokenizer
     sets = [(name, _run(load_prompts, name, limit)) for name in prompts]
     choice = None
     if is_auto(tree):  # calibrated on the first prompts of the first set
         calibration = [render_prompt(c, tokenizer).tolist() for c in sets[0][1][:CALIBRATION_PROMPTS]]
-        choice = auto_tree(tgt, drafter, calibration, contract, eos_token_ids(model, tokenizer), temperature,
+        choice = auto_tree(tgt, drafter, calibration, contract, list(loaded.eos_ids), temperature,
                            err if json_out else console)
         spec_tree = choice.spec
     else:
@@ -153,7 +151,7 @@ def bench_cmd(
     sampling = SamplingParams(temperature)
     summaries = []
     for name, convs in sets:
-        result = bench_set(Path(name).stem, convs, model, tokenizer, tgt, drafter, spec_tree, sampling,
+        result = bench_set(Path(name).stem, convs, loaded, tgt, drafter, spec_tree, sampling,
                            max_new_tokens, seed=seed, progress=not json_out)
         summaries.append(result.summary())
     png = png or (out.with_suffix(".png") if out else Path("bench.png"))

@@ -69,14 +69,14 @@ def new(
     from eyas.targets import load_target
 
     bs = _run(parse_boundaries, boundaries) if boundaries else None
-    model, tokenizer, src = _run(load_target, target)
-    drafter, contract = _run(new_drafter, model, tokenizer, bs, draft_vocab, source=str(src), seed=seed)
+    loaded = _run(load_target, target)
+    drafter, contract = _run(new_drafter, loaded.model, loaded.tokenizer, bs, draft_vocab, source=loaded.name, seed=seed)
     path = save_drafter(drafter, contract, out)
     view = view_engines(path)
     if json_out:
         _print_json({"path": str(path), **view.to_dict(), "contract": contract.model_dump()})
         return
-    console.print(f"wrote untrained drafter to [bold]{path}[/] for {src}")
+    console.print(f"wrote untrained drafter to [bold]{path}[/] for {loaded.name}")
     console.print(engine_table(view))
 
 
@@ -155,7 +155,7 @@ def import_cmd(
     if target:
         from eyas.targets import load_target
 
-        model, _tok, _src = _run(load_target, target)
+        model = _run(load_target, target).model
     dest = _run(import_drafter, path, out, num_target_blocks=num_target_blocks, target=model)
     view = view_engines(dest)
     if json_out:
@@ -182,6 +182,10 @@ def train(
     eval_every: int = typer.Option(100),
     seed: int = typer.Option(0),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    norm_before_residual: bool = typer.Option(False, help="drafter variant: residual = hidden_norm(h) instead of h"),
+    norm_before_fc: bool = typer.Option(False, help="drafter variant: one RMSNorm over the concatenated slots before fc"),
+    fc_norm: bool = typer.Option(False, help="drafter variant: one RMSNorm per slot before the concatenation"),
+    norm_output: bool = typer.Option(False, help="drafter variant: feed back the post-norm hidden state"),
     force: bool = typer.Option(False, help="train even when the shards' contract does not match the target"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -195,7 +199,8 @@ def train(
         target=target, data=data, out=str(out), steps=steps, epochs=epochs,
         boundaries=_run(parse_boundaries, boundaries) if boundaries else None, draft_vocab_size=draft_vocab,
         batch_size=batch_size, max_length=max_length, lr=lr, ttt_steps=ttt_steps, save_every=save_every,
-        eval_every=eval_every, seed=seed, device=device,
+        eval_every=eval_every, seed=seed, device=device, norm_before_residual=norm_before_residual,
+        norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output,
     )
     log = (lambda m: err.print(m, highlight=False)) if json_out else (lambda m: console.print(m, highlight=False))
     t0 = time.perf_counter()

@@ -12,12 +12,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, model_serializer
-from torch import nn
 
 from eyas import __version__
-from eyas.targets.structure import find_decoder_blocks, find_embedding, find_final_norm, text_config
+# The target's identity lives with the targets (floor 2); the contract stores it and re-exports it.
+from eyas.targets.identity import TargetIdentity, target_identity, weights_fingerprint  # noqa: F401
 from eyas.errors import EyasError
 
 SCHEMA_VERSION = 1
@@ -25,18 +24,6 @@ SCHEMA_VERSION = 1
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class TargetIdentity(_Model):
-    architecture: str
-    model_type: str
-    num_blocks: int
-    hidden_size: int
-    vocab_size: int
-    # sha256 over bf16-rounded sampled embedding rows + the final norm weight: catches another
-    # checkpoint of the same shape, and is equal for fp32 and bf16 loads of the same weights.
-    fingerprint: str
-    source: str | None = None  # where it was loaded from; informational, never compared
 
 
 class CaptureContract(_Model):
@@ -128,29 +115,6 @@ class Contract(_Model):
 # ---------------------------------------------------------------------------------------------
 # Building the parts from a live target
 # ---------------------------------------------------------------------------------------------
-
-
-def weights_fingerprint(model: nn.Module, max_rows: int = 1024) -> str:
-    emb = find_embedding(model).weight.detach()
-    rows = torch.linspace(0, emb.shape[0] - 1, min(max_rows, emb.shape[0])).round().long()
-    h = hashlib.sha256()
-    for t in (emb[rows.to(emb.device)], find_final_norm(model).weight.detach()):
-        h.update(t.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def target_identity(model: nn.Module, source: str | None = None) -> TargetIdentity:
-    cfg = text_config(model)
-    archs = getattr(model.config, "architectures", None) or [type(model).__name__]
-    return TargetIdentity(
-        architecture=archs[0],
-        model_type=cfg.model_type,
-        num_blocks=len(find_decoder_blocks(model)),
-        hidden_size=cfg.hidden_size,
-        vocab_size=find_embedding(model).weight.shape[0],
-        fingerprint=weights_fingerprint(model),
-        source=source,
-    )
 
 
 def tokenisation_of(tokenizer: Any, system_prompt: str = "template_default") -> Tokenisation:

@@ -35,6 +35,7 @@ from eyas.interop import DrafterDir, build_drafter
 from eyas.interop.servers import EngineReading
 from eyas.doctor.samples import SampleSet
 from eyas.drafter.model import Eagle3Drafter
+from eyas.targets import LoadedTarget
 
 DEFAULT_TTT_STEPS = 7  # EAGLE-3's TTT steps (TrainConfig.ttt_steps), when the contract records no per-position metrics
 
@@ -139,25 +140,14 @@ def capture_dtype(dd: DrafterDir, sset: SampleSet) -> str:
     return dd.contract.capture.dtype if dd.contract is not None else "float32"
 
 
-def misfit(dd: DrafterDir, trained: list[int], L: int, H: int, V: int) -> list[str]:
-    """Why the target cannot feed the drafter at all (nothing to measure then); empty when it can."""
-    return [m for m in (
-        f"trained boundaries {trained} exceed the target's {L} blocks" if max(trained) > L else None,
-        f"the drafter reads {dd.trained.target_hidden_size}-wide target states, the target's are {H}"
-        if dd.trained.target_hidden_size != H else None,
-        f"the drafter's vocabulary has {dd.trained.vocab_size} ids, the target's {V}" if dd.trained.vocab_size != V else None,
-    ) if m]
-
-
 @dataclass
 class DoctorContext:
     """Everything the doctor knows about one run, filled step by step (see the module docstring)."""
 
     options: DoctorOptions
     engine: EngineChoice
-    target: TargetFacts
-    model: Any
-    tokenizer: Any
+    loaded: LoadedTarget  # the live target: model, tokenizer, L, H, V, and whether a drafter fits it
+    target: TargetFacts  # the same target, as the report names it
     embedding: Tensor  # [V, H] the target's token embedding (a drafter without its own uses it)
     say: Callable[[str], None]
     # -- the drafter directory (open_directory) ---------------------------------------------------
@@ -175,6 +165,14 @@ class DoctorContext:
     reference_source: str = ""
     # -- the results --------------------------------------------------------------------------------------
     stages: DoctorStages = field(default_factory=DoctorStages)
+
+    @property
+    def model(self) -> Any:
+        return self.loaded.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
 
     # -- filling ----------------------------------------------------------------------------------------
 
@@ -194,8 +192,7 @@ class DoctorContext:
         self.samples = samples
         self.trained, self.trained_note = (trained_boundaries(dd, samples, self.target.hidden_size)
                                            if samples is not None else (dd.boundaries, None))
-        t = self.target
-        problems = misfit(dd, self.trained, t.num_blocks, t.hidden_size, t.vocab_size)
+        problems = self.loaded.misfits(dd.trained.target_hidden_size, dd.trained.vocab_size, self.trained)
         if problems:
             self.blocker = Blocker("replay", "the target does not fit the drafter (" + "; ".join(problems)
                                    + "): nothing to measure")

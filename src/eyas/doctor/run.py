@@ -17,7 +17,6 @@ from typing import Any, Callable
 
 import torch
 
-from eyas.contract.contract import weights_fingerprint
 from eyas.doctor.common import SKIPPED, Stage
 from eyas.doctor.context import DoctorContext, DoctorOptions, EngineChoice, TargetFacts
 from eyas.doctor.fingerprint import fingerprint_stage
@@ -30,7 +29,8 @@ from eyas.doctor.static import static_stage
 from eyas.doctor.verdict import verdict
 from eyas.errors import EyasError
 from eyas.interop import read_as, read_drafter_dir, servers
-from eyas.targets.structure import find_decoder_blocks, find_embedding
+from eyas.targets import LoadedTarget, TargetSource, load_target
+from eyas.targets.structure import find_embedding
 
 StageFunction = Callable[[DoctorContext], Stage]
 STAGE_FUNCTIONS: tuple[tuple[str, StageFunction], ...] = (
@@ -65,12 +65,11 @@ with several id rules, SGLang, following ``sglang_rule``; default: its current o
     t0 = time.perf_counter()
     spec = servers.get(engine)
     name, version = spec.name, spec.rule(sglang_rule)
-    model, tokenizer, source = _target(target, model, tokenizer, device)
+    loaded = _target(target, model, tokenizer, device)
     ctx = DoctorContext(
-        options=DoctorOptions(draft=draft, data=data, samples=samples, max_length=max_length, device=device),
-        engine=EngineChoice(name, version, spec.label(version)),
-        target=target_facts(model, source), model=model, tokenizer=tokenizer, embedding=find_embedding(model).weight,
-        say=log or (lambda m: None))
+        options=DoctorOptions(draft=draft, data=data, samples=samples, max_length=max_length, device=str(loaded.device)),
+        engine=EngineChoice(name, version, spec.label(version)), loaded=loaded, target=target_facts(loaded),
+        embedding=find_embedding(loaded.model).weight, say=log or (lambda m: None))
     if _open_directory(ctx):
         _load_data(ctx)
     for stage_name, stage in STAGE_FUNCTIONS:
@@ -78,22 +77,18 @@ with several id rules, SGLang, following ``sglang_rule``; default: its current o
     return _report(ctx, png, t0)
 
 
-def _target(target: str | None, model: Any, tokenizer: Any, device: str) -> tuple[Any, Any, str]:
-    """The target model, its tokenizer and where it came from (loaded here unless given)."""
+def _target(target: str | None, model: Any, tokenizer: Any, device: str) -> LoadedTarget:
+    """The target (loaded here in float32 unless given) with its facts."""
     if model is not None:
-        return model, tokenizer, str(target)
-    from eyas.targets import load_target
-
-    model, tokenizer, src = load_target(target, dtype=torch.float32, device=device)
-    return model, tokenizer, str(src)
+        return LoadedTarget.from_model(model, tokenizer, TargetSource(str(target)))
+    return load_target(target, dtype=torch.float32, device=device)
 
 
-def target_facts(model: Any, source: str) -> TargetFacts:
-    """L, H, V, architecture and weights fingerprint of the live target."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return TargetFacts(source=source, architecture=(model.config.architectures or [type(model).__name__])[0],
-                       num_blocks=len(find_decoder_blocks(model)), hidden_size=int(cfg.hidden_size),
-                       vocab_size=int(find_embedding(model).weight.shape[0]), fingerprint=weights_fingerprint(model))
+def target_facts(loaded: LoadedTarget) -> TargetFacts:
+    """L, H, V, architecture and weights fingerprint of the live target, as the report names them."""
+    i = loaded.identity
+    return TargetFacts(source=loaded.name, architecture=i.architecture, num_blocks=i.num_blocks,
+                       hidden_size=i.hidden_size, vocab_size=i.vocab_size, fingerprint=i.fingerprint)
 
 
 def _open_directory(ctx: DoctorContext) -> bool:

@@ -694,27 +694,21 @@ class _ServedDrafter:
     notes: list[str]
 
 
-def _load_target(target: str | None, model: Any, tokenizer: Any, device: str) -> tuple[Any, Any, str]:
-    """The target (fp32 on CPU, bf16 on a GPU), its tokenizer and source; loaded here unless given."""
+def _load_target(target: str | None, model: Any, tokenizer: Any, device: str) -> Any:
+    """The target as a LoadedTarget (bf16 on a GPU, float32 on the CPU), loaded here unless given."""
+    from eyas.targets import LoadedTarget, TargetSource, load_target
+
     if model is not None:
-        return model, tokenizer, str(target)
-    from eyas.targets import load_target
-
-    dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer, src = load_target(target, dtype=torch.float32 if dev == "cpu" else torch.bfloat16, device=dev)
-    return model, tokenizer, str(src)
+        return LoadedTarget.from_model(model, tokenizer, TargetSource(str(target)))
+    return load_target(target, dtype="auto", device=device)
 
 
-def _target_facts(model: Any, source: str) -> TraceTarget:
-    from eyas.contract.contract import weights_fingerprint
-    from eyas.targets.structure import find_decoder_blocks, find_embedding
-
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return TraceTarget(source, len(find_decoder_blocks(model)), int(cfg.hidden_size),
-                       int(find_embedding(model).weight.shape[0]), weights_fingerprint(model))
+def _target_facts(loaded: Any) -> TraceTarget:
+    return TraceTarget(loaded.name, loaded.num_blocks, loaded.hidden_size, loaded.vocab_size,
+                       loaded.identity.fingerprint)
 
 
-def _serve(draft: str | Path, engine: str, version: str | None, model: Any, facts: TraceTarget) -> _ServedDrafter:
+def _serve(draft: str | Path, engine: str, version: str | None, loaded: Any) -> _ServedDrafter:
     """Read ``draft`` as ``engine`` does and build what it would serve; TraceError when it cannot
     serve it or the drafter does not fit the target."""
     from eyas.convention.boundaries import CaptureSpec
@@ -722,27 +716,23 @@ def _serve(draft: str | Path, engine: str, version: str | None, model: Any, fact
     from eyas.engine import HFTarget
     from eyas.targets.structure import find_embedding
 
-    L, H, V = facts.num_blocks, facts.hidden_size, facts.vocab_size
+    L = loaded.num_blocks
     dd = read_drafter_dir(draft, L)
     reading = read_as(engine, dd, L, version)
     if not reading.loadable or reading.boundaries is None:
         raise TraceError(f"{reading.label} cannot serve {draft}: {reading.why_not}")
     cfg = served_config(dd, reading)
-    misfit = [m for m in (
-        f"the drafter reads {cfg.target_hidden_size}-wide target states, the target's are {H}"
-        if cfg.target_hidden_size != H else None,
-        f"the drafter's vocabulary has {cfg.vocab_size} ids, the target's {V}" if cfg.vocab_size != V else None,
-        f"{reading.label} captures {len(reading.boundaries)} boundaries {reading.boundaries}; the drafter's fc "
-        f"takes {cfg.num_slots} slots" if len(reading.boundaries) != cfg.num_slots else None,
-    ) if m]
+    misfit = loaded.misfits(cfg.target_hidden_size, cfg.vocab_size, reading.boundaries)
+    if len(reading.boundaries) != cfg.num_slots:
+        misfit.append(f"{reading.label} captures {len(reading.boundaries)} boundaries {reading.boundaries}; the "
+                      f"drafter's fc takes {cfg.num_slots} slots")
     if misfit:
         raise TraceError(f"{draft} does not fit the target: " + "; ".join(misfit))
-    param = next(model.parameters())
-    drafter, notes = build_drafter(cfg, dd.tensors, find_embedding(model).weight)
-    drafter = drafter.to(param.device, dtype=param.dtype).eval()
+    drafter, notes = build_drafter(cfg, dd.tensors, find_embedding(loaded.model).weight)
+    drafter = drafter.to(loaded.device, dtype=loaded.dtype).eval()
     served = TraceEngine(engine, version, reading.label, list(reading.boundaries), reading.boundaries_note,
                          {f: bool(getattr(cfg, f)) for f in NORM_FLAGS})
-    return _ServedDrafter(dd, served, HFTarget(model, CaptureSpec(tuple(reading.boundaries), L)), drafter, notes)
+    return _ServedDrafter(dd, served, HFTarget(loaded.model, CaptureSpec(tuple(reading.boundaries), L)), drafter, notes)
 
 
 def _training_reference(dd: Any) -> tuple[list[SlotFingerprint] | None, list[int], str, str]:
@@ -782,22 +772,22 @@ def run_trace(
     from eyas.data.render import render_prompt
     from eyas.engine import TreeSpec, speculative_generate
     from eyas.interop import servers
-    from eyas.targets.structure import eos_token_ids
 
     say = log or (lambda m: None)
     spec = servers.get(engine)
     engine, engine_version = spec.name, spec.rule(sglang_rule)
     spec_tree = tree if isinstance(tree, TreeSpec) else TreeSpec.parse(str(tree))
-    model, tokenizer, source = _load_target(target, model, tokenizer, device)
+    loaded = _load_target(target, model, tokenizer, device)
+    model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.name
     if tokenizer is None:
         raise TraceError("a tokenizer is needed to render the prompt")
-    facts = _target_facts(model, source)
+    facts = _target_facts(loaded)
     say(f"reading {draft}")
-    served = _serve(draft, engine, engine_version, model, facts)
+    served = _serve(draft, engine, engine_version, loaded)
     reference, trained, ref_source, capture_dtype = _training_reference(served.directory)
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    ids = render_prompt(messages, tokenizer).to(next(model.parameters()).device)
+    ids = render_prompt(messages, tokenizer).to(loaded.device)
     header = {"engine": served.engine.to_dict(), "target": source, "draft": str(draft), "trained_boundaries": trained,
               "prompt_tokens": int(ids.numel()), "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens],
               "max_new_tokens": max_new_tokens}
@@ -805,7 +795,7 @@ def run_trace(
     with Tracer(served.target, served.drafter, out, header=header,
                 channels=reference[0].channels if reference else None) as tr:
         result = speculative_generate(served.target, served.drafter, ids, tree=spec_tree, max_new_tokens=max_new_tokens,
-                                      eos_token_ids=eos_token_ids(model, tokenizer))
+                                      eos_token_ids=list(loaded.eos_ids))
     say("holding the trace against the training fingerprint")
     sequence = ids.reshape(-1).tolist() + result.tokens
     summary = tr.summary(reference, trained, ref_source, sequence=sequence, capture_dtype=capture_dtype)

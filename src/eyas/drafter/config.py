@@ -7,6 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from eyas.targets.structure import text_config_of
+
 # The drafter's variant flags (fields of DrafterConfig below). Every engine config eyas writes
 # states each one explicitly: loaders disagree on what an absent flag means.
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -74,7 +76,7 @@ class DrafterConfig(BaseModel):
         MoE / MLA targets (DeepSeek-V3, Kimi) get a dense Llama midlayer of the same width, as
         the engines' ``llama_eagle3`` drafters do.
         """
-        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        tc = text_config_of(target_config)
         hidden = tc.hidden_size
         heads = tc.num_attention_heads
         kv_heads = getattr(tc, "num_key_value_heads", None) or heads

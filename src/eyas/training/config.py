@@ -18,6 +18,12 @@ class TrainConfig(BaseModel):
     draft_vocab_size: int = 8192
     system_prompt: str = "template_default"  # online rendering only
 
+    # --- the drafter variant: passed to DrafterConfig (which checks them), recorded in the contract ---
+    norm_before_residual: bool = False  # residual = hidden_norm(h) instead of h
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated slots before fc
+    fc_norm: bool = False  # one RMSNorm per slot before the concatenation
+    norm_output: bool = False  # feed back the post-norm hidden state instead of the pre-norm one
+
     # --- how long ---
     steps: int | None = None  # exactly one of steps / epochs
     epochs: float | None = None

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from eyas.convention.boundaries import CaptureSpec
-from eyas.targets.structure import find_decoder_blocks
+from eyas.io import atomic_write_text
+from eyas.targets import LoadedTarget, load_target, resolve_device
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract.contract import SlotFingerprint, ValidationMetrics
 from eyas.drafter.build import drafter_flags, new_drafter
@@ -61,11 +62,6 @@ def init_distributed(device_kind: str) -> Dist:
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
-    kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(f"cuda:{local_rank}") if kind == "cuda" else torch.device(kind)
 
 
 def is_shard_dir(path: str) -> bool:
@@ -106,14 +102,14 @@ def step_samples(train_idx: Sequence[int], step: int, cfg: TrainConfig, d: Dist)
 # ---------------------------------------------------------------------------------------------
 
 
-def load_samples(cfg: TrainConfig, model: Any, tokenizer: Any, force: bool) -> tuple[Any, CaptureSpec, bool, str]:
+def load_samples(cfg: TrainConfig, target: LoadedTarget, force: bool) -> tuple[Any, CaptureSpec, bool, str]:
     """(indexable samples, capture spec, offline?, system prompt mode)."""
-    L = len(find_decoder_blocks(model))
+    L, tokenizer = target.num_blocks, target.tokenizer
     if is_shard_dir(cfg.data):
         from eyas.data.shards import ShardDataset
 
         ds = ShardDataset(cfg.data, features=True)
-        ds.check_target(model, tokenizer, force=force)  # same fingerprint, blocks, template, ...
+        ds.check_target(target.model, tokenizer, force=force)  # same fingerprint, blocks, template, ...
         if cfg.boundaries is not None and list(cfg.boundaries) != list(ds.contract.capture.boundaries):
             raise ValueError(
                 f"--boundaries {cfg.boundaries}: the shards in {cfg.data} hold boundaries "
@@ -219,10 +215,9 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     leaving the checkpoints for a resume; tests use it.
     """
     from eyas.interop import save_drafter
-    from eyas.targets import load_target
 
-    d = init_distributed("cuda" if (cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())) else "cpu")
-    device = pick_device(cfg, d.local_rank)
+    device = resolve_device(cfg.device)  # under torchrun: cuda:LOCAL_RANK
+    d = init_distributed(device.type)
     use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     out = Path(cfg.out)
     if d.main:
@@ -230,21 +225,26 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         out.mkdir(parents=True, exist_ok=True)
 
     # Target and data. The target stays frozen; with bf16 the target runs in bf16 on GPU.
-    model, tokenizer, src = load_target(cfg.target, dtype=torch.bfloat16 if use_bf16 else torch.float32, device=device)
+    target = load_target(cfg.target, dtype=torch.bfloat16 if use_bf16 else torch.float32, device=device)
+    model, tokenizer = target.model, target.tokenizer
     for p in model.parameters():
         p.requires_grad_(False)
-    samples, spec, offline, sys_mode = load_samples(cfg, model, tokenizer, force)
+    samples, spec, offline, sys_mode = load_samples(cfg, target, force)
     train_idx, val_idx = split_indices(len(samples), cfg)
 
-    # Draft vocabulary from the training split only (never the held-out samples).
-    vocab = build_draft_vocab(count_targets(token_pairs(samples, train_idx), model.config.vocab_size), cfg.draft_vocab_size)
+    # Draft vocabulary from the training split only (never the held-out samples), over the config's
+    # vocabulary (DrafterConfig.for_target sizes t2d by it).
+    vocab = build_draft_vocab(count_targets(token_pairs(samples, train_idx), target.text_config.vocab_size),
+                              cfg.draft_vocab_size)
     if d.main:
         log(f"{len(train_idx)} training / {len(val_idx)} held-out samples ({'offline shards' if offline else 'online'}); "
             f"draft vocab {cfg.draft_vocab_size} covers {vocab.coverage:.2%} of {vocab.num_targets} training targets")
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    drafter, contract = new_drafter(model, tokenizer, spec.boundaries, cfg.draft_vocab_size, source=str(src),
-                                    capture_dtype="bfloat16" if use_bf16 else "float32", seed=cfg.seed)
+    drafter, contract = new_drafter(model, tokenizer, spec.boundaries, cfg.draft_vocab_size, source=target.name,
+                                    capture_dtype="bfloat16" if use_bf16 else "float32", seed=cfg.seed,
+                                    norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.norm_before_fc,
+                                    fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
     drafter.set_vocab_map(vocab.ids)
     contract = contract.model_copy(update={"drafter": drafter_flags(drafter.config, "trained")})
     if contract.tokenisation is not None:
@@ -257,7 +257,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     if offline:
         contract.fingerprint = samples.contract.fingerprint
     elif d.main:
-        contract.fingerprint = online_fingerprint(batches, samples, train_idx[:64], spec, model.config.hidden_size)
+        contract.fingerprint = online_fingerprint(batches, samples, train_idx[:64], spec, target.hidden_size)
 
     total_steps = cfg.steps if cfg.steps is not None else math.ceil(
         cfg.epochs * len(train_idx) / (cfg.batch_size * d.world))  # type: ignore[operator]
@@ -298,7 +298,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         c = contract.model_copy(update={"metrics": (val or ValidationMetrics()).model_copy(update={"step": step})})
         if final:
             save_drafter(drafter, c, out)
-            (out / "train_config.json").write_text(cfg.model_dump_json(indent=2))
+            atomic_write_text(out / "train_config.json", cfg.model_dump_json(indent=2))
             return
         final_dir = out / "checkpoints" / f"step-{step:07d}"
         tmp = final_dir.with_name(final_dir.name + ".tmp")
