@@ -1,4 +1,4 @@
-"""The layer convention (DESIGN.md section 2) and the converters to every engine's ids (each in its
+"""The layer convention (docs/conventions.md) and the converters to every engine's ids (each in its
 server module of eyas.interop.servers)."""
 
 from __future__ import annotations

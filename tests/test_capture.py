@@ -1,5 +1,5 @@
 """Capture hooks: boundary b is HF ``output_hidden_states[b]`` for b < L, boundary L is the last
-block's output before the final norm (DESIGN.md section 2), on tiny random models in float32."""
+block's output before the final norm (docs/conventions.md), on tiny random models in float32."""
 
 from __future__ import annotations
 

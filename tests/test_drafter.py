@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (DESIGN.md section 4): shapes, cache equivalence, variant flags, engine
+"""The EAGLE-3 drafter (docs/drafter-and-training.md): shapes, cache equivalence, variant flags, engine
 weight names, vocabulary map, config from a target, and RoPE against transformers."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ optionally gzipped (``.gz``). Conversations obey :func:`check_messages` (known r
 content, a system message only first, a user message before any assistant message).
 Prompt formats (every format but sharegpt/openai) become conversations of *user turns only*: the
 target answers them later; reference answers in those files are deliberately not read (we train on
-the target's own answers, DESIGN.md section 9).
+the target's own answers, docs/data.md).
 
 Bad records are never dropped silently. Each one becomes a :class:`Problem` naming the file, the
 line (JSONL) or array index (JSON), the field, what was expected and what was found. With

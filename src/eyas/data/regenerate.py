@@ -1,4 +1,4 @@
-"""Answer training prompts with the target itself (DESIGN.md section 9: train on the target's own answers).
+"""Answer training prompts with the target itself (docs/data.md: train on the target's own answers).
 
 A drafter learns to predict what the *target* would write next, so the answers it trains on must
 be the target's: regenerated here, turn by turn for multi-turn prompts (MT-bench style: user turns
