@@ -380,21 +380,22 @@ def regenerate(
     todo = [(k, c) for k, c in enumerate(chunks) if not all(files.holds(cid) for cid, _ in c)]
     summary.skipped = sum(1 for cid, _ in items if files.holds(cid))
     target_info = {"target": source, "target_fingerprint": weights_fingerprint(model)}
-    _generate(model, tokenizer, todo, options, generation, files, target_info, summary, on_chunk_written)
+    _generate(model, tokenizer, todo, options, files, target_info, summary, on_chunk_written)
     summary.skipped_path = str(files.sidecar) if files.sidecar.exists() else None  # step 5, finalise
     summary.wall_s = time.perf_counter() - t0
     return summary
 
 
 def _generate(model: Any, tokenizer: Any, todo: list[tuple[int, list[_Item]]], options: RegenerateOptions,
-              generation: GenerationParams, files: _OutputFiles, target_info: dict[str, Any],
-              summary: RegenerateSummary, on_chunk_written: Callable[[int, list[dict[str, Any]]], None] | None) -> None:
+              files: _OutputFiles, target_info: dict[str, Any], summary: RegenerateSummary,
+              on_chunk_written: Callable[[int, list[dict[str, Any]]], None] | None) -> None:
     """Step 3 and 4, generate and write: each chunk still to do, in chunk order, answered as one
     batch and appended before the next one starts.
 
     Invariant: a chunk is generated with all its original members, also when some of them are
     already in the output, and sampled with its own seed: its answers are those of an
     uninterrupted run, and only the missing lines are appended."""
+    generation = options.generation()
     eos_ids = _eos_ids(model, tokenizer)
     t0 = time.perf_counter()
     bar = tqdm(total=sum(len(c) for _, c in todo), desc="regenerate", unit="conv",
