@@ -1,14 +1,27 @@
-"""Fixtures shared by the test modules: one torch thread, a tiny Llama with a drafter that is
-partially right (tests/tiny.py), and a toy target with the SmolLM2 tokenizer and an untrained
-drafter made by `eyas new` (tests/toy.py)."""
+"""Fixtures shared by the test modules.
+
+Fixtures: one torch thread, a tiny Llama with a drafter that is partially right
+(tests/support/tiny.py), and a toy target with the SmolLM2 tokenizer and an untrained drafter made by
+`eyas new` (tests/support/toy.py).
+
+How the helpers import. ``tests`` is a package (tests/__init__.py) and the helpers live in one
+subpackage, ``tests.support``. Under pytest's default import mode ("prepend"), a test module inside a
+package is imported by its dotted name after the directory above the package's top (the repository
+root) is put first on sys.path; so ``from tests.support.tiny import ...`` works in every test module
+and here, with no sys.path edit in any file and no ini option. Chosen over pytest's ``pythonpath``
+option because the import names say where a helper lives (``tests.support.x``, not a bare ``x`` that
+could shadow an installed module), test modules get unique dotted names, and every import of a
+helper names its one home (no test module imports another). A subprocess that a test starts gets
+what it needs through its environment (PYTHONPATH), as test_training.py's torchrun ranks do.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tiny import SPEC4, self_trained_drafter, sharpened, tiny_model
-from toy import make_toy_target
+from tests.support.tiny import SPEC4, self_trained_drafter, sharpened, tiny_model
+from tests.support.toy import make_toy_target
 
 
 @pytest.fixture(scope="module")

@@ -4,16 +4,13 @@ tiny local target, through typer's runner (the same entry point as the console s
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from toy import make_toy_target  # noqa: E402
-
-from eyas.cli.main import app  # noqa: E402
+from eyas.cli.main import app
+from tests.support.toy import make_toy_target
 
 runner = CliRunner()
 

@@ -2,7 +2,7 @@
 served setup the way users break it (an edited config.json, another engine, another target, another
 chat template) and asserts the verdict, the cause and the fix.
 
-The toy target is tests/toy.py's tiny Llama with its MLP outputs scaled up, so that every block
+The toy target is tests/support/toy.py's tiny Llama with its MLP outputs scaled up, so that every block
 writes its own features into the residual stream and the boundaries differ from each other as
 they do in trained models (with the plain toy, every boundary is nearly the embedding, and a
 drafter fed the wrong ones barely notices). Its greedy answers to 24 short prompts, each
@@ -15,16 +15,13 @@ from __future__ import annotations
 import functools
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from toy import make_toy_target  # noqa: E402
-
-from eyas.doctor import run_doctor  # noqa: E402
+from eyas.doctor import run_doctor
+from tests.support.toy import make_toy_target
 
 L = 12
 TRAINED = [2, 6, 9]  # the EAGLE-3 default [2, L//2, L-3]

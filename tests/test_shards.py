@@ -11,22 +11,18 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from test_regenerate import chat_target, chat_tokenizer  # noqa: E402
+from eyas.convention import CaptureSpec
 
-from eyas.convention import CaptureSpec  # noqa: E402
-
-from eyas.capture import BoundaryCapture  # noqa: E402
-from eyas.capture.stats import FingerprintAccumulator, default_channels  # noqa: E402
-from eyas.contract import ContractError  # noqa: E402
-from eyas.data.conversations import Conversation  # noqa: E402
-from eyas.data.render import render  # noqa: E402
-from eyas.data.shards import (  # noqa: E402
+from eyas.capture import BoundaryCapture
+from eyas.capture.stats import FingerprintAccumulator, default_channels
+from eyas.contract import ContractError
+from eyas.data.conversations import Conversation
+from eyas.data.render import render
+from eyas.data.shards import (
     ShardDataset,
     ShardError,
     capture_shards,
@@ -34,6 +30,7 @@ from eyas.data.shards import (  # noqa: E402
     plan_shards,
     shard_name,
 )
+from tests.support.chat import chat_target, chat_tokenizer
 
 SPEC = CaptureSpec((0, 3, 5), 6)  # boundary 0 (embeddings, pre-hook) and boundary 5; L = 6 is last_hidden
 MAXLEN = 160

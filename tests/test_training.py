@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from toy import make_toy_conversations, make_toy_target  # noqa: E402
-
-from eyas.training.config import TrainConfig  # noqa: E402
-from eyas.training.loop import lr_lambda, step_samples, Dist, train  # noqa: E402
-from eyas.drafter.ttt import accept_length, ttt_mask  # noqa: E402
-from eyas.training.vocab import build_draft_vocab, count_targets  # noqa: E402
+import eyas
+from eyas.training.config import TrainConfig
+from eyas.training.loop import lr_lambda, step_samples, Dist, train
+from eyas.drafter.ttt import accept_length, ttt_mask
+from eyas.training.vocab import build_draft_vocab, count_targets
+from tests.support.toy import make_toy_conversations, make_toy_target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,8 +166,7 @@ def test_resume_after_a_crash_gives_identical_weights(toy, tmp_path):
 def test_torchrun_two_ranks_train_identical_weights(toy, tmp_path):
     script = tmp_path / "run_ddp.py"
     script.write_text(
-        "import hashlib, os, sys, torch\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import hashlib, os, torch\n"
         "from eyas.training.config import TrainConfig\n"
         "from eyas.training.loop import train\n"
         f"cfg = TrainConfig(**{_cfg(toy, tmp_path / 'ddp', steps=4, batch_size=2).model_dump()!r})\n"
@@ -178,7 +176,11 @@ def test_torchrun_two_ranks_train_identical_weights(toy, tmp_path):
         "    h.update(k.encode()); h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())\n"
         f"open({str(tmp_path)!r} + f'/rank{{os.environ[\"RANK\"]}}.sha', 'w').write(h.hexdigest())\n"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The ranks import the eyas this process imported (the checkout under test, not an installed
+    # copy): through PYTHONPATH, not a sys.path edit in the script.
+    src = str(Path(eyas.__file__).resolve().parents[1])
+    pythonpath = os.pathsep.join(filter(None, (src, os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", "29533", str(script)], capture_output=True, text=True, env=env,
                           timeout=600)

@@ -2,31 +2,27 @@
 under synthetic cost models (flat verification -> a big tree, steep -> a chain), the calibration
 against the drafting engine it models, measurements that leave the target usable, and the CLI.
 
-CPU, float32, tiny models (tests/tiny.py, tests/toy.py), one torch thread.
+CPU, float32, tiny models (tests/support/tiny.py, tests/support/toy.py), one torch thread.
 """
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny import SPEC4, random_prompts  # noqa: E402
-
-from eyas.cli.main import app  # noqa: E402
-from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate  # noqa: E402
-from eyas.tune.autotree import (  # noqa: E402
+from eyas.cli.main import app
+from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate
+from eyas.tune.autotree import (
     AcceptanceProfile, CostModel, acceptance_from_metrics, candidate_trees, choose_tree, expected_tau,
     measure_acceptance, measure_cost, predict_tau, simulate_rounds, teacher_forced_ranks,
 )
-from eyas.engine.sampling import GREEDY  # noqa: E402
-from eyas.engine.tree import DraftState  # noqa: E402
-from eyas.drafter.ttt import accept_length  # noqa: E402
+from eyas.engine.sampling import GREEDY
+from eyas.engine.tree import DraftState
+from eyas.drafter.ttt import accept_length
+from tests.support.tiny import SPEC4, random_prompts
 
 runner = CliRunner()
 
