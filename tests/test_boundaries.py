@@ -22,6 +22,8 @@ from eyas.convention.boundaries import (
     vllm_ids_to_boundaries,
 )
 
+pytestmark = pytest.mark.unit
+
 LEGACY, PR = SGLangRule.LEGACY, SGLangRule.PR25454
 
 

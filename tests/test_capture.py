@@ -18,6 +18,8 @@ from eyas.targets.structure import (
 )
 from tests.support.tiny import tiny_config, tiny_model
 
+pytestmark = pytest.mark.unit
+
 KINDS = ["llama", "qwen2", "qwen3", "deepseek_v3"]
 L = 10
 _MODELS: dict[str, nn.Module] = {}

@@ -28,6 +28,7 @@ def tiny_target(tmp_path_factory) -> Path:
     return make_toy_target(tmp_path_factory.mktemp("tiny32"), num_blocks=32, hidden=32)
 
 
+@pytest.mark.integration
 def test_new_info_export_import_keep_the_boundaries(tiny_target, tmp_path):
     out = tmp_path / "d"
     run("new", "--target", str(tiny_target), "--out", str(out), "--boundaries", "3,10,29", "--draft-vocab", "64")
@@ -52,6 +53,7 @@ def test_new_info_export_import_keep_the_boundaries(tiny_target, tmp_path):
     assert back["boundaries"] == [3, 10, 29]
 
 
+@pytest.mark.integration
 def test_bad_boundaries_and_missing_target_fail_with_a_message(tiny_target, tmp_path):
     r = runner.invoke(app, ["new", "--target", str(tiny_target), "--out", str(tmp_path / "x"), "--boundaries", "3,3,40"])
     assert r.exit_code == 2
@@ -62,6 +64,7 @@ def test_bad_boundaries_and_missing_target_fail_with_a_message(tiny_target, tmp_
     assert r.exit_code == 2
 
 
+@pytest.mark.slow
 def test_embedded_smollm2_demo(tmp_path):
     """The main job of `make demo`: a drafter for the embedded SmolLM2 (30 blocks, hidden 576)."""
     out = tmp_path / "smol"

@@ -12,6 +12,8 @@ import pytest
 from eyas.data import Conversation, DataFormatError, read_conversations, write_jsonl
 from tests.support import DATA  # excerpts of the public prompt sets, shipped in tests/data
 
+pytestmark = pytest.mark.unit
+
 
 def _jsonl(path: Path, records: list) -> Path:
     """Write records one per line; a str record is written verbatim (to make bad lines)."""

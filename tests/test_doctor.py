@@ -122,6 +122,7 @@ def codes(report, stage: str) -> set[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("engine,version", [("eyas", None), ("sglang", "pr25454"), ("sglang", "legacy"), ("vllm", None)])
 def test_healthy_drafter_passes_with_no_warning_on_every_engine_setting(world, engine, version):
     r = doctor(world, world["base"], engine, version)
@@ -139,6 +140,7 @@ def test_healthy_drafter_passes_with_no_warning_on_every_engine_setting(world, e
         assert slot["looks_like"] == slot["trained_boundary"] and abs(slot["rms_z"]) < 1
 
 
+@pytest.mark.integration
 def test_healthy_speculators_export_read_by_vllm(world, tmp_path):
     from eyas.interop import export_drafter
 
@@ -154,6 +156,7 @@ def test_healthy_speculators_export_read_by_vllm(world, tmp_path):
     assert "eyas export" in s.fix and "--to sglang" in s.fix
 
 
+@pytest.mark.integration
 def test_cli_json_png_and_exit_codes(world, tmp_path):
     import typer
     from typer.testing import CliRunner
@@ -188,6 +191,7 @@ def test_cli_json_png_and_exit_codes(world, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_embedding_served_as_first_slot_and_last_slot_dropped(world, tmp_path):
     # vLLM reads top-level ids as boundaries: [0, 2, 6] = embedding first, trained slots shifted right
     d = served_copy(world, "base", "emb-in-vllm", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 6]))
@@ -215,6 +219,7 @@ def test_embedding_served_as_first_slot_and_last_slot_dropped(world, tmp_path):
     assert "eagle_config.eagle_aux_hidden_state_layer_ids: [1, 5, 8]" in r.fix
 
 
+@pytest.mark.integration
 def test_trained_with_embedding_first_served_without_it(world):
     # vLLM: the top-level ids were dropped, so vLLM falls back to its default [2, 6, 9]
     d = served_copy(world, "emb", "emb-out-vllm", lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
@@ -238,6 +243,7 @@ def test_trained_with_embedding_first_served_without_it(world):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_sglang_convention_read_by_vllm_is_off_by_one(world):
     # SpecForge/SGLang ids (output of block k) copied to the top-level key that vLLM reads as boundaries
     d = served_copy(world, "base", "sg-ids-vllm", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5, 8]))
@@ -248,6 +254,7 @@ def test_sglang_convention_read_by_vllm_is_off_by_one(world):
     assert r.stages["search"].data["winner"]["boundaries"] == "[2, 6, 9]"
 
 
+@pytest.mark.integration
 def test_vllm_convention_read_by_sglang_is_off_by_one(world):
     # vLLM ids (boundaries) written into SGLang's nested key
     d = served_copy(world, "base", "vl-ids-sglang", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 6, 9]))
@@ -260,6 +267,7 @@ def test_vllm_convention_read_by_sglang_is_off_by_one(world):
     assert r.healthy and len(r.warnings) == 1 and "[1, 5, 8]" in r.warnings[0]
 
 
+@pytest.mark.integration
 def test_the_last_blocks_output_reaches_eyas_but_not_sglang_or_vllm(world, tmp_path):
     from eyas.drafter.build import new_drafter
     from eyas.interop import save_drafter
@@ -279,6 +287,7 @@ def test_the_last_blocks_output_reaches_eyas_but_not_sglang_or_vllm(world, tmp_p
     assert r.healthy, r.problems
 
 
+@pytest.mark.integration
 def test_a_third_party_directory_is_judged_by_its_training_shards(world, tmp_path):
     """No eyas.json: the directory's own convention is exactly what is in doubt. Given the shards it
     was trained on, the doctor takes their boundaries as the trained ones."""
@@ -307,6 +316,7 @@ def test_a_third_party_directory_is_judged_by_its_training_shards(world, tmp_pat
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_norm_before_fc_trained_on_but_missing_from_config(world, engine):
     d = served_copy(world, "emb", f"nbf-{engine}", lambda c: c.pop("norm_before_fc"))
@@ -317,6 +327,7 @@ def test_norm_before_fc_trained_on_but_missing_from_config(world, engine):
     assert r.stages["live"].data["flags"]["norm_before_fc"] is False
 
 
+@pytest.mark.integration
 def test_norm_before_fc_missing_still_serves_right_in_eyas_with_a_warning(world):
     d = served_copy(world, "emb", "nbf-eyas", lambda c: c.pop("norm_before_fc"))
     r = doctor(world, d, "eyas", data="convs")
@@ -324,6 +335,7 @@ def test_norm_before_fc_missing_still_serves_right_in_eyas_with_a_warning(world)
     assert any("does not state norm_before_fc" in w for w in r.warnings)
 
 
+@pytest.mark.integration
 def test_vllm_reads_an_absent_norm_before_residual_as_true(world, tmp_path):
     from eyas.interop import export_drafter
 
@@ -342,6 +354,7 @@ def test_vllm_reads_an_absent_norm_before_residual_as_true(world, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_another_checkpoint_of_the_same_shape(world):
     other = world["root"] / "target-seed1"
     if not other.exists():
@@ -354,6 +367,7 @@ def test_another_checkpoint_of_the_same_shape(world):
     assert f"weights fingerprint {fp.expected}" in r.fix and str(world["target"]) in r.fix
 
 
+@pytest.mark.integration
 def test_chat_template_without_the_training_system_prompt(world):
     tmpl = world["root"] / "target-no-system"
     if not tmpl.exists():
@@ -370,6 +384,7 @@ def test_chat_template_without_the_training_system_prompt(world):
     assert "send the system prompt 'You are a helpful AI assistant named SmolLM, trained by Hugging Face'" in r.fix
 
 
+@pytest.mark.integration
 def test_another_eos_token_is_a_warning_not_a_failure(world):
     """Tokenizer readers disagree on the eos token across versions; it moves where generation stops,
     not what the drafter sees."""
@@ -390,6 +405,7 @@ def test_another_eos_token_is_a_warning_not_a_failure(world):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_unreadable_directory_and_bad_data_are_reported(world, tmp_path):
     (tmp_path / "empty").mkdir()
     r = doctor(world, tmp_path / "empty", "vllm")
@@ -406,6 +422,7 @@ def test_unreadable_directory_and_bad_data_are_reported(world, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_search_candidates_cover_the_plausible_protocols():
     from eyas.doctor.search import candidates
 
@@ -424,6 +441,7 @@ def test_search_candidates_cover_the_plausible_protocols():
     assert first.kind == "trained" and first.slots == (2, 6, 9) and dict(first.flags)["norm_before_fc"]
 
 
+@pytest.mark.unit
 def test_describe_boundaries_names_the_slot_and_the_convention():
     from eyas.doctor.verdict import describe_boundaries
 
@@ -436,6 +454,7 @@ def test_describe_boundaries_names_the_slot_and_the_convention():
         "slot 0 was trained on the embedding output (boundary 0) but is fed boundary 2 (output of block 1)")
 
 
+@pytest.mark.unit
 def test_fingerprint_z_scores_and_resemblance():
     from eyas.contract import SlotFingerprint
     from eyas.doctor.fingerprint import compare_slot, nearest

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from eyas.drafter import DrafterConfig, Eagle3Drafter, KVCache
 from tests.support.tiny import tiny_config
 
+pytestmark = pytest.mark.unit
+
 H, H_T, SLOTS, VOCAB, DRAFT_VOCAB = 32, 48, 3, 100, 40
 
 BASE = dict(

@@ -53,6 +53,7 @@ def untrained_drafter(llama):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_tree_forward_matches_causal_forward_of_each_path_and_keep_compacts(attn):
     model = tiny_model("llama", 4)
@@ -102,6 +103,7 @@ def test_tree_forward_matches_causal_forward_of_each_path_and_keep_compacts(attn
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("which", ["untrained", "trained"])
 def test_greedy_speculative_is_token_identical_to_plain_and_hf(llama, which, request):
     drafter = request.getfixturevalue(f"{which}_drafter")
@@ -130,6 +132,7 @@ def test_greedy_speculative_is_token_identical_to_plain_and_hf(llama, which, req
         assert max(taus) > 2.0
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["qwen3"])
 def test_greedy_identity_on_another_architecture(kind):
     model = tiny_model(kind, 4)
@@ -141,6 +144,7 @@ def test_greedy_identity_on_another_architecture(kind):
             assert speculative_generate(target, drafter, prompt, tree=tree, max_new_tokens=16).tokens == ref
 
 
+@pytest.mark.integration
 def test_drafts_that_are_always_rejected_still_give_one_correct_token_per_round(llama):
     """The draft vocabulary excludes every token the target will produce: nothing can match."""
     target = HFTarget(llama, SPEC4)
@@ -157,6 +161,7 @@ def test_drafts_that_are_always_rejected_still_give_one_correct_token_per_round(
         assert not any(spec.stats.accepted_at_depth) and len(spec.stats.accepted_at_depth) <= tree.depth
 
 
+@pytest.mark.integration
 def test_draft_vocab_missing_the_targets_token_is_handled(llama, trained_drafter):
     """The trained drafter cut down to the even token ids: an odd target token can only come from
     the target (the bonus token), even ones are still drafted and accepted."""
@@ -177,6 +182,7 @@ def test_draft_vocab_missing_the_targets_token_is_handled(llama, trained_drafter
     assert odd > 5 and accepted > 5  # both paths really happen
 
 
+@pytest.mark.integration
 def test_prompts_near_the_context_limit_end_cleanly(trained_drafter):
     model = tiny_model("llama", 4)  # same weights as the `llama` fixture's model
     sharpened(model, 8.0)
@@ -199,6 +205,7 @@ def test_prompts_near_the_context_limit_end_cleanly(trained_drafter):
         speculative_generate(target, trained_drafter, list(range(41)), max_new_tokens=5)
 
 
+@pytest.mark.integration
 def test_stop_conditions_cut_a_round_and_stream_every_token(llama, trained_drafter):
     target = HFTarget(llama, SPEC4)
     prompt = [7, 7, 21, 3]
@@ -231,6 +238,7 @@ def test_stop_conditions_cut_a_round_and_stream_every_token(llama, trained_draft
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_tree_shapes(llama, trained_drafter):
     target = HFTarget(llama, SPEC4)
     prompt = [1, 2, 3, 4, 5]
@@ -317,6 +325,7 @@ def exact_node_output(p, q, rule, k):
     return out
 
 
+@pytest.mark.unit
 def test_rejection_rule_is_exactly_lossless_and_broken_rules_are_not():
     g = torch.Generator().manual_seed(0)
     for trial in range(6):
@@ -360,6 +369,7 @@ def sample_first_three(model, drafter, prompt, params, tree, rule, n, seed) -> t
     return counts, [a / n for a in accepted]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tree,params,n", [
     (TreeSpec(2, 3, 6), SamplingParams(temperature=1.0), 1200),
     (TreeSpec.chain(2), SamplingParams(temperature=0.8, top_k=10, top_p=0.9), 800),
@@ -378,6 +388,7 @@ def test_speculative_sampling_matches_the_target_distribution(small_vocab, tree,
     assert stat < crit
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("rule,n", [(no_residual, 600), (accept_if_likely_under_q, 300)])
 def test_a_broken_acceptance_rule_fails_the_same_test(small_vocab, rule, n):
     model, drafter = small_vocab
@@ -391,6 +402,7 @@ def test_a_broken_acceptance_rule_fails_the_same_test(small_vocab, rule, n):
     assert stat > crit
 
 
+@pytest.mark.integration
 def test_plain_sampling_matches_the_exact_distribution(small_vocab):
     """The reference itself: plain sampling through the same target code passes the same test."""
     model, _ = small_vocab
@@ -412,6 +424,7 @@ def test_plain_sampling_matches_the_exact_distribution(small_vocab):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("depth", [1, 4])
 def test_greedy_chain_accepts_exactly_what_ttt_predicts(llama, trained_drafter, depth):
     """Every greedy chain round accepts exactly the run of leading TTT steps that were right on the

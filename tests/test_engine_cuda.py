@@ -15,7 +15,7 @@ from tests.support.lossless import (
 )
 from tests.support.tiny import SPEC4, random_prompts
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), pytest.mark.integration]
 CUDA = torch.device("cuda")
 
 

@@ -17,6 +17,8 @@ from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate
 from eyas.targets import load_target
 from tests.support.tiny import train_drafter, ttt_accepts
 
+pytestmark = pytest.mark.slow
+
 TRAIN_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -24,6 +24,8 @@ from eyas.interop import (
 )
 from tests.support.tiny import COMMON, tiny_model
 
+pytestmark = pytest.mark.unit
+
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 

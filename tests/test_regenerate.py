@@ -15,7 +15,7 @@ from eyas.data.conversations import Conversation, read_conversations
 from eyas.data.regenerate import RegenerateError, conversation_id, read_resumable_jsonl, regenerate
 from tests.support.chat import chat_target, chat_tokenizer
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.unit]
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ H = 64
 PROMPT = [5, 17, 99, 3, 42, 42, 7, 120, 64, 11, 30, 2]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")

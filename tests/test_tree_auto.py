@@ -35,6 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_predicted_tau_matches_hand_computed_values():
     # depth 1: top-1 0.8, top-2 0.9 -> q_1 = (0.8, 0.1); depth 2: 0.5, 0.75 -> q_2 = (0.5, 0.25)
     acc = AcceptanceProfile([[0.8, 0.9], [0.5, 0.75]])
@@ -53,6 +54,7 @@ def test_predicted_tau_matches_hand_computed_values():
     assert expected_tau(flat, TreeSpec(3, 2, None)) == predict_tau(flat, TreeSpec(3, 2, None))  # no replay data
 
 
+@pytest.mark.unit
 def test_replay_by_hand():
     """With calibration sequences, tau is the replay: rounds start where the previous one stopped."""
     ranks = [[0, 1], [0, 0], [1, 0], [0, 5], [0, 0], [3, 0], [0, 0]]  # rank of the target's token, depth 1, 2
@@ -71,6 +73,7 @@ PARTS = dict(plain_s=10e-3, draft_base_s={1: 5e-5, 10: 5e-5}, draft_step_s_by_to
              extend_s_by_tokens={1: 3e-4, 8: 3e-4}, bookkeeping_s_by_tokens={1: 1e-4})
 
 
+@pytest.mark.unit
 def test_flat_verification_cost_picks_a_wide_deep_tree():
     cost = CostModel({1: 10e-3, 64: 10e-3}, **PARTS)  # 64 tokens cost what 1 does
     choice = choose_tree(cost, SYNTHETIC)
@@ -81,6 +84,7 @@ def test_flat_verification_cost_picks_a_wide_deep_tree():
     assert best_chain.spec == TreeSpec.chain(8) and best_chain.speedup < choice.predicted_speedup
 
 
+@pytest.mark.unit
 def test_steep_verification_cost_picks_a_chain():
     cost = CostModel({n: 10e-3 * n for n in (1, 2, 4, 8, 16, 32, 64)}, **PARTS)  # linear in tokens
     choice = choose_tree(cost, SYNTHETIC)
@@ -91,6 +95,7 @@ def test_steep_verification_cost_picks_a_chain():
     assert "no candidate is predicted to beat plain decoding" in choice.reason
 
 
+@pytest.mark.unit
 def test_moderate_verification_cost_picks_a_middle_tree():
     cost = CostModel({1: 10e-3, 16: 10.5e-3, 32: 12e-3, 64: 18e-3}, **PARTS)  # a GPU-like knee
     choice = choose_tree(cost, SYNTHETIC)
@@ -100,6 +105,7 @@ def test_moderate_verification_cost_picks_a_middle_tree():
     assert d["candidates"][0]["predicted_speedup"] == d["predicted_speedup"]
 
 
+@pytest.mark.unit
 def test_cost_model_interpolates_and_keeps_verification_monotone():
     cost = CostModel({1: 1.0, 4: 4.0, 8: 3.0}, plain_s=1.0)  # 8 measured cheaper than 4: noise
     assert cost.verify_s(2) == pytest.approx(2.0)
@@ -108,6 +114,7 @@ def test_cost_model_interpolates_and_keeps_verification_monotone():
     assert CostModel({1: 1.0, 2: 2.0}, plain_s=1.0).verify_s(10) == pytest.approx(10.0)
 
 
+@pytest.mark.unit
 def test_candidates_include_chains_and_cut_oversized_totals():
     specs = candidate_trees(depths=(1, 3), topks=(1, 2), totals=(2, 8, 16))
     assert TreeSpec.chain(1) in specs and TreeSpec.chain(3) in specs
@@ -116,6 +123,7 @@ def test_candidates_include_chains_and_cut_oversized_totals():
     assert [s.total_tokens for s in specs if s.depth == 1 and s.top_k == 2] == [2]
 
 
+@pytest.mark.unit
 def test_acceptance_from_contract_metrics():
     acc = acceptance_from_metrics({"step": 9, "conditional_accuracy_per_position": [0.8, 0.6]}, max_topk=3)
     assert acc.hit[0][0] == 0.8 and acc.hit[1][2] == pytest.approx(1 - 0.4 * 0.8**2)
@@ -129,6 +137,7 @@ def test_acceptance_from_contract_metrics():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_teacher_forced_ranks_are_what_the_engine_drafts(llama, trained_drafter):
     """Every round position: the chain the engine drafts equals the calibration's top-1 tokens as
     long as the drafted prefix was the target's, and the root's rank of the target's token is the
@@ -167,6 +176,7 @@ def test_teacher_forced_ranks_are_what_the_engine_drafts(llama, trained_drafter)
     assert checked > 20 and deep > 5
 
 
+@pytest.mark.integration
 def test_calibration_replay_is_the_engines_chain_and_predicts_trees(llama, trained_drafter):
     target = HFTarget(llama, SPEC4)
     prompts = random_prompts(3, 128, seed=5, lengths=(4, 10))
@@ -190,6 +200,7 @@ def test_calibration_replay_is_the_engines_chain_and_predicts_trees(llama, train
     assert expected_tau(acc, TreeSpec.chain(6)) > predict_tau(acc, TreeSpec.chain(6)) + 0.3
 
 
+@pytest.mark.integration
 def test_measurement_leaves_the_target_usable(llama, trained_drafter):
     target = HFTarget(llama, SPEC4)
     prompt = random_prompts(1, 128, seed=9, lengths=(8, 8))[0]
@@ -215,6 +226,7 @@ def test_measurement_leaves_the_target_usable(llama, trained_drafter):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy_drafter, tmp_path):
     target, draft = toy_drafter
     r = runner.invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--prompts", "gsm8k",
@@ -233,6 +245,7 @@ def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy_drafter, tmp
     assert "chose" in r.stderr and "--tree auto" in r.stderr
 
 
+@pytest.mark.integration
 def test_generate_tree_auto(toy_drafter):
     target, draft = toy_drafter
     r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",
