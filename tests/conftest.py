@@ -1,14 +1,52 @@
-"""Fixtures shared by the test modules: one torch thread, a tiny Llama with a drafter that is
-partially right (tests/tiny.py), and a toy target with the SmolLM2 tokenizer and an untrained
-drafter made by `eyas new` (tests/toy.py)."""
+"""Fixtures shared by the test modules, and the rule that every test carries exactly one tier.
+
+Fixtures: one torch thread, a tiny Llama with a drafter that is partially right
+(tests/support/tiny.py), and a toy target with the SmolLM2 tokenizer and an untrained drafter made by
+`eyas new` (tests/support/toy.py).
+
+How the helpers import. ``tests`` is a package (tests/__init__.py) and the helpers live in one
+subpackage, ``tests.support``. Under pytest's default import mode ("prepend"), a test module inside a
+package is imported by its dotted name after the directory above the package's top (the repository
+root) is put first on sys.path; so ``from tests.support.tiny import ...`` works in every test module
+and here, with no sys.path edit in any file and no ini option. Chosen over pytest's ``pythonpath``
+option because the import names say where a helper lives (``tests.support.x``, not a bare ``x`` that
+could shadow an installed module), test modules get unique dotted names, and every import of a
+helper names its one home (no test module imports another). A subprocess that a test starts gets
+what it needs through its environment (PYTHONPATH), as test_training.py's torchrun ranks do.
+
+Tiers (markers registered in pyproject.toml; ``make test-fast`` runs ``pytest -m unit``):
+- ``unit``: one module on tiny inputs, no CLI runs, no SmolLM2, well under a second each;
+- ``integration``: several packages together, the CLI, toy targets, trained tiny drafters;
+- ``slow``: the embedded SmolLM2 target, torchrun and other multi-process runs, training to a
+  quality bar, anything over about 5 s.
+A module of one tier says so in ``pytestmark``; a mixed module marks each test. Collection fails
+when a test has no tier or more than one (``pytest_collection_modifyitems`` below).
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tiny import SPEC4, self_trained_drafter, sharpened, tiny_model
-from toy import make_toy_target
+from tests.support.tiny import SPEC4, self_trained_drafter, sharpened, tiny_model
+from tests.support.toy import make_toy_target
+
+TIERS = ("unit", "integration", "slow")
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: every collected test is checked
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse the run when a test carries no tier or more than one (module and function marks
+    together; the same tier twice counts once)."""
+    wrong = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            wrong.append(f"  {item.nodeid}: {', '.join(tiers) or 'no tier'}")
+    if wrong:
+        raise pytest.UsageError(
+            f"{len(wrong)} test(s) need exactly one tier marker of {', '.join(TIERS)} (see tests/conftest.py); "
+            "found:\n" + "\n".join(wrong))
 
 
 @pytest.fixture(scope="module")

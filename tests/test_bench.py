@@ -15,6 +15,7 @@ from eyas.cli.main import app
 runner = CliRunner()
 
 
+@pytest.mark.unit
 def test_named_sets_load_their_first_turns():
     mt = load_prompts("mt_bench")
     assert len(mt) == 80 and all(len(c.messages) == 1 and c.messages[0]["role"] == "user" for c in mt)
@@ -23,6 +24,7 @@ def test_named_sets_load_their_first_turns():
         load_prompts("no_such_set")
 
 
+@pytest.mark.integration
 def test_bench_reports_tau_speeds_and_identity(toy_drafter, tmp_path):
     target, draft = toy_drafter
     r = runner.invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--prompts", "mt_bench",
@@ -46,6 +48,7 @@ def test_bench_reports_tau_speeds_and_identity(toy_drafter, tmp_path):
     assert Path(report["png"]).stat().st_size > 1000
 
 
+@pytest.mark.integration
 def test_generate_prints_text_and_statistics(toy_drafter):
     target, draft = toy_drafter
     r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",

@@ -24,6 +24,8 @@ from eyas.interop.servers.sglang import (
 )
 from eyas.interop.servers.vllm import boundaries_to_vllm_ids, vllm_ids_to_boundaries
 
+pytestmark = pytest.mark.unit
+
 LEGACY, PR = SGLangRule.LEGACY, SGLangRule.PR25454
 
 

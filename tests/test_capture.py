@@ -3,25 +3,22 @@ block's output before the final norm (docs/conventions.md), on tiny random model
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from tiny import tiny_config, tiny_model  # noqa: E402
-
-from eyas.capture import BoundaryCapture  # noqa: E402
-from eyas.convention import CaptureSpec  # noqa: E402
-from eyas.targets.structure import (  # noqa: E402
+from eyas.capture import BoundaryCapture
+from eyas.convention import CaptureSpec
+from eyas.targets.structure import (
     ArchitectureError,
     find_decoder_blocks,
     find_embedding,
     find_final_norm,
     num_blocks,
 )
+from tests.support.tiny import tiny_config, tiny_model
+
+pytestmark = pytest.mark.unit
 
 KINDS = ["llama", "qwen2", "qwen3", "deepseek_v3"]
 L = 10

@@ -4,16 +4,13 @@ tiny local target, through typer's runner (the same entry point as the console s
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from toy import make_toy_target  # noqa: E402
-
-from eyas.cli.main import app  # noqa: E402
+from eyas.cli.main import app
+from tests.support.toy import make_toy_target
 
 runner = CliRunner()
 
@@ -31,6 +28,7 @@ def tiny_target(tmp_path_factory) -> Path:
     return make_toy_target(tmp_path_factory.mktemp("tiny32"), num_blocks=32, hidden=32)
 
 
+@pytest.mark.integration
 def test_new_info_export_import_keep_the_boundaries(tiny_target, tmp_path):
     out = tmp_path / "d"
     run("new", "--target", str(tiny_target), "--out", str(out), "--boundaries", "3,10,29", "--draft-vocab", "64")
@@ -55,6 +53,7 @@ def test_new_info_export_import_keep_the_boundaries(tiny_target, tmp_path):
     assert back["boundaries"] == [3, 10, 29]
 
 
+@pytest.mark.integration
 def test_bad_boundaries_and_missing_target_fail_with_a_message(tiny_target, tmp_path):
     r = runner.invoke(app, ["new", "--target", str(tiny_target), "--out", str(tmp_path / "x"), "--boundaries", "3,3,40"])
     assert r.exit_code == 2
@@ -65,6 +64,7 @@ def test_bad_boundaries_and_missing_target_fail_with_a_message(tiny_target, tmp_
     assert r.exit_code == 2
 
 
+@pytest.mark.slow
 def test_embedded_smollm2_demo(tmp_path):
     """The main job of `make demo`: a drafter for the embedded SmolLM2 (30 blocks, hidden 576)."""
     out = tmp_path / "smol"

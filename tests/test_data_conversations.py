@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 
 from eyas.data import Conversation, DataFormatError, read_conversations, write_jsonl
+from tests.support import DATA  # excerpts of the public prompt sets, shipped in tests/data
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-if not DATA.is_dir():  # the checkout may live elsewhere; the shared data sits at /work/shared/data
-    DATA = Path("/work/shared/data")
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="shared data not present")
+pytestmark = pytest.mark.unit
 
 
 def _jsonl(path: Path, records: list) -> Path:
@@ -263,28 +261,28 @@ def test_write_jsonl_roundtrip_and_atomic(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The real files in shared/data
+# The real files: excerpts of the public prompt sets in tests/data (SOURCE.md there names each
+# upstream file; the counts are the excerpts' record counts)
 # ---------------------------------------------------------------------------------------------
 
-@needs_data
 @pytest.mark.parametrize("rel, fmt, n", [
-    ("mt_bench/question.jsonl", "turns", 80),
-    ("eagle_eval/mt_bench_question.jsonl", "turns", 80),
-    ("eagle_eval/humaneval_question.jsonl", "turns", 80),
-    ("eagle_eval/gsm8k_question.jsonl", "turns", 80),
-    ("eagle_eval/alpaca_question.jsonl", "turns", 80),
-    ("eagle_eval/sum_question.jsonl", "turns", 80),
-    ("eagle_eval/qa_question.jsonl", "turns", 80),
-    ("arena_hard/v0.1_question.jsonl", "prompt", 500),
-    ("gsm8k/train.jsonl", "question", 7473),
-    ("gsm8k/test.jsonl", "question", 1319),
-    ("self_instruct/seed_tasks.jsonl", "instruction", 175),
-    ("self_instruct/user_oriented_instructions.jsonl", "instruction", 252),
-    ("alpaca_eval/instructions.jsonl", "instruction", 805),
-    ("humaneval/HumanEval.jsonl.gz", "prompt", 164),
-    ("sharegpt_prompts/ShareGPT_V3_filtered_500.json", "sharegpt", 500),
-    ("sharegpt_prompts/ShareGPT_V3_filtered_1000.json", "sharegpt", 1000),
-    ("fastchat_dummy/dummy_conversation.json", "sharegpt", 500),
+    ("mt_bench/question.jsonl", "turns", 4),
+    ("eagle_eval/mt_bench_question.jsonl", "turns", 4),
+    ("eagle_eval/humaneval_question.jsonl", "turns", 4),
+    ("eagle_eval/gsm8k_question.jsonl", "turns", 4),
+    ("eagle_eval/alpaca_question.jsonl", "turns", 4),
+    ("eagle_eval/sum_question.jsonl", "turns", 2),
+    ("eagle_eval/qa_question.jsonl", "turns", 4),
+    ("arena_hard/v0.1_question.jsonl", "prompt", 4),
+    ("gsm8k/train.jsonl", "question", 96),
+    ("gsm8k/test.jsonl", "question", 4),
+    ("self_instruct/seed_tasks.jsonl", "instruction", 4),
+    ("self_instruct/user_oriented_instructions.jsonl", "instruction", 4),
+    ("alpaca_eval/instructions.jsonl", "instruction", 4),
+    ("humaneval/HumanEval.jsonl.gz", "prompt", 3),
+    ("sharegpt_prompts/ShareGPT_V3_filtered_500.json", "sharegpt", 5),
+    ("sharegpt_prompts/ShareGPT_V3_filtered_1000.json", "sharegpt", 5),
+    ("fastchat_dummy/dummy_conversation.json", "sharegpt", 6),
 ])
 def test_real_files(rel, fmt, n):
     res = read_conversations(DATA / rel, on_error="raise")
@@ -292,7 +290,6 @@ def test_real_files(rel, fmt, n):
     assert res.num_records == n and res.num_ok == n and not res.problems
 
 
-@needs_data
 def test_real_file_shapes():
     mt = read_conversations(DATA / "mt_bench/question.jsonl").conversations
     assert all(_roles(c) == ["user", "user"] and c.is_prompt for c in mt)
@@ -305,22 +302,22 @@ def test_real_file_shapes():
     assert {len(c.messages) for c in dummy} == {2, 4, 6}
 
 
-@needs_data
 def test_real_sharegpt_file_with_bad_records():
-    """The 2,978-prompt ShareGPT sample holds 21 unusable records; each one is reported."""
+    """The 2,978-prompt ShareGPT sample holds 21 unusable records; each one is reported. The excerpt
+    keeps all 21 and five usable neighbours (upstream index 1015 is excerpt index 1, 2976 is 24,
+    2977 is 25: tests/data/SOURCE.md)."""
     path = DATA / "sharegpt_prompts/sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json"
     res = read_conversations(path)
-    assert res.counts == {"records": 2978, "ok": 2957, "skipped": 21}
+    assert res.counts == {"records": 26, "ok": 5, "skipped": 21}
     by_index = {p.index: p for p in res.problems}
-    assert by_index[2977].message == "empty content" and by_index[2977].field == "conversations[0].content"
-    assert by_index[2976].found == "'\\u200b'"  # a zero-width space is empty too
-    assert by_index[1015].message == "conversation does not start with a user message"
+    assert by_index[25].message == "empty content" and by_index[25].field == "conversations[0].content"
+    assert by_index[24].found == "'\\u200b'"  # a zero-width space is empty too
+    assert by_index[1].message == "conversation does not start with a user message"
     assert sum(p.message == "no user message" for p in res.problems) == 16  # "shared from TypingMind" stubs
-    with pytest.raises(DataFormatError, match=r"\[1015\]: conversations: conversation does not start"):
+    with pytest.raises(DataFormatError, match=r"\[1\]: conversations: conversation does not start"):
         read_conversations(path, on_error="raise")
 
 
-@needs_data
 def test_real_answer_file_is_not_a_prompt_file():
     with pytest.raises(DataFormatError, match="cannot detect the format"):
         read_conversations(DATA / "mt_bench/reference_answer_gpt-4.jsonl")

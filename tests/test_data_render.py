@@ -26,6 +26,8 @@ from eyas.data import (
     template_default_system_prompt,
 )
 
+pytestmark = pytest.mark.unit
+
 # Three assistant turns, with content the templates treat differently: Llama-3 trims, ChatML
 # does not; unicode that byte-level BPE splits inside characters; a leading newline.
 MULTI_TURN = [

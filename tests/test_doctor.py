@@ -2,7 +2,7 @@
 served setup the way users break it (an edited config.json, another engine, another target, another
 chat template) and asserts the verdict, the cause and the fix.
 
-The toy target is tests/toy.py's tiny Llama with its MLP outputs scaled up, so that every block
+The toy target is tests/support/toy.py's tiny Llama with its MLP outputs scaled up, so that every block
 writes its own features into the residual stream and the boundaries differ from each other as
 they do in trained models (with the plain toy, every boundary is nearly the embedding, and a
 drafter fed the wrong ones barely notices). Its greedy answers to 24 short prompts, each
@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from toy import make_toy_target  # noqa: E402
-
-from eyas.doctor import run_doctor  # noqa: E402
+from eyas.doctor import run_doctor
+from tests.support.toy import make_toy_target
 
 L = 12
 TRAINED = [2, 6, 9]  # the EAGLE-3 default [2, L//2, L-3]
@@ -123,6 +120,7 @@ def codes(report, stage: str) -> set[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("engine,version", [("eyas", None), ("sglang", "pr25454"), ("sglang", "legacy"), ("vllm", None)])
 def test_healthy_drafter_passes_with_no_warning_on_every_engine_setting(world, engine, version):
     r = doctor(world, world["base"], engine, version)
@@ -140,6 +138,7 @@ def test_healthy_drafter_passes_with_no_warning_on_every_engine_setting(world, e
         assert slot.looks_like == slot.trained_boundary and abs(slot.rms_z) < 1
 
 
+@pytest.mark.integration
 def test_healthy_speculators_export_read_by_vllm(world, tmp_path):
     from eyas.interop import export_drafter
 
@@ -155,6 +154,7 @@ def test_healthy_speculators_export_read_by_vllm(world, tmp_path):
     assert "eyas export" in s.fix and "--to sglang" in s.fix
 
 
+@pytest.mark.integration
 def test_cli_json_png_and_exit_codes(world, tmp_path):
     import typer
     from typer.testing import CliRunner
@@ -189,6 +189,7 @@ def test_cli_json_png_and_exit_codes(world, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_embedding_served_as_first_slot_and_last_slot_dropped(world, tmp_path):
     # vLLM reads top-level ids as boundaries: [0, 2, 6] = embedding first, trained slots shifted right
     d = served_copy(world, "base", "emb-in-vllm", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 6]))
@@ -219,6 +220,7 @@ def test_embedding_served_as_first_slot_and_last_slot_dropped(world, tmp_path):
     assert "eagle_config.eagle_aux_hidden_state_layer_ids: [1, 5, 8]" in r.fix
 
 
+@pytest.mark.integration
 def test_trained_with_embedding_first_served_without_it(world):
     # vLLM: the top-level ids were dropped, so vLLM falls back to its default [2, 6, 9]
     d = served_copy(world, "emb", "emb-out-vllm", lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
@@ -242,6 +244,7 @@ def test_trained_with_embedding_first_served_without_it(world):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_sglang_convention_read_by_vllm_is_off_by_one(world):
     # SpecForge/SGLang ids (output of block k) copied to the top-level key that vLLM reads as boundaries
     d = served_copy(world, "base", "sg-ids-vllm", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5, 8]))
@@ -252,6 +255,7 @@ def test_sglang_convention_read_by_vllm_is_off_by_one(world):
     assert r.stages.search.result.winner.boundaries == "[2, 6, 9]"
 
 
+@pytest.mark.integration
 def test_vllm_convention_read_by_sglang_is_off_by_one(world):
     # vLLM ids (boundaries) written into SGLang's nested key
     d = served_copy(world, "base", "vl-ids-sglang", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 6, 9]))
@@ -264,6 +268,7 @@ def test_vllm_convention_read_by_sglang_is_off_by_one(world):
     assert r.healthy and len(r.warnings) == 1 and "[1, 5, 8]" in r.warnings[0]
 
 
+@pytest.mark.integration
 def test_the_last_blocks_output_reaches_eyas_but_not_sglang_or_vllm(world, tmp_path):
     from eyas.drafter.build import new_drafter
     from eyas.interop import save_drafter
@@ -283,6 +288,7 @@ def test_the_last_blocks_output_reaches_eyas_but_not_sglang_or_vllm(world, tmp_p
     assert r.healthy, r.problems
 
 
+@pytest.mark.integration
 def test_a_third_party_directory_is_judged_by_its_training_shards(world, tmp_path):
     """No eyas.json: the directory's own convention is exactly what is in doubt. Given the shards it
     was trained on, the doctor takes their boundaries as the trained ones."""
@@ -311,6 +317,7 @@ def test_a_third_party_directory_is_judged_by_its_training_shards(world, tmp_pat
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_norm_before_fc_trained_on_but_missing_from_config(world, engine):
     d = served_copy(world, "emb", f"nbf-{engine}", lambda c: c.pop("norm_before_fc"))
@@ -321,6 +328,7 @@ def test_norm_before_fc_trained_on_but_missing_from_config(world, engine):
     assert r.stages.live.result.flags["norm_before_fc"] is False
 
 
+@pytest.mark.integration
 def test_norm_before_fc_missing_still_serves_right_in_eyas_with_a_warning(world):
     d = served_copy(world, "emb", "nbf-eyas", lambda c: c.pop("norm_before_fc"))
     r = doctor(world, d, "eyas", data="convs")
@@ -328,6 +336,7 @@ def test_norm_before_fc_missing_still_serves_right_in_eyas_with_a_warning(world)
     assert any("does not state norm_before_fc" in w for w in r.warnings)
 
 
+@pytest.mark.integration
 def test_vllm_reads_an_absent_norm_before_residual_as_true(world, tmp_path):
     from eyas.interop import export_drafter
 
@@ -346,6 +355,7 @@ def test_vllm_reads_an_absent_norm_before_residual_as_true(world, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_another_checkpoint_of_the_same_shape(world):
     other = world["root"] / "target-seed1"
     if not other.exists():
@@ -358,6 +368,7 @@ def test_another_checkpoint_of_the_same_shape(world):
     assert f"weights fingerprint {fp.expected}" in r.fix and str(world["target"]) in r.fix
 
 
+@pytest.mark.integration
 def test_chat_template_without_the_training_system_prompt(world):
     tmpl = world["root"] / "target-no-system"
     if not tmpl.exists():
@@ -374,6 +385,7 @@ def test_chat_template_without_the_training_system_prompt(world):
     assert "send the system prompt 'You are a helpful AI assistant named SmolLM, trained by Hugging Face'" in r.fix
 
 
+@pytest.mark.integration
 def test_another_eos_token_is_a_warning_not_a_failure(world):
     """Tokenizer readers disagree on the eos token across versions; it moves where generation stops,
     not what the drafter sees."""
@@ -394,6 +406,7 @@ def test_another_eos_token_is_a_warning_not_a_failure(world):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_unreadable_directory_and_bad_data_are_reported(world, tmp_path):
     (tmp_path / "empty").mkdir()
     r = doctor(world, tmp_path / "empty", "vllm")
@@ -410,6 +423,7 @@ def test_unreadable_directory_and_bad_data_are_reported(world, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_search_candidates_cover_the_plausible_protocols():
     from eyas.doctor.search import candidates
 
@@ -428,6 +442,7 @@ def test_search_candidates_cover_the_plausible_protocols():
     assert first.kind == "trained" and first.slots == (2, 6, 9) and dict(first.flags)["norm_before_fc"]
 
 
+@pytest.mark.unit
 def test_describe_boundaries_names_the_slot_and_the_convention():
     from eyas.doctor.verdict import describe_boundaries
 
@@ -440,6 +455,7 @@ def test_describe_boundaries_names_the_slot_and_the_convention():
         "slot 0 was trained on the embedding output (boundary 0) but is fed boundary 2 (output of block 1)")
 
 
+@pytest.mark.unit
 def test_fingerprint_z_scores_and_resemblance():
     from eyas.contract import SlotFingerprint
     from eyas.doctor.fingerprint import compare_slot, nearest

@@ -4,17 +4,15 @@ weight names, vocabulary map, config from a target, and RoPE against transformer
 from __future__ import annotations
 
 import math
-import pathlib
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from tiny import tiny_config  # noqa: E402
+from eyas.drafter import DrafterConfig, Eagle3Drafter, KVCache
+from tests.support.tiny import tiny_config
 
-from eyas.drafter import DrafterConfig, Eagle3Drafter, KVCache  # noqa: E402
+pytestmark = pytest.mark.unit
 
 H, H_T, SLOTS, VOCAB, DRAFT_VOCAB = 32, 48, 3, 100, 40
 

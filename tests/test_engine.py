@@ -10,28 +10,21 @@ trained here for a few seconds with the training code's own TTT step (eyas.draft
 from __future__ import annotations
 
 import itertools
-import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny import SPEC4, random_prompts, sharpened, tiny_model, train_drafter, ttt_accepts  # noqa: E402
-
-from eyas.convention import CaptureSpec  # noqa: E402
-
-from eyas.capture import BoundaryCapture  # noqa: E402
-from eyas.drafter.build import new_drafter  # noqa: E402
-from eyas.engine import (  # noqa: E402
+from eyas.capture import BoundaryCapture
+from eyas.drafter.build import new_drafter
+from eyas.engine import (
     HFTarget, SamplingParams, TreeSpec, plain_generate, rejection_rule, speculative_generate,
 )
-from eyas.engine.sampling import probabilities  # noqa: E402
-from eyas.engine.tree import DraftState  # noqa: E402
+from eyas.engine.tree import DraftState
+from tests.support.lossless import (
+    SPEC3, Z_999, chi_square, exact_first_three, make_small_vocab, wilson_hilferty_critical,
+)
+from tests.support.tiny import SPEC4, random_prompts, sharpened, tiny_model, ttt_accepts
 
-SPEC3 = CaptureSpec((1, 2, 3), 3)  # boundary 3 = the last block's output, before the final norm
 pytestmark = pytest.mark.usefixtures("one_thread")
 TREES = [TreeSpec.chain(1), TreeSpec.chain(4), TreeSpec(3, 2, 6), TreeSpec(4, 4, 16), TreeSpec(5, 3, None)]
 
@@ -60,6 +53,7 @@ def untrained_drafter(llama):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_tree_forward_matches_causal_forward_of_each_path_and_keep_compacts(attn):
     model = tiny_model("llama", 4)
@@ -109,6 +103,7 @@ def test_tree_forward_matches_causal_forward_of_each_path_and_keep_compacts(attn
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("which", ["untrained", "trained"])
 def test_greedy_speculative_is_token_identical_to_plain_and_hf(llama, which, request):
     drafter = request.getfixturevalue(f"{which}_drafter")
@@ -137,6 +132,7 @@ def test_greedy_speculative_is_token_identical_to_plain_and_hf(llama, which, req
         assert max(taus) > 2.0
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["qwen3"])
 def test_greedy_identity_on_another_architecture(kind):
     model = tiny_model(kind, 4)
@@ -148,6 +144,7 @@ def test_greedy_identity_on_another_architecture(kind):
             assert speculative_generate(target, drafter, prompt, tree=tree, max_new_tokens=16).tokens == ref
 
 
+@pytest.mark.integration
 def test_drafts_that_are_always_rejected_still_give_one_correct_token_per_round(llama):
     """The draft vocabulary excludes every token the target will produce: nothing can match."""
     target = HFTarget(llama, SPEC4)
@@ -164,6 +161,7 @@ def test_drafts_that_are_always_rejected_still_give_one_correct_token_per_round(
         assert not any(spec.stats.accepted_at_depth) and len(spec.stats.accepted_at_depth) <= tree.depth
 
 
+@pytest.mark.integration
 def test_draft_vocab_missing_the_targets_token_is_handled(llama, trained_drafter):
     """The trained drafter cut down to the even token ids: an odd target token can only come from
     the target (the bonus token), even ones are still drafted and accepted."""
@@ -184,6 +182,7 @@ def test_draft_vocab_missing_the_targets_token_is_handled(llama, trained_drafter
     assert odd > 5 and accepted > 5  # both paths really happen
 
 
+@pytest.mark.integration
 def test_prompts_near_the_context_limit_end_cleanly(trained_drafter):
     model = tiny_model("llama", 4)  # same weights as the `llama` fixture's model
     sharpened(model, 8.0)
@@ -206,6 +205,7 @@ def test_prompts_near_the_context_limit_end_cleanly(trained_drafter):
         speculative_generate(target, trained_drafter, list(range(41)), max_new_tokens=5)
 
 
+@pytest.mark.integration
 def test_stop_conditions_cut_a_round_and_stream_every_token(llama, trained_drafter):
     target = HFTarget(llama, SPEC4)
     prompt = [7, 7, 21, 3]
@@ -238,6 +238,7 @@ def test_stop_conditions_cut_a_round_and_stream_every_token(llama, trained_draft
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_tree_shapes(llama, trained_drafter):
     target = HFTarget(llama, SPEC4)
     prompt = [1, 2, 3, 4, 5]
@@ -324,6 +325,7 @@ def exact_node_output(p, q, rule, k):
     return out
 
 
+@pytest.mark.unit
 def test_rejection_rule_is_exactly_lossless_and_broken_rules_are_not():
     g = torch.Generator().manual_seed(0)
     for trial in range(6):
@@ -343,68 +345,9 @@ def test_rejection_rule_is_exactly_lossless_and_broken_rules_are_not():
         assert (exact_node_output(p, q, broken, 2) - p.double()).abs().max() > 0.05
 
 
-def wilson_hilferty_critical(df: int, z: float) -> float:
-    """Upper critical value of chi-square(df) at the normal quantile z (Wilson-Hilferty; within 1% of
-    the exact value for df >= 3 in the upper tail used here)."""
-    h = 2.0 / (9 * df)
-    return df * (1 - h + z * math.sqrt(h)) ** 3
-
-
-Z_999 = 3.0902  # standard normal quantile 0.999: the test's false-alarm rate is 0.1%
-
-
-def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
-    """Pearson statistic of observed counts against exact cell probabilities, cells with an
-    expected count below ``min_expected`` pooled into one; returns (statistic, degrees of freedom)."""
-    n = counts.sum()
-    expected = probs.flatten().double() * n
-    counts = counts.flatten().double()
-    big = expected >= min_expected
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    if exp[-1] < min_expected:  # pooled remainder too small: merge it into the smallest big cell
-        i = int(exp[:-1].argmin())
-        obs[i] += obs[-1]
-        exp[i] += exp[-1]
-        obs, exp = obs[:-1], exp[:-1]
-    return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
-
-
 @pytest.fixture(scope="module")
 def small_vocab():
     return make_small_vocab()
-
-
-def make_small_vocab():
-    """A tiny Llama over 16 tokens, and a drafter trained on its samples whose draft vocabulary
-    lacks 4 of the 16 tokens."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-                      initializer_range=0.2)
-    # Structured, not flat: the joint of the first three tokens has ~4.5 nats of entropy (of 8.3 for
-    # uniform), with ~1.5 nats left in x3 given x1, x2; ~36 cells hold 70% of the mass.
-    model = sharpened(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(), 2.0)
-    g = torch.Generator().manual_seed(2)
-    prompts = torch.randint(0, 16, (48, 4), generator=g)
-    torch.manual_seed(3)
-    with torch.no_grad():
-        seqs = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=0,
-                              max_new_tokens=24, pad_token_id=0, eos_token_id=None)
-    drafter = train_drafter(model, SPEC3, seqs, prompt_len=4, steps=60, draft_ids=torch.arange(12), lr=5e-3)
-    return model, drafter
-
-
-def exact_first_three(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
-    """P(x1, x2, x3 | prompt) [16, 16, 16] under plain sampling, by enumeration."""
-    V = 16
-    with torch.no_grad():
-        p1 = probabilities(model(torch.tensor([prompt])).logits[0, -1], params)  # [V]
-        two = torch.tensor([prompt + [a] for a in range(V)])
-        p2 = probabilities(model(two).logits[:, -1], params)  # [V, V]
-        three = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
-        p3 = probabilities(model(three).logits[:, -1], params).view(V, V, V)
-    return p1[:, None, None] * p2[:, :, None] * p3
 
 
 def sample_first_three(model, drafter, prompt, params, tree, rule, n, seed) -> tuple[torch.Tensor, list[float]]:
@@ -426,6 +369,7 @@ def sample_first_three(model, drafter, prompt, params, tree, rule, n, seed) -> t
     return counts, [a / n for a in accepted]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tree,params,n", [
     (TreeSpec(2, 3, 6), SamplingParams(temperature=1.0), 1200),
     (TreeSpec.chain(2), SamplingParams(temperature=0.8, top_k=10, top_p=0.9), 800),
@@ -444,6 +388,7 @@ def test_speculative_sampling_matches_the_target_distribution(small_vocab, tree,
     assert stat < crit
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("rule,n", [(no_residual, 600), (accept_if_likely_under_q, 300)])
 def test_a_broken_acceptance_rule_fails_the_same_test(small_vocab, rule, n):
     model, drafter = small_vocab
@@ -457,6 +402,7 @@ def test_a_broken_acceptance_rule_fails_the_same_test(small_vocab, rule, n):
     assert stat > crit
 
 
+@pytest.mark.integration
 def test_plain_sampling_matches_the_exact_distribution(small_vocab):
     """The reference itself: plain sampling through the same target code passes the same test."""
     model, _ = small_vocab
@@ -478,10 +424,11 @@ def test_plain_sampling_matches_the_exact_distribution(small_vocab):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("depth", [1, 4])
 def test_greedy_chain_accepts_exactly_what_ttt_predicts(llama, trained_drafter, depth):
     """Every greedy chain round accepts exactly the run of leading TTT steps that were right on the
-    final sequence (tests/tiny.py ttt_accepts). A drafter that trains well but serves badly
+    final sequence (tests/support/tiny.py ttt_accepts). A drafter that trains well but serves badly
     (positions, masks or fed-back hidden states differing) fails here."""
     rounds = []
     for prompt in random_prompts(8, 128, seed=11, lengths=(3, 12)):

@@ -5,21 +5,17 @@ target with a float32 drafter runs end to end."""
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_engine import (  # noqa: E402
+from eyas.engine import HFTarget, SamplingParams, TreeSpec, plain_generate, speculative_generate
+from tests.support.lossless import (
     SPEC3, Z_999, chi_square, exact_first_three, make_small_vocab, wilson_hilferty_critical,
 )
-from tiny import SPEC4, random_prompts  # noqa: E402
+from tests.support.tiny import SPEC4, random_prompts
 
-from eyas.engine import HFTarget, SamplingParams, TreeSpec, plain_generate, speculative_generate  # noqa: E402
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), pytest.mark.integration]
 CUDA = torch.device("cuda")
 
 

@@ -15,7 +15,9 @@ from eyas.targets.structure import num_blocks
 from eyas.data.render import render_prompt
 from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate
 from eyas.targets import load_target
-from tiny import train_drafter, ttt_accepts
+from tests.support.tiny import train_drafter, ttt_accepts
+
+pytestmark = pytest.mark.slow
 
 TRAIN_PROMPTS = [
     "What is the capital of France?",

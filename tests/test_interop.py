@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from tiny import COMMON, tiny_model  # noqa: E402
-
-from eyas.contract import CaptureContract, Contract, ContractError, TargetIdentity, tokenisation_of  # noqa: E402
-from eyas.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
-from eyas.drafter.build import drafter_flags, new_drafter  # noqa: E402
-from eyas.interop import (  # noqa: E402
+from eyas.contract import CaptureContract, Contract, ContractError, TargetIdentity, tokenisation_of
+from eyas.drafter import DrafterConfig, Eagle3Drafter
+from eyas.drafter.build import drafter_flags, new_drafter
+from eyas.interop import (
     CheckpointError,
     export_drafter,
     import_drafter,
@@ -26,6 +22,9 @@ from eyas.interop import (  # noqa: E402
     save_drafter,
     view_engines,
 )
+from tests.support.tiny import COMMON, tiny_model
+
+pytestmark = pytest.mark.unit
 
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 

@@ -1,66 +1,27 @@
 """eyas.data.regenerate: the target answers prompts turn by turn; the output JSONL survives a crash
 (resume gives the same bytes as an uninterrupted run, no duplicates, no loss).
 
-Also home of the tiny offline chat target shared with test_shards.py: a byte-level tokenizer (every
-byte one token, no merges) with a ChatML template, and a tiny random Llama over its 259 ids."""
+The target is the tiny offline chat target of tests/support/chat.py."""
 
 from __future__ import annotations
 
 import json
 import pathlib
-import sys
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from tiny import tiny_config  # noqa: E402
-
-from eyas.data.conversations import Conversation, read_conversations  # noqa: E402
-from eyas.data.regenerate import (  # noqa: E402
+from eyas.data.conversations import Conversation, read_conversations
+from eyas.data.regenerate import (
     RegenerateError,
     RegenerateOptions,
     conversation_id,
     read_resumable_jsonl,
     regenerate,
 )
+from tests.support.chat import chat_target, chat_tokenizer
 
-# ChatML with a default system prompt when the conversation has none (like SmolLM2's template).
-CHATML = (
-    "{% for message in messages %}"
-    "{% if loop.first and messages[0]['role'] != 'system' %}"
-    "<|im_start|>system\nBe brief.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def chat_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE without merges (ids 0..255 = bytes) + <|endoftext|> 256 (bos, pad),
-    <|im_end|> 257 (eos), <|im_start|> 258. Built offline in well under a second."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"])
-    tok.chat_template = CHATML
-    return tok
-
-
-def chat_target(tok: PreTrainedTokenizerFast, seed: int = 0, num_blocks: int = 6):
-    """A tiny random Llama (hidden 64) whose vocab and special ids are the tokenizer's."""
-    cfg = tiny_config("llama", num_blocks)
-    cfg.vocab_size = len(tok)
-    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.unit]
 
 
 @pytest.fixture(scope="module")

@@ -11,22 +11,17 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from test_regenerate import chat_target, chat_tokenizer  # noqa: E402
-
-from eyas.convention import CaptureSpec  # noqa: E402
-
-from eyas.capture import BoundaryCapture  # noqa: E402
-from eyas.capture.stats import FingerprintAccumulator, default_channels  # noqa: E402
-from eyas.contract import ContractError  # noqa: E402
-from eyas.data.conversations import Conversation  # noqa: E402
-from eyas.data.render import render  # noqa: E402
-from eyas.data.shards import (  # noqa: E402
+from eyas.capture import BoundaryCapture
+from eyas.capture.stats import FingerprintAccumulator, default_channels
+from eyas.contract import ContractError
+from eyas.convention import CaptureSpec
+from eyas.data.conversations import Conversation
+from eyas.data.render import render
+from eyas.data.shards import (
     PLAN_PARAMS,
     CaptureOptions,
     ShardDataset,
@@ -36,6 +31,7 @@ from eyas.data.shards import (  # noqa: E402
     plan_shards,
     shard_name,
 )
+from tests.support.chat import chat_target, chat_tokenizer
 
 SPEC = CaptureSpec((0, 3, 5), 6)  # boundary 0 (embeddings, pre-hook) and boundary 5; L = 6 is last_hidden
 MAXLEN = 160
@@ -102,6 +98,7 @@ def ref_dir(tmp_path_factory, tok, target):
 # -- writing and reading back -------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_shards_read_back_equal_the_live_capture(tmp_path, tok, target):
     s = capture_shards(target, tok, conversations(), opts(tmp_path, batch_size=1))
     assert (s.conversations, s.samples, s.no_loss_tokens, s.truncated) == (11, 10, 1, 1)
@@ -128,6 +125,7 @@ def test_shards_read_back_equal_the_live_capture(tmp_path, tok, target):
     assert ds.contract.capture.boundaries == [0, 3, 5] and ds.contract.capture.dtype == "float32"
 
 
+@pytest.mark.unit
 def test_batched_capture_matches_within_float_rounding(ref_dir, tok, target):
     """Right padding + attention mask: the padded rows change nothing but GEMM rounding."""
     ds = ShardDataset(ref_dir, features=True)
@@ -139,6 +137,7 @@ def test_batched_capture_matches_within_float_rounding(ref_dir, tok, target):
         torch.testing.assert_close(item["last_hidden"], last, rtol=0, atol=1e-6)
 
 
+@pytest.mark.unit
 def test_bfloat16_storage(tmp_path, tok, target):
     capture_shards(target, tok, conversations(4), opts(tmp_path, dtype="bfloat16"))
     item = ShardDataset(tmp_path)[0]
@@ -147,6 +146,7 @@ def test_bfloat16_storage(tmp_path, tok, target):
     torch.testing.assert_close(item["slots"].float(), slots, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.unit
 def test_manifest_and_shard_metadata(ref_dir):
     from safetensors import safe_open
 
@@ -163,6 +163,7 @@ def test_manifest_and_shard_metadata(ref_dir):
         assert f.get_tensor("offsets").dtype == torch.int64
 
 
+@pytest.mark.integration
 def test_capture_options_name_field_expected_and_found(tmp_path):
     # The plan parameters (a resume must share them) are the options marked PLAN, in field order.
     assert PLAN_PARAMS == ("boundaries", "dtype", "max_length", "shard_size", "shard_tokens", "system_prompt",
@@ -187,6 +188,7 @@ def test_capture_options_name_field_expected_and_found(tmp_path):
     assert r.exit_code == 2 and "dtype: expected 'bfloat16', 'float16' or 'float32', found 'int8'" in said
 
 
+@pytest.mark.unit
 def test_plan_shards_caps_samples_and_tokens():
     assert plan_shards([5, 5, 5, 5, 5], shard_size=2) == [[0, 1], [2, 3], [4]]
     assert plan_shards([5, 5, 20, 5], shard_size=10, shard_tokens=12) == [[0, 1], [2], [3]]
@@ -199,6 +201,7 @@ class Crash(RuntimeError):
     pass
 
 
+@pytest.mark.unit
 def test_resume_after_crash_gives_identical_files(tmp_path, ref_dir, tok, target):
     def crash(k, _entry):
         if k == 1:
@@ -215,6 +218,7 @@ def test_resume_after_crash_gives_identical_files(tmp_path, ref_dir, tok, target
     assert files(tmp_path) == files(ref_dir)
 
 
+@pytest.mark.unit
 def test_resume_after_deleting_the_last_shard_or_the_progress(tmp_path, ref_dir, tok, target):
     run = lambda: capture_shards(target, tok, conversations(), opts(tmp_path, source_data="convs.jsonl"),  # noqa: E731
                                  source="tiny")
@@ -229,6 +233,7 @@ def test_resume_after_deleting_the_last_shard_or_the_progress(tmp_path, ref_dir,
     assert files(tmp_path) == files(ref_dir)
 
 
+@pytest.mark.unit
 def test_resume_with_other_parameters_is_refused(tmp_path, tok, target):
     capture_shards(target, tok, conversations(4), opts(tmp_path))
     with pytest.raises(ShardError, match=r"progress-r00.json: cannot resume.*shard_size: progress has 3, now 2"):
@@ -240,6 +245,7 @@ def test_resume_with_other_parameters_is_refused(tmp_path, tok, target):
 # -- ranks ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_two_ranks_cover_every_sample_exactly_once(tmp_path, ref_dir, tok, target):
     s0 = capture_shards(target, tok, conversations(), opts(tmp_path, rank=0, world_size=2))
     assert s0.manifest is None  # rank 1 has not finished
@@ -264,6 +270,7 @@ def test_two_ranks_cover_every_sample_exactly_once(tmp_path, ref_dir, tok, targe
     assert (tmp_path / "manifest.json").read_bytes() == before
 
 
+@pytest.mark.unit
 def test_rank_from_torchrun_environment(tmp_path, tok, target, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -284,6 +291,7 @@ def direct_fingerprint(slots: torch.Tensor, channels: list[int]) -> list[dict]:
              "channel_means": x[:, s, channels].mean(0).tolist()} for s in range(x.shape[1])]
 
 
+@pytest.mark.unit
 def test_fingerprint_equals_a_direct_computation(ref_dir):
     ds = ShardDataset(ref_dir)
     # Every stored token but the first of each sequence (the attention sink): [N, S, H]
@@ -298,6 +306,7 @@ def test_fingerprint_equals_a_direct_computation(ref_dir):
         assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-9) for a, b in zip(f.channel_means, w["channel_means"]))
 
 
+@pytest.mark.unit
 def test_fingerprint_accumulator_merge_mask_and_state():
     torch.manual_seed(0)
     x = torch.randn(50, 2, 16) * torch.tensor([1.0, 5.0])[None, :, None]  # slot 1 five times louder
@@ -347,6 +356,7 @@ def test_fingerprint_accumulator_merge_mask_and_state():
 # -- contract and damaged input -------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_manifest_contract_against_another_target(ref_dir, tok, target):
     ShardDataset(ref_dir, target=target, tokenizer=tok)  # the same target: fine
     other = chat_target(tok, seed=1)
@@ -368,6 +378,7 @@ def copy_dir(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
     return dst
 
 
+@pytest.mark.unit
 def test_damaged_shards_name_the_file(tmp_path, ref_dir):
     d = copy_dir(ref_dir, tmp_path / "d")
     bad = d / shard_name(0, 2)
@@ -405,6 +416,7 @@ def test_damaged_shards_name_the_file(tmp_path, ref_dir):
 # -- CLI ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_cli_regenerate_then_capture(tmp_path, tok, target):
     import typer
     from typer.testing import CliRunner

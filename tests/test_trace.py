@@ -13,28 +13,25 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny import self_trained_drafter, sharpened, tiny_model  # noqa: E402
-from toy import make_toy_target  # noqa: E402
+from eyas.convention import CaptureSpec
 
-from eyas.convention import CaptureSpec  # noqa: E402
-
-from eyas.capture import BoundaryCapture  # noqa: E402
-from eyas.doctor.trace import JUNCTIONS, Tracer, tensor_stats  # noqa: E402
-from eyas.engine import HFTarget, TreeSpec, speculative_generate  # noqa: E402
+from eyas.capture import BoundaryCapture
+from eyas.doctor.trace import JUNCTIONS, Tracer, tensor_stats
+from eyas.engine import HFTarget, TreeSpec, speculative_generate
+from tests.support.tiny import self_trained_drafter, sharpened, tiny_model
+from tests.support.toy import make_toy_target
 
 SPEC = CaptureSpec((2, 4, 5), 8)
 H = 64
 PROMPT = [5, 17, 99, 3, 42, 42, 7, 120, 64, 11, 30, 2]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from toy import make_toy_conversations, make_toy_target  # noqa: E402
-
-from eyas.training.config import TrainConfig  # noqa: E402
-from eyas.training.loop import lr_lambda, step_samples, Dist, train  # noqa: E402
-from eyas.drafter.ttt import accept_length, ttt_mask  # noqa: E402
-from eyas.training.vocab import build_draft_vocab, count_targets  # noqa: E402
+import eyas
+from eyas.training.config import TrainConfig
+from eyas.training.loop import lr_lambda, step_samples, Dist, train
+from eyas.drafter.ttt import accept_length, ttt_mask
+from eyas.training.vocab import build_draft_vocab, count_targets
+from tests.support.toy import make_toy_conversations, make_toy_target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -27,6 +26,7 @@ from eyas.training.vocab import build_draft_vocab, count_targets  # noqa: E402
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_ttt_mask_is_causal_prefix_plus_same_position_of_earlier_steps():
     m = ttt_mask(4, 2, torch.device("cpu"))[0, 0]
     assert m.shape == (4, 12)
@@ -35,12 +35,14 @@ def test_ttt_mask_is_causal_prefix_plus_same_position_of_earlier_steps():
     assert torch.equal(m[:, 8:], torch.eye(4, dtype=torch.bool))
 
 
+@pytest.mark.unit
 def test_accept_length_is_one_plus_sum_of_cumulative_products():
     assert accept_length([]) == 1.0
     assert accept_length([1.0, 1.0, 1.0]) == 4.0
     assert accept_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
 
 
+@pytest.mark.unit
 def test_validation_metrics_keep_the_json_of_the_old_metrics_dict():
     """contract.metrics is typed, and eyas.json reads and writes as when it was a plain dict: the
     fields in training's order, absent ones left out, keys another writer added kept."""
@@ -56,6 +58,7 @@ def test_validation_metrics_keep_the_json_of_the_old_metrics_dict():
     assert not ValidationMetrics.model_validate({}).recorded and m.recorded
 
 
+@pytest.mark.unit
 def test_draft_vocab_takes_most_frequent_loss_masked_targets():
     ids = torch.tensor([5, 5, 5, 7, 7, 1, 9, 9, 9, 9])
     mask = torch.tensor([1, 1, 1, 1, 1, 1, 0, 0, 0, 0])  # the 9s are prompt tokens: not counted
@@ -70,6 +73,7 @@ def test_draft_vocab_takes_most_frequent_loss_masked_targets():
         build_draft_vocab(counts, 13)
 
 
+@pytest.mark.unit
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
     cfg = TrainConfig(data="x", steps=100, warmup_steps=10, min_lr_ratio=0.1)
     f = lr_lambda(cfg, 100)
@@ -78,6 +82,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert all(f(i) >= f(i + 1) for i in range(10, 100))
 
 
+@pytest.mark.unit
 def test_config_requires_exactly_one_of_steps_and_epochs():
     with pytest.raises(ValueError, match="exactly one of steps / epochs"):
         TrainConfig(data="x")
@@ -85,6 +90,7 @@ def test_config_requires_exactly_one_of_steps_and_epochs():
         TrainConfig(data="x", steps=3, epochs=1.0)
 
 
+@pytest.mark.unit
 def test_data_position_is_a_function_of_the_step_and_ranks_partition_the_batch():
     cfg = TrainConfig(data="x", steps=10, batch_size=3)
     train_idx = list(range(10))
@@ -125,6 +131,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_trained_drafter_beats_the_best_unigram_predictor(toy, tmp_path):
     from eyas.data.conversations import read_conversations
     from eyas.data.render import render
@@ -166,6 +173,7 @@ def test_trained_drafter_beats_the_best_unigram_predictor(toy, tmp_path):
     assert {"train", "val"} <= {r["kind"] for r in rows}
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_gives_identical_weights(toy, tmp_path):
     straight = _cfg(toy, tmp_path / "straight", steps=6, save_every=3, batch_size=4)
     train(straight)
@@ -180,11 +188,11 @@ def test_resume_after_a_crash_gives_identical_weights(toy, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_train_identical_weights(toy, tmp_path):
     script = tmp_path / "run_ddp.py"
     script.write_text(
-        "import hashlib, os, sys, torch\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import hashlib, os, torch\n"
         "from eyas.training.config import TrainConfig\n"
         "from eyas.training.loop import train\n"
         f"cfg = TrainConfig(**{_cfg(toy, tmp_path / 'ddp', steps=4, batch_size=2).model_dump()!r})\n"
@@ -194,7 +202,11 @@ def test_torchrun_two_ranks_train_identical_weights(toy, tmp_path):
         "    h.update(k.encode()); h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())\n"
         f"open({str(tmp_path)!r} + f'/rank{{os.environ[\"RANK\"]}}.sha', 'w').write(h.hexdigest())\n"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The ranks import the eyas this process imported (the checkout under test, not an installed
+    # copy): through PYTHONPATH, not a sys.path edit in the script.
+    src = str(Path(eyas.__file__).resolve().parents[1])
+    pythonpath = os.pathsep.join(filter(None, (src, os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", "29533", str(script)], capture_output=True, text=True, env=env,
                           timeout=600)
@@ -204,6 +216,7 @@ def test_torchrun_two_ranks_train_identical_weights(toy, tmp_path):
     assert (tmp_path / "ddp" / "model.safetensors").exists()
 
 
+@pytest.mark.integration
 def test_offline_and_online_training_give_the_same_first_step_loss(toy, tmp_path):
     """Both paths go through the same capture code: float32 shards of the same conversations must
     give the same features and labels, hence the same first-step loss (one batch = all samples, so

@@ -2,33 +2,29 @@
 under synthetic cost models (flat verification -> a big tree, steep -> a chain), the calibration
 against the drafting engine it models, measurements that leave the target usable, and the CLI.
 
-CPU, float32, tiny models (tests/tiny.py, tests/toy.py), one torch thread.
+CPU, float32, tiny models (tests/support/tiny.py, tests/support/toy.py), one torch thread.
 """
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny import SPEC4, random_prompts  # noqa: E402
-
-from eyas.cli.main import app  # noqa: E402
-from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate  # noqa: E402
-from eyas.tune import (  # noqa: E402
+from eyas.cli.main import app
+from eyas.drafter.ttt import accept_length
+from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate
+from eyas.engine.sampling import GREEDY
+from eyas.engine.tree import DraftState
+from eyas.errors import EyasError
+from eyas.tune import (
     AcceptanceProfile, CostModel, TreeAutoError, acceptance_from_metrics, candidate_trees, choose_tree, expected_tau,
     measure_acceptance, measure_cost, predict_tau, simulate_rounds, teacher_forced_ranks, tune_tree,
 )
-from eyas.engine.sampling import GREEDY  # noqa: E402
-from eyas.engine.tree import DraftState  # noqa: E402
-from eyas.drafter.ttt import accept_length  # noqa: E402
-from eyas.errors import EyasError  # noqa: E402
+from tests.support.tiny import SPEC4, random_prompts
 
 runner = CliRunner()
 
@@ -41,6 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_predicted_tau_matches_hand_computed_values():
     # depth 1: top-1 0.8, top-2 0.9 -> q_1 = (0.8, 0.1); depth 2: 0.5, 0.75 -> q_2 = (0.5, 0.25)
     acc = AcceptanceProfile([[0.8, 0.9], [0.5, 0.75]])
@@ -59,6 +56,7 @@ def test_predicted_tau_matches_hand_computed_values():
     assert expected_tau(flat, TreeSpec(3, 2, None)) == predict_tau(flat, TreeSpec(3, 2, None))  # no replay data
 
 
+@pytest.mark.unit
 def test_replay_by_hand():
     """With calibration sequences, tau is the replay: rounds start where the previous one stopped."""
     ranks = [[0, 1], [0, 0], [1, 0], [0, 5], [0, 0], [3, 0], [0, 0]]  # rank of the target's token, depth 1, 2
@@ -77,6 +75,7 @@ PARTS = dict(plain_s=10e-3, draft_base_s={1: 5e-5, 10: 5e-5}, draft_step_s_by_to
              extend_s_by_tokens={1: 3e-4, 8: 3e-4}, bookkeeping_s_by_tokens={1: 1e-4})
 
 
+@pytest.mark.unit
 def test_flat_verification_cost_picks_a_wide_deep_tree():
     cost = CostModel({1: 10e-3, 64: 10e-3}, **PARTS)  # 64 tokens cost what 1 does
     choice = choose_tree(cost, SYNTHETIC)
@@ -87,6 +86,7 @@ def test_flat_verification_cost_picks_a_wide_deep_tree():
     assert best_chain.spec == TreeSpec.chain(8) and best_chain.speedup < choice.predicted_speedup
 
 
+@pytest.mark.unit
 def test_steep_verification_cost_picks_a_chain():
     cost = CostModel({n: 10e-3 * n for n in (1, 2, 4, 8, 16, 32, 64)}, **PARTS)  # linear in tokens
     choice = choose_tree(cost, SYNTHETIC)
@@ -97,6 +97,7 @@ def test_steep_verification_cost_picks_a_chain():
     assert "no candidate is predicted to beat plain decoding" in choice.reason
 
 
+@pytest.mark.unit
 def test_moderate_verification_cost_picks_a_middle_tree():
     cost = CostModel({1: 10e-3, 16: 10.5e-3, 32: 12e-3, 64: 18e-3}, **PARTS)  # a GPU-like knee
     choice = choose_tree(cost, SYNTHETIC)
@@ -106,6 +107,7 @@ def test_moderate_verification_cost_picks_a_middle_tree():
     assert d["candidates"][0]["predicted_speedup"] == d["predicted_speedup"]
 
 
+@pytest.mark.unit
 def test_cost_model_interpolates_and_keeps_verification_monotone():
     cost = CostModel({1: 1.0, 4: 4.0, 8: 3.0}, plain_s=1.0)  # 8 measured cheaper than 4: noise
     assert cost.verify_s(2) == pytest.approx(2.0)
@@ -114,6 +116,7 @@ def test_cost_model_interpolates_and_keeps_verification_monotone():
     assert CostModel({1: 1.0, 2: 2.0}, plain_s=1.0).verify_s(10) == pytest.approx(10.0)
 
 
+@pytest.mark.unit
 def test_candidates_include_chains_and_cut_oversized_totals():
     specs = candidate_trees(depths=(1, 3), topks=(1, 2), totals=(2, 8, 16))
     assert TreeSpec.chain(1) in specs and TreeSpec.chain(3) in specs
@@ -122,6 +125,7 @@ def test_candidates_include_chains_and_cut_oversized_totals():
     assert [s.total_tokens for s in specs if s.depth == 1 and s.top_k == 2] == [2]
 
 
+@pytest.mark.unit
 def test_tree_size_has_one_name_total_tokens():
     """TreeSpec.total_tokens is the size a round verifies: None or a request past what the expansion
     can produce (K + (D-1) K^2) is stored as that number, so every report prints the same size."""
@@ -132,6 +136,7 @@ def test_tree_size_has_one_name_total_tokens():
         TreeSpec.parse("6,x")
 
 
+@pytest.mark.unit
 def test_acceptance_from_contract_metrics():
     from eyas.contract import ValidationMetrics
 
@@ -167,6 +172,7 @@ def test_tune_tree_falls_back_to_training_metrics_and_refuses_without_acceptance
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_teacher_forced_ranks_are_what_the_engine_drafts(llama, trained_drafter):
     """Every round position: the chain the engine drafts equals the calibration's top-1 tokens as
     long as the drafted prefix was the target's, and the root's rank of the target's token is the
@@ -205,6 +211,7 @@ def test_teacher_forced_ranks_are_what_the_engine_drafts(llama, trained_drafter)
     assert checked > 20 and deep > 5
 
 
+@pytest.mark.integration
 def test_calibration_replay_is_the_engines_chain_and_predicts_trees(llama, trained_drafter):
     target = HFTarget(llama, SPEC4)
     prompts = random_prompts(3, 128, seed=5, lengths=(4, 10))
@@ -228,6 +235,7 @@ def test_calibration_replay_is_the_engines_chain_and_predicts_trees(llama, train
     assert expected_tau(acc, TreeSpec.chain(6)) > predict_tau(acc, TreeSpec.chain(6)) + 0.3
 
 
+@pytest.mark.integration
 def test_measurement_leaves_the_target_usable(llama, trained_drafter):
     target = HFTarget(llama, SPEC4)
     prompt = random_prompts(1, 128, seed=9, lengths=(8, 8))[0]
@@ -253,6 +261,7 @@ def test_measurement_leaves_the_target_usable(llama, trained_drafter):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy_drafter, tmp_path):
     target, draft = toy_drafter
     r = runner.invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--prompts", "gsm8k",
@@ -271,6 +280,7 @@ def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy_drafter, tmp
     assert "chose" in r.stderr and "--tree auto" in r.stderr
 
 
+@pytest.mark.integration
 def test_bad_tree_text_is_a_clean_cli_error(toy_drafter):
     target, draft = toy_drafter
     r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",
@@ -278,6 +288,7 @@ def test_bad_tree_text_is_a_clean_cli_error(toy_drafter):
     assert r.exit_code == 2 and "--tree: expected DEPTH,TOPK,TOTAL" in r.stderr and "'6,4'" in r.stderr
 
 
+@pytest.mark.integration
 def test_generate_tree_auto(toy_drafter):
     target, draft = toy_drafter
     r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",

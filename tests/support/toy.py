@@ -9,15 +9,19 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+from tests.support import DATA
+
+GSM8K_TRAIN = DATA / "gsm8k" / "train.jsonl"  # the first 96 GSM8K training problems (tests/data/SOURCE.md)
 
 
 def gsm8k_questions(n: int) -> list[str]:
-    path = SHARED / "gsm8k" / "train.jsonl"
-    if not path.exists():  # a clean clone without ../shared: a fixed synthetic set
-        return [f"What is {i} plus {i * 7 % 13}? Explain step by step." for i in range(n)]
-    with path.open() as f:
-        return [json.loads(next(f))["question"] for _ in range(n)]
+    """The first ``n`` questions of the shipped GSM8K excerpt (the toy target's training prompts)."""
+    with GSM8K_TRAIN.open() as f:
+        questions = [json.loads(line)["question"] for line in f]
+    if n > len(questions):
+        raise ValueError(f"{GSM8K_TRAIN}: asked for {n} questions, the excerpt holds {len(questions)}; "
+                         "cut a longer one with tests/data/make_excerpts.py")
+    return questions[:n]
 
 
 def make_toy_target(root: Path, num_blocks: int = 10, hidden: int = 64, seed: int = 0,

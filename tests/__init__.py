@@ -1,0 +1,1 @@
+"""eyas's test suite. A package, so that its helpers import as ``tests.support`` (see conftest.py)."""
