@@ -20,9 +20,9 @@ from eyas.targets import (
 )
 from eyas.targets.structure import find_decoder_blocks, find_embedding
 
-pytestmark = pytest.mark.unit
 
 
+@pytest.mark.unit
 def test_from_model_reads_the_structure_once(llama):
     llama.train()  # from_model puts it back in eval mode
     t = LoadedTarget.from_model(llama, source=TargetSource("somewhere/tiny"))
@@ -38,12 +38,14 @@ def test_from_model_reads_the_structure_once(llama):
     assert LoadedTarget.from_model(llama).name == type(llama).__name__
 
 
+@pytest.mark.unit
 def test_the_contract_reexports_the_identity():
     """TargetIdentity moved down to eyas.targets; the contract (and its JSON schema) still has it."""
     assert eyas.contract.TargetIdentity is TargetIdentity
     assert eyas.contract.Contract.model_fields["target"].annotation is TargetIdentity
 
 
+@pytest.mark.unit
 def test_misfits_name_field_expected_and_found(llama):
     t = LoadedTarget.from_model(llama)
     assert t.misfits(64, 128, [1, 2, 4]) == []
@@ -56,6 +58,7 @@ def test_misfits_name_field_expected_and_found(llama):
     ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cuda,local_rank,device,expected", [
     (False, None, "auto", "cpu"),
     (True, None, "auto", "cuda:0"),
@@ -74,6 +77,7 @@ def test_resolve_device(monkeypatch, cuda, local_rank, device, expected):
     assert resolve_device(torch.device("cpu")) == torch.device("cpu")
 
 
+@pytest.mark.unit
 def test_resolve_dtype():
     assert resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16  # as engines serve it
@@ -99,6 +103,7 @@ def test_load_target_returns_a_loaded_target(toy_drafter):
         load_target(str(target_dir), dtype="fp8")
 
 
+@pytest.mark.unit
 def test_train_config_carries_the_drafter_variant_flags():
     from eyas.drafter.config import DrafterConfig
     from eyas.training.config import TrainConfig

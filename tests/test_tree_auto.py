@@ -147,6 +147,7 @@ def test_acceptance_from_contract_metrics():
     assert acceptance_from_metrics(None) is None and acceptance_from_metrics(ValidationMetrics(step=1)) is None
 
 
+@pytest.mark.unit
 def test_tune_tree_falls_back_to_training_metrics_and_refuses_without_acceptance(monkeypatch):
     """The glue behind `--tree auto`: no calibration prompts -> the contract's training metrics; no
     metrics either -> an EyasError that names the missing field and the way out."""
