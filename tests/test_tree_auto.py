@@ -155,7 +155,9 @@ def test_tune_tree_falls_back_to_training_metrics_and_refuses_without_acceptance
 
     cost = CostModel({1: 10e-3, 64: 10e-3}, **PARTS)
     monkeypatch.setattr(auto, "measure_cost", lambda target, drafter: cost)  # the model's numbers, not this CPU's
-    metrics = {"step": 9, "conditional_accuracy_per_position": [0.8, 0.6]}
+    from eyas.contract import ValidationMetrics
+
+    metrics = ValidationMetrics(step=9, conditional_accuracy_per_position=[0.8, 0.6])
     choice = tune_tree(None, None, [], SimpleNamespace(metrics=metrics), temperature=0.7)
     assert choice.spec == choose_tree(cost, acceptance_from_metrics(metrics)).spec
     assert "acceptance from the drafter's training metrics (step 9" in choice.reason

@@ -7,8 +7,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from eyas.targets.structure import text_config_of
-
 # The drafter's variant flags (fields of DrafterConfig below). Every engine config eyas writes
 # states each one explicitly: loaders disagree on what an absent flag means.
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -76,6 +74,9 @@ class DrafterConfig(BaseModel):
         MoE / MLA targets (DeepSeek-V3, Kimi) get a dense Llama midlayer of the same width, as
         the engines' ``llama_eagle3`` drafters do.
         """
+        # Imported here: this module is read at CLI start (the engine registry), before torch is needed.
+        from eyas.targets.structure import text_config_of
+
         tc = text_config_of(target_config)
         hidden = tc.hidden_size
         heads = tc.num_attention_heads
