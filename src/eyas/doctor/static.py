@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from eyas.contract.contract import ADVISORY_FIELDS, Contract, compare, target_identity, tokenisation_of
+from eyas.contract.contract import ADVISORY_FIELDS, Contract, TargetIdentity, compare, tokenisation_of
 from eyas.doctor.common import FAIL, INFO, NORM_FLAGS, OK, WARN, Edit, Stage, boundary_name
 from eyas.doctor.samples import SampleSet
 from eyas.interop import servers
@@ -241,7 +241,7 @@ def _check_shapes(st: Stage, dd: DrafterDir, r: EngineReading, H: int, V: int) -
             st.add(OK, "vocab", f"draft vocabulary {d2t.shape[0]} ids, all inside the target's {V}; t2d consistent")
 
 
-def _check_contract(st: Stage, dd: DrafterDir, model: Any, tokenizer: Any,
+def _check_contract(st: Stage, dd: DrafterDir, identity: TargetIdentity, tokenizer: Any,
                     samples: SampleSet | None) -> SystemPromptDrift | None:
     """The contract against the live target; returns the system prompt drift when the template differs."""
     c = dd.contract
@@ -251,7 +251,7 @@ def _check_contract(st: Stage, dd: DrafterDir, model: Any, tokenizer: Any,
                f"accuracy cannot be checked (`eyas import --target` records one)")
         return drift
     mode = c.tokenisation.system_prompt if c.tokenisation else "template_default"
-    live = Contract(target=target_identity(model), capture=c.capture,
+    live = Contract(target=identity, capture=c.capture,
                     tokenisation=tokenisation_of(tokenizer, mode) if tokenizer is not None else None)
     mismatches = compare(c, live)
     target_mm = [m for m in mismatches if m.field.startswith("target.")]
@@ -311,7 +311,7 @@ def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
     """The directory as the engine reads it, against the trained boundaries (``ctx.trained``: the
     directory's own, or its training shards' when it has no contract, which ``ctx.trained_note``
     says), the trained flags, the shapes, the contract and the data, without running anything."""
-    dd, reading, model, tokenizer, samples = ctx.dd, ctx.served, ctx.model, ctx.tokenizer, ctx.samples
+    dd, reading, tokenizer, samples = ctx.dd, ctx.served, ctx.tokenizer, ctx.samples
     L, H, V = ctx.target.num_blocks, ctx.target.hidden_size, ctx.target.vocab_size
     trained, trained_note = ctx.trained, ctx.trained_note
     st: Stage[StaticResult] = Stage("static")
@@ -323,7 +323,7 @@ def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
     _check_boundaries(st, dd, reading, L, trained, source)
     _check_flags(st, dd, reading)
     _check_shapes(st, dd, reading, H, V)
-    drift = _check_contract(st, dd, model, tokenizer, samples)
+    drift = _check_contract(st, dd, ctx.loaded.identity, tokenizer, samples)  # weights hashed once per run
     _check_data(st, dd, samples)
     captures = {}
     for spec, rule in servers.readings():
