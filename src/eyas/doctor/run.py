@@ -56,7 +56,7 @@ def run_doctor(
     log: Callable[[str], None] | None = None,
 ) -> DoctorReport:
     """Diagnose the drafter at ``draft`` against ``target`` as ``engine`` would serve it (an engine
-with several id rules, SGLang, following ``sglang_rule``; default: its current one).
+    with several id rules, SGLang, following ``sglang_rule``; default: its current one).
 
     ``model``/``tokenizer`` may be passed already loaded (then ``target`` only names it in the
     report). Raises only for a target that cannot be loaded or a bad ``engine``; every problem with
