@@ -8,19 +8,21 @@
                                   eos_token_ids=[tok.eos_token_id])
     result.tokens, result.stats.tau, result.stats.tokens_per_s
 
-Modules: target.py (the target interface and HFTarget), tree.py (drafting and masks),
-sampling.py (distributions and acceptance rules), speculative.py (the decoding loops),
-stopping.py (stop conditions), stats.py (per-request statistics). Choosing a tree for this hardware
+Modules: target.py (the target interface and HFTarget), llama.py (LlamaTarget: our own forward for
+Llama-family targets, a static KV cache written by index and capture inside the forward), tree.py
+(drafting and masks), sampling.py (distributions and acceptance rules), speculative.py (the decoding
+loops), stopping.py (stop conditions), stats.py (per-request statistics). Choosing a tree for this hardware
 and this drafter (``--tree auto``) is a tuning tool, not the runtime: see :mod:`eyas.tune`.
 """
 
 from eyas.engine.sampling import GREEDY, AcceptRule, SamplingParams, rejection_rule
 from eyas.engine.speculative import GenerationResult, plain_generate, speculative_generate
 from eyas.engine.stats import GenerationStats
+from eyas.engine.llama import LlamaTarget
 from eyas.engine.target import HFTarget, Target
 from eyas.engine.tree import DraftTree, TreeSpec
 
 __all__ = [
-    "GREEDY", "AcceptRule", "DraftTree", "GenerationResult", "GenerationStats", "HFTarget", "SamplingParams",
-    "Target", "TreeSpec", "plain_generate", "rejection_rule", "speculative_generate",
+    "GREEDY", "AcceptRule", "DraftTree", "GenerationResult", "GenerationStats", "HFTarget", "LlamaTarget",
+    "SamplingParams", "Target", "TreeSpec", "plain_generate", "rejection_rule", "speculative_generate",
 ]

@@ -1,0 +1,179 @@
+"""Our own forward for Llama-family targets (Llama, Mistral, Qwen2, Qwen3; SmolLM2 is a Llama): a
+static KV cache written by index, attention under the tree mask, and boundary capture inside the
+forward, with no hooks.
+
+This is the first part of the fast GPU path: every step has a shape that depends only on the number
+of new tokens T, the cache lives in buffers this class owns (never another library's cache
+internals), and the captured boundaries are an output of the forward, so the steps can later be
+captured as CUDA graphs (forward hooks do not survive graph replay). The weights are the Hugging Face
+model's own modules, called as they are (projections, norms, MLP, rotary embedding): only the
+attention over the cache and the walk over the blocks are ours.
+
+Shapes (batch 1): L blocks, H hidden, Hq query heads, Hkv key/value heads, D head dim, C the cache's
+capacity (``max_length`` positions).
+
+    keys, values   [L, C, Hkv, D]    entry i = the token at position i (the cache is kept compact)
+    forward(T)     writes entries cache_len .. cache_len+T-1, attends [cache_len + T] keys with the mask
+                   [T, cache_len + T] = (every committed entry) ++ (tree_mask, or causal)
+    keep(idx)      moves the kept entries of the last block to cache_len_before .. (+k) on the device
+
+Boundary capture follows the contract's convention (docs/conventions.md): boundary 0 is the input of
+block 0 (the embeddings), boundary b the output of block b-1 (``hidden + residual``), boundary L the
+last block's output before the final norm. ``tests/test_engine_llama.py`` holds the logits and the
+features equal to :class:`~eyas.engine.target.HFTarget` (which captures with
+:class:`~eyas.capture.hooks.BoundaryCapture`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from eyas.convention.boundaries import CaptureSpec
+from eyas.engine.target import Target
+from eyas.errors import EyasError
+from eyas.targets.structure import find_decoder_blocks, text_config
+
+# model_type values whose decoder layer is the Llama layer (pre-norm, rotary, optional q/k bias,
+# optional per-head q/k norm) with full attention everywhere.
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class UnsupportedTarget(EyasError, ValueError):
+    """The model is not a full-attention Llama-family model this forward implements."""
+
+
+def supports(model: nn.Module) -> str | None:
+    """None when :class:`LlamaTarget` can run ``model``; else why not (for ``--target-impl auto``)."""
+    cfg = text_config(model)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in LLAMA_FAMILY:
+        return f"model_type {kind!r} is not one of {list(LLAMA_FAMILY)}"
+    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or (kind == "mistral" and getattr(cfg, "sliding_window", None)):
+        return f"layer types {sorted(layer_types)}: sliding-window attention is not implemented"
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "rotary_emb") or not hasattr(base, "embed_tokens"):
+        return f"{type(model).__name__}: expected .model.embed_tokens and .model.rotary_emb"
+    return None
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaTarget(Target):
+    """A Llama-family Hugging Face model served with a static KV cache and in-forward capture.
+
+    Holds references to the model's modules (no copy of the weights). ``max_length`` is the cache's
+    capacity; it defaults to the model's context, capped at ``default_capacity`` to keep the
+    preallocated cache small (2 x L x C x Hkv x D values)."""
+
+    def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
+                 default_capacity: int = 4096) -> None:
+        why_not = supports(model)
+        if why_not is not None:
+            raise UnsupportedTarget(f"LlamaTarget: {why_not}; use the Hugging Face target (HFTarget)")
+        self.model = model.eval()
+        cfg = text_config(model)
+        self.blocks = find_decoder_blocks(model)
+        L = len(self.blocks)
+        if spec.num_blocks != L:
+            raise UnsupportedTarget(f"capture spec: expected a spec for {L} blocks, found one for {spec.num_blocks}")
+        self.spec = spec
+        self.embed = model.model.embed_tokens
+        self.rotary = model.model.rotary_emb
+        self.norm = model.model.norm
+        self.lm_head = model.get_output_embeddings()
+        attn = self.blocks[0].self_attn
+        self.head_dim = int(attn.head_dim)
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.scaling = float(getattr(attn, "scaling", self.head_dim ** -0.5))
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.vocab_size = self.lm_head.weight.shape[0]
+        cfg_len = int(getattr(cfg, "max_position_embeddings", 0) or default_capacity)
+        self.max_length = int(max_length or min(cfg_len, default_capacity))
+        shape = (L, self.max_length, self.num_kv_heads, self.head_dim)
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._slot_of = {b: i for i, b in enumerate(spec.boundaries)}
+        self.reset()
+
+    # -- cache --------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        # The buffers keep their stale values: entries past cache_len are never attended.
+        self._len = 0  # entries in the cache
+        self._committed = 0  # entries before the last forward
+
+    @property
+    def cache_len(self) -> int:
+        return self._len
+
+    def keep(self, indices: Sequence[int] | Tensor) -> None:
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.device).flatten()
+        P, k = self._committed, idx.numel()
+        # Advanced indexing reads a copy first, so overlapping source and destination are fine.
+        src = P + idx
+        self.keys[:, P:P + k] = self.keys[:, src]
+        self.values[:, P:P + k] = self.values[:, src]
+        self._len = self._committed = P + k
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _mask(self, T: int, tree_mask: Tensor | None) -> Tensor:
+        """bool [T, cache_len + T]: every committed entry, then the block's own (tree or causal)."""
+        block = (torch.ones(T, T, dtype=torch.bool, device=self.device).tril() if tree_mask is None
+                 else tree_mask.to(self.device, torch.bool))
+        committed = torch.ones(T, self._len, dtype=torch.bool, device=self.device)
+        return torch.cat([committed, block], dim=1)
+
+    def _attention(self, i: int, attn: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        """Block i's attention for x [1, T, H]: write its keys/values at cache_len.., read all."""
+        T, start = x.shape[1], self._len
+        q = attn.q_proj(x).view(1, T, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(1, T, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(1, T, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head, before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        c, s = cos[:, :, None], sin[:, :, None]  # [1, T, 1, D]
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        self.keys[i, start:start + T] = k[0]
+        self.values[i, start:start + T] = v[0]
+        keys = self.keys[i, :start + T].transpose(0, 1)[None]  # [1, Hkv, S, D]
+        values = self.values[i, :start + T].transpose(0, 1)[None]
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scaling)
+        return attn.o_proj(out.transpose(1, 2).reshape(1, T, self.num_heads * self.head_dim))
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, position_ids: Tensor, tree_mask: Tensor | None = None,
+                capture: bool = True) -> tuple[Tensor, Tensor | None]:
+        T = input_ids.shape[1]
+        if self._len + T > self.max_length or int(position_ids.max()) >= self.max_length:
+            raise ValueError(f"position {max(self._len + T - 1, int(position_ids.max()))} is past the context "
+                             f"({self.max_length} positions)")
+        mask = self._mask(T, tree_mask)
+        h = self.embed(input_ids)  # [1, T, H]: boundary 0
+        cos, sin = self.rotary(h, position_ids)  # [1, T, D] each, rope scaling included
+        slots: list[Tensor | None] = [None] * self.spec.num_slots
+        if capture and 0 in self._slot_of:
+            slots[self._slot_of[0]] = h
+        for i, block in enumerate(self.blocks):
+            h = h + self._attention(i, block.self_attn, block.input_layernorm(h), cos, sin, mask)
+            h = h + block.mlp(block.post_attention_layernorm(h))
+            if capture and i + 1 in self._slot_of:  # boundary i + 1 = output of block i
+                slots[self._slot_of[i + 1]] = h
+        logits = self.lm_head(self.norm(h))
+        self._committed, self._len = self._len, self._len + T
+        features = torch.cat(slots, dim=-1) if capture else None  # type: ignore[arg-type]
+        return logits, features

@@ -1,0 +1,96 @@
+"""eyas.engine.llama: our own Llama-family forward (static KV cache written by index, tree attention,
+capture inside the forward) computes what the Hugging Face model computes, through every cache
+operation the decoding loop uses, and serves greedy speculative decoding token-identically.
+
+The reference is :class:`~eyas.engine.target.HFTarget`, whose features come from
+:class:`~eyas.capture.hooks.BoundaryCapture`, the capture that made the training data. float32, CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.convention import CaptureSpec
+from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate
+from eyas.engine.llama import LlamaTarget, UnsupportedTarget, supports
+from tests.support.tiny import SPEC4, random_prompts, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+L = 4
+SPEC = CaptureSpec((0, 2, L), L)  # the embeddings, a middle boundary and the last block's output
+ATOL = 2e-5
+
+
+def _pair(kind: str):
+    model = tiny_model(kind, L)
+    return LlamaTarget(model, SPEC, max_length=64), HFTarget(model, SPEC, max_length=64)
+
+
+def _same(a: tuple, b: tuple) -> None:
+    (la, fa), (lb, fb) = a, b
+    torch.testing.assert_close(la, lb, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(fa, fb, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_logits_and_boundaries_equal_the_hf_model_through_prefill_tree_keep_and_decode(kind):
+    fast, hf = _pair(kind)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 128, (1, 9), generator=g)
+    _same(fast.prefill(prompt), hf.prefill(prompt))
+
+    # A tree of 5 tokens after the prompt: 0 is the root's child; 1, 2 children of 0; 3 of 1; 4 of 2.
+    parent = [-1, 0, 0, 1, 2]
+    mask = torch.eye(5, dtype=torch.bool)
+    for i, p in enumerate(parent):
+        while p >= 0:
+            mask[i, p], p = True, parent[p]
+    depth = mask.sum(1) - 1
+    ids = torch.randint(0, 128, (1, 5), generator=g)
+    positions = (9 + depth)[None]
+    _same(fast.forward(ids, positions, mask), hf.forward(ids, positions, mask))
+
+    for t in (fast, hf):  # accept the path 0 -> 2 -> 4 (not contiguous in the block)
+        t.keep([0, 2, 4])
+    assert fast.cache_len == hf.cache_len == 12
+    ids = torch.randint(0, 128, (1, 2), generator=g)
+    positions = torch.tensor([[12, 13]])
+    _same(fast.forward(ids, positions), hf.forward(ids, positions))
+    _same(fast.forward(ids[:, :1], positions[:, :1], capture=True), hf.forward(ids[:, :1], positions[:, :1]))
+    logits, features = fast.forward(ids[:, 1:], torch.tensor([[15]]), capture=False)
+    assert features is None and logits.shape == (1, 1, 128)
+
+
+@pytest.mark.unit
+def test_the_cache_refuses_positions_past_its_capacity():
+    fast, _ = _pair("llama")
+    fast.prefill(torch.zeros(1, 60, dtype=torch.long))
+    with pytest.raises(ValueError, match="past the context"):
+        fast.forward(torch.zeros(1, 5, dtype=torch.long), torch.arange(60, 65)[None])
+
+
+@pytest.mark.unit
+def test_other_architectures_are_refused_with_the_reason():
+    model = tiny_model("deepseek_v3", L)
+    assert "deepseek_v3" in supports(model)
+    with pytest.raises(UnsupportedTarget, match=r"model_type 'deepseek_v3' is not one of .*HFTarget"):
+        LlamaTarget(model, SPEC)
+
+
+@pytest.mark.integration
+def test_greedy_speculative_on_the_llama_target_is_token_identical_to_plain(llama, trained_drafter):
+    fast, hf = LlamaTarget(llama, SPEC4), HFTarget(llama, SPEC4)
+    eos = llama.generation_config.eos_token_id
+    accepted = 0
+    for prompt in random_prompts(6, 128, seed=11):
+        plain = plain_generate(hf, prompt, max_new_tokens=20, eos_token_ids=[eos])
+        assert plain_generate(fast, prompt, max_new_tokens=20, eos_token_ids=[eos]).tokens == plain.tokens
+        for tree in (TreeSpec.chain(4), TreeSpec(4, 4, 16)):
+            out = speculative_generate(fast, trained_drafter, prompt, tree=tree, max_new_tokens=20,
+                                       eos_token_ids=[eos])
+            assert out.tokens == plain.tokens, (prompt, tree)
+            accepted += sum(out.stats.accept_lengths)
+    assert accepted > 10  # the drafter is right often enough that keep() moves real tree paths
