@@ -23,9 +23,10 @@ SPEC = CaptureSpec((0, 2, L), L)  # the embeddings, a middle boundary and the la
 ATOL = 2e-5
 
 
-def _pair(kind: str):
+def _pair(kind: str, fixed_shapes: bool = False):
     model = tiny_model(kind, L)
-    return LlamaTarget(model, SPEC, max_length=64), HFTarget(model, SPEC, max_length=64)
+    return (LlamaTarget(model, SPEC, max_length=64, fixed_shapes=fixed_shapes),
+            HFTarget(model, SPEC, max_length=64))
 
 
 def _same(a: tuple, b: tuple) -> None:
@@ -35,9 +36,12 @@ def _same(a: tuple, b: tuple) -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["exact", "fixed_shapes"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_logits_and_boundaries_equal_the_hf_model_through_prefill_tree_keep_and_decode(kind):
-    fast, hf = _pair(kind)
+def test_logits_and_boundaries_equal_the_hf_model_through_prefill_tree_keep_and_decode(kind, fixed_shapes):
+    """fixed_shapes: each step padded to a bucket (9 -> 16, 5 -> 8, 2 -> 8, 1 -> 1) and attending the
+    cache's whole capacity under a mask, as the CUDA graphs run it."""
+    fast, hf = _pair(kind, fixed_shapes)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 128, (1, 9), generator=g)
     _same(fast.prefill(prompt), hf.prefill(prompt))
@@ -81,8 +85,9 @@ def test_other_architectures_are_refused_with_the_reason():
 
 
 @pytest.mark.integration
-def test_greedy_speculative_on_the_llama_target_is_token_identical_to_plain(llama, trained_drafter):
-    fast, hf = LlamaTarget(llama, SPEC4), HFTarget(llama, SPEC4)
+@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["exact", "fixed_shapes"])
+def test_greedy_speculative_on_the_llama_target_is_token_identical_to_plain(llama, trained_drafter, fixed_shapes):
+    fast, hf = LlamaTarget(llama, SPEC4, fixed_shapes=fixed_shapes), HFTarget(llama, SPEC4)
     eos = llama.generation_config.eos_token_id
     accepted = 0
     for prompt in random_prompts(6, 128, seed=11):

@@ -74,7 +74,8 @@ class LlamaTarget(Target):
     preallocated cache small (2 x L x C x Hkv x D values)."""
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
-                 default_capacity: int = 4096) -> None:
+                 default_capacity: int = 4096, fixed_shapes: bool = False, cuda_graphs: bool = False,
+                 buckets: Sequence[int] = (1, 8, 16, 32, 64)) -> None:
         why_not = supports(model)
         if why_not is not None:
             raise UnsupportedTarget(f"LlamaTarget: {why_not}; use the Hugging Face target (HFTarget)")
@@ -103,6 +104,14 @@ class LlamaTarget(Target):
         self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._slot_of = {b: i for i, b in enumerate(spec.boundaries)}
+        # Fixed shapes: a step of T <= max(buckets) tokens runs padded to the smallest bucket >= T and
+        # attends the cache's whole capacity under a mask, so its shapes never depend on cache_len;
+        # with cuda_graphs (on a GPU) each bucket's step is captured once and replayed.
+        self.fixed_shapes = bool(fixed_shapes or cuda_graphs)
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.buckets = tuple(sorted(int(b) for b in buckets))
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, Tensor]]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.reset()
 
     # -- cache --------------------------------------------------------------------------------
@@ -162,6 +171,11 @@ class LlamaTarget(Target):
         if self._len + T > self.max_length or int(position_ids.max()) >= self.max_length:
             raise ValueError(f"position {max(self._len + T - 1, int(position_ids.max()))} is past the context "
                              f"({self.max_length} positions)")
+        bucket = next((b for b in self.buckets if b >= T), None)
+        if self.fixed_shapes and bucket is not None and self._len + bucket <= self.max_length:
+            logits, features = self._fixed_step(input_ids, position_ids, tree_mask, bucket)
+            self._committed, self._len = self._len, self._len + T
+            return logits, (features if capture else None)
         mask = self._mask(T, tree_mask)
         h = self.embed(input_ids)  # [1, T, H]: boundary 0
         cos, sin = self.rotary(h, position_ids)  # [1, T, D] each, rope scaling included
@@ -177,3 +191,96 @@ class LlamaTarget(Target):
         self._committed, self._len = self._len, self._len + T
         features = torch.cat(slots, dim=-1) if capture else None  # type: ignore[arg-type]
         return logits, features
+
+    # -- fixed shapes and CUDA graphs -------------------------------------------------------------
+
+    def _padded_inputs(self, input_ids: Tensor, position_ids: Tensor, tree_mask: Tensor | None,
+                       B: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The step's inputs padded to B tokens: ids [1, B], positions [1, B], cache slots [B] (the
+        entries the step writes: cache_len .. cache_len+B-1) and the mask [B, C] over the whole
+        capacity. Real token i attends every committed entry and its block's allowed tokens; a pad
+        attends only itself (an all-blocked row would give NaN), and no real token attends a pad, so
+        padding changes nothing the caller sees. Built from host ints: no device read."""
+        T, P, C = input_ids.shape[1], self._len, self.max_length
+        ids = torch.zeros(1, B, dtype=torch.long, device=self.device)
+        ids[:, :T] = input_ids
+        pos = torch.zeros(1, B, dtype=torch.long, device=self.device)
+        pos[:, :T] = position_ids
+        slots = torch.arange(P, P + B, device=self.device)
+        block = (torch.ones(T, T, dtype=torch.bool, device=self.device).tril() if tree_mask is None
+                 else tree_mask.to(self.device, torch.bool))
+        mask = torch.zeros(B, C, dtype=torch.bool, device=self.device)
+        mask[:T, :P] = True
+        mask[:T, P:P + T] = block
+        pads = torch.arange(T, B, device=self.device)
+        mask[pads, P + pads] = True
+        return ids, pos, slots, mask
+
+    def _fixed_forward(self, ids: Tensor, pos: Tensor, slots: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """One step whose shapes depend only on B = ids.shape[1]: keys/values written at ``slots``
+        by index, attention over the whole capacity under ``mask``. Returns logits [1, B, V] and
+        features [1, B, S*H] (the features are always computed: a graph has one output set)."""
+        h = self.embed(ids)
+        cos, sin = self.rotary(h, pos)
+        slots_out: list[Tensor | None] = [None] * self.spec.num_slots
+        if 0 in self._slot_of:
+            slots_out[self._slot_of[0]] = h
+        attn_mask = mask[None, None]  # [1, 1, B, C]
+        for i, block in enumerate(self.blocks):
+            h = h + self._fixed_attention(i, block.self_attn, block.input_layernorm(h), cos, sin, slots, attn_mask)
+            h = h + block.mlp(block.post_attention_layernorm(h))
+            if i + 1 in self._slot_of:
+                slots_out[self._slot_of[i + 1]] = h
+        return self.lm_head(self.norm(h)), torch.cat(slots_out, dim=-1)  # type: ignore[arg-type]
+
+    def _fixed_attention(self, i: int, attn: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor,
+                         attn_mask: Tensor) -> Tensor:
+        B = x.shape[1]
+        q = attn.q_proj(x).view(1, B, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(1, B, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(1, B, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        c, s = cos[:, :, None], sin[:, :, None]
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        self.keys[i].index_copy_(0, slots, k[0])
+        self.values[i].index_copy_(0, slots, v[0])
+        keys = self.keys[i].transpose(0, 1)[None]  # [1, Hkv, C, D]
+        values = self.values[i].transpose(0, 1)[None]
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=attn_mask, scale=self.scaling)
+        return attn.o_proj(out.transpose(1, 2).reshape(1, B, self.num_heads * self.head_dim))
+
+    def _fixed_step(self, input_ids: Tensor, position_ids: Tensor, tree_mask: Tensor | None,
+                    B: int) -> tuple[Tensor, Tensor]:
+        T = input_ids.shape[1]
+        inputs = self._padded_inputs(input_ids, position_ids, tree_mask, B)
+        if not self.cuda_graphs:
+            logits, features = self._fixed_forward(*inputs)
+            return logits[:, :T], features[:, :T]
+        if B not in self._graphs:
+            self._graphs[B] = self._capture(inputs)
+        graph, static_in, (logits, features) = self._graphs[B]
+        for dst, src in zip(static_in, inputs):
+            dst.copy_(src)
+        graph.replay()
+        # Cloned: the next replay overwrites the graph's outputs.
+        return logits[:, :T].clone(), features[:, :T].clone()
+
+    def _capture(self, inputs: tuple[Tensor, ...]) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, Tensor]]:
+        """Capture the step for this bucket. The warm-up runs write keys/values only at the step's own
+        slots (entries not yet committed), which the replay then overwrites."""
+        static_in = tuple(t.clone() for t in inputs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._fixed_forward(*static_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._fixed_forward(*static_in)
+        return graph, static_in, out
