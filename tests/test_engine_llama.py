@@ -99,3 +99,40 @@ def test_greedy_speculative_on_the_llama_target_is_token_identical_to_plain(llam
             assert out.tokens == plain.tokens, (prompt, tree)
             accepted += sum(out.stats.accept_lengths)
     assert accepted > 10  # the drafter is right often enough that keep() moves real tree paths
+
+
+@pytest.mark.unit
+def test_build_target_picks_the_implementation_and_says_which():
+    from eyas.engine import build_target
+
+    model = tiny_model("llama", L)
+    assert build_target(model, SPEC, "auto").implementation == "hf"  # on the CPU graphs do not pay
+    assert build_target(model, SPEC, "fast").implementation == "fast"
+    assert build_target(model, SPEC, "HF").implementation == "hf"
+    with pytest.raises(UnsupportedTarget, match=r"--target-impl: expected one of \['auto', 'fast', 'hf'\], found 'x'"):
+        build_target(model, SPEC, "x")
+    with pytest.raises(UnsupportedTarget, match="deepseek_v3"):
+        build_target(tiny_model("deepseek_v3", L), SPEC, "fast")
+
+
+@pytest.mark.integration
+def test_generate_on_the_fast_target_prints_it_and_equals_the_hf_target(toy_drafter):
+    import json
+
+    from typer.testing import CliRunner
+
+    from eyas.cli.main import app
+
+    target, draft = toy_drafter
+    outputs = {}
+    for impl in ("fast", "hf"):
+        r = CliRunner().invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hi",
+                                     "--max-new-tokens", "12", "--tree", "3,2,6", "--device", "cpu",
+                                     "--target-impl", impl, "--json"])
+        assert r.exit_code == 0, r.output
+        outputs[impl] = json.loads(r.stdout)
+        assert outputs[impl]["target_impl"] == impl
+    assert outputs["fast"]["tokens"] == outputs["hf"]["tokens"]
+    r = CliRunner().invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hi",
+                                 "--device", "cpu", "--target-impl", "turbo"])
+    assert r.exit_code == 2 and "--target-impl: expected one of" in r.stderr

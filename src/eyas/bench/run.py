@@ -19,7 +19,7 @@ from eyas.data.conversations import Conversation
 from eyas.data.render import render_prompt
 from eyas.drafter.model import Eagle3Drafter
 from eyas.targets import LoadedTarget
-from eyas.engine import GenerationStats, HFTarget, SamplingParams, TreeSpec, plain_generate, speculative_generate
+from eyas.engine import GenerationStats, SamplingParams, Target, TreeSpec, plain_generate, speculative_generate
 
 METHODS = ("speculative", "plain", "hf")
 
@@ -127,7 +127,7 @@ def bench_set(
     name: str,
     prompts: Sequence[Conversation],
     loaded: LoadedTarget,
-    target: HFTarget,
+    target: Target,
     drafter: Eagle3Drafter,
     tree: TreeSpec,
     sampling: SamplingParams,

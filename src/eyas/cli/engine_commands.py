@@ -20,12 +20,18 @@ TREE_HELP = ("DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24), DEPTH for a 
              "short greedy calibration, and use the tree with the best predicted speedup")
 
 
-def load_for_serving(target: str, draft: Path, device: str, force: bool) -> tuple[LoadedTarget, Any, Any, Any]:
-    """(the loaded target, drafter, HFTarget, contract), the drafter checked against the target's
+TARGET_IMPL_HELP = ("auto (the fast Llama-family target with CUDA graphs on a GPU where it applies, else "
+                    "the Hugging Face one) | fast | hf")
+
+
+def load_for_serving(target: str, draft: Path, device: str, force: bool,
+                     target_impl: str = "auto") -> tuple[LoadedTarget, Any, Any, Any]:
+    """(the loaded target, drafter, engine target, contract), the drafter checked against the target's
     contract. ``--device auto`` and the dtype follow eyas.targets.placement: bf16 on a GPU, float32 on
-    the CPU (bf16 matmuls are slow there and greedy equality is exact in float32)."""
+    the CPU (bf16 matmuls are slow there and greedy equality is exact in float32); ``target_impl``
+    picks the engine's target (:func:`eyas.engine.build_target`)."""
     from eyas.convention import CaptureSpec
-    from eyas.engine import HFTarget
+    from eyas.engine import build_target
     from eyas.interop import load_drafter
     from eyas.targets import load_target
 
@@ -33,7 +39,7 @@ def load_for_serving(target: str, draft: Path, device: str, force: bool) -> tupl
     drafter, contract = _run(load_drafter, draft, target=loaded.model, tokenizer=loaded.tokenizer, force=force)
     drafter = drafter.to(loaded.device, dtype=loaded.dtype).eval()
     spec = CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks)
-    return loaded, drafter, HFTarget(loaded.model, spec), contract
+    return loaded, drafter, _run(build_target, loaded.model, spec, target_impl), contract
 
 
 def is_auto(tree: str) -> bool:
@@ -68,6 +74,7 @@ def generate_cmd(
     tree: str = typer.Option("5", help=TREE_HELP),
     seed: int = typer.Option(0),
     device: str = typer.Option("auto"),
+    target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
     force: bool = typer.Option(False, help="serve even when the contract does not match the target"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -77,7 +84,7 @@ def generate_cmd(
     from eyas.data.render import render_prompt
     from eyas.engine import SamplingParams, TreeSpec, speculative_generate
 
-    loaded, drafter, tgt, contract = load_for_serving(target, draft, device, force)
+    loaded, drafter, tgt, contract = load_for_serving(target, draft, device, force, target_impl)
     tokenizer = loaded.tokenizer
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = render_prompt(messages, tokenizer).to(tgt.device)[None]
@@ -98,7 +105,7 @@ def generate_cmd(
     stats = r.stats.to_dict()
     text = tokenizer.decode(r.tokens, skip_special_tokens=True)
     if json_out:
-        report = {"text": text, "tokens": r.tokens, "wall_s": round(wall, 3),
+        report = {"text": text, "tokens": r.tokens, "wall_s": round(wall, 3), "target_impl": tgt.implementation,
                   "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens], "stats": stats}
         if choice is not None:
             report["tree_auto"] = choice.to_dict()
@@ -109,7 +116,8 @@ def generate_cmd(
         f"[dim]{stats['new_tokens']} tokens in {stats['rounds']} rounds: tau {stats['tau']:.2f}, "
         f"{stats['tokens_per_s']:.1f} tok/s; acceptance per position "
         f"{[round(a, 2) for a in stats['acceptance_at_depth']]}; draft {stats['time_draft']:.2f}s, "
-        f"verify {stats['time_verify']:.2f}s, bookkeeping {stats['time_bookkeeping']:.2f}s; stop: {stats['stop_reason']}[/]"
+        f"verify {stats['time_verify']:.2f}s, bookkeeping {stats['time_bookkeeping']:.2f}s; stop: {stats['stop_reason']}; "
+        f"target: {tgt.implementation}[/]"
     )
 
 
@@ -123,6 +131,7 @@ def bench_cmd(
     tree: str = typer.Option("5", help=TREE_HELP),
     seed: int = typer.Option(0),
     device: str = typer.Option("auto"),
+    target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
     png: Optional[Path] = typer.Option(None, help="accept-length histogram (default: next to --out or ./bench.png)"),
     out: Optional[Path] = typer.Option(None, help="also write the JSON report here"),
     force: bool = typer.Option(False),
@@ -137,8 +146,9 @@ def bench_cmd(
     from eyas.engine import SamplingParams, TreeSpec
     from eyas.tune import CALIBRATION_PROMPTS
 
-    loaded, drafter, tgt, contract = load_for_serving(target, draft, device, force)
+    loaded, drafter, tgt, contract = load_for_serving(target, draft, device, force, target_impl)
     tokenizer = loaded.tokenizer
+    err.print(f"[dim]target implementation: {tgt.implementation}[/]")
     sets = [(name, _run(load_prompts, name, limit)) for name in prompts]
     choice = None
     if is_auto(tree):  # calibrated on the first prompts of the first set
@@ -158,6 +168,7 @@ def bench_cmd(
     plot_accept_lengths(summaries, png)
     report = {"target": target, "draft": str(draft), "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens],
               "temperature": temperature, "max_new_tokens": max_new_tokens, "device": str(tgt.device),
+              "target_impl": tgt.implementation,
               "sets": summaries, "png": str(png)}
     if choice is not None:
         report["tree_auto"] = choice.to_dict()

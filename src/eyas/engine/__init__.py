@@ -18,11 +18,12 @@ and this drafter (``--tree auto``) is a tuning tool, not the runtime: see :mod:`
 from eyas.engine.sampling import GREEDY, AcceptRule, SamplingParams, rejection_rule
 from eyas.engine.speculative import GenerationResult, plain_generate, speculative_generate
 from eyas.engine.stats import GenerationStats
-from eyas.engine.llama import LlamaTarget
+from eyas.engine.llama import TARGET_IMPLEMENTATIONS, LlamaTarget, build_target
 from eyas.engine.target import HFTarget, Target
 from eyas.engine.tree import DraftTree, TreeSpec
 
 __all__ = [
     "GREEDY", "AcceptRule", "DraftTree", "GenerationResult", "GenerationStats", "HFTarget", "LlamaTarget",
-    "SamplingParams", "Target", "TreeSpec", "plain_generate", "rejection_rule", "speculative_generate",
+    "SamplingParams", "TARGET_IMPLEMENTATIONS", "Target", "TreeSpec", "build_target", "plain_generate",
+    "rejection_rule", "speculative_generate",
 ]

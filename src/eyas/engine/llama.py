@@ -112,6 +112,7 @@ class LlamaTarget(Target):
         self.buckets = tuple(sorted(int(b) for b in buckets))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self.implementation = "fast+cuda-graphs" if self.cuda_graphs else "fast"
         self.reset()
 
     # -- cache --------------------------------------------------------------------------------
@@ -284,3 +285,26 @@ class LlamaTarget(Target):
         with torch.cuda.graph(graph, pool=self._pool):
             out = self._fixed_forward(*static_in)
         return graph, static_in, out
+
+
+TARGET_IMPLEMENTATIONS = ("auto", "fast", "hf")
+
+
+def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "auto") -> Target:
+    """The target the engine serves ``model`` with (``--target-impl``).
+
+    - ``fast``: :class:`LlamaTarget` (fixed shapes and CUDA graphs on a GPU; refused, with the
+      reason, for an architecture it does not implement);
+    - ``hf``: :class:`~eyas.engine.target.HFTarget`, any causal LM;
+    - ``auto``: ``fast`` on a GPU where it applies (that is where graphs pay), else ``hf``.
+    The returned target's ``implementation`` says which one runs.
+    """
+    from eyas.engine.target import HFTarget
+
+    impl = str(implementation).lower()
+    if impl not in TARGET_IMPLEMENTATIONS:
+        raise UnsupportedTarget(f"--target-impl: expected one of {list(TARGET_IMPLEMENTATIONS)}, found {implementation!r}")
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    if impl == "hf" or (impl == "auto" and (not on_gpu or supports(model) is not None)):
+        return HFTarget(model, spec)
+    return LlamaTarget(model, spec, cuda_graphs=on_gpu)

@@ -35,9 +35,11 @@ class Target(ABC):
     """What the decoding loop needs from a target model (batch size 1).
 
     Attributes: ``spec`` (the captured boundaries), ``vocab_size`` (width of the logits),
-    ``max_length`` (positions 0 .. max_length-1 exist), ``device``.
+    ``max_length`` (positions 0 .. max_length-1 exist), ``device``, ``implementation`` (what reports
+    name it: "hf", "fast", "fast+cuda-graphs").
     """
 
+    implementation: str = "unnamed"
     spec: CaptureSpec
     vocab_size: int
     max_length: int
@@ -92,6 +94,8 @@ class HFTarget(Target):
     model is switched to sdpa with a warning. Sliding-window / linear-attention cache layers cannot
     be compacted to an arbitrary subset and are refused.
     """
+
+    implementation = "hf"
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None) -> None:
         self.model = model.eval()
