@@ -20,6 +20,7 @@ from eyas.data.render import render_prompt
 from eyas.drafter.model import Eagle3Drafter
 from eyas.targets import LoadedTarget
 from eyas.engine import GenerationStats, SamplingParams, Target, TreeSpec, plain_generate, speculative_generate
+from eyas.engine.stats import synchronize
 
 METHODS = ("speculative", "plain", "hf")
 
@@ -101,11 +102,6 @@ def _histogram(values: list[int]) -> dict[int, int]:
     return dict(sorted(h.items()))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def hf_generate(model: Any, ids: torch.Tensor, sampling: SamplingParams, max_new_tokens: int,
                 eos_token_ids: list[int], pad_token_id: int | None) -> list[int]:
@@ -147,16 +143,16 @@ def bench_set(
         t0 = time.perf_counter()
         r = speculative_generate(target, drafter, ids, tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
                                  eos_token_ids=eos, generator=g)
-        _sync(target.device)
+        synchronize(target.device)
         result.runs["speculative"].add(r.tokens, time.perf_counter() - t0)
         result.stats.append(r.stats)
         g = torch.Generator(device=target.device).manual_seed(seed + i)
         t0 = time.perf_counter()
         p = plain_generate(target, ids, sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos, generator=g)
-        _sync(target.device)
+        synchronize(target.device)
         result.runs["plain"].add(p.tokens, time.perf_counter() - t0)
         t0 = time.perf_counter()
         h = hf_generate(model, ids, sampling, max_new_tokens, eos, tokenizer.pad_token_id)
-        _sync(target.device)
+        synchronize(target.device)
         result.runs["hf"].add(h, time.perf_counter() - t0)
     return result

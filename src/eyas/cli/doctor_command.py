@@ -68,21 +68,17 @@ def trace_cmd(
 ) -> None:
     """Trace the engine's junctions (each captured boundary, the concatenation, the fc input) per round
     to JSONL, and hold them against the drafter's training fingerprint."""
-    from eyas.doctor.trace import TraceError, render_trace, run_trace
+    from eyas.doctor.trace import render_trace, run_trace
     from eyas.engine import TreeSpec
 
     if not draft.exists():
         _fail(f"--draft {draft}: no such directory")
-    try:
-        spec_tree = TreeSpec.parse(tree)
-    except ValueError as e:
-        _fail(str(e))
+    spec_tree = _run(TreeSpec.parse, tree)
     log = (lambda m: err.print(f"[dim]trace: {m}[/]", highlight=False))
-    try:
-        report = _run(run_trace, target, str(draft), prompt, out, system=system, max_new_tokens=max_new_tokens,
-                      tree=spec_tree, engine=engine.value, sglang_rule=sglang_rule.value, device=device, log=log)
-    except TraceError as e:  # the engine cannot serve the directory, or the drafter does not fit the target
-        _fail(str(e))
+    # A TraceError (the engine cannot serve the directory, or the drafter does not fit the target) is
+    # an EyasError: _run prints it and exits 2.
+    report = _run(run_trace, target, str(draft), prompt, out, system=system, max_new_tokens=max_new_tokens,
+                  tree=spec_tree, engine=engine.value, sglang_rule=sglang_rule.value, device=device, log=log)
     if json_out:
         _print_json(report.to_dict())
     else:

@@ -36,7 +36,7 @@ def load_for_serving(target: str, draft: Path, device: str, force: bool,
     from eyas.targets import load_target
 
     loaded = _run(load_target, target, dtype="auto", device=device)
-    drafter, contract = _run(load_drafter, draft, target=loaded.model, tokenizer=loaded.tokenizer, force=force)
+    drafter, contract = _run(load_drafter, draft, target=loaded, tokenizer=loaded.tokenizer, force=force)
     drafter = drafter.to(loaded.device, dtype=loaded.dtype).eval()
     spec = CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks)
     return loaded, drafter, _run(build_target, loaded.model, spec, target_impl), contract

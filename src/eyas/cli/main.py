@@ -151,12 +151,12 @@ def import_cmd(
     """Convert a drafter from another format to the eyas format (boundaries in the eyas convention)."""
     from eyas.interop import import_drafter, view_engines
 
-    model = None
+    loaded = None
     if target:
         from eyas.targets import load_target
 
-        model = _run(load_target, target).model
-    dest = _run(import_drafter, path, out, num_target_blocks=num_target_blocks, target=model)
+        loaded = _run(load_target, target)
+    dest = _run(import_drafter, path, out, num_target_blocks=num_target_blocks, target=loaded)
     view = view_engines(dest)
     if json_out:
         _print_json({"path": str(dest), **view.to_dict()})

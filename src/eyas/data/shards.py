@@ -76,11 +76,19 @@ from eyas.data.regenerate import conversation_id
 from eyas.data.render import TEMPLATE_DEFAULT, TemplateAlignmentError, render, system_prompt_mode
 from eyas.data.runs import RunOptions, Throughput, changed_params, eval_mode
 from eyas.errors import EyasError
+from eyas.targets.loaded import LoadedTarget
 from eyas.targets.structure import find_decoder_blocks
 
 FORMAT = "eyas-hidden-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+
+
+def is_shard_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a finished capture (a directory with its manifest), not a conversations file."""
+    return Path(path).is_dir() and (Path(path) / MANIFEST).exists()
+
+
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_SHARD_BYTES = 1 << 30  # hidden states per shard when shard_tokens is not given
 _MAX_PROBLEMS_KEPT = 20
@@ -824,11 +832,12 @@ class ShardDataset(Dataset):
             raise ShardError(f"{path}: corrupt shard: offsets do not cut {n} tokens into {s} samples")
         return offsets
 
-    def check_target(self, model: Any, tokenizer: Any = None, force: bool = False) -> list:
-        """Compare the manifest's contract with a live target (and tokenizer): raises ContractError
-        naming every differing field (target.fingerprint, tokenisation.chat_template_sha256, ...)."""
+    def check_target(self, target: LoadedTarget | Any, tokenizer: Any = None, force: bool = False) -> list:
+        """Compare the manifest's contract with a live target (a LoadedTarget, whose cached identity
+        is used, or an HF model) and tokenizer: raises ContractError naming every differing field
+        (target.fingerprint, tokenisation.chat_template_sha256, ...)."""
         live = Contract(
-            target=target_identity(model),
+            target=LoadedTarget.of(target).identity,
             capture=self.contract.capture,
             tokenisation=(tokenisation_of(tokenizer, self.contract.tokenisation.system_prompt
                                           if self.contract.tokenisation else TEMPLATE_DEFAULT)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from eyas.convention.boundaries import CaptureSpec
 from eyas.capture.hooks import BoundaryCapture
-from eyas.targets.structure import find_decoder_blocks, find_final_norm
+from eyas.targets.structure import find_decoder_blocks, find_final_norm, text_config
 from eyas.capture.stats import FingerprintAccumulator, default_channels
 from eyas.contract.contract import SlotFingerprint
 from eyas.doctor.samples import Sample
@@ -80,8 +80,7 @@ def capture_all(model: Any, samples: Sequence[Sample], dtype: str = "float32",
     """Run the target once per sample (no padding: exact per-sample values). Statistics are kept
     for every boundary; the values only for ``keep`` (default: all of 0..L+1)."""
     L = len(find_decoder_blocks(model))
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    H = int(cfg.hidden_size)
+    H = int(text_config(model).hidden_size)
     chans = list(channels) if channels is not None else default_channels(H)
     store_dtype = DTYPES.get(dtype, torch.float32)
     kept = sorted({int(b) for b in keep} & set(range(L + 2))) if keep is not None else list(range(L + 2))

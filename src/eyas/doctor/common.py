@@ -179,11 +179,6 @@ def jsonable(x: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def post_norm_slot(num_blocks: int) -> int:
-    """The slot id used for "boundary L taken AFTER the final norm" (a search candidate only)."""
-    return num_blocks + 1
-
-
 def boundary_name(b: int, num_blocks: int) -> str:
     L = num_blocks
     if b == 0:

@@ -51,6 +51,11 @@ class TargetFacts:
     vocab_size: int  # V (rows of the embedding)
     fingerprint: str  # eyas.contract.weights_fingerprint
 
+    @classmethod
+    def of(cls, loaded: LoadedTarget) -> "TargetFacts":
+        i = loaded.identity  # hashed once per run
+        return cls(loaded.name, i.architecture, i.num_blocks, i.hidden_size, i.vocab_size, i.fingerprint)
+
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "architecture": self.architecture, "num_blocks": self.num_blocks,
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "fingerprint": self.fingerprint}

@@ -29,7 +29,7 @@ from eyas.doctor.static import static_stage
 from eyas.doctor.verdict import verdict
 from eyas.errors import EyasError
 from eyas.interop import read_as, read_drafter_dir, servers
-from eyas.targets import LoadedTarget, TargetSource, load_target
+from eyas.targets import target_for
 from eyas.targets.structure import find_embedding
 
 StageFunction = Callable[[DoctorContext], Stage]
@@ -65,30 +65,16 @@ def run_doctor(
     t0 = time.perf_counter()
     spec = servers.get(engine)
     name, version = spec.name, spec.rule(sglang_rule)
-    loaded = _target(target, model, tokenizer, device)
+    loaded = target_for(target, model, tokenizer, dtype=torch.float32, device=device)
     ctx = DoctorContext(
         options=DoctorOptions(draft=draft, data=data, samples=samples, max_length=max_length, device=str(loaded.device)),
-        engine=EngineChoice(name, version, spec.label(version)), loaded=loaded, target=target_facts(loaded),
+        engine=EngineChoice(name, version, spec.label(version)), loaded=loaded, target=TargetFacts.of(loaded),
         embedding=find_embedding(loaded.model).weight, say=log or (lambda m: None))
     if _open_directory(ctx):
         _load_data(ctx)
     for stage_name, stage in STAGE_FUNCTIONS:
         ctx.stages[stage_name] = ctx.blocked(stage_name) or stage(ctx)
     return _report(ctx, png, t0)
-
-
-def _target(target: str | None, model: Any, tokenizer: Any, device: str) -> LoadedTarget:
-    """The target (loaded here in float32 unless given) with its facts."""
-    if model is not None:
-        return LoadedTarget.from_model(model, tokenizer, TargetSource(str(target)))
-    return load_target(target, dtype=torch.float32, device=device)
-
-
-def target_facts(loaded: LoadedTarget) -> TargetFacts:
-    """L, H, V, architecture and weights fingerprint of the live target, as the report names them."""
-    i = loaded.identity
-    return TargetFacts(source=loaded.name, architecture=i.architecture, num_blocks=i.num_blocks,
-                       hidden_size=i.hidden_size, vocab_size=i.vocab_size, fingerprint=i.fingerprint)
 
 
 def _open_directory(ctx: DoctorContext) -> bool:

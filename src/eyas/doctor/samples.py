@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from torch import Tensor
 
 from eyas.contract.contract import Contract
+from eyas.data.shards import is_shard_dir
 from eyas.data.render import NO_SYSTEM_PROMPT, TEMPLATE_DEFAULT, TemplateAlignmentError, render, render_prompt
 from eyas.interop.directory import TRAIN_CONFIG, DrafterDir
 
@@ -106,10 +107,6 @@ def system_prompt_mode(contract: Contract | None) -> tuple[str, str | None]:
         return mode, None
     return TEMPLATE_DEFAULT, ("the drafter was trained with a custom system prompt whose text the contract does "
                               "not record; conversations are rendered with the template's default")
-
-
-def is_shard_dir(path: str | Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / "manifest.json").exists()
 
 
 def _truncate(s: Sample, max_length: int) -> Sample:

@@ -57,6 +57,7 @@ from eyas.capture.hooks import BoundaryCapture
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract.contract import SlotFingerprint
 from eyas.doctor.common import NORM_FLAGS, boundary_name, jsonable, slot_label
+from eyas.doctor.context import TargetFacts
 from eyas.doctor.fingerprint import SlotComparison, compare_slot, nearest
 from eyas.errors import EyasError
 
@@ -621,19 +622,6 @@ class TraceEngine:
 
 
 @dataclass(frozen=True)
-class TraceTarget:
-    source: str
-    num_blocks: int
-    hidden_size: int
-    vocab_size: int
-    fingerprint: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "num_blocks": self.num_blocks, "hidden_size": self.hidden_size,
-                "vocab_size": self.vocab_size, "fingerprint": self.fingerprint}
-
-
-@dataclass(frozen=True)
 class TraceDraft:
     path: str
     layout: str
@@ -664,7 +652,7 @@ class TraceReport:
     summary: TraceSummary
     out: str
     engine: TraceEngine
-    target: TraceTarget
+    target: TargetFacts
     draft: TraceDraft
     generation: TraceGeneration
     notes: list[str] = field(default_factory=list)
@@ -692,20 +680,6 @@ class _ServedDrafter:
     target: Any  # eyas.engine.HFTarget capturing the engine's boundaries
     drafter: Any  # Eagle3Drafter in the target's dtype and device
     notes: list[str]
-
-
-def _load_target(target: str | None, model: Any, tokenizer: Any, device: str) -> Any:
-    """The target as a LoadedTarget (bf16 on a GPU, float32 on the CPU), loaded here unless given."""
-    from eyas.targets import LoadedTarget, TargetSource, load_target
-
-    if model is not None:
-        return LoadedTarget.from_model(model, tokenizer, TargetSource(str(target)))
-    return load_target(target, dtype="auto", device=device)
-
-
-def _target_facts(loaded: Any) -> TraceTarget:
-    return TraceTarget(loaded.name, loaded.num_blocks, loaded.hidden_size, loaded.vocab_size,
-                       loaded.identity.fingerprint)
 
 
 def _serve(draft: str | Path, engine: str, version: str | None, loaded: Any) -> _ServedDrafter:
@@ -772,16 +746,17 @@ def run_trace(
     from eyas.data.render import render_prompt
     from eyas.engine import TreeSpec, speculative_generate
     from eyas.interop import servers
+    from eyas.targets import target_for
 
     say = log or (lambda m: None)
     spec = servers.get(engine)
     engine, engine_version = spec.name, spec.rule(sglang_rule)
     spec_tree = tree if isinstance(tree, TreeSpec) else TreeSpec.parse(str(tree))
-    loaded = _load_target(target, model, tokenizer, device)
+    loaded = target_for(target, model, tokenizer, dtype="auto", device=device)  # bf16 on a GPU
     model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.name
     if tokenizer is None:
         raise TraceError("a tokenizer is needed to render the prompt")
-    facts = _target_facts(loaded)
+    facts = TargetFacts.of(loaded)
     say(f"reading {draft}")
     served = _serve(draft, engine, engine_version, loaded)
     reference, trained, ref_source, capture_dtype = _training_reference(served.directory)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from torch import nn
 
+from eyas.contract.contract import CaptureContract, Contract, DrafterFlags, tokenisation_of
 from eyas.convention.boundaries import CaptureSpec
-from eyas.targets.structure import find_decoder_blocks, find_embedding
-from eyas.contract.contract import CaptureContract, Contract, DrafterFlags, target_identity, tokenisation_of
+from eyas.targets.loaded import LoadedTarget
+from eyas.targets.structure import find_embedding
 from eyas.drafter.config import DrafterConfig
 from eyas.drafter.model import Eagle3Drafter
 
@@ -27,7 +29,7 @@ def drafter_flags(cfg: DrafterConfig, vocab_map: str = "identity_prefix") -> Dra
 
 
 def new_drafter(
-    model: Any,
+    target: LoadedTarget | nn.Module,
     tokenizer: Any | None = None,
     boundaries: Sequence[int] | None = None,
     draft_vocab_size: int | None = None,
@@ -36,12 +38,15 @@ def new_drafter(
     seed: int = 0,
     **config_overrides: Any,
 ) -> tuple[Eagle3Drafter, Contract]:
-    """An untrained drafter for ``model`` and its contract.
+    """An untrained drafter for ``target`` (a LoadedTarget, whose cached identity is used, or an HF
+    model) and its contract.
 
     Until a training run supplies a frequency-based draft vocabulary, the draft vocabulary is
     the tokenizer's first ``draft_vocab_size`` ids.
     """
-    spec = CaptureSpec.create(len(find_decoder_blocks(model)), boundaries)
+    loaded = LoadedTarget.of(target)
+    model = loaded.model
+    spec = CaptureSpec.create(loaded.num_blocks, boundaries)
     cfg = DrafterConfig.for_target(
         model.config, num_slots=spec.num_slots, draft_vocab_size=draft_vocab_size, **config_overrides
     )
@@ -51,7 +56,7 @@ def new_drafter(
         drafter.embed_tokens.weight.copy_(find_embedding(model).weight.detach().float())
     drafter.set_vocab_map(torch.arange(cfg.draft_vocab_size))
     contract = Contract(
-        target=target_identity(model, source=source),
+        target=loaded.identity if source is None else loaded.identity.model_copy(update={"source": source}),
         capture=CaptureContract(boundaries=list(spec.boundaries), dtype=capture_dtype),
         tokenisation=tokenisation_of(tokenizer) if tokenizer is not None else None,
         drafter=drafter_flags(cfg),

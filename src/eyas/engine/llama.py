@@ -2,19 +2,21 @@
 static KV cache written by index, attention under the tree mask, and boundary capture inside the
 forward, with no hooks.
 
-This is the first part of the fast GPU path: every step has a shape that depends only on the number
-of new tokens T, the cache lives in buffers this class owns (never another library's cache
-internals), and the captured boundaries are an output of the forward, so the steps can later be
-captured as CUDA graphs (forward hooks do not survive graph replay). The weights are the Hugging Face
-model's own modules, called as they are (projections, norms, MLP, rotary embedding): only the
-attention over the cache and the walk over the blocks are ours.
+Every step runs through one function, ``_step``: B new tokens write their keys/values at cache
+slots cache_len .. cache_len+B-1 by index and attend the first ``keys`` cache entries under a bool
+mask. Exact shapes (the default) use B = T and keys = cache_len + T. Fixed shapes pad B to a bucket
+(1, 8, 16, 32, 64) and attend the whole capacity, so the step's shapes never depend on cache_len;
+on a GPU each bucket's step is then captured once as a CUDA graph and replayed (forward hooks would
+not survive a replay: the captured boundaries are an output of the step). The weights are the
+Hugging Face model's own modules, called as they are (projections, norms, MLP, rotary embedding):
+only the attention over the cache and the walk over the blocks are ours.
 
 Shapes (batch 1): L blocks, H hidden, Hq query heads, Hkv key/value heads, D head dim, C the cache's
 capacity (``max_length`` positions).
 
     keys, values   [L, C, Hkv, D]    entry i = the token at position i (the cache is kept compact)
-    forward(T)     writes entries cache_len .. cache_len+T-1, attends [cache_len + T] keys with the mask
-                   [T, cache_len + T] = (every committed entry) ++ (tree_mask, or causal)
+    forward(T)     writes entries cache_len .. cache_len+B-1, attends [keys] entries with the mask
+                   [B, keys] = (every committed entry) ++ (tree_mask, or causal) ++ (pads: themselves)
     keep(idx)      moves the kept entries of the last block to cache_len_before .. (+k) on the device
 
 Boundary capture follows the contract's convention (docs/conventions.md): boundary 0 is the input of
@@ -119,51 +121,15 @@ class LlamaTarget(Target):
 
     def reset(self) -> None:
         # The buffers keep their stale values: entries past cache_len are never attended.
-        self._len = 0  # entries in the cache
-        self._committed = 0  # entries before the last forward
-
-    @property
-    def cache_len(self) -> int:
-        return self._len
+        self._len = self._committed = 0
 
     def keep(self, indices: Sequence[int] | Tensor) -> None:
-        idx = torch.as_tensor(indices, dtype=torch.long, device=self.device).flatten()
-        P, k = self._committed, idx.numel()
+        idx, P, k = self._kept(indices)
         # Advanced indexing reads a copy first, so overlapping source and destination are fine.
-        src = P + idx
-        self.keys[:, P:P + k] = self.keys[:, src]
-        self.values[:, P:P + k] = self.values[:, src]
-        self._len = self._committed = P + k
+        self.keys[:, P:P + k] = self.keys[:, P + idx]
+        self.values[:, P:P + k] = self.values[:, P + idx]
 
     # -- forward ------------------------------------------------------------------------------
-
-    def _mask(self, T: int, tree_mask: Tensor | None) -> Tensor:
-        """bool [T, cache_len + T]: every committed entry, then the block's own (tree or causal)."""
-        block = (torch.ones(T, T, dtype=torch.bool, device=self.device).tril() if tree_mask is None
-                 else tree_mask.to(self.device, torch.bool))
-        committed = torch.ones(T, self._len, dtype=torch.bool, device=self.device)
-        return torch.cat([committed, block], dim=1)
-
-    def _attention(self, i: int, attn: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
-        """Block i's attention for x [1, T, H]: write its keys/values at cache_len.., read all."""
-        T, start = x.shape[1], self._len
-        q = attn.q_proj(x).view(1, T, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(1, T, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(1, T, self.num_kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head, before the rotation
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        c, s = cos[:, :, None], sin[:, :, None]  # [1, T, 1, D]
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
-        self.keys[i, start:start + T] = k[0]
-        self.values[i, start:start + T] = v[0]
-        keys = self.keys[i, :start + T].transpose(0, 1)[None]  # [1, Hkv, S, D]
-        values = self.values[i, :start + T].transpose(0, 1)[None]
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scaling)
-        return attn.o_proj(out.transpose(1, 2).reshape(1, T, self.num_heads * self.head_dim))
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, position_ids: Tensor, tree_mask: Tensor | None = None,
@@ -174,35 +140,22 @@ class LlamaTarget(Target):
                              f"({self.max_length} positions)")
         bucket = next((b for b in self.buckets if b >= T), None)
         if self.fixed_shapes and bucket is not None and self._len + bucket <= self.max_length:
-            logits, features = self._fixed_step(input_ids, position_ids, tree_mask, bucket)
-            self._committed, self._len = self._len, self._len + T
-            return logits, (features if capture else None)
-        mask = self._mask(T, tree_mask)
-        h = self.embed(input_ids)  # [1, T, H]: boundary 0
-        cos, sin = self.rotary(h, position_ids)  # [1, T, D] each, rope scaling included
-        slots: list[Tensor | None] = [None] * self.spec.num_slots
-        if capture and 0 in self._slot_of:
-            slots[self._slot_of[0]] = h
-        for i, block in enumerate(self.blocks):
-            h = h + self._attention(i, block.self_attn, block.input_layernorm(h), cos, sin, mask)
-            h = h + block.mlp(block.post_attention_layernorm(h))
-            if capture and i + 1 in self._slot_of:  # boundary i + 1 = output of block i
-                slots[self._slot_of[i + 1]] = h
-        logits = self.lm_head(self.norm(h))
-        self._committed, self._len = self._len, self._len + T
-        features = torch.cat(slots, dim=-1) if capture else None  # type: ignore[arg-type]
-        return logits, features
+            inputs = self._inputs(input_ids, position_ids, tree_mask, bucket, self.max_length)
+            logits, features = self._fixed_step(inputs, T)
+        else:  # exact shapes: B = T new tokens against the cache_len + T entries in use
+            logits, features = self._step(*self._inputs(input_ids, position_ids, tree_mask, T, self._len + T))
+        self._appended(T)
+        return logits, (features if capture else None)
 
-    # -- fixed shapes and CUDA graphs -------------------------------------------------------------
-
-    def _padded_inputs(self, input_ids: Tensor, position_ids: Tensor, tree_mask: Tensor | None,
-                       B: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The step's inputs padded to B tokens: ids [1, B], positions [1, B], cache slots [B] (the
-        entries the step writes: cache_len .. cache_len+B-1) and the mask [B, C] over the whole
-        capacity. Real token i attends every committed entry and its block's allowed tokens; a pad
-        attends only itself (an all-blocked row would give NaN), and no real token attends a pad, so
-        padding changes nothing the caller sees. Built from host ints: no device read."""
-        T, P, C = input_ids.shape[1], self._len, self.max_length
+    def _inputs(self, input_ids: Tensor, position_ids: Tensor, tree_mask: Tensor | None, B: int,
+                keys: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A step's inputs for B >= T tokens attending the first ``keys`` cache entries: ids [1, B],
+        positions [1, B], the cache slots it writes [B] (cache_len .. cache_len+B-1) and the mask
+        [B, keys]. Real token i attends every committed entry and its block's allowed tokens (the
+        tree mask, or causal); a pad (i >= T) attends only itself (an all-blocked row gives NaN), and
+        no real token attends a pad, so padding changes nothing the caller sees. Built from host
+        ints: no device read."""
+        T, P = input_ids.shape[1], self._len
         ids = torch.zeros(1, B, dtype=torch.long, device=self.device)
         ids[:, :T] = input_ids
         pos = torch.zeros(1, B, dtype=torch.long, device=self.device)
@@ -210,58 +163,62 @@ class LlamaTarget(Target):
         slots = torch.arange(P, P + B, device=self.device)
         block = (torch.ones(T, T, dtype=torch.bool, device=self.device).tril() if tree_mask is None
                  else tree_mask.to(self.device, torch.bool))
-        mask = torch.zeros(B, C, dtype=torch.bool, device=self.device)
+        mask = torch.zeros(B, keys, dtype=torch.bool, device=self.device)
         mask[:T, :P] = True
         mask[:T, P:P + T] = block
         pads = torch.arange(T, B, device=self.device)
         mask[pads, P + pads] = True
         return ids, pos, slots, mask
 
-    def _fixed_forward(self, ids: Tensor, pos: Tensor, slots: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """One step whose shapes depend only on B = ids.shape[1]: keys/values written at ``slots``
-        by index, attention over the whole capacity under ``mask``. Returns logits [1, B, V] and
-        features [1, B, S*H] (the features are always computed: a graph has one output set)."""
-        h = self.embed(ids)
-        cos, sin = self.rotary(h, pos)
-        slots_out: list[Tensor | None] = [None] * self.spec.num_slots
+    def _step(self, ids: Tensor, pos: Tensor, slots: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """One forward of B = ids.shape[1] tokens attending the first mask.shape[1] cache entries;
+        its shapes depend only on those two numbers. Returns logits [1, B, V] and the captured
+        boundaries [1, B, S*H] in the spec's slot order (boundary b = the residual stream entering
+        block b; boundary L = the last block's output, before the final norm)."""
+        h = self.embed(ids)  # [1, B, H]: boundary 0
+        cos, sin = self.rotary(h, pos)  # [1, B, D] each, rope scaling included
+        captured: list[Tensor | None] = [None] * self.spec.num_slots
         if 0 in self._slot_of:
-            slots_out[self._slot_of[0]] = h
-        attn_mask = mask[None, None]  # [1, 1, B, C]
+            captured[self._slot_of[0]] = h
+        attn_mask = mask[None, None]  # [1, 1, B, keys]
         for i, block in enumerate(self.blocks):
-            h = h + self._fixed_attention(i, block.self_attn, block.input_layernorm(h), cos, sin, slots, attn_mask)
+            h = h + self._attention(i, block.self_attn, block.input_layernorm(h), cos, sin, slots, attn_mask)
             h = h + block.mlp(block.post_attention_layernorm(h))
-            if i + 1 in self._slot_of:
-                slots_out[self._slot_of[i + 1]] = h
-        return self.lm_head(self.norm(h)), torch.cat(slots_out, dim=-1)  # type: ignore[arg-type]
+            if i + 1 in self._slot_of:  # boundary i + 1 = output of block i
+                captured[self._slot_of[i + 1]] = h
+        return self.lm_head(self.norm(h)), torch.cat(captured, dim=-1)  # type: ignore[arg-type]
 
-    def _fixed_attention(self, i: int, attn: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor,
-                         attn_mask: Tensor) -> Tensor:
-        B = x.shape[1]
+    def _attention(self, i: int, attn: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor,
+                   attn_mask: Tensor) -> Tensor:
+        """Block i's attention for x [1, B, H]: its keys/values written at ``slots`` by index, then
+        attention over the first attn_mask.shape[-1] cache entries."""
+        B, n_keys = x.shape[1], attn_mask.shape[-1]
         q = attn.q_proj(x).view(1, B, self.num_heads, self.head_dim)
         k = attn.k_proj(x).view(1, B, self.num_kv_heads, self.head_dim)
         v = attn.v_proj(x).view(1, B, self.num_kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head, before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
-        c, s = cos[:, :, None], sin[:, :, None]
+        c, s = cos[:, :, None], sin[:, :, None]  # [1, B, 1, D]
         q = q * c + _rotate_half(q) * s
         k = k * c + _rotate_half(k) * s
         self.keys[i].index_copy_(0, slots, k[0])
         self.values[i].index_copy_(0, slots, v[0])
-        keys = self.keys[i].transpose(0, 1)[None]  # [1, Hkv, C, D]
-        values = self.values[i].transpose(0, 1)[None]
+        keys = self.keys[i, :n_keys].transpose(0, 1)[None]  # [1, Hkv, keys, D]
+        values = self.values[i, :n_keys].transpose(0, 1)[None]
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
             keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=attn_mask, scale=self.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(1, B, self.num_heads * self.head_dim))
 
-    def _fixed_step(self, input_ids: Tensor, position_ids: Tensor, tree_mask: Tensor | None,
-                    B: int) -> tuple[Tensor, Tensor]:
-        T = input_ids.shape[1]
-        inputs = self._padded_inputs(input_ids, position_ids, tree_mask, B)
+    # -- fixed shapes and CUDA graphs -------------------------------------------------------------
+
+    def _fixed_step(self, inputs: tuple[Tensor, Tensor, Tensor, Tensor], T: int) -> tuple[Tensor, Tensor]:
+        """The step padded to its bucket over the whole capacity: eager, or its CUDA graph replayed."""
         if not self.cuda_graphs:
-            logits, features = self._fixed_forward(*inputs)
+            logits, features = self._step(*inputs)
             return logits[:, :T], features[:, :T]
+        B = inputs[0].shape[1]
         if B not in self._graphs:
             self._graphs[B] = self._capture(inputs)
         graph, static_in, (logits, features) = self._graphs[B]
@@ -279,11 +236,11 @@ class LlamaTarget(Target):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._fixed_forward(*static_in)
+                self._step(*static_in)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._fixed_forward(*static_in)
+            out = self._step(*static_in)
         return graph, static_in, out
 
 

@@ -80,6 +80,12 @@ class GenerationStats:
         return d
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU): timing needs it, kernels are asynchronous."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Clock:
     """Accumulates wall time into ``stats.time_<phase>``.
 

@@ -45,10 +45,30 @@ class Target(ABC):
     max_length: int
     device: torch.device
 
+    # Cache bookkeeping every implementation shares, in host ints (reading them syncs nothing).
+    _len: int = 0  # entries in the cache
+    _committed: int = 0  # entries before the last forward (the block after them is keep's to choose from)
+
     @property
-    @abstractmethod
     def cache_len(self) -> int:
         """Entries in the KV cache (= the position of the next token to feed after ``keep``)."""
+        return self._len
+
+    def _appended(self, T: int) -> None:
+        """Record that a forward appended T entries (the block ``keep`` chooses from)."""
+        self._committed, self._len = self._len, self._len + T
+
+    def _kept(self, indices: Sequence[int] | Tensor) -> tuple[Tensor, int, int]:
+        """``keep``'s indices as a long device tensor, with P (the committed prefix) and k (kept);
+        records cache_len = P + k. Host lists are range-checked here; a device tensor is not
+        (checking it would read the device)."""
+        P, T = self._committed, self._len - self._committed
+        if not isinstance(indices, Tensor) and any(not 0 <= int(i) < T for i in indices):
+            raise IndexError(f"keep: expected indices in 0..{T - 1} (the last forward's block), found {list(indices)}")
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.device).flatten()
+        k = idx.numel()
+        self._len = self._committed = P + k
+        return idx, P, k
 
     @abstractmethod
     def reset(self) -> None:
@@ -135,18 +155,10 @@ class HFTarget(Target):
 
     def reset(self) -> None:
         self.cache = self._new_cache()
-        self._len = 0  # entries in the cache
-        self._committed = 0  # entries before the last forward
-
-    @property
-    def cache_len(self) -> int:
-        return self._len
+        self._len = self._committed = 0
 
     def keep(self, indices: Sequence[int] | Tensor) -> None:
-        idx = torch.as_tensor(indices, dtype=torch.long, device=self.device).flatten()
-        P, T, k = self._committed, self._len - self._committed, idx.numel()
-        if k and (int(idx.min()) < 0 or int(idx.max()) >= T):
-            raise IndexError(f"keep: expected indices in 0..{T - 1} (the last forward's block), found {idx.tolist()}")
+        idx, P, k = self._kept(indices)
         contiguous = bool(torch.equal(idx, torch.arange(k, device=self.device)))
         src = P + idx
         for layer in self.cache.layers:
@@ -159,7 +171,6 @@ class HFTarget(Target):
                 layer.values[..., P:P + k, :] = layer.values[..., src, :]
             layer.keys = layer.keys[..., : P + k, :]
             layer.values = layer.values[..., : P + k, :]
-        self._len = self._committed = P + k
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -189,5 +200,5 @@ class HFTarget(Target):
         else:
             out = self.model(input_ids=input_ids, **kwargs)
             features = None
-        self._committed, self._len = self._len, self._len + T
+        self._appended(T)
         return out.logits, features

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from eyas.targets.structure import find_decoder_blocks
+from eyas.targets.loaded import LoadedTarget
 from eyas.contract.contract import enforce
 from eyas.interop import servers
 from eyas.interop.common import CheckpointError
@@ -89,7 +89,7 @@ def import_drafter(
     src_dir: str | Path,
     out_dir: str | Path,
     num_target_blocks: int | None = None,
-    target: nn.Module | None = None,
+    target: LoadedTarget | nn.Module | None = None,
     force: bool = False,
 ) -> Path:
     """Convert an SGLang/SpecForge/EAGLE-3 or speculators directory to an eyas directory.
@@ -99,17 +99,19 @@ def import_drafter(
     ``[2, L//2, L-3]``, which needs ``num_target_blocks`` or ``target``. With ``target`` the drafter is checked against it (see
     :func:`~eyas.interop.load_drafter`) and the contract records it.
     """
-    blocks = len(find_decoder_blocks(target)) if target is not None else None
+    loaded = LoadedTarget.of(target) if target is not None else None
+    blocks = loaded.num_blocks if loaded is not None else None
     if num_target_blocks is not None and blocks is not None and num_target_blocks != blocks:
         raise CheckpointError(
             f"num_target_blocks: expected {blocks} (the target's decoder blocks), found {num_target_blocks} (passed in)"
         )
     ckpt = read_checkpoint(src_dir, num_target_blocks, default_num_blocks=blocks)
     contract = ckpt.contract
-    if target is not None:
-        forced = enforce(against_target(ckpt, target), f"importing {ckpt.meta.path} for target {type(target).__name__}", force)
+    if loaded is not None:
+        forced = enforce(against_target(ckpt, loaded),
+                         f"importing {ckpt.meta.path} for target {type(loaded.model).__name__}", force)
         if contract is None and not forced:  # never record a target the drafter does not fit
-            contract = new_contract(ckpt, target)
+            contract = new_contract(ckpt, loaded)
     L = ckpt.num_target_blocks
     write_checkpoint(out_dir, ckpt.config, ckpt.tensors, ckpt.boundaries, L, contract, layout="eyas")
     return Path(out_dir)

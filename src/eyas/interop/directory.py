@@ -58,10 +58,6 @@ class DrafterDir:
         return list(self.meta.boundaries)
 
     @property
-    def has_eyas_json(self) -> bool:
-        return self.meta.eyas is not None
-
-    @property
     def trained_flags(self) -> dict[str, bool]:
         return {f: bool(getattr(self.trained, f)) for f in NORM_FLAGS}
 

@@ -29,14 +29,14 @@ from pydantic import ValidationError
 from torch import Tensor, nn
 
 from eyas.convention.boundaries import BoundaryError, validate_boundaries
-from eyas.targets.structure import find_decoder_blocks, find_embedding
+from eyas.targets.loaded import LoadedTarget
+from eyas.targets.structure import find_embedding
 from eyas.contract.contract import (
     CaptureContract,
     Contract,
     Mismatch,
     compare,
     enforce,
-    target_identity,
     tokenisation_of,
 )
 from eyas.drafter.build import drafter_flags
@@ -204,10 +204,6 @@ class Checkpoint:
     @property
     def num_target_blocks(self) -> int | None:
         return self.meta.num_target_blocks
-
-    @property
-    def embeddings_saved(self) -> bool:
-        return EMBEDDING in self.tensors
 
 
 def config_json_fields(meta: Meta) -> dict[str, Any]:
@@ -456,9 +452,9 @@ def write_checkpoint(
 # ---------------------------------------------------------------------------------------------
 
 
-def against_target(ckpt: Checkpoint, target: nn.Module, tokenizer: Any | None = None) -> list[Mismatch]:
+def against_target(ckpt: Checkpoint, target: LoadedTarget, tokenizer: Any | None = None) -> list[Mismatch]:
     """Every way the drafter does not fit ``target`` (and ``tokenizer``), as contract mismatches."""
-    found = target_identity(target)
+    found = target.identity  # hashed once per loaded target
     cfg, bs = ckpt.config, ckpt.boundaries
     out: list[Mismatch] = []
     if ckpt.contract is not None:
@@ -480,12 +476,12 @@ def against_target(ckpt: Checkpoint, target: nn.Module, tokenizer: Any | None = 
     return out
 
 
-def new_contract(ckpt: Checkpoint, target: nn.Module) -> Contract:
+def new_contract(ckpt: Checkpoint, target: LoadedTarget) -> Contract:
     """A contract for a drafter that came without one, from the target it is now paired with."""
     d2t = ckpt.tensors.get("d2t")
     identity = d2t is None or not bool(d2t.any())
     return Contract(
-        target=target_identity(target),
+        target=target.identity,
         capture=CaptureContract(boundaries=ckpt.boundaries),
         drafter=drafter_flags(ckpt.config, "identity_prefix" if identity else "trained"),
     )
@@ -510,7 +506,8 @@ def save_drafter(
 
 
 def load_drafter(
-    path: str | Path, target: nn.Module | None = None, tokenizer: Any | None = None, force: bool = False
+    path: str | Path, target: LoadedTarget | nn.Module | None = None, tokenizer: Any | None = None,
+    force: bool = False,
 ) -> tuple[Eagle3Drafter, Contract | None]:
     """Load a drafter from an eyas, SGLang/SpecForge or speculators directory.
 
@@ -521,19 +518,19 @@ def load_drafter(
     The drafter is float32 whatever the stored dtype. Returns the drafter and its contract (built
     from the target for a directory without one; None when there is neither).
     """
-    blocks = len(find_decoder_blocks(target)) if target is not None else None
-    ckpt = read_checkpoint(path, default_num_blocks=blocks)
+    loaded = LoadedTarget.of(target) if target is not None else None
+    ckpt = read_checkpoint(path, default_num_blocks=loaded.num_blocks if loaded is not None else None)
     contract = ckpt.contract
-    if target is not None:
-        mismatches = against_target(ckpt, target, tokenizer)
-        enforce(mismatches, f"drafter {ckpt.meta.path} against target {type(target).__name__}", force)
+    if loaded is not None:
+        mismatches = against_target(ckpt, loaded, tokenizer)
+        enforce(mismatches, f"drafter {ckpt.meta.path} against target {type(loaded.model).__name__}", force)
     # Without a target an unsaved embedding is NaN (unknown); with one, the target's when it fits.
-    drafter, notes = build_drafter(ckpt.config, ckpt.tensors, find_embedding(target).weight if target is not None else None)
+    drafter, notes = build_drafter(ckpt.config, ckpt.tensors,
+                                   find_embedding(loaded.model).weight if loaded is not None else None)
     for note in notes:  # checked tensors: only a target embedding of another shape
         warnings.warn(note, stacklevel=2)
-    if target is not None:
-        if contract is None:
-            contract = new_contract(ckpt, target)
+    if loaded is not None and contract is None:
+        contract = new_contract(ckpt, loaded)
     return drafter, contract
 
 

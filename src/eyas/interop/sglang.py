@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from eyas.interop.common import CheckpointError, drafter_fields
+from eyas.interop.common import drafter_fields
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -39,10 +39,6 @@ def to_file_name(name: str) -> str:
     return name
 
 
-def from_file_name(name: str) -> str:
-    return name
-
-
 def tensors_from_file(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return dict(tensors)
 
@@ -50,9 +46,3 @@ def tensors_from_file(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 def tensors_to_file(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return dict(tensors)
 
-
-def check_config(config: dict[str, Any], where: str) -> None:
-    if not is_sglang_config(config):
-        raise CheckpointError(
-            f"{where}: architectures: expected [{ARCHITECTURE!r}], found {config.get('architectures')!r}"
-        )

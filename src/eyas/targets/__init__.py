@@ -11,9 +11,10 @@ from eyas.targets.loading import (
     load_tokenizer,
     resolve_target,
     smollm2_gguf,
+    target_for,
 )
 from eyas.targets.placement import PlacementError, resolve_device, resolve_dtype
 
 __all__ = ["EMBEDDED", "LoadedTarget", "PlacementError", "TargetIdentity", "TargetNotFound", "TargetSource",
            "load_target", "load_tokenizer", "resolve_device", "resolve_dtype", "resolve_target", "smollm2_gguf",
-           "target_identity", "weights_fingerprint"]
+           "target_for", "target_identity", "weights_fingerprint"]

@@ -65,6 +65,12 @@ class LoadedTarget:
             dtype=param.dtype,
         )
 
+    @classmethod
+    def of(cls, target: "LoadedTarget | nn.Module", tokenizer: Any = None) -> "LoadedTarget":
+        """``target`` itself when it is already a LoadedTarget (its cached identity kept), else
+        :meth:`from_model` of it: what a function that accepts either works on."""
+        return target if isinstance(target, LoadedTarget) else cls.from_model(target, tokenizer)
+
     @cached_property
     def identity(self) -> TargetIdentity:
         """What a contract records about this target (hashes the weights once, on first use)."""

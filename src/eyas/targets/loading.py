@@ -158,3 +158,12 @@ def load_target(
     )
     model.to(dev)
     return LoadedTarget.from_model(model, load_tokenizer(src), src)
+
+
+def target_for(target: str | TargetSource | None, model: Any = None, tokenizer: Any = None,
+               dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> LoadedTarget:
+    """The target a command works on: ``model`` (with ``tokenizer``) when the caller already holds
+    one, named ``target`` in reports; else ``target`` loaded with ``dtype`` on ``device``."""
+    if model is not None:
+        return LoadedTarget.from_model(model, tokenizer, TargetSource(str(target)))
+    return load_target(target, dtype=dtype, device=device)

@@ -27,7 +27,9 @@ from eyas.io import atomic_write_text
 from eyas.targets import LoadedTarget, load_target, resolve_device
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract.contract import SlotFingerprint, ValidationMetrics
+from eyas.data.shards import is_shard_dir
 from eyas.drafter.build import drafter_flags, new_drafter
+from eyas.drafter.config import NORM_FLAGS
 from eyas.drafter.model import Eagle3Drafter
 from eyas.training.batches import Batch, OfflineBatches, OnlineBatches
 from eyas.training.config import TrainConfig, split_indices
@@ -47,7 +49,6 @@ METRICS_FILE = "metrics.jsonl"
 class Dist:
     rank: int = 0
     world: int = 1
-    local_rank: int = 0
 
     @property
     def main(self) -> bool:
@@ -55,17 +56,14 @@ class Dist:
 
 
 def init_distributed(device_kind: str) -> Dist:
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; gloo on CPU, NCCL on GPU."""
+    """torchrun sets WORLD_SIZE and RANK (LOCAL_RANK picks the GPU: eyas.targets.placement); gloo on
+    CPU, NCCL on GPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Dist()
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def is_shard_dir(path: str) -> bool:
-    return Path(path).is_dir() and (Path(path) / "manifest.json").exists()
+    return Dist(dist.get_rank(), dist.get_world_size())
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
@@ -109,7 +107,7 @@ def load_samples(cfg: TrainConfig, target: LoadedTarget, force: bool) -> tuple[A
         from eyas.data.shards import ShardDataset
 
         ds = ShardDataset(cfg.data, features=True)
-        ds.check_target(target.model, tokenizer, force=force)  # same fingerprint, blocks, template, ...
+        ds.check_target(target, tokenizer, force=force)  # same fingerprint, blocks, template, ...
         if cfg.boundaries is not None and list(cfg.boundaries) != list(ds.contract.capture.boundaries):
             raise ValueError(
                 f"--boundaries {cfg.boundaries}: the shards in {cfg.data} hold boundaries "
@@ -241,10 +239,9 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
             f"draft vocab {cfg.draft_vocab_size} covers {vocab.coverage:.2%} of {vocab.num_targets} training targets")
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    drafter, contract = new_drafter(model, tokenizer, spec.boundaries, cfg.draft_vocab_size, source=target.name,
+    drafter, contract = new_drafter(target, tokenizer, spec.boundaries, cfg.draft_vocab_size, source=target.name,
                                     capture_dtype="bfloat16" if use_bf16 else "float32", seed=cfg.seed,
-                                    norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.norm_before_fc,
-                                    fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
+                                    **{flag: getattr(cfg, flag) for flag in NORM_FLAGS})
     drafter.set_vocab_map(vocab.ids)
     contract = contract.model_copy(update={"drafter": drafter_flags(drafter.config, "trained")})
     if contract.tokenisation is not None:
@@ -272,7 +269,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         from eyas.interop import load_drafter
 
         latest = ckpts[-1]
-        loaded, _ = load_drafter(latest, target=model)  # the embedding comes from the target
+        loaded, _ = load_drafter(latest, target=target)  # the embedding comes from the target
         drafter.load_state_dict(loaded.state_dict())
         start = load_train_state(latest, opt, sched)["step"]
         if d.main:

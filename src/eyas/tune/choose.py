@@ -26,24 +26,37 @@ class TreeChoice:
     """The chosen tree, what the model predicts for it, every candidate (best first), the reason
     and the two measurements it came from."""
 
-    spec: TreeSpec
-    predicted_tau: float
-    predicted_speedup: float
-    round_s: float
-    candidates: list[Candidate]  # every candidate considered, best first
+    candidates: list[Candidate]  # every candidate considered, best first: the choice is candidates[0]
     reason: str
     cost: CostModel
     acceptance: AcceptanceProfile
 
+    @property
+    def spec(self) -> TreeSpec:
+        return self.candidates[0].spec
+
+    @property
+    def predicted_tau(self) -> float:
+        return self.candidates[0].tau
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.candidates[0].speedup
+
+    @property
+    def round_s(self) -> float:
+        return self.candidates[0].round_s
+
     def to_dict(self, top: int = 5) -> dict[str, Any]:
         """The JSON ``tree_auto`` entry."""
+        cost = self.cost.to_dict()
         return {
             "depth": self.spec.depth, "top_k": self.spec.top_k, "total_tokens": self.spec.total_tokens,
             "predicted_tau": round(self.predicted_tau, 4), "predicted_speedup": round(self.predicted_speedup, 4),
             "round_ms": round(self.round_s * 1e3, 4), "plain_ms": round(self.cost.plain_s * 1e3, 4),
-            "verify_ms_by_tokens": self.cost.to_dict()["verify_ms_by_tokens"],
+            "verify_ms_by_tokens": cost["verify_ms_by_tokens"],
             "reason": self.reason,
-            "cost": self.cost.to_dict(),
+            "cost": cost,
             "acceptance": self.acceptance.to_dict(),
             "candidates": [c.to_dict() for c in self.candidates[:top]],
             "candidates_considered": len(self.candidates),
@@ -57,6 +70,4 @@ def choose_tree(cost: CostModel, acceptance: AcceptanceProfile, depths: Sequence
     depths = depths or range(1, acceptance.max_depth + 1)
     cands = [predict_candidate(spec, cost, acceptance) for spec in candidate_trees(depths, topks, totals)]
     cands.sort(key=lambda c: (-round(c.speedup, 9), c.round_s, c.spec.total_tokens, c.spec.depth, c.spec.top_k))
-    best = cands[0]
-    return TreeChoice(best.spec, best.tau, best.speedup, best.round_s, cands,
-                      explain_choice(best, cands, cost, acceptance), cost, acceptance)
+    return TreeChoice(cands, explain_choice(cands[0], cands, cost, acceptance), cost, acceptance)

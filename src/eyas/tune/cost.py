@@ -38,6 +38,7 @@ from torch import Tensor
 from eyas.drafter.model import Eagle3Drafter
 from eyas.engine.sampling import GREEDY, accept_greedy
 from eyas.engine.speculative import plain_generate, speculative_generate
+from eyas.engine.stats import synchronize
 from eyas.engine.target import Target
 from eyas.engine.tree import DraftState, DraftTree, TreeSpec
 from eyas.errors import EyasError
@@ -142,18 +143,13 @@ class CostModel:
 # ---------------------------------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn: Callable[[], Any], device: torch.device, after: Callable[[], Any] | None = None) -> float:
     """Wall time of one call of fn, the device synchronised before and after; ``after`` runs
     after the clock stops."""
-    _sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    synchronize(device)
     dt = time.perf_counter() - t0
     if after is not None:
         after()
@@ -181,15 +177,14 @@ class TimingContext:
     """What every timer shares: the target with a random context prefilled, and how to repeat.
 
     ids [1, C] is the context (C = ``context`` tokens), ``features`` [1, C, S*H] the target's
-    captured features over it, ``next_token`` the target's greedy token after it, ``cache_len`` the
-    target's cache length after the prefill (= C). ``generator`` draws every random token, in the
+    captured features over it, ``next_token`` the target's greedy token after it (the target's cache
+    holds the C context entries). ``generator`` draws every random token, in the
     order the timers run, so a measurement is reproducible from its seed."""
 
     target: Target
     ids: Tensor
     features: Tensor
     next_token: int
-    cache_len: int
     repeats: int
     warmup: int
     generator: torch.Generator
@@ -246,7 +241,7 @@ def time_verification(tc: TimingContext, sizes: Sequence[int]) -> dict[int, floa
     for timed in (False, True):
         for T in sizes:
             tree = _binary_tree(T, tc.random_tokens(T)[0])
-            pos = (tc.cache_len + tree.depths)[None]
+            pos = (tc.ids.shape[1] + tree.depths)[None]
             t = _median_time(lambda: target.forward(tree.tokens[None], pos, tree.ancestor_mask()), tc.device,
                              tc.repeats if timed else 1, tc.warmup if timed else 0, after=lambda: target.keep([]))
             if timed:
@@ -369,7 +364,7 @@ def measure_cost(
     try:
         ids = torch.randint(0, target.vocab_size, (1, ctx), generator=g).to(target.device)
         logits, features = target.prefill(ids)
-        tc = TimingContext(target, ids, features, int(logits[0, -1].argmax()), target.cache_len, repeats, warmup, g)
+        tc = TimingContext(target, ids, features, int(logits[0, -1].argmax()), repeats, warmup, g)
         verify = time_verification(tc, sizes)
         bookkeeping = time_bookkeeping(tc)
         draft = time_drafting(tc, drafter, topks, max_depth)
