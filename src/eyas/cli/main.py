@@ -87,10 +87,10 @@ def info(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """The drafter's contract, and which physical boundaries each engine will capture for it."""
-    from eyas.interop import read_contract, view_engines
+    from eyas.interop import view_engines
 
     view = _run(view_engines, path, num_target_blocks)
-    contract = _run(read_contract, path)
+    contract = view.contract  # read with the rest of the directory's metadata, once
     if json_out:
         _print_json({**view.to_dict(), "contract": contract.model_dump() if contract else None})
         return

@@ -229,6 +229,22 @@ class Conversation:
                    provenance=dict(record.get("provenance") or {}))
 
 
+def conversation_id(conv: Conversation, position: int) -> str:
+    """A stable id: the record's own id, else ``<file name>:<line>`` / ``<file name>[<index>]``
+    from its provenance, else ``#<position in the input>``."""
+    if conv.id is not None:
+        return str(conv.id)
+    p = conv.provenance or {}
+    name = Path(str(p["source"])).name if p.get("source") else None
+    if name and p.get("line") is not None:
+        base = f"{name}:{p['line']}"
+    elif name and p.get("index") is not None:
+        base = f"{name}[{p['index']}]"
+    else:
+        return f"#{position}"
+    return base + (f"#{p['instance']}" if p.get("instance") is not None else "")
+
+
 @dataclass
 class ReadResult:
     """What a read produced: the good conversations, one :class:`Problem` per skipped record, counts."""

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt
 from tqdm.auto import tqdm
 
 from eyas import __version__
-from eyas.data.conversations import Conversation
+from eyas.data.conversations import Conversation, conversation_id
 from eyas.data.render import TEMPLATE_DEFAULT, render_prompt, system_prompt_mode
 from eyas.data.runs import RunOptions, Throughput, changed_params, eval_mode
 from eyas.errors import EyasError
@@ -54,22 +54,6 @@ class RegenerateError(EyasError, ValueError):
 # ---------------------------------------------------------------------------------------------
 # Ids and resumable JSONL files
 # ---------------------------------------------------------------------------------------------
-
-
-def conversation_id(conv: Conversation, position: int) -> str:
-    """A stable id: the record's own id, else ``<file name>:<line>`` / ``<file name>[<index>]``
-    from its provenance, else ``#<position in the input>``."""
-    if conv.id is not None:
-        return str(conv.id)
-    p = conv.provenance or {}
-    name = Path(str(p["source"])).name if p.get("source") else None
-    if name and p.get("line") is not None:
-        base = f"{name}:{p['line']}"
-    elif name and p.get("index") is not None:
-        base = f"{name}[{p['index']}]"
-    else:
-        return f"#{position}"
-    return base + (f"#{p['instance']}" if p.get("instance") is not None else "")
 
 
 def read_resumable_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -71,8 +71,7 @@ from eyas.contract import (
     target_identity,
     tokenisation_of,
 )
-from eyas.data.conversations import Conversation
-from eyas.data.regenerate import conversation_id
+from eyas.data.conversations import Conversation, conversation_id
 from eyas.data.render import TEMPLATE_DEFAULT, TemplateAlignmentError, render, system_prompt_mode
 from eyas.data.runs import RunOptions, Throughput, changed_params, eval_mode
 from eyas.errors import EyasError
@@ -280,20 +279,12 @@ def _plan_digest(samples: Sequence[_Sample], plan: list[list[int]]) -> str:
 
 
 def _base_contract(model: Any, tokenizer: Any, spec: CaptureSpec, dtype: str, system_prompt: str,
-                   source: str | None, contract: Contract | None) -> Contract:
-    live = Contract(target=target_identity(model, source),
+                   source: str | None) -> Contract:
+    """The target, capture and tokenisation of the manifest's contract (its fingerprint is merged in
+    when every rank is done)."""
+    return Contract(target=target_identity(model, source),
                     capture=CaptureContract(boundaries=list(spec.boundaries), dtype=dtype),
                     tokenisation=tokenisation_of(tokenizer, system_prompt_mode(system_prompt)))
-    if contract is None:
-        return live
-    # A contract passed in (e.g. with the target's source name) must describe this very target.
-    enforce(compare(contract, live, fields=[f for f in ("target.architecture", "target.num_blocks",
-                                                        "target.hidden_size", "target.vocab_size",
-                                                        "target.fingerprint")]),
-            "capture_shards: the contract passed in vs the live target")
-    return contract.model_copy(update={"capture": live.capture,
-                                       "tokenisation": contract.tokenisation or live.tokenisation,
-                                       "drafter": None, "fingerprint": None, "metrics": None})
 
 
 @dataclass
@@ -304,8 +295,6 @@ class _CapturePlan:
     computes the same plan; ``digest`` says whether it did."""
 
     options: CaptureOptions  # resolved: boundaries, shard_tokens, rank, world_size, channels are set
-    rank: int  # = options.rank
-    world: int  # = options.world_size
     spec: CaptureSpec
     contract: Contract  # target, capture and tokenisation; the fingerprint is merged into the manifest
     samples: list[_Sample]  # this rank's, in input order
@@ -319,6 +308,14 @@ class _CapturePlan:
         return self.options.out_dir
 
     @property
+    def rank(self) -> int:
+        return int(self.options.rank)  # type: ignore[arg-type]  # resolved by _plan_capture
+
+    @property
+    def world(self) -> int:
+        return int(self.options.world_size)  # type: ignore[arg-type]
+
+    @property
     def hidden_size(self) -> int:
         return self.contract.target.hidden_size
 
@@ -329,13 +326,13 @@ class _CapturePlan:
 
 
 def _plan_capture(model: Any, tokenizer: Any, conversations: Sequence[Conversation], options: CaptureOptions,
-                  source: str | None, contract: Contract | None) -> _CapturePlan:
+                  source: str | None) -> _CapturePlan:
     """Step 1, plan: resolve every default of ``options`` (boundaries from the target's depth, rank
     and world from torchrun's environment, shard_tokens from about 1 GiB of hidden states, the
     fingerprint channels), render this rank's conversations and cut them into shards."""
     rank, world = _rank_world(options.rank, options.world_size)
     spec = CaptureSpec.create(len(find_decoder_blocks(model)), options.boundaries)
-    base = _base_contract(model, tokenizer, spec, options.dtype, options.system_prompt, source, contract)
+    base = _base_contract(model, tokenizer, spec, options.dtype, options.system_prompt, source)
     hidden = base.target.hidden_size
     shard_tokens = options.shard_tokens
     if shard_tokens is None:
@@ -350,7 +347,7 @@ def _plan_capture(model: Any, tokenizer: Any, conversations: Sequence[Conversati
     shards = plan_shards([s.length for s in samples], options.shard_size, shard_tokens)
     return _CapturePlan(options=resolved, spec=spec, contract=base, samples=samples, rendered=rendered,
                         shards=shards, digest=_plan_digest(samples, shards),
-                        total_conversations=len(conversations), rank=rank, world=world)
+                        total_conversations=len(conversations))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -632,7 +629,6 @@ def capture_shards(
     options: CaptureOptions,
     *,
     source: str | None = None,
-    contract: Contract | None = None,
     on_shard_written: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> CaptureSummary:
     """Capture the boundaries ``options.boundaries`` (and boundary L) of ``model`` over
@@ -642,14 +638,12 @@ def capture_shards(
         conversations: the whole input (every rank passes the same list); rank r takes r::world_size.
         options: see :class:`CaptureOptions`.
         source: the target's name, recorded in the contract (``target.source``).
-        contract: optional; its target identity must match the model (checked); capture, fingerprint
-            are filled in here.
         on_shard_written: called as ``f(index, progress_entry)`` after each shard is on disk.
 
     Returns: a :class:`CaptureSummary` for this rank (``manifest`` set when the manifest was written).
     """
     t0 = time.perf_counter()
-    plan = _plan_capture(model, tokenizer, conversations, options, source, contract)
+    plan = _plan_capture(model, tokenizer, conversations, options, source)
     plan.out.mkdir(parents=True, exist_ok=True)
     summary = CaptureSummary.of(plan)
     entries = _resume(plan)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from eyas.contract.contract import Contract
 from eyas.drafter.config import NORM_FLAGS, DrafterConfig
 from eyas.interop import servers
 from eyas.interop.common import CheckpointError
@@ -78,8 +79,12 @@ class EngineView:
     boundaries_source: str
     num_target_blocks: int | None
     ids: dict[str, list[int] | None]  # each engine's id key -> the ids as written
-    engines: dict[str, list[int] | None]
     readings: dict[str, EngineReading]
+    contract: Contract | None  # eyas.json's contract (None: no eyas.json, or imported without a target)
+
+    @property
+    def engines(self) -> dict[str, list[int] | None]:
+        return {key: r.boundaries for key, r in self.readings.items()}
 
     @property
     def differs(self) -> list[str]:
@@ -113,5 +118,5 @@ def view_engines(path: str | Path, num_target_blocks: int | None = None) -> Engi
     return EngineView(
         path=meta.path, format=meta.format, boundaries=list(meta.boundaries),
         boundaries_source=meta.boundaries_source, num_target_blocks=L, ids=ids,
-        engines={key: r.boundaries for key, r in readings.items()}, readings=readings,
+        readings=readings, contract=meta.contract,
     )
