@@ -252,30 +252,35 @@ def test_tree_shapes(llama, trained_drafter):
         state.extend(x[1:], f[0])
         tree = state.draft(spec, spec.depth, sampling, torch.Generator().manual_seed(0), 128)
         N = tree.num_nodes - 1
-        assert tree.tokens[0] == x[-1] and tree.parents[0] == -1
-        assert all(0 <= tree.parents[i] < i for i in range(1, N + 1))
-        assert all(tree.depths[i] == tree.depths[tree.parents[i]] + 1 for i in range(1, N + 1))
+        parents, depths, kids = tree.parents.tolist(), tree.depths.tolist(), tree.children.tolist()
+        assert tree.tokens[0] == x[-1] and parents[0] == -1
+        assert all(0 <= parents[i] < i for i in range(1, N + 1))
+        assert all(depths[i] == depths[parents[i]] + 1 for i in range(1, N + 1))
         assert N == spec.total_tokens  # the drafter's distributions have full support here
-        assert int(tree.depths.max()) <= spec.depth
-        for i, kids in enumerate(tree.children):
-            assert len(kids) <= spec.top_k
-            assert len({int(tree.tokens[c]) for c in kids}) == len(kids)  # siblings are distinct tokens
-            assert all(tree.parents[c] == i for c in kids)
+        assert bool(tree.valid.all())
+        assert max(depths) <= tree.depth <= spec.depth
+        for i, row in enumerate(kids):
+            children = [c for c in row if c >= 0]
+            assert row == children + [-1] * (len(row) - len(children))  # children first, then padding
+            assert children == [c for c in range(1, N + 1) if parents[c] == i]  # in creation order
+            assert len(children) <= spec.top_k
+            assert len({int(tree.tokens[c]) for c in children}) == len(children)  # siblings are distinct tokens
         if spec.top_k == 1:
-            assert tree.parents == [-1] + list(range(N))  # a chain
-        mask = tree.ancestor_mask()
+            assert parents == [-1] + list(range(N))  # a chain
         for i in range(N + 1):
             j, anc = i, set()
             while j >= 0:
                 anc.add(j)
-                j = tree.parents[j]
-            assert set(torch.nonzero(mask[i]).flatten().tolist()) == anc
+                j = parents[j]
+            assert set(torch.nonzero(tree.mask[i]).flatten().tolist()) == anc
         if sampling.greedy:
-            assert not tree.proposals
+            assert tree.proposals is None
         else:
-            assert set(tree.proposals) == {i for i, kids in enumerate(tree.children) if kids}
-            for q in tree.proposals.values():
-                assert q.shape == (128,) and abs(float(q.sum()) - 1) < 1e-5
+            assert tree.proposals.shape == (N + 1, 128)
+            has_children = tree.proposals.sum(-1) > 0
+            for i, row in enumerate(kids):
+                if row[0] >= 0:  # a node with children has its q, a distribution over the target vocabulary
+                    assert has_children[i] and abs(float(tree.proposals[i].sum()) - 1) < 1e-5
     # depth 0: the root alone (the context leaves no room to draft)
     state = DraftState(trained_drafter, 64)
     state.extend(x[1:], f[0])
@@ -292,7 +297,8 @@ def test_tree_shapes(llama, trained_drafter):
 
 def accept_if_likely_under_q(p, q, c):
     """BROKEN: accepts a draft the drafter is confident about, whatever the target thinks."""
-    accept = torch.tensor(1.0 if q[c] > 0.1 else 0.0)
+    c = torch.as_tensor(c)
+    accept = (q.gather(-1, c[..., None]).squeeze(-1) > 0.1).float()
     _, p_rejected, q_rejected = rejection_rule(p, q, c)
     return accept, p_rejected, q_rejected
 

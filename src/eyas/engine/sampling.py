@@ -20,10 +20,13 @@ token leaving a node is distributed exactly as p: the output distribution is the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # a type only: tree.py imports this module
+    from eyas.engine.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -81,11 +84,12 @@ def uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: t
     return torch.rand(shape, generator=generator, device=gen_device).to(device)
 
 
-def sample(p: Tensor, generator: torch.Generator | None) -> int:
-    """One draw from p [V] by inverse CDF (the first index whose cumulative mass exceeds u)."""
+def sample(p: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One draw from each row of p [..., V] by inverse CDF (the first index whose cumulative mass
+    exceeds u): long [...], on p's device (nothing is read back)."""
     cdf = p.cumsum(-1)
-    u = uniform((1,), generator, p.device) * cdf[-1]
-    return int(torch.searchsorted(cdf, u, right=True).clamp(max=p.shape[-1] - 1))
+    u = uniform(tuple(p.shape[:-1]) + (1,), generator, p.device) * cdf[..., -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp(max=p.shape[-1] - 1).squeeze(-1)
 
 
 def gumbel_top_k(q: Tensor, n: int, generator: torch.Generator | None) -> Tensor:
@@ -101,66 +105,101 @@ def gumbel_top_k(q: Tensor, n: int, generator: torch.Generator | None) -> Tensor
 
 # ---------------------------------------------------------------------------------------------
 # Acceptance rules. A rule maps (p, q, drafted token c) to
-#   (probability of accepting c, p to continue with if rejected, q to continue with if rejected).
-# The verifier draws the uniform; keeping rules deterministic lets tests compute their exact output
-# distribution, and lets a deliberately broken rule be injected.
+#   (probability of accepting c, p to continue with if rejected, q to continue with if rejected),
+# batched over leading dimensions: p, q [..., V], c long [...]. The verifier draws the uniforms;
+# keeping rules deterministic lets tests compute their exact output distribution, and lets a
+# deliberately broken rule be injected.
 # ---------------------------------------------------------------------------------------------
 
-AcceptRule = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor, Tensor]]
+AcceptRule = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 
 
 def _normalised(x: Tensor, fallback: Tensor) -> Tensor:
-    s = x.sum()
+    s = x.sum(-1, keepdim=True)
     # Rejection only happens when p(c) < q(c), so max(p - q, 0) has positive mass; the fallback
     # only guards float round-off when p and q are (almost) equal.
-    return x / s if s > 1e-12 else fallback
+    return torch.where(s > 1e-12, x / s.clamp(min=1e-30), fallback)
 
 
-def rejection_rule(p: Tensor, q: Tensor, c: int) -> tuple[Tensor, Tensor, Tensor]:
+def rejection_rule(p: Tensor, q: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Recursive rejection sampling (lossless)."""
-    accept = (p[c] / q[c].clamp(min=1e-30)).clamp(max=1.0)
+    c = torch.as_tensor(c, device=p.device)[..., None]  # [..., 1]
+    accept = (p.gather(-1, c) / q.gather(-1, c).clamp(min=1e-30)).clamp(max=1.0).squeeze(-1)
     p_rejected = _normalised((p - q).clamp(min=0), p)
-    q_rejected = q.clone()
-    q_rejected[c] = 0
-    q_rejected = _normalised(q_rejected, q_rejected)
-    return accept, p_rejected, q_rejected
+    q_rejected = q.scatter(-1, c, 0.0)
+    return accept, p_rejected, _normalised(q_rejected, q_rejected)
 
 
 # ---------------------------------------------------------------------------------------------
-# Walks over a verified tree. ``children[i]`` lists node i's children in the order they must be
-# examined (draw order); ``tokens[i]`` is node i's target token id; node 0 is the root (the last
-# committed token). Both return the accepted path (node indices, starting with 0) and the bonus token.
+# Acceptance over a verified tree, batched: every node's verdict is computed at once on the
+# device, then one walk of ``tree.depth`` gathers follows the accepted children from the root.
+# Nothing is read back; the caller reads the verdict once.
 # ---------------------------------------------------------------------------------------------
 
 
-def accept_greedy(tokens: list[int], children: list[list[int]], logits: Tensor) -> tuple[list[int], int]:
-    """logits [N+1, V]: the target's logits after each node."""
-    best = logits.argmax(-1).tolist()  # one device sync for the whole tree
-    path = [0]
-    while True:
-        x = best[path[-1]]
-        nxt = next((c for c in children[path[-1]] if tokens[c] == x), None)
-        if nxt is None:  # no child is the target's token (possibly outside the draft vocabulary)
-            return path, x
-        path.append(nxt)
+@dataclass
+class Verdict:
+    """What verification decided, on the device.
+
+    path      long [depth+1]  the accepted nodes from the root (path[0] = 0); past the accepted
+                              length it repeats the last accepted node
+    accepted  long []         a, the number of accepted draft tokens
+    bonus     long []         the target's token after the last accepted node
+    """
+
+    path: Tensor
+    accepted: Tensor
+    bonus: Tensor
 
 
-def accept_sampling(tokens: list[int], children: list[list[int]], logits: Tensor, proposals: dict[int, Tensor],
-                    params: SamplingParams, generator: torch.Generator | None,
-                    rule: AcceptRule = rejection_rule) -> tuple[list[int], int]:
-    """logits [N+1, V]; proposals[i] = q [V] that node i's children were drawn from."""
-    path = [0]
-    while True:
-        node = path[-1]
-        p = probabilities(logits[node], params)
-        q = proposals.get(node)
-        accepted = None
-        for c in children[node]:
-            a, p_rejected, q_rejected = rule(p, q, tokens[c])
-            if bool(uniform((), generator, p.device) < a):
-                accepted = c
-                break
-            p, q = p_rejected, q_rejected
-        if accepted is None:
-            return path, sample(p, generator)
-        path.append(accepted)
+def _follow(accepted_child: Tensor, depth: int) -> tuple[Tensor, Tensor]:
+    """The path from the root along accepted_child [N+1] (-1 = none accepted): path [depth+1], a []."""
+    node = torch.zeros((), dtype=torch.long, device=accepted_child.device)
+    alive = torch.ones((), dtype=torch.bool, device=accepted_child.device)
+    path = [node]
+    for _ in range(depth):
+        nxt = accepted_child[node]
+        alive = alive & (nxt >= 0)
+        node = torch.where(alive, nxt, node)
+        path.append(node)
+    path_t = torch.stack(path)
+    return path_t, (path_t[1:] != path_t[:-1]).sum()
+
+
+def accept_greedy(tree: "DraftTree", logits: Tensor) -> Verdict:
+    """logits [N+1, V]: the target's logits after each node. A child is accepted iff it is the
+    target's argmax after its parent (siblings are distinct tokens: at most one is)."""
+    best = logits.argmax(-1)  # [N+1]
+    kids = tree.children  # [N+1, K]
+    match = (kids >= 0) & tree.valid[kids.clamp(min=0)] & (tree.tokens[kids.clamp(min=0)] == best[:, None])
+    accepted_child = torch.where(match.any(-1), kids.gather(1, match.long().argmax(-1, keepdim=True)).squeeze(1), -1)
+    path, a = _follow(accepted_child, tree.depth)
+    return Verdict(path, a, best[path[-1]])
+
+
+def accept_sampling(tree: "DraftTree", logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
+                    rule: AcceptRule = rejection_rule) -> Verdict:
+    """logits [N+1, V]; tree.proposals[i] = q [V] that node i's children were drawn from.
+
+    Every node runs the module docstring's loop over its children at once (K steps over [N+1, V]):
+    a node whose children are all rejected ends with its residual p. The walk from the root then
+    follows the accepted children, and the bonus token is drawn from the residual p where it stops.
+    Uniforms drawn at nodes off the path are never used, so each node on the path sees fresh
+    independent uniforms, exactly as the sequential walk would."""
+    p = probabilities(logits, params)  # [N+1, V]
+    q = tree.proposals if tree.proposals is not None else torch.zeros_like(p)  # None: the root alone
+    kids = tree.children  # [N+1, K]
+    u = uniform(tuple(kids.shape), generator, p.device)
+    accepted_child = torch.full_like(kids[:, 0], -1)
+    decided = torch.zeros_like(accepted_child, dtype=torch.bool)
+    for j in range(kids.shape[1]):
+        c = kids[:, j]
+        examined = (c >= 0) & tree.valid[c.clamp(min=0)] & ~decided
+        a, p_rejected, q_rejected = rule(p, q, tree.tokens[c.clamp(min=0)])
+        take = examined & (u[:, j] < a)
+        rejected = (examined & ~take)[:, None]
+        accepted_child = torch.where(take, c, accepted_child)
+        decided = decided | take
+        p, q = torch.where(rejected, p_rejected, p), torch.where(rejected, q_rejected, q)
+    path, a = _follow(accepted_child, tree.depth)
+    return Verdict(path, a, sample(p[path[-1]], generator))

@@ -12,7 +12,15 @@ One round, with committed tokens x_0 .. x_m (the target has seen x_0 .. x_{m-1})
              tokens with the TARGET's features from verification (entry t reads (f_t, x_{t+1}), as in
              training), which also rolls its cache back past the rejected nodes.
 
-Both functions return a :class:`GenerationResult`; ``result.stats`` holds the statistics of stats.py.
+A round stays on the device from drafting to acceptance and reads it back ONCE: the accepted length,
+the path's tokens, the bonus token and the tree's depth, in one transfer (the host needs them to
+stream tokens and check stop conditions). A plain step reads back its one token.
+
+A request is a :class:`Session` (the drafter's cache, the committed tokens, the output, the
+statistics); :func:`step` runs one round of it. :func:`speculative_generate` and
+:func:`plain_generate` start a session and step it to the end; a server steps sessions itself
+and may stop stepping one (``cancel``). The target's KV cache holds one session at a time: the
+session that last prefilled it (a step on another raises :class:`SessionError`).
 """
 
 from __future__ import annotations
@@ -31,6 +39,13 @@ from eyas.engine.stats import STOP_MAX_LENGTH, STOP_MAX_NEW_TOKENS, Clock, Gener
 from eyas.engine.stopping import StopCriteria
 from eyas.engine.target import Target
 from eyas.engine.tree import DraftState, TreeSpec
+from eyas.errors import EyasError
+
+STOP_CANCELLED = "cancelled"
+
+
+class SessionError(EyasError, RuntimeError):
+    """A session stepped when the target's cache holds another one, or after it ended."""
 
 
 @dataclass
@@ -46,11 +61,9 @@ def _prompt_list(input_ids: Sequence[int] | Tensor) -> list[int]:
     return ids
 
 
-def _next_token(logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
-    """The target's own choice from logits [V]: argmax, or a draw from p."""
-    if sampling.greedy:
-        return int(logits.argmax())
-    return sample(probabilities(logits, sampling), generator)
+def _choose(logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> Tensor:
+    """The target's own choice from logits [V]: argmax, or a draw from p; long [] on the device."""
+    return logits.argmax(-1) if sampling.greedy else sample(probabilities(logits, sampling), generator)
 
 
 class _Output:
@@ -73,21 +86,161 @@ class _Output:
         return len(tokens)
 
 
-def _begin(target: Target, input_ids: Sequence[int] | Tensor, max_new_tokens: int, stop: StopCriteria,
-           on_token: Callable[[int], None] | None) -> tuple[list[int], int, GenerationStats, Clock, _Output]:
-    """The prompt as a list; max_len, the length the sequence may reach (prompt + new tokens, the
-    last at position max_len - 1); fresh statistics, clock and output."""
-    x = _prompt_list(input_ids)
-    if len(x) > target.max_length:
-        raise ValueError(f"prompt of {len(x)} tokens is longer than the target's context ({target.max_length} positions)")
-    stats = GenerationStats(prompt_tokens=len(x))
-    return x, min(target.max_length, len(x) + max_new_tokens), stats, Clock(stats, target.device), _Output(stop, on_token)
+class Session:
+    """One request between rounds: its committed tokens x_0 .. x_m, its output and statistics, and
+    (speculative) the drafter's cache. Built by :func:`start`; advanced by :func:`step`.
+
+    max_len: the length the sequence may reach (prompt + new tokens, the last at position
+    max_len - 1, within the target's context)."""
+
+    def __init__(self, target: Target, drafter: Eagle3Drafter | None, prompt: list[int], *, tree: TreeSpec,
+                 sampling: SamplingParams, max_new_tokens: int, stop: StopCriteria,
+                 on_token: Callable[[int], None] | None, generator: torch.Generator | None,
+                 accept_rule: AcceptRule, timing: str) -> None:
+        if len(prompt) > target.max_length:
+            raise ValueError(f"prompt of {len(prompt)} tokens is longer than the target's context "
+                             f"({target.max_length} positions)")
+        self.target, self.drafter, self.tree, self.sampling = target, drafter, tree, sampling
+        self.generator, self.accept_rule = generator, accept_rule
+        self.x = list(prompt)  # committed tokens x_0 .. x_m
+        self.max_new_tokens = max_new_tokens
+        self.max_len = min(target.max_length, len(prompt) + max_new_tokens)
+        self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self.clock = Clock(self.stats, target.device, timing)
+        self.out = _Output(stop, on_token)
+        self.draft: DraftState | None = None
+        self.last: Tensor | None = None  # long [1, 1]: x_m on the device (plain decoding feeds it back)
+        self.positions = torch.arange(self.max_len, device=target.device)  # position ids, sliced per step
+        self._finished = False
+
+    @property
+    def done(self) -> bool:
+        return self.out.reason is not None
+
+    @property
+    def m(self) -> int:
+        """The position of the last committed token x_m (the one the target has not seen yet)."""
+        return len(self.x) - 1
+
+    def cancel(self) -> None:
+        """End the request now (a server's cancel); ``result`` reports stop reason 'cancelled'."""
+        if self.out.reason is None:
+            self.out.reason = STOP_CANCELLED
+
+    def result(self) -> GenerationResult:
+        """The output so far, with the statistics (finishes the clock once the session is done)."""
+        if self.done and not self._finished:
+            self.stats.new_tokens, self.stats.stop_reason = len(self.out.tokens), self.out.reason
+            self.clock.finish()
+            self._finished = True
+        return GenerationResult(self.out.tokens, self.stats)
+
+    def _emit(self, tokens: list[int]) -> int:
+        kept = self.out.emit(tokens)
+        self.x += tokens[:kept]
+        if self.out.reason is None and len(self.x) >= self.max_len:
+            self.out.reason = STOP_MAX_NEW_TOKENS if len(self.out.tokens) >= self.max_new_tokens else STOP_MAX_LENGTH
+        return kept
 
 
-def _end(out: _Output, stats: GenerationStats, clock: Clock) -> GenerationResult:
-    stats.new_tokens, stats.stop_reason = len(out.tokens), out.reason
-    clock.finish()
-    return GenerationResult(out.tokens, stats)
+@torch.no_grad()
+def start(target: Target, input_ids: Sequence[int] | Tensor, drafter: Eagle3Drafter | None = None, *,
+          tree: TreeSpec = TreeSpec.chain(5), sampling: SamplingParams = GREEDY, max_new_tokens: int = 256,
+          eos_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
+          decode: Callable[[list[int]], str] | None = None, on_token: Callable[[int], None] | None = None,
+          generator: torch.Generator | None = None, accept_rule: AcceptRule = rejection_rule,
+          timing: str = "auto") -> Session:
+    """Begin a request: prefill the target with the prompt (the target's cache now belongs to this
+    session) and commit the first new token, which comes from the target alone. With a drafter the
+    session decodes speculatively, without one plainly. Arguments as :func:`speculative_generate`."""
+    if drafter is not None:
+        if drafter.config.num_slots != target.spec.num_slots or drafter.config.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"drafter (num_slots={drafter.config.num_slots}, vocab_size={drafter.config.vocab_size}) does not "
+                f"fit the target (num_slots={target.spec.num_slots}, vocab_size={target.vocab_size})"
+            )
+        drafter_device = drafter.fc.weight.device
+        if drafter_device != target.device:
+            raise ValueError(f"drafter on {drafter_device}, target on {target.device}: move the drafter with .to()")
+    s = Session(target, drafter, _prompt_list(input_ids), tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
+                stop=StopCriteria(max_new_tokens, eos_token_ids, stop_strings, decode), on_token=on_token,
+                generator=generator, accept_rule=accept_rule, timing=timing)
+    target.session = s
+    if len(s.x) >= s.max_len:  # nothing to generate: no new tokens asked for, or the prompt fills the context
+        s.out.reason = STOP_MAX_NEW_TOKENS if max_new_tokens <= 0 else STOP_MAX_LENGTH
+        return s
+    with s.clock("prefill"):
+        # p and f at every prompt position; x_n comes from the target alone
+        logits, f = target.prefill(torch.tensor([s.x], device=target.device), capture=drafter is not None)
+        x_next = _choose(logits[0, -1], sampling, generator)
+        s.stats.rounds += 1
+    s._emit([int(x_next)])
+    s.last = x_next.view(1, 1)
+    if drafter is not None and not s.done:
+        with s.clock("draft"):
+            s.draft = DraftState(drafter, s.max_len + tree.scratch_slots)
+            s.draft.extend(s.x[1:], f[0])  # entry t reads (f_t, x_{t+1}), t = 0 .. n-1
+    return s
+
+
+@torch.no_grad()
+def step(s: Session) -> list[int]:
+    """One round of the session: a speculative round (draft, verify, accept, commit) or, without a
+    drafter, one plain step. Returns the tokens it committed (none once the session is done)."""
+    if s.done:
+        return []
+    if s.target.session is not s:
+        raise SessionError("step: the target's KV cache holds another session (started later); a target serves "
+                           "one session at a time: finish this one first, or give each request its own target")
+    return _speculative_round(s) if s.drafter is not None else _plain_step(s)
+
+
+def _speculative_round(s: Session) -> list[int]:
+    target, draft, clock, m = s.target, s.draft, s.clock, s.m
+    # gamma: the deepest draft this round; a accepted drafts + the bonus must fit in max_len
+    gamma = min(s.tree.depth, s.max_len - 2 - m)
+    with clock("draft"):
+        t = draft.draft(s.tree, gamma, s.sampling, s.generator, target.vocab_size)  # t.tokens[0] = x_m
+    with clock("verify"):
+        # logits [1, N+1, V], f [1, N+1, S*H]: after each node, given its ancestors
+        logits, f = target.forward(t.tokens[None], (m + t.depths)[None], t.mask)
+    with clock("bookkeeping"):
+        if s.sampling.greedy:
+            v = accept_greedy(t, logits[0])
+        else:
+            v = accept_sampling(t, logits[0], s.sampling, s.generator, s.accept_rule)
+        # The round's one read of the device: a, the path's tokens, the bonus, the tree's depth.
+        read = torch.cat([v.accepted[None], t.tokens[v.path], v.bonus[None], t.depths.max()[None]]).tolist()
+        a, path_tokens, bonus, tree_depth = read[0], read[1:2 + t.depth], read[2 + t.depth], read[3 + t.depth]
+        accepted = path_tokens[1:a + 1] + [bonus]  # x_{m+1} .. x_{m+a+1}
+        path = v.path[:a + 1]  # x_m and the accepted nodes, on the device
+        target.keep(path)
+        kept = s._emit(accepted)
+        s.stats.record_round(tree_depth, a, kept)
+    if not s.done:
+        with clock("draft"):
+            # The drafter re-reads x_{m+1} .. x_{m+a+1} with the target's f_m .. f_{m+a}.
+            draft.extend(torch.cat([t.tokens[path[1:]], v.bonus[None]]), f[0, path])
+        assert draft.length == target.cache_len == s.m, (draft.length, target.cache_len, s.m)
+    return accepted[:kept]
+
+
+def _plain_step(s: Session) -> list[int]:
+    target, clock, m = s.target, s.clock, s.m
+    with clock("verify"):
+        logits, _ = target.forward(s.last, s.positions[m:m + 1][None], capture=False)  # x_m at position m
+    with clock("bookkeeping"):
+        s.last = _choose(logits[0, -1], s.sampling, s.generator).view(1, 1)
+        token = int(s.last)  # the step's one read
+        s.stats.rounds += 1
+        kept = s._emit([token])
+    return [token][:kept]
+
+
+def _run(s: Session) -> GenerationResult:
+    while not s.done:
+        step(s)
+    return s.result()
 
 
 @torch.no_grad()
@@ -105,6 +258,7 @@ def speculative_generate(
     on_token: Callable[[int], None] | None = None,
     generator: torch.Generator | None = None,
     accept_rule: AcceptRule = rejection_rule,
+    timing: str = "auto",
 ) -> GenerationResult:
     """Generate from ``input_ids`` (a prompt of target token ids) with speculative decoding.
 
@@ -112,67 +266,12 @@ def speculative_generate(
     sampled output has the target's distribution. The sequence never grows past
     ``target.max_length`` tokens (stop reason ``max_length``). ``on_token`` sees every new token as it
     is committed; ``decode`` (token ids -> text) is needed for ``stop_strings``. ``accept_rule`` is
-    the per-child rule of sampling verification (tests inject broken ones).
+    the per-child rule of sampling verification (tests inject broken ones). ``timing``: how the
+    phases are timed (``auto``, ``off``, ``sync``, ``events``; see :class:`~eyas.engine.stats.Clock`).
     """
-    if drafter.config.num_slots != target.spec.num_slots or drafter.config.vocab_size != target.vocab_size:
-        raise ValueError(
-            f"drafter (num_slots={drafter.config.num_slots}, vocab_size={drafter.config.vocab_size}) does not "
-            f"fit the target (num_slots={target.spec.num_slots}, vocab_size={target.vocab_size})"
-        )
-    drafter_device = drafter.fc.weight.device
-    if drafter_device != target.device:
-        raise ValueError(f"drafter on {drafter_device}, target on {target.device}: move the drafter with .to()")
-    x, max_len, stats, clock, out = _begin(target, input_ids, max_new_tokens,
-                                           StopCriteria(max_new_tokens, eos_token_ids, stop_strings, decode), on_token)
-    n = len(x)
-
-    if n < max_len:
-        # Prefill: p and f at every prompt position; x_n comes from the target alone.
-        with clock("prefill"):
-            logits, f = target.prefill(torch.tensor([x], device=target.device))  # [1, n, V], [1, n, S*H]
-            x_next = _next_token(logits[0, -1], sampling, generator)
-            stats.rounds += 1
-        out.emit([x_next])
-        x.append(x_next)
-        if out.reason is None:
-            with clock("draft"):
-                draft = DraftState(drafter, max_len + tree.scratch_slots)
-                draft.extend(x[1:], f[0])  # entry t reads (f_t, x_{t+1}), t = 0 .. n-1
-    m = len(x) - 1  # the last committed token is x_m, at position m, not yet seen by the target
-
-    while out.reason is None:
-        # gamma: the deepest draft this round; a accepted drafts + the bonus must fit in max_len.
-        gamma = min(tree.depth, max_len - 2 - m)
-        if gamma < 0:
-            out.reason = STOP_MAX_NEW_TOKENS if len(out.tokens) >= max_new_tokens else STOP_MAX_LENGTH
-            break
-        with clock("draft"):
-            t = draft.draft(tree, gamma, sampling, generator, target.vocab_size)  # the tree; t.tokens[0] = x_m
-        with clock("verify"):
-            # logits [1, N+1, V], f [1, N+1, S*H]: after each node, given its ancestors
-            logits, f = target.forward(t.tokens[None], (m + t.depths)[None], t.ancestor_mask())
-        with clock("bookkeeping"):
-            tokens = t.tokens.tolist()
-            if sampling.greedy:
-                path, x_bonus = accept_greedy(tokens, t.children, logits[0])
-            else:
-                path, x_bonus = accept_sampling(tokens, t.children, logits[0], t.proposals, sampling,
-                                                generator, accept_rule)
-            target.keep(path)  # x_m and the accepted nodes, in path order
-            accepted = [tokens[i] for i in path[1:]] + [x_bonus]  # x_{m+1} .. x_{m+a+1}
-            kept = out.emit(accepted)
-            stats.record_round(t.depth, len(path) - 1, kept)
-        if out.reason is not None:
-            break
-        with clock("draft"):
-            # The drafter re-reads x_{m+1} .. x_{m+a+1} with the target's f_m .. f_{m+a}.
-            draft.extend(accepted, f[0, path])
-        m += len(accepted)
-        assert draft.length == target.cache_len == m, (draft.length, target.cache_len, m)
-
-    if out.reason is None:  # the prompt filled the context
-        out.reason = STOP_MAX_LENGTH
-    return _end(out, stats, clock)
+    return _run(start(target, input_ids, drafter, tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
+                      eos_token_ids=eos_token_ids, stop_strings=stop_strings, decode=decode, on_token=on_token,
+                      generator=generator, accept_rule=accept_rule, timing=timing))
 
 
 @torch.no_grad()
@@ -187,24 +286,9 @@ def plain_generate(
     decode: Callable[[list[int]], str] | None = None,
     on_token: Callable[[int], None] | None = None,
     generator: torch.Generator | None = None,
+    timing: str = "auto",
 ) -> GenerationResult:
     """The baseline: one target forward per token, no drafter, no feature capture."""
-    x, max_len, stats, clock, out = _begin(target, input_ids, max_new_tokens,
-                                           StopCriteria(max_new_tokens, eos_token_ids, stop_strings, decode), on_token)
-    if len(x) < max_len:
-        with clock("prefill"):
-            logits, _ = target.prefill(torch.tensor([x], device=target.device), capture=False)
-        while True:
-            with clock("bookkeeping"):
-                x.append(_next_token(logits[0, -1], sampling, generator))
-                stats.rounds += 1
-                out.emit(x[-1:])
-            if out.reason is not None or len(x) >= max_len:
-                break
-            with clock("verify"):
-                m = len(x) - 1
-                logits, _ = target.forward(torch.tensor([[x[m]]], device=target.device),
-                                           torch.tensor([[m]], device=target.device), capture=False)
-    if out.reason is None:
-        out.reason = STOP_MAX_NEW_TOKENS if len(out.tokens) >= max_new_tokens else STOP_MAX_LENGTH
-    return _end(out, stats, clock)
+    return _run(start(target, input_ids, None, sampling=sampling, max_new_tokens=max_new_tokens,
+                      eos_token_ids=eos_token_ids, stop_strings=stop_strings, decode=decode, on_token=on_token,
+                      generator=generator, timing=timing))

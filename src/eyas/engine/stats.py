@@ -86,31 +86,61 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class Clock:
-    """Accumulates wall time into ``stats.time_<phase>``.
+TIMINGS = ("auto", "off", "sync", "events")
 
-    On CUDA it synchronises at each phase boundary: kernels are asynchronous, and without the sync a
-    phase would be charged for the previous phase's queued work. The sync costs a few microseconds.
+
+class Clock:
+    """Accumulates the time of each phase into ``stats.time_<phase>``; ``timing`` says how:
+
+    - ``sync``: wall time, synchronising the device at every phase boundary (kernels are
+      asynchronous: without the sync a phase would be charged for the previous phase's queued work).
+      Exact per phase, but each sync stalls the pipeline: a few microseconds, and the host can no
+      longer queue the next phase while the device works;
+    - ``events``: CUDA events recorded at the boundaries (no sync); the phases' device times are
+      summed once, at ``finish``. On the CPU this is ``sync`` (which syncs nothing there);
+    - ``off``: no phase times, only the total;
+    - ``auto``: ``events`` on CUDA, ``sync`` on the CPU.
+    The total is wall time from construction to ``finish``, which synchronises once.
     """
 
-    def __init__(self, stats: GenerationStats, device: torch.device) -> None:
-        self.stats = stats
-        self.cuda = device.type == "cuda"
-        self.start = self._now()
-
-    def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    def __init__(self, stats: GenerationStats, device: torch.device, timing: str = "auto") -> None:
+        if timing not in TIMINGS:
+            raise ValueError(f"timing: expected one of {list(TIMINGS)}, found {timing!r}")
+        self.stats, self.device = stats, device
+        cuda = device.type == "cuda"
+        self.mode = {"auto": "events" if cuda else "sync", "events": "events" if cuda else "sync"}.get(timing, timing)
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        synchronize(device)
+        self.start = time.perf_counter()
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        t0 = self._now()
-        try:
+        if self.mode == "off":
             yield
-        finally:
-            name = f"time_{phase}"
-            setattr(self.stats, name, getattr(self.stats, name) + self._now() - t0)
+        elif self.mode == "events":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((phase, begin, end))
+        else:
+            synchronize(self.device)
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                synchronize(self.device)
+                self._add(phase, time.perf_counter() - t0)
+
+    def _add(self, phase: str, seconds: float) -> None:
+        name = f"time_{phase}"
+        setattr(self.stats, name, getattr(self.stats, name) + seconds)
 
     def finish(self) -> None:
-        self.stats.time_total = self._now() - self.start
+        synchronize(self.device)
+        self.stats.time_total = time.perf_counter() - self.start
+        for phase, begin, end in self._events:
+            self._add(phase, begin.elapsed_time(end) / 1000)
+        self._events.clear()

@@ -45,6 +45,8 @@ class Target(ABC):
     max_length: int
     device: torch.device
 
+    session: object | None = None  # the decoding session whose tokens the cache holds (speculative.start)
+
     # Cache bookkeeping every implementation shares, in host ints (reading them syncs nothing).
     _len: int = 0  # entries in the cache
     _committed: int = 0  # entries before the last forward (the block after them is keep's to choose from)

@@ -88,33 +88,71 @@ class TreeSpec:
 
 @dataclass
 class DraftTree:
-    """A drafted tree in topological order; node 0 is the root (the last committed token x_m)."""
+    """A drafted tree in topological order, on the drafter's device; node 0 is the root (the last
+    committed token x_m). Every field is a tensor except ``depth``, so verifying and accepting a
+    tree never reads the device:
 
-    tokens: Tensor  # long [N+1] target token ids
-    parents: list[int]  # [N+1]; parents[0] = -1, parents[i] < i
-    depths: Tensor  # long [N+1]; depth 0 = root
-    children: list[list[int]]  # per node, children in the order verification examines them
-    proposals: dict[int, Tensor] = field(default_factory=dict)  # sampling: node -> q [V] of its children
+        tokens     long  [N+1]      target token ids
+        parents    long  [N+1]      parents[0] = -1, parents[i] < i
+        depths     long  [N+1]      depth 0 = the root
+        mask       bool  [N+1, N+1] row i True at node i's ancestors and at i (the tree mask)
+        children   long  [N+1, K]   node i's children in the order verification examines them (draw
+                                    order), -1 past the last; K = the tree's top_k (at least 1)
+        valid      bool  [N+1]      False for padding nodes (sampling: a draw past a distribution's
+                                    support); they are verified, for fixed shapes, but never accepted
+        proposals  float [N+1, V] | None   sampling: q over the target vocabulary that node i's
+                                    children were drawn from (a zero row for a node without children)
+        depth      int              levels drafted: the deepest a path can be (a host int)
+    """
+
+    tokens: Tensor
+    parents: Tensor
+    depths: Tensor
+    mask: Tensor
+    children: Tensor
+    valid: Tensor
+    depth: int
+    proposals: Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
-        return len(self.parents)
+        return self.tokens.shape[0]
 
-    @property
-    def depth(self) -> int:
-        return int(self.depths.max())
-
-    def ancestor_mask(self) -> Tensor:
-        """bool [N+1, N+1]: row i is True at node i's ancestors and at i."""
-        n = self.num_nodes
-        mask = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
-        for i in range(1, n):  # parents come first, so their rows are complete
-            mask[i] |= mask[self.parents[i]]
-        return mask
+    @classmethod
+    def from_parents(cls, tokens: Tensor, parents: Tensor, depth: int, top_k: int,
+                     proposals: Tensor | None = None, valid: Tensor | None = None) -> "DraftTree":
+        """The tree given its tokens [N+1] and parents [N+1] (parents[0] = -1, parents[i] < i,
+        siblings in examination order) on one device; ``depth`` bounds the depth of every node and
+        ``top_k`` the children of each. Derives depths, the ancestor mask and the children table
+        with tensor ops only (``depth`` gathers, no device read)."""
+        n, dev = tokens.shape[0], tokens.device
+        nodes = torch.arange(n, device=dev)
+        # Ancestors: walk every node up one level per iteration, marking what it reaches.
+        mask = torch.eye(n, dtype=torch.bool, device=dev)
+        depths = torch.zeros(n, dtype=torch.long, device=dev)
+        up = parents.clone()
+        for _ in range(depth):
+            has = up >= 0
+            mask[nodes, up.clamp(min=0)] |= has
+            depths += has.long()
+            up = torch.where(has, parents[up.clamp(min=0)], up)
+        # Children: node i is child number rank(i) of its parent, rank = earlier siblings.
+        kids = parents[1:]  # [N] the parent of nodes 1..N
+        earlier = (kids[:, None] == kids[None, :]).tril(-1)  # [N, N] j < i with the same parent
+        children = torch.full((n, max(top_k, 1)), -1, dtype=torch.long, device=dev)
+        children[kids, earlier.sum(1)] = nodes[1:]
+        if valid is None:
+            valid = torch.ones(n, dtype=torch.bool, device=dev)
+        return cls(tokens=tokens, parents=parents, depths=depths, mask=mask, children=children, valid=valid,
+                   depth=depth, proposals=proposals)
 
 
 class DraftState:
-    """The drafter, its static KV cache, and its output at the last committed entry (the root)."""
+    """The drafter, its static KV cache, and its output at the last committed entry (the root).
+
+    Every step stays on the device: ``extend`` takes the accepted tokens as a tensor, and ``draft``
+    grows the tree with tensor top-k and sorts (EAGLE-2's dynamic tree), so a round reads nothing
+    back to the host until acceptance has decided."""
 
     def __init__(self, drafter: Eagle3Drafter, max_len: int) -> None:
         self.drafter = drafter
@@ -122,114 +160,115 @@ class DraftState:
         self.dtype = drafter.fc.weight.dtype
         self.cache = drafter.new_cache(1, max_len)
         self.max_len = max_len
-        self.length = 0  # committed entries
+        self.length = 0  # committed entries (a host int)
         vd = drafter.config.draft_vocab_size
         self.draft_ids = drafter.draft_to_target(torch.arange(vd, device=self.device))  # [Vd] target ids
-        self.root_token = -1
+        self.positions = torch.arange(max_len, device=self.device)  # [max_len] cache slot numbers
+        self.root_token: Tensor | None = None  # long [1]: x_m
         self.root_logits: Tensor | None = None  # [Vd]
         self.root_hidden: Tensor | None = None  # [H]
 
     @torch.no_grad()
-    def extend(self, tokens: list[int], features: Tensor) -> None:
+    def extend(self, tokens: Tensor | list[int], features: Tensor) -> None:
         """Commit n entries: entry length+i reads (features[i], tokens[i]) at position length+i.
 
-        tokens: the n committed tokens that follow the target positions of ``features`` [n, S*H_t],
-        i.e. x_{t+1} for feature f_t.
+        tokens: long [n] (or a list), the committed tokens that follow the target positions of
+        ``features`` [n, S*H_t], i.e. x_{t+1} for feature f_t.
         """
-        n = len(tokens)
-        slots = torch.arange(self.length, self.length + n, device=self.device)
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).flatten()
+        n = tokens.shape[0]
+        slots = self.positions[self.length:self.length + n]
         # causal over the committed cache: entry s sees entries 0..s
-        mask = torch.arange(self.max_len, device=self.device)[None] <= slots[:, None]  # [n, max_len]
-        out = self.drafter(torch.tensor([tokens], device=self.device), features[None].to(self.dtype),
-                           slots[None], cache=self.cache, cache_slots=slots, mask=mask[None, None],
-                           from_target=True)
-        self.root_token = tokens[-1]
+        mask = self.positions[None] <= slots[:, None]  # [n, max_len]
+        out = self.drafter(tokens[None], features[None].to(self.dtype), slots[None], cache=self.cache,
+                           cache_slots=slots, mask=mask[None, None], from_target=True)
+        self.root_token = tokens[-1:]
         self.root_logits, self.root_hidden = out.logits[0, -1], out.hidden[0, -1]
         self.length += n
 
     @torch.no_grad()
     def draft(self, spec: TreeSpec, depth: int, sampling: SamplingParams,
               generator: torch.Generator | None, vocab_size: int) -> DraftTree:
-        """Draft a tree of at most ``depth`` (<= spec.depth) from the root. vocab_size: the
-        target's, for the proposals q. depth 0 gives the root alone (a plain decoding step)."""
+        """Draft a tree of at most ``depth`` (<= spec.depth) levels from the root (module docstring).
+        vocab_size: the target's, for the proposals q. depth 0 gives the root alone.
+
+        Candidates are numbered in creation order (level by level; within a level, by the rank of
+        their parent, then the parent's draw order), which is topological. Per level, r expanded
+        nodes (the root, then the frontier) each propose K children: [r, K] tokens and cumulative
+        scores (log q summed along the path; -inf marks a draw past q's support, and every
+        descendant of such a node). Sorting is stable, so ties keep creation order and a parent,
+        whose score is never below its child's, always ranks before it."""
         greedy = sampling.greedy
+        K = min(spec.top_k, self.drafter.config.draft_vocab_size)
         total = int(spec.total_tokens)  # draft nodes kept (greedy) or drawn at most (sampling)
-        top_k = min(spec.top_k, self.drafter.config.draft_vocab_size)
-        m = self.length
-        # Every node drafted so far (index 0 = root): target token, parent, depth, cumulative log q.
-        tokens, parents, depths, scores = [self.root_token], [-1], [0], [0.0]
-        proposals: dict[int, Tensor] = {}
-        # The nodes whose children are drawn next, with their drafter outputs and mask rows.
-        expand = [0]
-        logits = self.root_logits[None]  # [k, Vd]
-        hidden = self.root_hidden[None]  # [k, H]
-        rows = (torch.arange(self.max_len, device=self.device) < m)[None]  # [k, max_len]
+        m, dev = self.length, self.device
+        if depth == 0:
+            root = self.root_token
+            return DraftTree.from_parents(root, torch.full((1,), -1, device=dev), 0, K)
+        cand_tokens, cand_parents, cand_scores, cand_depths = [], [], [], []  # per level, [n_d] each
+        q_nodes, q_rows = [], []  # sampling: the expanded nodes (candidate numbers) and their q [r, Vd]
+        count = 0  # candidates so far; candidate j is node number j + 1 (the root is 0)
+        logits = self.root_logits[None]  # [r, Vd] the expanded nodes' drafter outputs
+        hidden = self.root_hidden[None]  # [r, H]
+        score = torch.zeros(1, device=dev)  # [r] their cumulative scores
+        number = torch.zeros(1, dtype=torch.long, device=dev)  # [r] their node numbers (root = 0)
+        rows = (self.positions < m)[None]  # [r, max_len] the cache entries each may attend
         next_slot = m
         for d in range(1, depth + 1):
-            # 1. children of each expanded node
-            new: list[int] = []
+            # 1. K children of each expanded node
             if greedy:
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                top = logp.topk(top_k, dim=-1)  # [k, top_k]
-                child_tokens = self.draft_ids[top.indices].tolist()
-                child_logp = top.values.tolist()
-                for row, node in enumerate(expand):
-                    for tok, lp in zip(child_tokens[row], child_logp[row]):
-                        new.append(len(tokens))
-                        tokens.append(tok), parents.append(node), depths.append(d), scores.append(scores[node] + lp)
+                top = torch.log_softmax(logits.float(), dim=-1).topk(K, dim=-1)
+                drawn, log_q = top.indices, top.values  # [r, K]
             else:
-                q = probabilities(logits, sampling)  # [k, Vd]
-                support = (q > 0).sum(-1).tolist()
-                # draw order; a row with fewer than n tokens in its support ends in -inf keys, cut below
-                drawn = gumbel_top_k(q, min(top_k, max(support)), generator)  # [k, n]
-                child_tokens = self.draft_ids[drawn].tolist()
-                child_logq = q.gather(-1, drawn).log().tolist()
-                for row, node in enumerate(expand):  # best parents first: ``expand`` is sorted
-                    # n is fixed before looking at the draws (see module docstring)
-                    n = min(top_k, support[row], total - (len(tokens) - 1))
-                    if n <= 0:
-                        continue
-                    q_target = torch.zeros(vocab_size, device=self.device)
-                    q_target[self.draft_ids] = q[row]
-                    proposals[node] = q_target
-                    for tok, lq in zip(child_tokens[row][:n], child_logq[row][:n]):
-                        new.append(len(tokens))
-                        tokens.append(tok), parents.append(node), depths.append(d), scores.append(scores[node] + lq)
-            if d == depth or not new:
+                q = probabilities(logits, sampling)  # [r, Vd]
+                drawn = gumbel_top_k(q, K, generator)  # [r, K] draw order; past the support: q = 0
+                log_q = q.gather(-1, drawn).log()
+                q_nodes.append(number), q_rows.append(q)
+            n = drawn.numel() if greedy else min(drawn.numel(), total - count)  # sampling: cap the draws
+            if n <= 0:
                 break
-            # 2. the top_k best new nodes get their own drafter step (batched: one forward)
-            frontier = sorted(new, key=lambda i: -scores[i])[:top_k]  # stable: ties by creation order
-            parent_row = [expand.index(parents[i]) for i in frontier]
-            slots = torch.arange(next_slot, next_slot + len(frontier), device=self.device)
-            next_slot += len(frontier)
+            level_scores = (score[:, None] + log_q).flatten()[:n]
+            cand_tokens.append(self.draft_ids[drawn].flatten()[:n])
+            cand_parents.append(number.repeat_interleave(K)[:n])
+            cand_scores.append(level_scores)
+            cand_depths.append(torch.full((n,), d, device=dev))
+            first = count + 1
+            count += n
+            if d == depth:
+                break
+            # 2. the K best new nodes get their own drafter step (batched: one forward)
+            order = level_scores.sort(descending=True, stable=True).indices[:K]  # [r']
+            r = order.shape[0]
+            parent_row = order // K
+            slots = self.positions[next_slot:next_slot + r]
+            next_slot += r
             rows = rows[parent_row].clone()  # the parent's visibility (committed + its ancestors)...
-            rows[torch.arange(len(frontier), device=self.device), slots] = True  # ...plus the node itself
-            out = self.drafter(
-                torch.tensor([[tokens[i] for i in frontier]], device=self.device),
-                hidden[parent_row][None],
-                torch.full((1, len(frontier)), m - 1 + d, device=self.device),
-                cache=self.cache, cache_slots=slots, mask=rows[None, None], from_target=False,
-            )
-            expand, logits, hidden = frontier, out.logits[0], out.hidden[0]
+            rows[torch.arange(r, device=dev), slots] = True  # ...plus the node itself
+            out = self.drafter(cand_tokens[-1][order][None], hidden[parent_row][None],
+                               torch.full((1, r), m - 1 + d, device=dev), cache=self.cache, cache_slots=slots,
+                               mask=rows[None, None], from_target=False)
+            logits, hidden = out.logits[0], out.hidden[0]
+            score, number = level_scores[order], first + order
 
-        if greedy:  # EAGLE-2: keep the `total_tokens` best nodes; a parent always ranks before its child
-            chosen = {0}
-            for i in sorted(range(1, len(tokens)), key=lambda i: (-scores[i], depths[i], i)):
-                if len(chosen) > total:
-                    break
-                if parents[i] in chosen:
-                    chosen.add(i)
-            keep = sorted(chosen)  # creation order is topological and keeps sibling order
-        else:
-            keep = list(range(len(tokens)))
-        new_index = {old: new for new, old in enumerate(keep)}
-        children: list[list[int]] = [[] for _ in keep]
-        for new, old in enumerate(keep[1:], start=1):
-            children[new_index[parents[old]]].append(new)
-        return DraftTree(
-            tokens=torch.tensor([tokens[i] for i in keep], device=self.device),
-            parents=[-1] + [new_index[parents[i]] for i in keep[1:]],
-            depths=torch.tensor([depths[i] for i in keep], device=self.device),
-            children=children,
-            proposals={new_index[i]: q for i, q in proposals.items() if i in new_index},
-        )
+        tokens, parents, scores = torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_scores)
+        if greedy:  # EAGLE-2: keep the `total` best candidates, in creation order
+            chosen = scores.sort(descending=True, stable=True).indices[:total].sort().values
+        else:  # sampling keeps every draw (module docstring)
+            chosen = torch.arange(count, device=dev)
+        N = chosen.shape[0]
+        renumber = torch.full((count + 1,), -1, dtype=torch.long, device=dev)  # candidate number -> node
+        renumber[0] = 0
+        renumber[chosen + 1] = torch.arange(1, N + 1, device=dev)
+        node_tokens = torch.cat([self.root_token, tokens[chosen]])
+        node_parents = torch.cat([torch.full((1,), -1, device=dev), renumber[parents[chosen]]])
+        valid = torch.cat([torch.ones(1, dtype=torch.bool, device=dev), scores[chosen] > float("-inf")])
+        proposals = None
+        if not greedy:
+            # q of each expanded node over the target vocabulary, in its node's row; expanded nodes
+            # that are not in the tree (their draws fell past the cap) go to a spare last row
+            proposals = torch.zeros(N + 2, vocab_size, device=dev)
+            node = renumber[torch.cat(q_nodes)]
+            node = torch.where(node >= 0, node, N + 1)
+            proposals[node[:, None], self.draft_ids[None, :]] = torch.cat(q_rows).float()
+            proposals = proposals[:N + 1]
+        return DraftTree.from_parents(node_tokens, node_parents, len(cand_tokens), K, proposals, valid)

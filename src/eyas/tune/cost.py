@@ -210,14 +210,8 @@ class TimingContext:
 def _binary_tree(n: int, tokens: Tensor) -> DraftTree:
     """A binary tree of n nodes (parent of i = (i-1)//2) over ``tokens`` [n]. The shape does not
     change the cost of a dense-masked forward; it only has to be a valid tree."""
-    parents = [-1] + [(i - 1) // 2 for i in range(1, n)]
-    depths = [0] * n
-    children: list[list[int]] = [[] for _ in range(n)]
-    for i in range(1, n):
-        depths[i] = depths[parents[i]] + 1
-        children[parents[i]].append(i)
-    return DraftTree(tokens=tokens, parents=parents, depths=torch.tensor(depths, device=tokens.device),
-                     children=children)
+    parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, n)], device=tokens.device)
+    return DraftTree.from_parents(tokens, parents, depth=max(n - 1, 0).bit_length(), top_k=2)
 
 
 def context_length(target: Target, sizes: Sequence[int], calls: int, context: int) -> int:
@@ -242,7 +236,7 @@ def time_verification(tc: TimingContext, sizes: Sequence[int]) -> dict[int, floa
         for T in sizes:
             tree = _binary_tree(T, tc.random_tokens(T)[0])
             pos = (tc.ids.shape[1] + tree.depths)[None]
-            t = _median_time(lambda: target.forward(tree.tokens[None], pos, tree.ancestor_mask()), tc.device,
+            t = _median_time(lambda: target.forward(tree.tokens[None], pos, tree.mask), tc.device,
                              tc.repeats if timed else 1, tc.warmup if timed else 0, after=lambda: target.keep([]))
             if timed:
                 verify[T] = t
@@ -259,10 +253,10 @@ def time_bookkeeping(tc: TimingContext, sizes: Sequence[int] = BOOKKEEPING_SIZES
         times = []
         for _ in range(tc.calls):
             tree = _binary_tree(T, tc.random_tokens(T)[0])
-            out, _ = target.forward(tree.tokens[None], (target.cache_len + tree.depths)[None], tree.ancestor_mask())
+            out, _ = target.forward(tree.tokens[None], (target.cache_len + tree.depths)[None], tree.mask)
 
             def walk_and_keep() -> None:
-                accept_greedy(tree.tokens.tolist(), tree.children, out[0])
+                accept_greedy(tree, out[0]).path.tolist()  # read back, as a round does
                 target.keep(path)
 
             times.append(_timed(walk_and_keep, tc.device))

@@ -1,0 +1,105 @@
+"""A round on the fast path stays on the device: drafting (tensor top-k), verification and
+acceptance (batched over the tree) read nothing back until the round's one transfer of its
+verdict. And the session/step API: a request is a Session that ``step`` advances one round at a
+time, which is what ``speculative_generate`` does; a server can stop stepping one (cancel).
+
+Host reads are counted by wrapping every Tensor method that copies a value to Python (on a GPU
+each is a device synchronisation); ``tests/test_engine_cuda.py`` counts the real synchronisations
+with CUDA's sync debug mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.engine import SamplingParams, TreeSpec, speculative_generate
+from eyas.engine.llama import LlamaTarget
+from eyas.engine.speculative import SessionError, start, step
+from tests.support.tiny import SPEC4, random_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Every Tensor method that hands a device value to Python.
+READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
+GREEDY_BAR, SAMPLING_BAR = 2, 3  # issue 10's bars: reads per round on the fast path
+
+
+class HostReads:
+    """Counts calls of READS while active (monkeypatched onto torch.Tensor)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count, self.active = 0, False
+        for name in READS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *args, _original=original, **kwargs):
+                if self.active:
+                    self.count += 1
+                return _original(t, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def per_step(self, session) -> list[int]:
+        """Reads of each round until the session is done."""
+        counts = []
+        while not session.done:
+            self.count, self.active = 0, True
+            step(session)
+            self.active = False
+            counts.append(self.count)
+        return counts
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9)],
+                         ids=["greedy", "sampling"])
+@pytest.mark.parametrize("tree", [TreeSpec.chain(4), TreeSpec(4, 4, 16), TreeSpec(3, 8, None)], ids=str)
+def test_a_round_on_the_fast_path_reads_the_device_once(llama, trained_drafter, monkeypatch, tree, sampling):
+    target = LlamaTarget(llama, SPEC4, fixed_shapes=True)
+    reads = HostReads(monkeypatch)
+    rounds = accepted = 0
+    for prompt in random_prompts(3, 128, seed=5):
+        session = start(target, prompt, trained_drafter, tree=tree, sampling=sampling, max_new_tokens=24,
+                        generator=torch.Generator().manual_seed(0), timing="off")
+        counts = reads.per_step(session)
+        # one read per round: the verdict (accepted length, path tokens, bonus, tree depth)
+        assert counts == [1] * len(counts)
+        assert max(counts) <= (GREEDY_BAR if sampling.greedy else SAMPLING_BAR)
+        rounds += len(counts)
+        accepted += sum(session.stats.accept_lengths) - len(session.stats.accept_lengths)
+    assert rounds > 0 and accepted > 0  # rounds that accepted drafts were counted too
+
+
+@pytest.mark.integration
+def test_a_plain_step_reads_its_one_token(llama, monkeypatch):
+    target = LlamaTarget(llama, SPEC4, fixed_shapes=True)
+    reads = HostReads(monkeypatch)
+    session = start(target, [5, 6, 7], None, max_new_tokens=10, timing="off")
+    assert reads.per_step(session) == [1] * 9
+
+
+@pytest.mark.integration
+def test_stepping_a_session_is_speculative_generate_and_sessions_own_the_target(llama, trained_drafter):
+    target = LlamaTarget(llama, SPEC4, fixed_shapes=True)
+    prompt, tree = [9, 8, 7, 6, 5], TreeSpec(4, 4, 16)
+    whole = speculative_generate(target, trained_drafter, prompt, tree=tree, max_new_tokens=30)
+
+    session = start(target, prompt, trained_drafter, tree=tree, max_new_tokens=30)
+    streamed = list(session.out.tokens)  # the first token comes from the prefill
+    while not session.done:
+        streamed += step(session)
+    result = session.result()
+    assert streamed == result.tokens == whole.tokens and len(result.tokens) == 30
+    assert result.stats.accept_lengths == whole.stats.accept_lengths
+    assert result.stats.stop_reason == "max_new_tokens" and step(session) == []
+
+    # A second session takes the target's cache; the first may no longer step.
+    first = start(target, prompt, trained_drafter, tree=tree, max_new_tokens=30)
+    second = start(target, [1, 2, 3], trained_drafter, tree=tree, max_new_tokens=30)
+    with pytest.raises(SessionError, match="holds another session"):
+        step(first)
+    step(second)
+    second.cancel()
+    assert second.done and step(second) == []
+    assert second.result().stats.stop_reason == "cancelled"
