@@ -143,6 +143,28 @@ class Session:
         return kept
 
 
+def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len: int) -> DraftState:
+    """The drafter's state for a session of up to ``max_len`` tokens on ``target``, emptied.
+
+    One per (target, drafter, tree), kept on the target and reused by its sessions (one at a time,
+    like the target's cache), so the drafter's CUDA graphs are captured once, not per request. Its
+    cache holds the committed entries, one round's scratch and the padding of a fixed-shape re-read,
+    rounded up to a power of two (at least 256), so requests of similar lengths share one state
+    (fixed-shape steps attend the whole cache: it must not be much longer than needed). Its shapes
+    follow the target's: fixed (and graphed) when the target's are."""
+    states = target.__dict__.setdefault("_draft_states", {})
+    key = (id(drafter), tree)
+    need = max_len + tree.scratch_slots + tree.depth + 1
+    if key not in states or states[key][0] is not drafter or states[key][1].max_len < need:
+        states[key] = (drafter, DraftState(drafter, max(256, 1 << (need - 1).bit_length()),
+                                           fixed_shapes=getattr(target, "fixed_shapes", False),
+                                           cuda_graphs=getattr(target, "cuda_graphs", False),
+                                           extend_bucket=tree.depth + 1))
+    state = states[key][1]
+    state.reset()
+    return state
+
+
 @torch.no_grad()
 def start(target: Target, input_ids: Sequence[int] | Tensor, drafter: Eagle3Drafter | None = None, *,
           tree: TreeSpec = TreeSpec.chain(5), sampling: SamplingParams = GREEDY, max_new_tokens: int = 256,
@@ -178,7 +200,7 @@ def start(target: Target, input_ids: Sequence[int] | Tensor, drafter: Eagle3Draf
     s.last = x_next.view(1, 1)
     if drafter is not None and not s.done:
         with s.clock("draft"):
-            s.draft = DraftState(drafter, s.max_len + tree.scratch_slots)
+            s.draft = _draft_state(target, drafter, tree, s.max_len)
             s.draft.extend(s.x[1:], f[0])  # entry t reads (f_t, x_{t+1}), t = 0 .. n-1
     return s
 

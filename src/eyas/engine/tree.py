@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from eyas.drafter.model import Eagle3Drafter
+from eyas.engine.graphs import StepGraphs
 from eyas.engine.sampling import SamplingParams, gumbel_top_k, probabilities
 from eyas.errors import EyasError
 
@@ -154,7 +155,12 @@ class DraftState:
     grows the tree with tensor top-k and sorts (EAGLE-2's dynamic tree), so a round reads nothing
     back to the host until acceptance has decided."""
 
-    def __init__(self, drafter: Eagle3Drafter, max_len: int) -> None:
+    def __init__(self, drafter: Eagle3Drafter, max_len: int, fixed_shapes: bool = False,
+                 cuda_graphs: bool = False, extend_bucket: int = 0) -> None:
+        """max_len: cache slots (committed entries + one round's scratch). Fixed shapes: ``extend``
+        of n <= extend_bucket tokens runs padded to extend_bucket (the re-read after a round), so
+        with ``cuda_graphs`` (on a GPU) both of the drafter's round steps are captured once per
+        shape and replayed (``graphs.StepGraphs``)."""
         self.drafter = drafter
         self.device = drafter.fc.weight.device
         self.dtype = drafter.fc.weight.dtype
@@ -167,23 +173,49 @@ class DraftState:
         self.root_token: Tensor | None = None  # long [1]: x_m
         self.root_logits: Tensor | None = None  # [Vd]
         self.root_hidden: Tensor | None = None  # [H]
+        self.extend_bucket = int(extend_bucket) if (fixed_shapes or cuda_graphs) else 0
+        graphs = cuda_graphs and self.device.type == "cuda"
+        # from target features (extend) and from fed-back states (expansion): two steps, two graph sets
+        self._eager = {True: self._step_fn(True), False: self._step_fn(False)}
+        self._steps = {k: StepGraphs(fn) for k, fn in self._eager.items()} if graphs else self._eager
+
+    def reset(self) -> None:
+        """Empty the cache for a new request (stale entries are never attended; graphs stay)."""
+        self.length = 0
+        self.root_token = self.root_logits = self.root_hidden = None
+
+    def _step_fn(self, from_target: bool):
+        def fn(tokens: Tensor, hidden: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+            out = self.drafter(tokens, hidden, positions, cache=self.cache, cache_slots=slots, mask=mask,
+                               from_target=from_target)
+            return out.logits, out.hidden
+        return fn
 
     @torch.no_grad()
     def extend(self, tokens: Tensor | list[int], features: Tensor) -> None:
         """Commit n entries: entry length+i reads (features[i], tokens[i]) at position length+i.
 
         tokens: long [n] (or a list), the committed tokens that follow the target positions of
-        ``features`` [n, S*H_t], i.e. x_{t+1} for feature f_t.
+        ``features`` [n, S*H_t], i.e. x_{t+1} for feature f_t. With fixed shapes, n <= extend_bucket
+        runs padded: pad i writes the scratch slot length+i (which drafting overwrites before it
+        is attended) and attends only itself; no real entry attends a pad.
         """
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).flatten()
         n = tokens.shape[0]
-        slots = self.positions[self.length:self.length + n]
-        # causal over the committed cache: entry s sees entries 0..s
-        mask = self.positions[None] <= slots[:, None]  # [n, max_len]
-        out = self.drafter(tokens[None], features[None].to(self.dtype), slots[None], cache=self.cache,
-                           cache_slots=slots, mask=mask[None, None], from_target=True)
-        self.root_token = tokens[-1:]
-        self.root_logits, self.root_hidden = out.logits[0, -1], out.hidden[0, -1]
+        B = self.extend_bucket if n <= self.extend_bucket else n
+        features = features.to(self.dtype)
+        if B > n:
+            tokens = torch.cat([tokens, tokens.new_zeros(B - n)])
+            features = torch.cat([features, features.new_zeros(B - n, features.shape[1])])
+        slots = self.positions[self.length:self.length + B]
+        # causal over the committed cache: entry s sees entries 0..s; a pad sees itself
+        mask = self.positions[None] <= slots[:, None]  # [B, max_len]
+        mask[n:] = self.positions[None] == slots[n:, None]
+        step = self._steps[True] if B == self.extend_bucket else self._eager[True]  # a prompt runs eagerly
+        logits, hidden = step(tokens[None], features[None], slots[None], slots, mask[None, None])
+        self.root_token = tokens[n - 1:n]
+        # cloned: a graph's outputs are overwritten by its next replay
+        self.root_logits, self.root_hidden = logits[0, n - 1].clone(), hidden[0, n - 1].clone()
         self.length += n
 
     @torch.no_grad()
@@ -244,10 +276,9 @@ class DraftState:
             next_slot += r
             rows = rows[parent_row].clone()  # the parent's visibility (committed + its ancestors)...
             rows[torch.arange(r, device=dev), slots] = True  # ...plus the node itself
-            out = self.drafter(cand_tokens[-1][order][None], hidden[parent_row][None],
-                               torch.full((1, r), m - 1 + d, device=dev), cache=self.cache, cache_slots=slots,
-                               mask=rows[None, None], from_target=False)
-            logits, hidden = out.logits[0], out.hidden[0]
+            logits, hidden = self._steps[False](cand_tokens[-1][order][None], hidden[parent_row][None],
+                                                torch.full((1, r), m - 1 + d, device=dev), slots, rows[None, None])
+            logits, hidden = logits[0], hidden[0]
             score, number = level_scores[order], first + order
 
         tokens, parents, scores = torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_scores)

@@ -1,0 +1,57 @@
+"""CUDA graphs for fixed-shape steps: capture a function once per input shape, then replay it.
+
+A replay re-runs the captured kernels on the same memory, so a graph's inputs are static buffers
+that each call copies into, and its outputs are buffers the next replay overwrites (callers that
+keep them past the next call must clone). Anything the function reads from outside its inputs (a
+module's weights, a KV cache written by index) must stay at the same address: in-place writes
+only. Python code inside the function runs once, at capture: no host reads, no data-dependent
+branches.
+
+Used for the drafter's steps (``tree.DraftState``): the expansion of the frontier at each depth
+and the re-read of the accepted tokens, both at shapes fixed by the tree.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+class StepGraphs:
+    """``fn(*inputs) -> tuple of tensors``, captured per distinct input shape on first use.
+
+    ``__call__`` copies the inputs into the captured graph's static buffers, replays it and returns
+    its output buffers (valid until the next call with the same shapes). All graphs share one
+    memory pool: they run one after another, never at once."""
+
+    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], warmup: int = 2) -> None:
+        self.fn, self.warmup = fn, warmup
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(inputs)
+        graph, static_in, static_out = self.graphs[key]
+        for dst, src in zip(static_in, inputs):
+            dst.copy_(src)
+        graph.replay()
+        return static_out
+
+    def _capture(self, inputs: tuple[Tensor, ...]) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, ...]]:
+        # Warm-up runs on a side stream (lazy initialisations, allocator), as torch.cuda.graphs asks.
+        # They run on the real inputs, so whatever they write in place is what the caller asked for.
+        static_in = tuple(t.clone() for t in inputs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                self.fn(*static_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static_out = self.fn(*static_in)
+        return graph, static_in, static_out
