@@ -22,7 +22,7 @@ from eyas.engine.tree import DraftState
 from eyas.errors import EyasError
 from eyas.tune import (
     AcceptanceProfile, CostModel, TreeAutoError, acceptance_from_metrics, candidate_trees, choose_tree, expected_tau,
-    measure_acceptance, measure_cost, predict_tau, simulate_rounds, teacher_forced_ranks, tune_tree,
+    measure_acceptance, measure_cost, predict_tau, simulate_rounds, teacher_forced_ranks, time_rounds, tune_tree,
 )
 from tests.support.tiny import SPEC4, random_prompts
 
@@ -155,6 +155,7 @@ def test_tune_tree_falls_back_to_training_metrics_and_refuses_without_acceptance
 
     cost = CostModel({1: 10e-3, 64: 10e-3}, **PARTS)
     monkeypatch.setattr(auto, "measure_cost", lambda target, drafter: cost)  # the model's numbers, not this CPU's
+    monkeypatch.setattr(auto, "time_rounds", lambda target, drafter, specs: {})  # no round timed: the model decides
     from eyas.contract import ValidationMetrics
 
     metrics = ValidationMetrics(step=9, conditional_accuracy_per_position=[0.8, 0.6])
@@ -168,6 +169,32 @@ def test_tune_tree_falls_back_to_training_metrics_and_refuses_without_acceptance
         tune_tree(None, None, [], SimpleNamespace(metrics=None))
     with pytest.raises(EyasError):
         tune_tree(None, None, [], None)
+
+
+@pytest.mark.unit
+def test_tune_tree_times_a_shortlist_end_to_end_and_chooses_on_those_rounds(monkeypatch):
+    """The model shortlists its best trees and chains; their rounds, timed end to end, decide:
+    here a chain's real round is 50x cheaper than the trees', so the chain wins and the choice
+    reports the timed round, not the model's."""
+    import eyas.tune.auto as auto
+    from eyas.contract import ValidationMetrics
+
+    cost = CostModel({1: 10e-3, 64: 10e-3}, **PARTS)
+    timed: list[TreeSpec] = []
+
+    def fake_rounds(target, drafter, specs):
+        timed.extend(specs)
+        return {s: 1e-3 if s.top_k == 1 else 50e-3 for s in specs}
+
+    monkeypatch.setattr(auto, "measure_cost", lambda target, drafter: cost)
+    monkeypatch.setattr(auto, "time_rounds", fake_rounds)
+    metrics = ValidationMetrics(step=9, conditional_accuracy_per_position=[0.8, 0.6, 0.5])
+    choice = tune_tree(None, None, [], SimpleNamespace(metrics=metrics))
+    assert len(timed) == auto.SHORTLIST and sum(s.top_k == 1 for s in timed) == 2
+    assert {c.spec for c in choice.candidates} == set(timed)  # the choice is among the timed rounds
+    assert choice.spec.top_k == 1 and choice.round_s == 1e-3
+    assert {"depth": choice.spec.depth, "top_k": 1, "total_tokens": choice.spec.total_tokens,
+            "round_ms": 1.0} in choice.to_dict()["cost"]["round_ms_by_tree"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,6 +278,10 @@ def test_measurement_leaves_the_target_usable(llama, trained_drafter):
     assert set(cost.bookkeeping_s_by_tokens) == {2, 16, 64}
     assert all(v > 0 for v in cost.bookkeeping_s_by_tokens.values())
     assert set(cost.extend_s_by_tokens) == {1, 4, 8}
+    rounds = time_rounds(target, trained_drafter, [TreeSpec.chain(3), TreeSpec(3, 3, 8)], rounds=2, warmup=1,
+                         context=32)
+    assert target.cache_len == 0 and set(rounds) == {TreeSpec.chain(3), TreeSpec(3, 3, 8)}
+    assert all(t > 0 for t in rounds.values())
     acc = measure_acceptance(target, trained_drafter, [prompt], max_depth=3, max_topk=3, new_tokens=16)
     choice = choose_tree(cost, acc, topks=(1, 3), totals=(4, 8))
     assert target.cache_len == 0
@@ -279,6 +310,9 @@ def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy_drafter, tmp
     assert set(auto["verify_ms_by_tokens"]) == {"1", "2", "4", "8", "16", "32", "64"}
     assert auto["acceptance"]["source"].startswith("greedy calibration on 2 prompt(s)")
     assert auto["candidates"][0]["depth"] == auto["depth"]
+    assert len(auto["cost"]["round_ms_by_tree"]) == 8  # the shortlist, timed end to end
+    assert auto["measured_round_ms"] == pytest.approx(report["sets"][0]["round_ms"], rel=1e-3)
+    assert auto["round_prediction_error"] == pytest.approx(auto["round_ms"] / auto["measured_round_ms"] - 1, abs=1e-3)
     assert report["sets"][0]["identical_to_plain"] is True
     assert "chose" in r.stderr and "--tree auto" in r.stderr
 

@@ -77,6 +77,8 @@ class SetResult:
             "accept_length_histogram": _histogram(per_round),
             "time_split_s": {k: round(sum(getattr(s, f"time_{k}") for s in self.stats), 3)
                              for k in ("prefill", "draft", "verify", "bookkeeping")},
+            # a speculative round after the prefill, as a request pays it (GenerationStats.time_rounds)
+            "round_ms": round(1e3 * sum(s.time_rounds for s in self.stats) / len(per_round), 4) if per_round else None,
             "identical_to_plain": (all(a == b for a, b in zip(spec.outputs, plain.outputs)) if self.greedy else None),
             "identical_to_hf": (all(a == b for a, b in zip(spec.outputs, hf.outputs)) if self.greedy else None),
         }

@@ -25,6 +25,7 @@ session that last prefilled it (a step on another raises :class:`SessionError`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -214,7 +215,10 @@ def step(s: Session) -> list[int]:
     if s.target.session is not s:
         raise SessionError("step: the target's KV cache holds another session (started later); a target serves "
                            "one session at a time: finish this one first, or give each request its own target")
-    return _speculative_round(s) if s.drafter is not None else _plain_step(s)
+    t0 = time.perf_counter()
+    tokens = _speculative_round(s) if s.drafter is not None else _plain_step(s)
+    s.stats.time_rounds += time.perf_counter() - t0
+    return tokens
 
 
 def _speculative_round(s: Session) -> list[int]:

@@ -12,6 +12,10 @@ Definitions (the ones ``eyas bench`` prints):
     drafted_at_depth[d]   rounds whose tree reached depth d+1 (the denominator of the rate)
     time_*          seconds in prefill / drafting (tree + drafter re-run) / target verification /
                     bookkeeping (acceptance walk, cache compaction, stop checks)
+    time_rounds     wall seconds inside the rounds after the prefill (``speculative.step``), with no
+                    sync of its own: each round ends with its read of the device, so consecutive
+                    rounds' wall times add up to what they cost (work queued after the read overlaps
+                    the next round's host work and is paid there); round_ms = time_rounds / rounds
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class GenerationStats:
     time_verify: float = 0.0
     time_bookkeeping: float = 0.0
     time_total: float = 0.0
+    time_rounds: float = 0.0  # wall time inside step(), all rounds (see the module docstring)
     stop_reason: str = ""
 
     @property
@@ -51,6 +56,12 @@ class GenerationStats:
         report it; the first token, which comes from the prefill alone, is not a round. Plain
         decoding is 1.0."""
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 1.0
+
+    @property
+    def round_s(self) -> float:
+        """Seconds per round after the prefill (speculative: per drafting-verification round)."""
+        n = len(self.accept_lengths) or max(self.rounds - 1, 0)
+        return self.time_rounds / n if n else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -76,7 +87,8 @@ class GenerationStats:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(tau=self.tau, tokens_per_s=self.tokens_per_s, acceptance_at_depth=self.acceptance_at_depth)
+        d.update(tau=self.tau, tokens_per_s=self.tokens_per_s, acceptance_at_depth=self.acceptance_at_depth,
+                 round_s=self.round_s)
         return d
 
 

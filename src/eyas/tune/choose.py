@@ -64,10 +64,13 @@ class TreeChoice:
 
 
 def choose_tree(cost: CostModel, acceptance: AcceptanceProfile, depths: Sequence[int] | None = None,
-                topks: Sequence[int] = DEFAULT_TOPKS, totals: Sequence[int] = DEFAULT_TOTALS) -> TreeChoice:
+                topks: Sequence[int] = DEFAULT_TOPKS, totals: Sequence[int] = DEFAULT_TOTALS,
+                specs: Sequence[TreeSpec] | None = None) -> TreeChoice:
     """The candidate with the highest predicted speedup tau * plain_s / round_s (ties: the cheaper
-    round, then the smaller tree). depths default to 1 .. the acceptance profile's depth."""
+    round, then the smaller tree). The candidates are ``specs`` when given, else the space of
+    depths (default 1 .. the acceptance profile's depth) x topks x totals."""
     depths = depths or range(1, acceptance.max_depth + 1)
-    cands = [predict_candidate(spec, cost, acceptance) for spec in candidate_trees(depths, topks, totals)]
+    space = list(specs) if specs is not None else candidate_trees(depths, topks, totals)
+    cands = [predict_candidate(spec, cost, acceptance) for spec in space]
     cands.sort(key=lambda c: (-round(c.speedup, 9), c.round_s, c.spec.total_tokens, c.spec.depth, c.spec.top_k))
     return TreeChoice(cands, explain_choice(cands[0], cands, cost, acceptance), cost, acceptance)

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from eyas.drafter.model import Eagle3Drafter
 from eyas.engine.sampling import GREEDY, accept_greedy
-from eyas.engine.speculative import plain_generate, speculative_generate
+from eyas.engine.speculative import plain_generate, speculative_generate, start, step
 from eyas.engine.stats import synchronize
 from eyas.engine.target import Target
 from eyas.engine.tree import DraftState, DraftTree, TreeSpec
@@ -87,6 +87,10 @@ class CostModel:
     round_overhead_s    what a real round costs beyond the sum of the parts above (syncs, small host
                         copies, Python between the phases): a chain-of-1 speculative_generate run, per
                         round, minus the model's round of that chain; never negative
+    round_s_by_tree     TreeSpec -> one real round of that tree (:func:`time_rounds`): what
+                        ``--tree auto`` ranks its shortlist by. At fixed shapes (the fast target) a
+                        round costs the same whatever it accepts, so a round timed on random context
+                        is the round a request will pay
     """
 
     verify_s_by_tokens: dict[int, float]
@@ -98,6 +102,7 @@ class CostModel:
     round_overhead_s: float = 0.0
     context: int = 0  # tokens in the cache while timing
     device: str = "cpu"
+    round_s_by_tree: dict[TreeSpec, float] = field(default_factory=dict)  # rounds timed end to end
 
     def verify_s(self, n: int) -> float:
         """One verification forward over n tokens (the root + n - 1 draft nodes)."""
@@ -125,7 +130,10 @@ class CostModel:
         return self.draft_s(spec.depth, spec.top_k) + self.verify_s(n) + self.extend_s(tau) + self.bookkeeping_s(n)
 
     def round_s(self, spec: TreeSpec, tau: float) -> float:
-        """round_s = parts_s + round_overhead_s."""
+        """The round of ``spec`` as timed end to end (:func:`time_rounds`) when it was, else the
+        model: parts_s + round_overhead_s."""
+        if spec in self.round_s_by_tree:
+            return self.round_s_by_tree[spec]
         return self.parts_s(spec, tau) + self.round_overhead_s
 
     def to_dict(self) -> dict[str, Any]:
@@ -135,7 +143,9 @@ class CostModel:
                 "extend_ms_by_tokens": ms(self.extend_s_by_tokens),
                 "bookkeeping_ms_by_tokens": ms(self.bookkeeping_s_by_tokens),
                 "round_overhead_ms": round(self.round_overhead_s * 1e3, 4), "context": self.context,
-                "device": self.device}
+                "device": self.device,
+                "round_ms_by_tree": [{"depth": s.depth, "top_k": s.top_k, "total_tokens": s.total_tokens,
+                                      "round_ms": round(t * 1e3, 4)} for s, t in self.round_s_by_tree.items()]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,6 +342,36 @@ def time_round_overhead(tc: TimingContext, drafter: Eagle3Drafter, parts: CostMo
             per_round = (st.time_total - st.time_prefill - drafter_prefill_s) / len(st.accept_lengths)
             over.append(per_round - parts.parts_s(chain, st.tau))
     return max(0.0, min(over)) if over else 0.0
+
+
+@torch.no_grad()
+def time_rounds(target: Target, drafter: Eagle3Drafter, specs: Sequence[TreeSpec], *, rounds: int = 6,
+                warmup: int = 2, context: int = 128, seed: int = 0) -> dict[TreeSpec, float]:
+    """spec -> seconds of one round of the engine (``speculative.step``: draft, verify, accept,
+    commit, with the round's one read of the device) on a random context, the mean of ``rounds``
+    rounds after ``warmup`` untimed ones (which capture any new CUDA graphs). No phase clock runs
+    (timing "off"): the round is timed as a request pays it. The target is reset at the end."""
+    ctx = max(2, min(int(context), target.max_length - (warmup + rounds + 1) * (max(s.depth for s in specs) + 1) - 2))
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, target.vocab_size, (ctx,), generator=g).tolist()
+    out: dict[TreeSpec, float] = {}
+    try:
+        for spec in specs:
+            s = start(target, prompt, drafter, tree=spec, max_new_tokens=(warmup + rounds) * (spec.depth + 1) + 1,
+                      timing="off")
+            for _ in range(warmup):
+                step(s)
+            synchronize(target.device)
+            t0, n = time.perf_counter(), 0
+            while n < rounds and not s.done:
+                step(s)
+                n += 1
+            synchronize(target.device)
+            if n:
+                out[spec] = (time.perf_counter() - t0) / n
+    finally:
+        target.reset()
+    return out
 
 
 @torch.no_grad()
