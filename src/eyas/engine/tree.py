@@ -178,6 +178,8 @@ class DraftState:
         # from target features (extend) and from fed-back states (expansion): two steps, two graph sets
         self._eager = {True: self._step_fn(True), False: self._step_fn(False)}
         self._steps = {k: StepGraphs(fn) for k, fn in self._eager.items()} if graphs else self._eager
+        self.graphs = graphs
+        self._drafts: dict[tuple[TreeSpec, int], object] = {}  # greedy drafts, per (spec, depth)
 
     def reset(self) -> None:
         """Empty the cache for a new request (stale entries are never attended; graphs stay)."""
@@ -221,31 +223,59 @@ class DraftState:
     @torch.no_grad()
     def draft(self, spec: TreeSpec, depth: int, sampling: SamplingParams,
               generator: torch.Generator | None, vocab_size: int) -> DraftTree:
-        """Draft a tree of at most ``depth`` (<= spec.depth) levels from the root (module docstring).
-        vocab_size: the target's, for the proposals q. depth 0 gives the root alone.
+        """Draft a tree of at most ``depth`` (<= spec.depth) levels from the root (see
+        :meth:`_grow`). vocab_size: the target's, for the proposals q. depth 0 gives the root alone.
+
+        The committed length enters as a device tensor, so the whole greedy draft has shapes fixed
+        by (spec, depth): with CUDA graphs it is captured once per (spec, depth) and replayed, one
+        launch for the round's drafting. Sampling draws from ``generator`` and runs eagerly."""
+        K = min(spec.top_k, self.drafter.config.draft_vocab_size)
+        if depth == 0:
+            return DraftTree.from_parents(self.root_token, torch.full((1,), -1, device=self.device), 0, K)
+        m = torch.full((), self.length, dtype=torch.long, device=self.device)
+        inputs = (m, self.root_token, self.root_logits, self.root_hidden)
+        if sampling.greedy:
+            key = (spec, depth)
+            if key not in self._drafts:
+                grow = lambda *x: self._grow(spec, depth, sampling, None, vocab_size, *x)  # noqa: E731
+                self._drafts[key] = StepGraphs(grow) if self.graphs else grow
+            parts = self._drafts[key](*inputs)
+        else:
+            parts = self._grow(spec, depth, sampling, generator, vocab_size, *inputs)
+        tokens, parents, depths, mask, children, valid, levels, proposals = parts
+        return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=mask, children=children, valid=valid,
+                         depth=int(levels.shape[0]), proposals=None if sampling.greedy else proposals)
+
+    def _grow(self, spec: TreeSpec, depth: int, sampling: SamplingParams, generator: torch.Generator | None,
+              vocab_size: int, m: Tensor, root_token: Tensor, root_logits: Tensor,
+              root_hidden: Tensor) -> tuple[Tensor, ...]:
+        """The tree's tensors from the root (m: long [], the committed length; root_token [1],
+        root_logits [Vd], root_hidden [H]); tensor ops only, no host read, shapes fixed by (spec,
+        depth) -- a CUDA graph can hold it.
 
         Candidates are numbered in creation order (level by level; within a level, by the rank of
         their parent, then the parent's draw order), which is topological. Per level, r expanded
         nodes (the root, then the frontier) each propose K children: [r, K] tokens and cumulative
         scores (log q summed along the path; -inf marks a draw past q's support, and every
         descendant of such a node). Sorting is stable, so ties keep creation order and a parent,
-        whose score is never below its child's, always ranks before it."""
+        whose score is never below its child's, always ranks before it.
+
+        Returns tokens, parents, depths, mask, children, valid (DraftTree's fields), a [levels]
+        placeholder whose length is the number of levels drafted, and the proposals (sampling; a
+        [1] placeholder when greedy)."""
         greedy = sampling.greedy
         K = min(spec.top_k, self.drafter.config.draft_vocab_size)
         total = int(spec.total_tokens)  # draft nodes kept (greedy) or drawn at most (sampling)
-        m, dev = self.length, self.device
-        if depth == 0:
-            root = self.root_token
-            return DraftTree.from_parents(root, torch.full((1,), -1, device=dev), 0, K)
-        cand_tokens, cand_parents, cand_scores, cand_depths = [], [], [], []  # per level, [n_d] each
+        dev = self.device
+        cand_tokens, cand_parents, cand_scores = [], [], []  # per level, [n_d] each
         q_nodes, q_rows = [], []  # sampling: the expanded nodes (candidate numbers) and their q [r, Vd]
         count = 0  # candidates so far; candidate j is node number j + 1 (the root is 0)
-        logits = self.root_logits[None]  # [r, Vd] the expanded nodes' drafter outputs
-        hidden = self.root_hidden[None]  # [r, H]
+        logits = root_logits[None]  # [r, Vd] the expanded nodes' drafter outputs
+        hidden = root_hidden[None]  # [r, H]
         score = torch.zeros(1, device=dev)  # [r] their cumulative scores
         number = torch.zeros(1, dtype=torch.long, device=dev)  # [r] their node numbers (root = 0)
         rows = (self.positions < m)[None]  # [r, max_len] the cache entries each may attend
-        next_slot = m
+        scratch = 0  # scratch slots written so far this round (slot m + scratch is next)
         for d in range(1, depth + 1):
             # 1. K children of each expanded node
             if greedy:
@@ -263,7 +293,6 @@ class DraftState:
             cand_tokens.append(self.draft_ids[drawn].flatten()[:n])
             cand_parents.append(number.repeat_interleave(K)[:n])
             cand_scores.append(level_scores)
-            cand_depths.append(torch.full((n,), d, device=dev))
             first = count + 1
             count += n
             if d == depth:
@@ -272,15 +301,16 @@ class DraftState:
             order = level_scores.sort(descending=True, stable=True).indices[:K]  # [r']
             r = order.shape[0]
             parent_row = order // K
-            slots = self.positions[next_slot:next_slot + r]
-            next_slot += r
+            slots = m + scratch + torch.arange(r, device=dev)  # [r']
+            scratch += r
             rows = rows[parent_row].clone()  # the parent's visibility (committed + its ancestors)...
             rows[torch.arange(r, device=dev), slots] = True  # ...plus the node itself
-            logits, hidden = self._steps[False](cand_tokens[-1][order][None], hidden[parent_row][None],
-                                                torch.full((1, r), m - 1 + d, device=dev), slots, rows[None, None])
+            logits, hidden = self._eager[False](cand_tokens[-1][order][None], hidden[parent_row][None],
+                                                (m - 1 + d).expand(1, r), slots, rows[None, None])
             logits, hidden = logits[0], hidden[0]
             score, number = level_scores[order], first + order
 
+        levels = len(cand_tokens)
         tokens, parents, scores = torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_scores)
         if greedy:  # EAGLE-2: keep the `total` best candidates, in creation order
             chosen = scores.sort(descending=True, stable=True).indices[:total].sort().values
@@ -290,10 +320,10 @@ class DraftState:
         renumber = torch.full((count + 1,), -1, dtype=torch.long, device=dev)  # candidate number -> node
         renumber[0] = 0
         renumber[chosen + 1] = torch.arange(1, N + 1, device=dev)
-        node_tokens = torch.cat([self.root_token, tokens[chosen]])
+        node_tokens = torch.cat([root_token, tokens[chosen]])
         node_parents = torch.cat([torch.full((1,), -1, device=dev), renumber[parents[chosen]]])
         valid = torch.cat([torch.ones(1, dtype=torch.bool, device=dev), scores[chosen] > float("-inf")])
-        proposals = None
+        proposals = torch.zeros(1, device=dev)
         if not greedy:
             # q of each expanded node over the target vocabulary, in its node's row; expanded nodes
             # that are not in the tree (their draws fell past the cap) go to a spare last row
@@ -302,4 +332,6 @@ class DraftState:
             node = torch.where(node >= 0, node, N + 1)
             proposals[node[:, None], self.draft_ids[None, :]] = torch.cat(q_rows).float()
             proposals = proposals[:N + 1]
-        return DraftTree.from_parents(node_tokens, node_parents, len(cand_tokens), K, proposals, valid)
+        tree = DraftTree.from_parents(node_tokens, node_parents, levels, K, valid=valid)  # depths, mask, children
+        return (tree.tokens, tree.parents, tree.depths, tree.mask, tree.children, tree.valid,
+                torch.empty(levels, device=dev), proposals)
