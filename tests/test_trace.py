@@ -1,5 +1,6 @@
 """`eyas trace`: the engine's three junctions (each captured boundary, the concatenation, the fc
-input) recorded per round, free when off, and held against the training fingerprint.
+input) recorded per round through the engine's observer calls (the same records whatever target
+computes the features), free when off, and held against the training fingerprint.
 
 Engine-level tests run a tiny random Llama (vocab 128, no tokenizer) with a drafter trained for a
 few seconds (so that rounds accept several tokens and the drafter re-reads multi-token paths).
@@ -22,7 +23,8 @@ from eyas.convention import CaptureSpec
 
 from eyas.capture import BoundaryCapture
 from eyas.doctor.trace import JUNCTIONS, Tracer, tensor_stats
-from eyas.engine import HFTarget, TreeSpec, speculative_generate
+from eyas.engine import HFTarget, LlamaTarget, RoundObserver, TreeSpec, plain_generate, speculative_generate
+from eyas.engine.speculative import start, step
 from tests.support.tiny import self_trained_drafter, sharpened, tiny_model
 from tests.support.toy import make_toy_target
 
@@ -58,9 +60,10 @@ def test_records_cover_every_round_and_junction_with_the_right_shapes(tiny, tmp_
     target = HFTarget(model, SPEC)
     tree = TreeSpec(3, 2, 6)
     with Tracer(target, drafter, tmp_path / "t.jsonl") as tr:
-        r = speculative_generate(target, drafter, PROMPT, tree=tree, max_new_tokens=30)
+        r = speculative_generate(target, drafter, PROMPT, tree=tree, max_new_tokens=30, observer=tr)
     lines = read_jsonl(tmp_path / "t.jsonl")
     assert lines[0]["header"]["boundaries"] == [2, 4, 5] and lines[0]["header"]["fc_in_features"] == 3 * H
+    assert lines[0]["header"]["target_impl"] == "hf"
     assert lines[1:] == json.loads(json.dumps(tr.records))  # the file holds every record, in order
     rounds = r.stats.rounds  # the prefill counts as a round, as in the engine's statistics
     assert tr.round + 1 == rounds and {rec["round"] for rec in tr.records} == set(range(rounds))
@@ -95,7 +98,7 @@ def test_prefill_boundary_statistics_equal_a_direct_capture(tiny):
     model, drafter = tiny
     target = HFTarget(model, SPEC)
     with Tracer(target, drafter) as tr:
-        speculative_generate(target, drafter, PROMPT, max_new_tokens=4)
+        speculative_generate(target, drafter, PROMPT, max_new_tokens=4, observer=tr)
     with torch.no_grad(), BoundaryCapture(model, SPEC) as cap:
         model(torch.tensor([PROMPT]))
         slots = cap.slots()
@@ -120,14 +123,100 @@ def test_tracing_changes_no_token_and_leaves_no_hook(tiny, tree):
     off = speculative_generate(target, drafter, PROMPT, tree=tree, max_new_tokens=24)
     # free when off: the engine registered nothing and left nothing behind
     assert hook_count(model, drafter) == 0
-    assert not drafter.fc._forward_pre_hooks and not drafter._forward_pre_hooks and not model._forward_hooks
     with Tracer(target, drafter) as tr:
-        assert hook_count(model, drafter) == 2 + 2 + len(SPEC.boundaries)  # model, drafter + fc, the capture
-        on = speculative_generate(target, drafter, PROMPT, tree=tree, max_new_tokens=24)
+        on = speculative_generate(target, drafter, PROMPT, tree=tree, max_new_tokens=24, observer=tr)
+        assert hook_count(model, drafter) == 0  # the engine calls the tracer: no hook on any module
     assert on.tokens == off.tokens and on.stats.accept_lengths == off.stats.accept_lengths
     assert hook_count(model, drafter) == 0 and not tr.active
     again = speculative_generate(target, drafter, PROMPT, tree=tree, max_new_tokens=24)
     assert again.tokens == off.tokens
+
+
+def records_close(a: list[dict], b: list[dict], rel: float = 1e-4) -> None:
+    """The same records (keys, every exact field) with their statistics equal to ``rel``."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys(), (x, y)
+        for k in x:
+            if isinstance(x[k], float) or (isinstance(x[k], list) and x[k] and isinstance(x[k][0], float)):
+                assert y[k] == pytest.approx(x[k], rel=rel, abs=1e-6), (k, x, y)
+            else:
+                assert x[k] == y[k], (k, x, y)
+
+
+@pytest.mark.parametrize("tree", [TreeSpec.chain(4), TreeSpec(3, 2, 6)], ids=["chain", "tree"])
+def test_hf_and_fast_targets_give_the_same_records(tiny, tree):
+    """The records come from what the engine hands over, not from hooks: the fast target (features
+    computed inside its forward, fixed shapes, padded steps) traces the same request to the same
+    boundary, concat and fc_input records as the Hugging Face target."""
+    model, drafter = tiny
+    traces = {}
+    for name, target in (("hf", HFTarget(model, SPEC)), ("fast", LlamaTarget(model, SPEC, fixed_shapes=True))):
+        with Tracer(target, drafter) as tr:
+            r = speculative_generate(target, drafter, PROMPT, tree=tree, max_new_tokens=24, observer=tr)
+        traces[name] = (tr, r)
+    (hf, r_hf), (fast, r_fast) = traces["hf"], traces["fast"]
+    assert r_fast.tokens == r_hf.tokens and r_fast.stats.accept_lengths == r_hf.stats.accept_lengths
+    assert max(r_hf.stats.accept_lengths) > 1  # multi-token re-reads were exercised
+    assert {rec["junction"] for rec in fast.records} == set(JUNCTIONS)
+    records_close(hf.records, fast.records)
+    assert fast.slot_orders == hf.slot_orders and fast.slot_orders[0] == tuple(SPEC.boundaries)
+    for o, h in zip(fast.observed(), hf.observed()):
+        assert o.num_tokens == h.num_tokens and o.rms_mean == pytest.approx(h.rms_mean, rel=1e-4)
+
+
+class Counting(RoundObserver):
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def target_forward(self, round, phase, positions, features):
+        self.calls.append(("target", round, phase, positions.tolist(), tuple(features.shape)))
+
+    def drafter_reads(self, round, phase, positions, tokens, features):
+        self.calls.append(("drafter", round, phase, positions.tolist(), tuple(features.shape), tokens.tolist()))
+
+
+def test_the_engine_calls_an_observer_once_per_forward_and_read_and_only_when_given(tiny):
+    model, drafter = tiny
+    target = HFTarget(model, SPEC)
+    tree = TreeSpec(3, 2, 6)
+    # off (the default): the session has no observer and decodes as ever
+    off = speculative_generate(target, drafter, PROMPT, tree=tree, max_new_tokens=20)
+    s = start(target, PROMPT, drafter, tree=tree, max_new_tokens=20)
+    while not s.done:
+        step(s)
+    assert s.observer is None and s.result().tokens == off.tokens
+
+    obs = Counting()
+    on = speculative_generate(target, drafter, PROMPT, tree=tree, max_new_tokens=20, observer=obs)
+    assert on.tokens == off.tokens and on.stats.accept_lengths == off.stats.accept_lengths
+    rounds = on.stats.rounds
+    fwd = [c for c in obs.calls if c[0] == "target"]
+    reads = [c for c in obs.calls if c[0] == "drafter"]
+    # one target forward per round (the prefill is round 0), in order
+    assert [(c[1], c[2]) for c in fwd] == [(0, "prefill")] + [(r, "verify") for r in range(1, rounds)]
+    # one read per round but the last: the drafter never reads the round generation stops in
+    assert [(c[1], c[2]) for c in reads] == [(0, "prefill")] + [(r, "verify") for r in range(1, rounds - 1)]
+    # each read follows its round's forward
+    assert [c[1] for c in obs.calls] == sorted(c[1] for c in obs.calls)
+    # the prefill: the prompt's positions, features of every prompt token; the drafter reads them
+    # with the next tokens
+    n = len(PROMPT)
+    assert fwd[0][3] == list(range(n)) and fwd[0][4] == (1, n, 3 * H)
+    assert reads[0][3] == list(range(n)) and reads[0][4] == (n, 3 * H)
+    assert reads[0][5] == PROMPT[1:] + on.tokens[:1]
+    # each re-read: the accepted path plus the bonus, at the positions after the committed ones
+    m = n
+    for c, k in zip(reads[1:], on.stats.accept_lengths):
+        assert c[3] == list(range(m, m + k)) and c[4] == (k, 3 * H)
+        m += k
+    # plain decoding captures nothing: no call
+    obs = Counting()
+    s = start(target, PROMPT, None, max_new_tokens=5, observer=obs)
+    while not s.done:
+        step(s)
+    assert obs.calls == []
+    assert plain_generate(target, PROMPT, max_new_tokens=5).tokens == s.result().tokens
 
 
 def test_summary_matches_itself_and_catches_a_shifted_capture(tiny):
@@ -138,7 +227,7 @@ def test_summary_matches_itself_and_catches_a_shifted_capture(tiny):
     for spec, healthy in ((SPEC, True), (CaptureSpec((3, 5, 6), SPEC.num_blocks), False)):
         target = HFTarget(model, spec)
         with Tracer(target, drafter) as tr:
-            r = speculative_generate(target, drafter, PROMPT, max_new_tokens=12)
+            r = speculative_generate(target, drafter, PROMPT, max_new_tokens=12, observer=tr)
         s = tr.summary(trained=list(SPEC.boundaries), sequence=PROMPT + r.tokens)
         assert s.healthy is healthy and s.exit_code == (0 if healthy else 1), s.problems
         assert s.reference.startswith("no training fingerprint")
@@ -159,7 +248,7 @@ def test_a_channel_shift_alone_is_a_warning_when_the_slot_is_what_it_should_be(t
     model, drafter = tiny
     target = HFTarget(model, SPEC)
     with Tracer(target, drafter) as tr:
-        r = speculative_generate(target, drafter, PROMPT, max_new_tokens=12)
+        r = speculative_generate(target, drafter, PROMPT, max_new_tokens=12, observer=tr)
     seq = PROMPT + r.tokens
     live = tr.live_boundary_stats(seq)
 
@@ -270,6 +359,25 @@ def test_cli_healthy_drafter_matches_its_fingerprint(world, tmp_path):
     res = trace_cli(world, world["base"], tmp_path / "ok-vllm.jsonl", "--engine", "vllm")
     assert res.exit_code == 0, res.output
     assert "MATCHES" in res.stdout and "vLLM" in res.stdout
+
+
+def test_cli_traces_the_fast_target_to_the_same_records(world, tmp_path):
+    """--target-impl picks the engine's target (auto is the Hugging Face one on the CPU); the fast
+    target is traced to the same records and verdict, and the header and report say which ran."""
+    runs = {}
+    for impl in ("auto", "fast"):
+        res = trace_cli(world, world["base"], tmp_path / f"{impl}.jsonl", "--json", "--tree", "3,2,6",
+                        "--target-impl", impl)
+        assert res.exit_code == 0, res.output
+        runs[impl] = (json.loads(res.stdout), read_jsonl(tmp_path / f"{impl}.jsonl"))
+    (auto, auto_lines), (fast, fast_lines) = runs["auto"], runs["fast"]
+    assert auto["target_impl"] == auto_lines[0]["header"]["target_impl"] == "hf"
+    assert fast["target_impl"] == fast_lines[0]["header"]["target_impl"] == "fast"
+    assert fast["healthy"] and fast["generation"]["text"] == auto["generation"]["text"]
+    records_close(auto_lines[1:-1], fast_lines[1:-1])
+    assert [r["verdict"] for r in fast["summary"]["slots"]] == [r["verdict"] for r in auto["summary"]["slots"]]
+    res = trace_cli(world, world["base"], tmp_path / "x.jsonl", "--target-impl", "turbo")
+    assert res.exit_code == 2 and "--target-impl" in res.output
 
 
 def test_cli_embedding_served_as_first_slot_is_flagged(world, tmp_path):

@@ -19,6 +19,8 @@ console = Console()
 err = Console(stderr=True)
 
 TARGET_HELP = "'smollm2' (the embedded default), a local model directory, a .gguf file or a HF id"
+TARGET_IMPL_HELP = ("auto (the fast Llama-family target with CUDA graphs on a GPU where it applies, else "
+                    "the Hugging Face one) | fast | hf")  # eyas generate / bench / trace --target-impl
 
 
 def _choice(name: str, values: list[str]) -> type[Enum]:

@@ -3,6 +3,7 @@
 
     eyas doctor --target smollm2 --draft runs/drafter --data shards/ --engine vllm --png doctor.png
     eyas trace  --target smollm2 --draft runs/drafter --prompt "Why is the sky blue?" --out trace.jsonl
+    eyas trace  ... --target-impl fast   # trace the fast Llama target (CUDA graphs on a GPU)
 
 Exit code 0 only when the drafter is healthy / the trace matches the fingerprint (1 when it does
 not, 2 for unusable input). `main.py` adds both with ``register(app)``.
@@ -16,7 +17,8 @@ from typing import Optional
 import typer
 
 from eyas.cli.common import (
-    SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_HELP, EngineChoice, SGLangRuleChoice, console, err,
+    SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_HELP, TARGET_IMPL_HELP, EngineChoice, SGLangRuleChoice, console,
+    err,
 )
 from eyas.cli.common import fail as _fail
 from eyas.cli.common import print_json as _print_json
@@ -64,6 +66,7 @@ def trace_cmd(
         EngineChoice("eyas"), help="serve the boundaries and norm flags this engine reads from the directory"),
     sglang_rule: SGLangRuleChoice = typer.Option(SGLANG_RULE_DEFAULT, help="with --engine sglang: " + SGLANG_RULE_HELP),
     device: str = typer.Option("auto", help="cpu | cuda | auto"),
+    target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
     json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
     """Trace the engine's junctions (each captured boundary, the concatenation, the fc input) per round
@@ -78,7 +81,8 @@ def trace_cmd(
     # A TraceError (the engine cannot serve the directory, or the drafter does not fit the target) is
     # an EyasError: _run prints it and exits 2.
     report = _run(run_trace, target, str(draft), prompt, out, system=system, max_new_tokens=max_new_tokens,
-                  tree=spec_tree, engine=engine.value, sglang_rule=sglang_rule.value, device=device, log=log)
+                  tree=spec_tree, engine=engine.value, sglang_rule=sglang_rule.value, device=device,
+                  target_impl=target_impl, log=log)
     if json_out:
         _print_json(report.to_dict())
     else:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
-from eyas.cli.common import TARGET_HELP, console, err
+from eyas.cli.common import TARGET_HELP, TARGET_IMPL_HELP, console, err
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
 
@@ -18,10 +18,6 @@ if TYPE_CHECKING:
 TREE_HELP = ("DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24), DEPTH for a chain, or 'auto': time the "
              "target's verification and the drafter on this hardware, measure the drafter's acceptance on a "
              "short greedy calibration, and use the tree with the best predicted speedup")
-
-
-TARGET_IMPL_HELP = ("auto (the fast Llama-family target with CUDA graphs on a GPU where it applies, else "
-                    "the Hugging Face one) | fast | hf")
 
 
 def load_for_serving(target: str, draft: Path, device: str, force: bool,

@@ -3,12 +3,15 @@ against the training fingerprint.
 
 Junctions (one JSONL record each, per round):
 
-    boundary   each captured boundary as the target's forward produced it (one record per slot),
-               through eyas' one capture path (:class:`~eyas.capture.hooks.BoundaryCapture`)
+    boundary   each captured boundary as the target's forward returned it (one record per slot,
+               split from the features the engine got: HFTarget captures them through eyas' one
+               capture path, :class:`~eyas.capture.hooks.BoundaryCapture`; LlamaTarget inside its
+               forward), at the position ids the engine passed
     concat     the concatenated features as the drafter receives them (``DraftState.extend``: the
                prompt after prefill, the accepted path after each verification), with the slot
                order recovered from the values themselves (which captured boundary is in chunk i)
     fc_input   the input of ``drafter.fc``, after ``input_norm`` / ``fc_norm`` when configured
+               (the concatenation through the drafter's own norms, ``Eagle3Drafter.fc_input``)
 
 Round 0 is the prefill (the target reads the prompt, the drafter reads its features); round r >= 1
 is the r-th verification (the target reads the drafted tree, the drafter re-reads the accepted
@@ -21,9 +24,11 @@ and reported alone as ``first_token_rms``. ``rms`` is the mean over tokens of th
 the quantity the training fingerprint records (``rms_std`` its spread), ``mean``/``std``/``absmax``
 are over every element of the counted tokens.
 
-Free when off: the engine has no tracing code. :class:`Tracer` registers forward hooks (a
-BoundaryCapture on the target's blocks, a pre-hook and a hook on the target model, a pre-hook on
-the drafter and one on ``drafter.fc``) on ``__enter__`` and removes every one on ``__exit__``.
+Free when off: the engine calls an observer only when given one (:mod:`eyas.engine.observe`).
+:class:`Tracer` is one, passed as ``observer=`` for the traced request: the engine shows it the
+features of the target's forward (prefill, each verification) and those the drafter reads (the
+prompt, each re-read of the accepted path). No hook is registered on any module, so a trace sees
+the same tensors whatever computes them (HFTarget, LlamaTarget, with or without CUDA graphs).
 
 The summary holds the concatenation's per-slot statistics (every token the drafter read, but the
 first) against the training fingerprint with the doctor's comparison and thresholds
@@ -53,12 +58,12 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from eyas.capture.hooks import BoundaryCapture
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract.contract import SlotFingerprint
 from eyas.doctor.common import NORM_FLAGS, boundary_name, jsonable, slot_label
 from eyas.doctor.context import TargetFacts
 from eyas.doctor.fingerprint import SlotComparison, compare_slot, nearest
+from eyas.engine.observe import RoundObserver
 from eyas.errors import EyasError
 
 JUNCTIONS = ("boundary", "concat", "fc_input")
@@ -96,33 +101,38 @@ def _slot_rms(x: Tensor, width: int) -> list[float | None]:
     return [c.float().pow(2).mean(-1).sqrt().double().mean().item() for c in x.split(width, dim=-1)]
 
 
-def _positions(p: Any, n: int, device: torch.device) -> Tensor:
-    if isinstance(p, Tensor):
+def _positions(p: Tensor | None, n: int, device: torch.device) -> Tensor:
+    """The n position ids the engine passed (flattened), or 0..n-1 when they do not fit."""
+    if isinstance(p, Tensor) and p.numel() == n:
         return p.reshape(-1)
     return torch.arange(n, device=device)
 
 
-class Tracer(AbstractContextManager):
-    """Record the three junctions of the eyas engine while speculative decoding runs.
+class Tracer(RoundObserver, AbstractContextManager):
+    """Record the three junctions of the eyas engine while speculative decoding runs: an engine
+    observer (:class:`~eyas.engine.observe.RoundObserver`), given to the engine for one request.
 
     >>> with Tracer(target, drafter, "trace.jsonl") as tr:
-    ...     result = speculative_generate(target, drafter, prompt_ids)
+    ...     result = speculative_generate(target, drafter, prompt_ids, observer=tr)
     >>> tr.records                 # every junction record, as written
     >>> tr.summary(fingerprint)    # per slot: observed vs training statistics, what an off slot resembles
 
-    ``target`` is an :class:`~eyas.engine.target.HFTarget` (its ``model`` and ``spec`` are read);
-    ``out`` a JSONL path (None: records in memory only); ``header``: extra facts for the first line;
+    ``target`` is any :class:`~eyas.engine.target.Target` (its ``spec`` and ``implementation`` are
+    read; its Hugging Face ``model``, which HFTarget and LlamaTarget hold, serves the summary's
+    resemblance); ``out`` a JSONL path (None: records in memory only), opened on ``__enter__`` with
+    the header line and closed on ``__exit__``; ``header``: extra facts for the first line;
     ``channels``: the fingerprint channels to accumulate (the training fingerprint's).
     """
 
     def __init__(self, target: Any, drafter: Any, out: str | Path | None = None, header: dict[str, Any] | None = None,
                  channels: Sequence[int] | None = None) -> None:
         self.target, self.drafter = target, drafter
-        self.model = target.model
+        self.model = getattr(target, "model", None)
         self.spec = target.spec
         cfg = drafter.config
         self.width = int(cfg.target_hidden_size)
         self.fc_in = int(cfg.fc_in_features)
+        self.dtype = drafter.fc.weight.dtype  # the drafter reads the features in its dtype (DraftState.extend)
         self.out = Path(out) if out is not None else None
         self.header = dict(header or {})
         self.records: list[dict[str, Any]] = []
@@ -130,19 +140,16 @@ class Tracer(AbstractContextManager):
         self.acc = FingerprintAccumulator(self.spec.boundaries, self.width, channels)
         self.slot_orders: list[tuple[int | None, ...]] = []
         self._fc = FcInputTally([0.0] * self.spec.num_slots)
-        self._handles: list[Any] = []
-        self._capture: BoundaryCapture | None = None
+        self._active = False
         self._file: Any = None
         self._phase = "prefill"
-        self._target_pos: Tensor | None = None
         self._first_rows: list[Tensor] | None = None
-        self._draft_keep: Tensor | None = None
 
     # -- life cycle ---------------------------------------------------------------------------
 
     @property
     def active(self) -> bool:
-        return bool(self._handles)
+        return self._active
 
     def __enter__(self) -> "Tracer":
         if self.active or self.round >= 0:
@@ -154,25 +161,15 @@ class Tracer(AbstractContextManager):
                     "target_hidden_size": self.width, "fc_in_features": self.fc_in,
                     "drafter_dtype": _dtype(self.drafter.fc.weight),
                     "norm_before_fc": bool(self.drafter.config.norm_before_fc),
-                    "fc_norm": bool(self.drafter.config.fc_norm), **self.header}
+                    "fc_norm": bool(self.drafter.config.fc_norm),
+                    "target_impl": getattr(self.target, "implementation", None), **self.header}
             self._write({"header": head})
             self._file.flush()
-        self._capture = BoundaryCapture(self.model, self.spec).__enter__()
-        self._handles = [
-            self.model.register_forward_pre_hook(self._target_start, with_kwargs=True),
-            self.model.register_forward_hook(self._target_end),
-            self.drafter.register_forward_pre_hook(self._drafter_start, with_kwargs=True),
-            self.drafter.fc.register_forward_pre_hook(self._fc_start),
-        ]
+        self._active = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        if self._capture is not None:
-            self._capture.__exit__(*exc)
-            self._capture = None
+        self._active = False
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -193,34 +190,24 @@ class Tracer(AbstractContextManager):
         self.records.append(rec)
         self._write(rec)
 
-    # -- hooks ----------------------------------------------------------------------------------
+    # -- the engine's calls -------------------------------------------------------------------
 
-    def _target_start(self, _mod: Any, args: tuple, kwargs: dict) -> None:
+    def target_forward(self, round: int, phase: str, positions: Tensor, features: Tensor) -> None:
+        """The boundary records: ``features`` [1, T, S*H] split per slot (each [1, T, H])."""
         if self._file is not None:
             self._file.flush()  # the previous round is complete
-        self.round += 1
-        self._phase = "prefill" if self.target.cache_len == 0 else "verify"
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        n = int(ids.shape[-1]) if isinstance(ids, Tensor) else 0
-        device = ids.device if isinstance(ids, Tensor) else torch.device("cpu")
-        self._target_pos = _positions(kwargs.get("position_ids"), n, device)
-        assert self._capture is not None
-        self._capture.clear()
-
-    def _target_end(self, _mod: Any, _args: tuple, _out: Any) -> None:
-        assert self._capture is not None
-        slots = self._capture.slots()  # each [1, T, H]
-        pos = self._target_pos
+        self.round, self._phase = round, phase
+        features = features.detach()
+        slots = features.split(features.shape[-1] // self.spec.num_slots, dim=-1)  # each [1, T, H]
+        p = _positions(positions, features.shape[-2], features.device)
         for i, (b, x) in enumerate(zip(self.spec.boundaries, slots)):
             rows = x.reshape(-1, x.shape[-1])
-            p = pos if pos is not None and pos.numel() == rows.shape[0] else _positions(None, len(rows), rows.device)
             rec = {"junction": "boundary", "slot": i, "boundary": b, "shape": list(x.shape), "dtype": _dtype(x),
                    "positions": [int(p.min()), int(p.max())], **tensor_stats(rows[p != 0])}
             if bool((p == 0).any()):
                 rec["first_token_rms"] = rows[p == 0].float().pow(2).mean(-1).sqrt().mean().item()
             self._record(rec)
         self._first_rows = [x.reshape(-1, x.shape[-1])[0] for x in slots]
-        self._capture.clear()
 
     def _match(self, chunks: Sequence[Tensor]) -> tuple[int | None, ...]:
         """Which captured boundary each chunk of the concatenation holds: its first row against the
@@ -236,46 +223,30 @@ class Tracer(AbstractContextManager):
             out.append(self.spec.boundaries[best] if errs[best] <= MATCH_TOL else None)
         return tuple(out)
 
-    def _drafter_start(self, _mod: Any, args: tuple, kwargs: dict) -> None:
-        self._draft_keep = None
-        hidden = args[1] if len(args) > 1 else kwargs.get("hidden")
-        if not isinstance(hidden, Tensor):
-            return
-        from_target = kwargs.get("from_target", args[6] if len(args) > 6 else None)
-        if from_target is None:
-            from_target = self.fc_in != self.drafter.config.hidden_size and hidden.shape[-1] == self.fc_in
-        if not from_target or hidden.shape[-1] != self.fc_in:
-            return  # a drafting step on the drafter's own fed-back state: not a junction
-        x = hidden.detach().reshape(-1, self.fc_in)
-        p = args[2] if len(args) > 2 else kwargs.get("position_ids")
-        p = _positions(p, x.shape[0], x.device)
-        if p.numel() != x.shape[0]:
-            p = _positions(None, x.shape[0], x.device)
+    def drafter_reads(self, round: int, phase: str, positions: Tensor, tokens: Tensor, features: Tensor) -> None:
+        """The concat record (``features`` [n, S*H] in the drafter's dtype, as it receives them) and
+        the fc_input record (them through the drafter's own norms, :meth:`Eagle3Drafter.fc_input`)."""
+        self.round, self._phase = round, phase
+        x = features.detach().to(self.dtype)
+        x = x.reshape(-1, x.shape[-1])
+        p = _positions(positions, x.shape[0], x.device)
         keep = p != 0  # drafter entry t reads f_t at position t: position 0 is the sink's features
-        chunks = x.split(self.width, dim=-1)
-        order = self._match(chunks)
+        order = self._match(x.split(self.width, dim=-1))
         self.slot_orders.append(order)
         counted = x[keep]
-        self._record({"junction": "concat", "shape": list(hidden.shape), "dtype": _dtype(hidden),
+        self._record({"junction": "concat", "shape": [1, *x.shape], "dtype": _dtype(x),
                       "slot_order": list(order), "boundaries": list(self.spec.boundaries),
                       "positions": [int(p.min()), int(p.max())], **tensor_stats(counted),
                       "slot_rms": _slot_rms(counted, self.width)})
         self.acc.update(counted.reshape(-1, self.spec.num_slots, self.width))
-        self._draft_keep = keep
-
-    def _fc_start(self, _mod: Any, args: tuple) -> None:
-        x = args[0].detach()
-        rows = x.reshape(-1, x.shape[-1])
-        keep = self._draft_keep
-        if keep is None or keep.numel() != rows.shape[0]:
-            keep = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
-        self._draft_keep = None
-        counted = rows[keep]
-        stats = tensor_stats(counted)
-        slot_rms = _slot_rms(counted, self.width) if rows.shape[-1] % self.width == 0 else []
-        self._record({"junction": "fc_input", "shape": list(x.shape), "dtype": _dtype(x),
+        with torch.no_grad():
+            fc = self.drafter.fc_input(x[None])  # [1, n, fc_in]
+        rows = fc.reshape(-1, fc.shape[-1])[keep]
+        stats = tensor_stats(rows)
+        slot_rms = _slot_rms(rows, self.width) if rows.shape[-1] % self.width == 0 else []
+        self._record({"junction": "fc_input", "shape": list(fc.shape), "dtype": _dtype(fc),
                       "expected_width": self.fc_in, **stats, "slot_rms": slot_rms})
-        self._fc.add(int(x.shape[-1]), stats["tokens"], stats["rms"], slot_rms)
+        self._fc.add(int(fc.shape[-1]), stats["tokens"], stats["rms"], slot_rms)
 
     # -- summary --------------------------------------------------------------------------------
 
@@ -304,7 +275,8 @@ class Tracer(AbstractContextManager):
         ``trained``: the trained boundaries (default: the reference's, else the served ones).
         ``sequence``: the whole token sequence (prompt + output); with it, what each slot
         resembles is named from every boundary of the live target on it, and without a
-        reference the live target's trained boundaries stand in for one.
+        reference the live target's trained boundaries stand in for one (a target without a
+        Hugging Face ``model`` has no live pass: ``sequence`` is then ignored).
 
         Problems, in order: slot counts, the slot order of the concatenation, the fc input width,
         then per slot its statistics and its boundary (:func:`slot_row`, :func:`slot_findings`).
@@ -313,7 +285,8 @@ class Tracer(AbstractContextManager):
         served = list(self.spec.boundaries)
         trained = list(trained) if trained is not None else (
             [f.boundary for f in reference] if reference else list(served))
-        live = self.live_boundary_stats(sequence, capture_dtype) if sequence is not None else None
+        live = (self.live_boundary_stats(sequence, capture_dtype)
+                if sequence is not None and self.model is not None else None)
         ref, source = reference_for(reference, reference_source, live, trained)
         problems: list[str] = []
         ref = check_slot_counts(ref, trained, served, problems)
@@ -656,6 +629,7 @@ class TraceReport:
     draft: TraceDraft
     generation: TraceGeneration
     notes: list[str] = field(default_factory=list)
+    target_impl: str | None = None  # the engine's target that ran: "hf", "fast", "fast+cuda-graphs"
 
     @property
     def healthy(self) -> bool:
@@ -667,8 +641,8 @@ class TraceReport:
 
     def to_dict(self) -> dict[str, Any]:
         return jsonable({"healthy": self.healthy, "out": self.out, "engine": self.engine, "target": self.target,
-                          "draft": self.draft, "generation": self.generation, "notes": self.notes,
-                          "summary": self.summary.to_dict()})
+                          "target_impl": self.target_impl, "draft": self.draft, "generation": self.generation,
+                          "notes": self.notes, "summary": self.summary.to_dict()})
 
 
 @dataclass
@@ -677,17 +651,19 @@ class _ServedDrafter:
 
     directory: Any  # eyas.interop.DrafterDir
     engine: TraceEngine
-    target: Any  # eyas.engine.HFTarget capturing the engine's boundaries
+    target: Any  # the engine's Target (eyas.engine.build_target) capturing the engine's boundaries
     drafter: Any  # Eagle3Drafter in the target's dtype and device
     notes: list[str]
 
 
-def _serve(draft: str | Path, engine: str, version: str | None, loaded: Any) -> _ServedDrafter:
-    """Read ``draft`` as ``engine`` does and build what it would serve; TraceError when it cannot
-    serve it or the drafter does not fit the target."""
+def _serve(draft: str | Path, engine: str, version: str | None, loaded: Any,
+           target_impl: str = "auto") -> _ServedDrafter:
+    """Read ``draft`` as ``engine`` does and build what it would serve, on the engine's target
+    ``target_impl`` (:func:`eyas.engine.build_target`); TraceError when it cannot serve it or the
+    drafter does not fit the target (UnsupportedTarget when ``fast`` cannot run the target)."""
     from eyas.convention.boundaries import CaptureSpec
     from eyas.interop import build_drafter, read_as, read_drafter_dir, served_config
-    from eyas.engine import HFTarget
+    from eyas.engine import build_target
     from eyas.targets.structure import find_embedding
 
     L = loaded.num_blocks
@@ -706,7 +682,8 @@ def _serve(draft: str | Path, engine: str, version: str | None, loaded: Any) -> 
     drafter = drafter.to(loaded.device, dtype=loaded.dtype).eval()
     served = TraceEngine(engine, version, reading.label, list(reading.boundaries), reading.boundaries_note,
                          {f: bool(getattr(cfg, f)) for f in NORM_FLAGS})
-    return _ServedDrafter(dd, served, HFTarget(loaded.model, CaptureSpec(tuple(reading.boundaries), L)), drafter, notes)
+    target = build_target(loaded.model, CaptureSpec(tuple(reading.boundaries), L), target_impl)
+    return _ServedDrafter(dd, served, target, drafter, notes)
 
 
 def _training_reference(dd: Any) -> tuple[list[SlotFingerprint] | None, list[int], str, str]:
@@ -732,6 +709,7 @@ def run_trace(
     engine: str = "eyas",
     sglang_rule: str | None = None,
     device: str = "cpu",
+    target_impl: str = "auto",
     model: Any = None,
     tokenizer: Any = None,
     log: Callable[[str], None] | None = None,
@@ -739,6 +717,9 @@ def run_trace(
     """Serve the drafter at ``draft`` with the eyas engine the way ``engine`` reads the directory
     (its boundaries, in its slot order, and its norm flags), answer ``prompt`` greedily with the
     trace on, write the junction records to ``out`` and hold them against the training fingerprint.
+
+    ``target_impl``: the engine's target (``auto``, ``fast``, ``hf``: :func:`eyas.engine.build_target`);
+    the one that ran is in the header and the report (``target_impl``).
 
     ``model``/``tokenizer`` may be passed already loaded. Raises :class:`TraceError` when the engine
     cannot serve the directory or the drafter does not fit the target.
@@ -758,7 +739,7 @@ def run_trace(
         raise TraceError("a tokenizer is needed to render the prompt")
     facts = TargetFacts.of(loaded)
     say(f"reading {draft}")
-    served = _serve(draft, engine, engine_version, loaded)
+    served = _serve(draft, engine, engine_version, loaded, target_impl)
     reference, trained, ref_source, capture_dtype = _training_reference(served.directory)
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -766,11 +747,12 @@ def run_trace(
     header = {"engine": served.engine.to_dict(), "target": source, "draft": str(draft), "trained_boundaries": trained,
               "prompt_tokens": int(ids.numel()), "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens],
               "max_new_tokens": max_new_tokens}
-    say(f"tracing {served.engine.label}: boundaries {served.engine.boundaries}, {ids.numel()} prompt tokens")
+    say(f"tracing {served.engine.label}: boundaries {served.engine.boundaries}, {ids.numel()} prompt tokens, "
+        f"target {served.target.implementation}")
     with Tracer(served.target, served.drafter, out, header=header,
                 channels=reference[0].channels if reference else None) as tr:
         result = speculative_generate(served.target, served.drafter, ids, tree=spec_tree, max_new_tokens=max_new_tokens,
-                                      eos_token_ids=list(loaded.eos_ids))
+                                      eos_token_ids=list(loaded.eos_ids), observer=tr)
     say("holding the trace against the training fingerprint")
     sequence = ids.reshape(-1).tolist() + result.tokens
     summary = tr.summary(reference, trained, ref_source, sequence=sequence, capture_dtype=capture_dtype)
@@ -784,7 +766,7 @@ def run_trace(
                                  stats.rounds, stats.tau, stats.stop_reason, stats.acceptance_at_depth)
     return TraceReport(summary=summary, out=str(out), engine=served.engine, target=facts,
                        draft=TraceDraft(str(draft), served.directory.layout, trained), generation=generation,
-                       notes=list(served.notes))
+                       notes=list(served.notes), target_impl=served.target.implementation)
 
 
 def render_trace(report: TraceReport, console: Any) -> None:
@@ -799,7 +781,8 @@ def render_trace(report: TraceReport, console: Any) -> None:
     tau = g.tau
     console.print(f"  {g.new_tokens} new tokens in {s.rounds} rounds"
                   + (f" (tau {tau:.2f})" if isinstance(tau, float) and math.isfinite(tau) else "")
-                  + f"; {s.records} junction records -> {e(report.out)}")
+                  + f"; {s.records} junction records -> {e(report.out)}"
+                  + (f" (target {e(report.target_impl)})" if report.target_impl else ""))
     order = "-" if s.slot_order is None else str(s.slot_order)
     console.print(f"  concatenation slot order {e(order)} (trained {e(str(s.trained_boundaries))}); fc input width "
                   f"{s.fc_input.width} (expected {s.fc_input.expected_width})")

@@ -229,15 +229,20 @@ class Eagle3Drafter(nn.Module):
 
     # -- the step ---------------------------------------------------------------------------
 
-    def project(self, features: Tensor) -> Tensor:
-        """Target features [B, T, num_slots * H_t] -> [B, T, H] (fc, with the configured norms)."""
+    def fc_input(self, features: Tensor) -> Tensor:
+        """What ``fc`` reads of target features [..., num_slots * H_t]: the features after the
+        configured norms (``fc_norm`` per slot, then ``input_norm``), else the features themselves."""
         cfg = self.config
         if cfg.fc_norm:
             slots = features.split(cfg.target_hidden_size, dim=-1)
             features = torch.cat([n(s) for n, s in zip(self.fc_norm, slots)], dim=-1)
         if cfg.norm_before_fc:
             features = self.input_norm(features)
-        return self.fc(features)
+        return features
+
+    def project(self, features: Tensor) -> Tensor:
+        """Target features [B, T, num_slots * H_t] -> [B, T, H] (fc, with the configured norms)."""
+        return self.fc(self.fc_input(features))
 
     def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, hd/2]

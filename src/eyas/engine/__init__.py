@@ -11,10 +11,12 @@
 Modules: target.py (the target interface and HFTarget), llama.py (LlamaTarget: our own forward for
 Llama-family targets, a static KV cache written by index and capture inside the forward), tree.py
 (drafting and masks), sampling.py (distributions and acceptance rules), speculative.py (the decoding
-loops), stopping.py (stop conditions), stats.py (per-request statistics). Choosing a tree for this hardware
-and this drafter (``--tree auto``) is a tuning tool, not the runtime: see :mod:`eyas.tune`.
+loops), observe.py (what an observer such as ``eyas trace`` is shown each round), stopping.py (stop
+conditions), stats.py (per-request statistics). Choosing a tree for this hardware and this drafter
+(``--tree auto``) is a tuning tool, not the runtime: see :mod:`eyas.tune`.
 """
 
+from eyas.engine.observe import RoundObserver
 from eyas.engine.sampling import GREEDY, AcceptRule, SamplingParams, rejection_rule
 from eyas.engine.speculative import GenerationResult, plain_generate, speculative_generate
 from eyas.engine.stats import GenerationStats
@@ -24,6 +26,6 @@ from eyas.engine.tree import DraftTree, TreeSpec
 
 __all__ = [
     "GREEDY", "AcceptRule", "DraftTree", "GenerationResult", "GenerationStats", "HFTarget", "LlamaTarget",
-    "SamplingParams", "TARGET_IMPLEMENTATIONS", "Target", "TreeSpec", "build_target", "plain_generate",
-    "rejection_rule", "speculative_generate",
+    "RoundObserver", "SamplingParams", "TARGET_IMPLEMENTATIONS", "Target", "TreeSpec", "build_target",
+    "plain_generate", "rejection_rule", "speculative_generate",
 ]

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from eyas.drafter.model import Eagle3Drafter
+from eyas.engine.observe import RoundObserver
 from eyas.engine.sampling import (
     GREEDY, AcceptRule, SamplingParams, accept_greedy, accept_sampling, probabilities, rejection_rule, sample,
 )
@@ -93,6 +94,8 @@ class Session:
 
     max_len: the length the sequence may reach (prompt + new tokens, the last at position
     max_len - 1, within the target's context)."""
+
+    observer: RoundObserver | None = None  # start's; sees each round's features when given
 
     def __init__(self, target: Target, drafter: Eagle3Drafter | None, prompt: list[int], *, tree: TreeSpec,
                  sampling: SamplingParams, max_new_tokens: int, stop: StopCriteria,
@@ -172,7 +175,7 @@ def start(target: Target, input_ids: Sequence[int] | Tensor, drafter: Eagle3Draf
           eos_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
           decode: Callable[[list[int]], str] | None = None, on_token: Callable[[int], None] | None = None,
           generator: torch.Generator | None = None, accept_rule: AcceptRule = rejection_rule,
-          timing: str = "auto") -> Session:
+          timing: str = "auto", observer: RoundObserver | None = None) -> Session:
     """Begin a request: prefill the target with the prompt (the target's cache now belongs to this
     session) and commit the first new token, which comes from the target alone. With a drafter the
     session decodes speculatively, without one plainly. Arguments as :func:`speculative_generate`."""
@@ -189,6 +192,7 @@ def start(target: Target, input_ids: Sequence[int] | Tensor, drafter: Eagle3Draf
                 stop=StopCriteria(max_new_tokens, eos_token_ids, stop_strings, decode), on_token=on_token,
                 generator=generator, accept_rule=accept_rule, timing=timing)
     target.session = s
+    s.observer = observer
     if len(s.x) >= s.max_len:  # nothing to generate: no new tokens asked for, or the prompt fills the context
         s.out.reason = STOP_MAX_NEW_TOKENS if max_new_tokens <= 0 else STOP_MAX_LENGTH
         return s
@@ -197,12 +201,17 @@ def start(target: Target, input_ids: Sequence[int] | Tensor, drafter: Eagle3Draf
         logits, f = target.prefill(torch.tensor([s.x], device=target.device), capture=drafter is not None)
         x_next = _choose(logits[0, -1], sampling, generator)
         s.stats.rounds += 1
+    if observer is not None and f is not None:
+        observer.target_forward(0, "prefill", s.positions[:len(s.x)], f)
     s._emit([int(x_next)])
     s.last = x_next.view(1, 1)
     if drafter is not None and not s.done:
         with s.clock("draft"):
             s.draft = _draft_state(target, drafter, tree, s.max_len)
             s.draft.extend(s.x[1:], f[0])  # entry t reads (f_t, x_{t+1}), t = 0 .. n-1
+        if observer is not None:
+            observer.drafter_reads(0, "prefill", s.positions[:len(s.x) - 1],
+                                   torch.tensor(s.x[1:], device=target.device), f[0])
     return s
 
 
@@ -222,7 +231,7 @@ def step(s: Session) -> list[int]:
 
 
 def _speculative_round(s: Session) -> list[int]:
-    target, draft, clock, m = s.target, s.draft, s.clock, s.m
+    target, draft, clock, m, r = s.target, s.draft, s.clock, s.m, s.stats.rounds  # r: this round's number
     # gamma: the deepest draft this round; a accepted drafts + the bonus must fit in max_len
     gamma = min(s.tree.depth, s.max_len - 2 - m)
     with clock("draft"):
@@ -230,6 +239,8 @@ def _speculative_round(s: Session) -> list[int]:
     with clock("verify"):
         # logits [1, N+1, V], f [1, N+1, S*H]: after each node, given its ancestors
         logits, f = target.forward(t.tokens[None], (m + t.depths)[None], t.mask)
+    if s.observer is not None:
+        s.observer.target_forward(r, "verify", m + t.depths, f)
     with clock("bookkeeping"):
         if s.sampling.greedy:
             v = accept_greedy(t, logits[0])
@@ -246,7 +257,10 @@ def _speculative_round(s: Session) -> list[int]:
     if not s.done:
         with clock("draft"):
             # The drafter re-reads x_{m+1} .. x_{m+a+1} with the target's f_m .. f_{m+a}.
-            draft.extend(torch.cat([t.tokens[path[1:]], v.bonus[None]]), f[0, path])
+            tokens, features = torch.cat([t.tokens[path[1:]], v.bonus[None]]), f[0, path]
+            draft.extend(tokens, features)
+        if s.observer is not None:
+            s.observer.drafter_reads(r, "verify", s.positions[m:m + a + 1], tokens, features)
         assert draft.length == target.cache_len == s.m, (draft.length, target.cache_len, s.m)
     return accepted[:kept]
 
@@ -285,6 +299,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     accept_rule: AcceptRule = rejection_rule,
     timing: str = "auto",
+    observer: RoundObserver | None = None,
 ) -> GenerationResult:
     """Generate from ``input_ids`` (a prompt of target token ids) with speculative decoding.
 
@@ -294,10 +309,11 @@ def speculative_generate(
     is committed; ``decode`` (token ids -> text) is needed for ``stop_strings``. ``accept_rule`` is
     the per-child rule of sampling verification (tests inject broken ones). ``timing``: how the
     phases are timed (``auto``, ``off``, ``sync``, ``events``; see :class:`~eyas.engine.stats.Clock`).
+    ``observer`` sees each round's features (:mod:`eyas.engine.observe`); None: nothing is called.
     """
     return _run(start(target, input_ids, drafter, tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
                       eos_token_ids=eos_token_ids, stop_strings=stop_strings, decode=decode, on_token=on_token,
-                      generator=generator, accept_rule=accept_rule, timing=timing))
+                      generator=generator, accept_rule=accept_rule, timing=timing, observer=observer))
 
 
 @torch.no_grad()
