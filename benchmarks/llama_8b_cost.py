@@ -164,7 +164,8 @@ def measure(model, spec, device, capacity: int, prefill: int, reps: int, compile
         out["ms"][n] = timed(step, device, reps, after=lambda: target.keep([]))
         assert target.cache_len == prefill
         print(f"    {n:3d} tokens: {out['ms'][n]:.3f} ms", flush=True)
-    out["compile_seconds"] = target.compile_seconds
+    out["compile_seconds"], out["compile_error"] = target.compile_seconds, target.compile_error
+    out["implementation"] = target.implementation  # without "compile" when compilation failed
     del target
     gc.collect()
     if device.type == "cuda":
@@ -184,6 +185,8 @@ def main() -> None:
     ap.add_argument("--variants", default="compiled,graphs", help="comma-separated: compiled, graphs")
     args = ap.parse_args()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # toy shapes: a second thread only adds contention
     reps = args.reps or (3 if args.tiny else 50)
     capacity, prefill = (256, 64) if args.tiny else (args.capacity, args.prefill)
     if prefill + max(SIZES) > capacity:
@@ -248,7 +251,9 @@ def main() -> None:
                        "verify_24_at_most_1.5x_plain": r["x_plain"][24] <= 1.5}
         print(f"{v}: plain step {r['x_floor'][1]:.2f}x the floor (<= 1.3: {r['checks']['plain_step_within_1.3x_floor']}); "
               f"verifying 24 = {r['x_plain'][24]:.2f}x a plain step (<= 1.5: {r['checks']['verify_24_at_most_1.5x_plain']}); "
-              f"warm-up {r['warmup_s']:.1f} s")
+              f"warm-up {r['warmup_s']:.1f} s ({r['implementation']})")
+        if r["compile_error"]:
+            print(f"{v}: compilation failed, the step ran eagerly: {r['compile_error'][:300]}")
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {args.out}")

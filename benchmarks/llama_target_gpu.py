@@ -12,8 +12,9 @@ agreement and cost, not acceptance. Prints and writes JSON (``--out``):
   of one decode step and one 24-token tree verification, and plain greedy tokens/s, for four targets: HFTarget; LlamaTarget eager (exact shapes); LlamaTarget with fixed
   shapes + CUDA graphs, its functions eager inside the graph ("graphs"); the same with its
   functions compiled by inductor ("compiled", the default on a GPU). The compiled and graphed
-  targets are warmed up first (every bucket compiled and captured): ``warmup_s`` reports that time
-  apart, and no timed figure includes it.
+  targets are warmed up first (the buckets this run uses, 1, 32 and 64, compiled and captured):
+  ``warmup_s`` reports that time apart, and no timed figure includes it; ``compile_error`` says why
+  compilation failed if it did (the target then ran eagerly inside its graphs).
 
     PYTHONPATH=src python benchmarks/llama_target_gpu.py --out llama_target_gpu.json
 
@@ -104,6 +105,8 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     args = ap.parse_args()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # toy shapes: a second thread only adds contention
     reps, new_tokens = (3, 8) if args.tiny else (30, 96)
     model = smollm2_shaped(dev, args.tiny)
     L, V = model.config.num_hidden_layers, model.config.vocab_size
@@ -115,14 +118,18 @@ def main() -> None:
                     "boundaries": list(spec.boundaries), "capacity": 2048}
     targets: dict = {"hf_target": HFTarget(model, spec, max_length=2048),
                      "llama_target": LlamaTarget(model, spec, max_length=2048)}
-    report["warmup_s"], report["implementation"] = {}, {}
+    # The buckets this run uses: prefills of 64 and 24 tokens, the 24-token tree (32), decode steps (1).
+    buckets = (1, 32, 64)
+    report["warmup_s"], report["warmup_buckets"] = {}, list(buckets)
     for name, compile_ in (("llama_target_graphs", False), ("llama_target_compiled", True)):
         try:
             t = LlamaTarget(model, spec, max_length=2048, cuda_graphs=True, compile=compile_)
-            seconds = t.warmup()  # every bucket compiled (compiled) and captured, before any timing
+            seconds = t.warmup(buckets)  # compiled (compiled) and captured before any timing
             print(f"{name}: warmup {seconds:.1f} s ({t.implementation})", flush=True)
             targets[name] = t
             report["warmup_s"][name] = seconds
+            if t.compile_error:
+                report.setdefault("compile_error", {})[name] = t.compile_error
         except Exception:  # report and go on with the other targets
             report.setdefault("errors", {})[name] = traceback.format_exc()
             print(f"{name} failed:\n{report['errors'][name]}", flush=True)

@@ -96,6 +96,22 @@ def test_the_step_traced_by_torch_compile_computes_the_same_with_one_compilation
 
 
 @pytest.mark.unit
+def test_a_failing_compiler_leaves_the_eager_step_with_a_warning(monkeypatch):
+    """E.g. a GPU machine without the C compiler Triton needs: the step still runs, and says so."""
+    def no_compiler(gm, example_inputs):
+        raise RuntimeError("Failed to find C compiler")
+
+    fast, hf = _pair("llama", fixed_shapes=True)
+    torch._dynamo.reset()
+    fast._fixed, fast.compile, fast.implementation = fast._functions(no_compiler), True, "fast+compile"
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # (the compiled path is a GPU's)
+    prompt = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="(?s)torch.compile failed .*Failed to find C compiler.*runs eagerly"):
+        _same(fast.prefill(prompt), hf.prefill(prompt))
+    assert fast.implementation == "fast" and not fast.compile and "C compiler" in fast.compile_error
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("fixed_shapes", [False, True], ids=["exact", "fixed_shapes"])
 def test_forward_and_keep_never_read_a_tensor_on_the_host(monkeypatch, fixed_shapes):
     """On a GPU each read would wait for the device; the speculative loop counts on none here."""

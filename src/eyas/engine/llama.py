@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -296,6 +297,7 @@ class LlamaTarget(Target):
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.compile_seconds = 0.0  # time spent compiling and capturing buckets (at first use or in warmup)
+        self.compile_error: str | None = None  # why compilation failed, when it did (the step then runs eagerly)
         top = max(self.buckets)
         self._causal = torch.ones(top, top, dtype=torch.bool, device=self.device).tril_()
         self._eye = torch.eye(top, dtype=torch.bool, device=self.device)
@@ -426,7 +428,7 @@ class LlamaTarget(Target):
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # the warm-up (and compilation) off the capturing stream
                 for _ in range(2):
-                    self._step(buf, self.max_length, self._fixed)
+                    self._warm_step(buf)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
@@ -434,10 +436,27 @@ class LlamaTarget(Target):
             self._graphs[B] = (graph, out)
             torch.cuda.synchronize(self.device)
         elif self.compile:
-            self._step(buf, self.max_length, self._fixed)
+            self._warm_step(buf)
             torch.cuda.synchronize(self.device)
         self._ready.add(B)
         self.compile_seconds += time.perf_counter() - t0
+
+    def _warm_step(self, buf: _Inputs) -> None:
+        """A warm-up run of the fixed-shape step (the first one with compiled functions compiles
+        them). When compilation fails (a machine without a C compiler for Triton, an inductor bug),
+        say so and run the same functions eagerly: an error of the functions themselves then
+        raises again, eagerly."""
+        try:
+            self._step(buf, self.max_length, self._fixed)
+        except Exception as e:
+            if self._fixed is self._eager:
+                raise
+            self.compile_error = f"{type(e).__name__}: {e}"
+            warnings.warn(f"LlamaTarget: torch.compile failed ({self.compile_error[:500]}); the step runs "
+                          f"eagerly", stacklevel=3)
+            self.compile, self._fixed = False, self._eager
+            self.implementation = "+".join(["fast"] + ["cuda-graphs"] * self.cuda_graphs)
+            self._step(buf, self.max_length, self._fixed)
 
     @torch.no_grad()
     def warmup(self, buckets: Sequence[int] | None = None) -> float:
