@@ -107,7 +107,6 @@ def bandwidth(device: torch.device, nbytes: int, reps: int) -> dict[str, float]:
     dst = torch.empty_like(src)
     copy_ms = timed(lambda: dst.copy_(src), device, reps)
     read_ms = timed(lambda: src.sum(dtype=torch.float32), device, reps)
-    del src, dst
     return {"bytes": nbytes, "copy_ms": copy_ms, "copy_GBps": 2 * nbytes / copy_ms / 1e6,
             "read_ms": read_ms, "read_GBps": nbytes / read_ms / 1e6}
 
@@ -166,11 +165,7 @@ def measure(model, spec, device, capacity: int, prefill: int, reps: int, compile
         print(f"    {n:3d} tokens: {out['ms'][n]:.3f} ms", flush=True)
     out["compile_seconds"], out["compile_error"] = target.compile_seconds, target.compile_error
     out["implementation"] = target.implementation  # without "compile" when compilation failed
-    del target
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return out
+    return out  # the target (its cache and graphs) is freed with this frame
 
 
 @torch.no_grad()
@@ -231,12 +226,12 @@ def main() -> None:
         print(f"{v}:", flush=True)
         try:
             report["variants"][v] = measure(model, spec, dev, capacity, prefill, reps, compile_=(v == "compiled"))
-        except Exception:  # report it and go on with the next variant
+        except Exception:  # noqa: BLE001 (report it and go on with the next variant)
             report.setdefault("errors", {})[v] = traceback.format_exc()
             print(f"{v} failed:\n{report['errors'][v]}", flush=True)
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
     print(f"\nfloor (weights {wb['counted'] / 1e9:.2f} GB / copy {bw['copy_GBps']:.0f} GB/s) = {floor_ms:.3f} ms; "
           f"GEMVs alone {report['gemv_ms']:.3f} ms ({report['gemv_ms'] / floor_ms:.2f}x floor)")

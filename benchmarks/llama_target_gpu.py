@@ -130,7 +130,7 @@ def main() -> None:
             report["warmup_s"][name] = seconds
             if t.compile_error:
                 report.setdefault("compile_error", {})[name] = t.compile_error
-        except Exception:  # report and go on with the other targets
+        except Exception:  # noqa: BLE001 (report it and go on with the other targets)
             report.setdefault("errors", {})[name] = traceback.format_exc()
             print(f"{name} failed:\n{report['errors'][name]}", flush=True)
     report["implementation"] = {name: t.implementation for name, t in targets.items()}

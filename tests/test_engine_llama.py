@@ -115,7 +115,7 @@ def test_a_failing_compiler_leaves_the_eager_step_with_a_warning(monkeypatch):
 @pytest.mark.parametrize("fixed_shapes", [False, True], ids=["exact", "fixed_shapes"])
 def test_forward_and_keep_never_read_a_tensor_on_the_host(monkeypatch, fixed_shapes):
     """On a GPU each read would wait for the device; the speculative loop counts on none here."""
-    fast, hf = _pair("llama", fixed_shapes)
+    fast, _ = _pair("llama", fixed_shapes)
     fast.warmup()
 
     def read(*_args, **_kwargs):

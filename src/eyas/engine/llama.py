@@ -30,7 +30,8 @@ compilation per bucket serves every block) and each bucket's whole step is captu
 graph and replayed (forward hooks would not survive a replay: the captured boundaries are an output
 of the step). On the CPU the same functions run eagerly, so the tests check the code the GPU
 compiles. Compilation happens at a bucket's first use, or up front with :meth:`LlamaTarget.warmup`;
-``compile_seconds`` says how long it took.
+``compile_seconds`` says how long it took. A compiler that fails (e.g. no C compiler for Triton)
+leaves the same functions eager, with a warning and ``compile_error``.
 
 No device value is read on the host: the range check uses host ints (cache_len + T <= max_length;
 a step's positions are at most cache_len + T - 1), host tensors travel with non-blocking copies, and
@@ -41,7 +42,7 @@ G = Hq / Hkv, D head dim, C the cache's capacity (``max_length`` positions), V v
 
     keys, values   [L, Hkv, C, D]    entry i = the token at position i (the cache is kept compact)
     forward(T)     writes entries cache_len .. cache_len+B-1, attends [keys] entries with the mask
-                   [B, keys] = (every committed entry) ++ (tree_mask, or causal; pads: themselves)
+                   [B, keys] = (every committed entry) ++ (tree_mask, or causal; a pad: itself)
     keep(idx)      moves the kept entries of the last block to cache_len_before .. (+k) on the device
 
 Boundary capture follows the contract's convention (docs/conventions.md): boundary 0 is the input of
@@ -56,7 +57,8 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -215,7 +217,8 @@ class _Inputs(NamedTuple):
 class LlamaTarget(Target):
     """A Llama-family Hugging Face model served with a static KV cache and in-forward capture.
 
-    Holds references to the model's weight tensors (no copy). ``max_length`` is the cache's
+    Holds references to the model's weight tensors (no copy; moving or converting the model
+    afterwards is not followed: build the target after). ``max_length`` is the cache's
     capacity; it defaults to the model's context, capped at ``default_capacity`` to keep the
     preallocated cache small (2 x L x C x Hkv x D values). ``compile`` (default: with
     ``cuda_graphs``) compiles the fixed-shape step with inductor; it applies on a GPU only."""
@@ -268,10 +271,10 @@ class LlamaTarget(Target):
             return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", getattr(cfg, "rms_norm_eps", 1e-6))))
 
         q_norm = getattr(attn, "q_norm", None)
-        self._consts = dict(
-            eps=eps_of(blocks[0].input_layernorm), qk_eps=eps_of(q_norm) if q_norm is not None else 0.0,
-            scaling=float(getattr(attn, "scaling", self.head_dim ** -0.5)),
-            rope_scaling=float(getattr(base.rotary_emb, "attention_scaling", 1.0)))
+        self._consts = {
+            "eps": eps_of(blocks[0].input_layernorm), "qk_eps": eps_of(q_norm) if q_norm is not None else 0.0,
+            "scaling": float(getattr(attn, "scaling", self.head_dim ** -0.5)),
+            "rope_scaling": float(getattr(base.rotary_emb, "attention_scaling", 1.0))}
 
         cfg_len = int(getattr(cfg, "max_position_embeddings", 0) or default_capacity)
         self.max_length = int(max_length or min(cfg_len, default_capacity))
