@@ -58,6 +58,9 @@ def llama_8b_shaped(device: torch.device, tiny: bool, seed: int = 0) -> torch.nn
     torch.manual_seed(seed)
     with torch.device(device):  # allocated (and initialised) where it runs: no 16 GB host copy
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    if next(model.parameters()).device.type != device.type:  # a transformers that ignored the context
+        print(f"from_config built the model on {next(model.parameters()).device}: moving it", flush=True)
+        model = model.to(device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
