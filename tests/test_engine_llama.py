@@ -3,7 +3,10 @@ capture inside the forward) computes what the Hugging Face model computes, throu
 operation the decoding loop uses, and serves greedy speculative decoding token-identically.
 
 The reference is :class:`~eyas.engine.target.HFTarget`, whose features come from
-:class:`~eyas.capture.hooks.BoundaryCapture`, the capture that made the training data. float32, CPU.
+:class:`~eyas.capture.hooks.BoundaryCapture`, the capture that made the training data. float32, CPU:
+the step's functions run eagerly here, and the same functions traced by torch.compile (the GPU
+compiles them with inductor) give the same results with one compilation per bucket for all blocks.
+The last test runs the compiled, CUDA-graphed target on a GPU (skipped without one).
 """
 
 from __future__ import annotations
@@ -29,6 +32,34 @@ def _pair(kind: str, fixed_shapes: bool = False):
             HFTarget(model, SPEC, max_length=64))
 
 
+def _tree(n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree of 5 tokens: 0 is the root's child; 1, 2 children of 0; 3 of 1; 4 of 2. Returns the
+    ancestor mask [5, 5] and each node's depth [5]."""
+    parent = [-1, 0, 0, 1, 2]
+    mask = torch.eye(5, dtype=torch.bool)
+    for i, p in enumerate(parent):
+        while p >= 0:
+            mask[i, p], p = True, parent[p]
+    return mask, mask.sum(1) - 1
+
+
+def _walk(fast, hf, g: torch.Generator, device="cpu") -> None:
+    """Prefill 9, a 5-token tree, keep a path of it, decode 2 then 1 then 1: equal at every step."""
+    prompt = torch.randint(0, 128, (1, 9), generator=g).to(device)
+    _same(fast.prefill(prompt), hf.prefill(prompt))
+    mask, depth = _tree()
+    ids = torch.randint(0, 128, (1, 5), generator=g).to(device)
+    positions = (9 + depth)[None].to(device)
+    _same(fast.forward(ids, positions, mask), hf.forward(ids, positions, mask))
+    for t in (fast, hf):  # accept the path 0 -> 2 -> 4 (not contiguous in the block)
+        t.keep([0, 2, 4])
+    assert fast.cache_len == hf.cache_len == 12
+    ids = torch.randint(0, 128, (1, 2), generator=g).to(device)
+    positions = torch.tensor([[12, 13]], device=device)
+    _same(fast.forward(ids, positions), hf.forward(ids, positions))
+    _same(fast.forward(ids[:, :1], positions[:, :1] + 2), hf.forward(ids[:, :1], positions[:, :1] + 2))
+
+
 def _same(a: tuple, b: tuple) -> None:
     (la, fa), (lb, fb) = a, b
     torch.testing.assert_close(la, lb, atol=ATOL, rtol=1e-4)
@@ -42,30 +73,65 @@ def test_logits_and_boundaries_equal_the_hf_model_through_prefill_tree_keep_and_
     """fixed_shapes: each step padded to a bucket (9 -> 16, 5 -> 8, 2 -> 8, 1 -> 1) and attending the
     cache's whole capacity under a mask, as the CUDA graphs run it."""
     fast, hf = _pair(kind, fixed_shapes)
+    _walk(fast, hf, torch.Generator().manual_seed(0))
+    logits, features = fast.forward(torch.tensor([[7]]), torch.tensor([[15]]), capture=False)
+    assert features is None and logits.shape == (1, 1, 128)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])  # q/k/v bias; per-head q/k norm
+def test_the_step_traced_by_torch_compile_computes_the_same_with_one_compilation_per_bucket(kind):
+    """The GPU compiles the fixed-shape step's functions with inductor; here dynamo and AOT autograd
+    trace the same functions (fullgraph: no graph break; the cache writes as in-place mutations of
+    the inputs) without generating code. Every block reuses its bucket's compilation: 3 buckets
+    used (16, 8, 1) x 3 functions = 9 graphs, whatever the number of blocks."""
+    from torch._dynamo.utils import counters
+
+    fast, hf = _pair(kind, fixed_shapes=True)
+    torch._dynamo.reset()
+    counters.clear()
+    fast._fixed = fast._functions("aot_eager")
+    _walk(fast, hf, torch.Generator().manual_seed(0))
+    assert counters["stats"]["unique_graphs"] == 9
+
+
+@pytest.mark.unit
+def test_a_failing_compiler_leaves_the_eager_step_with_a_warning(monkeypatch):
+    """E.g. a GPU machine without the C compiler Triton needs: the step still runs, and says so."""
+    def no_compiler(gm, example_inputs):
+        raise RuntimeError("Failed to find C compiler")
+
+    fast, hf = _pair("llama", fixed_shapes=True)
+    torch._dynamo.reset()
+    fast._fixed, fast.compile, fast.implementation = fast._functions(no_compiler), True, "fast+compile"
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # (the compiled path is a GPU's)
+    prompt = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="(?s)torch.compile failed .*Failed to find C compiler.*runs eagerly"):
+        _same(fast.prefill(prompt), hf.prefill(prompt))
+    assert fast.implementation == "fast" and not fast.compile and "C compiler" in fast.compile_error
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["exact", "fixed_shapes"])
+def test_forward_and_keep_never_read_a_tensor_on_the_host(monkeypatch, fixed_shapes):
+    """On a GPU each read would wait for the device; the speculative loop counts on none here."""
+    fast, _ = _pair("llama", fixed_shapes)
+    fast.warmup()
+
+    def read(*_args, **_kwargs):
+        raise AssertionError("a tensor was read on the host")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, read)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 128, (1, 9), generator=g)
-    _same(fast.prefill(prompt), hf.prefill(prompt))
-
-    # A tree of 5 tokens after the prompt: 0 is the root's child; 1, 2 children of 0; 3 of 1; 4 of 2.
-    parent = [-1, 0, 0, 1, 2]
-    mask = torch.eye(5, dtype=torch.bool)
-    for i, p in enumerate(parent):
-        while p >= 0:
-            mask[i, p], p = True, parent[p]
-    depth = mask.sum(1) - 1
-    ids = torch.randint(0, 128, (1, 5), generator=g)
-    positions = (9 + depth)[None]
-    _same(fast.forward(ids, positions, mask), hf.forward(ids, positions, mask))
-
-    for t in (fast, hf):  # accept the path 0 -> 2 -> 4 (not contiguous in the block)
-        t.keep([0, 2, 4])
-    assert fast.cache_len == hf.cache_len == 12
-    ids = torch.randint(0, 128, (1, 2), generator=g)
-    positions = torch.tensor([[12, 13]])
-    _same(fast.forward(ids, positions), hf.forward(ids, positions))
-    _same(fast.forward(ids[:, :1], positions[:, :1], capture=True), hf.forward(ids[:, :1], positions[:, :1]))
-    logits, features = fast.forward(ids[:, 1:], torch.tensor([[15]]), capture=False)
-    assert features is None and logits.shape == (1, 1, 128)
+    fast.prefill(prompt)
+    mask, depth = _tree()
+    fast.forward(torch.randint(0, 128, (1, 5), generator=g), (9 + depth)[None], mask)
+    fast.keep([0, 2, 4])
+    fast.forward(torch.randint(0, 128, (1, 1), generator=g), torch.tensor([[12]]))
+    monkeypatch.undo()
+    assert fast.cache_len == 13
 
 
 @pytest.mark.unit
@@ -108,6 +174,7 @@ def test_build_target_picks_the_implementation_and_says_which():
     model = tiny_model("llama", L)
     assert build_target(model, SPEC, "auto").implementation == "hf"  # on the CPU graphs do not pay
     assert build_target(model, SPEC, "fast").implementation == "fast"
+    assert LlamaTarget(model, SPEC, cuda_graphs=True, compile=True).implementation == "fast"  # GPU only
     assert build_target(model, SPEC, "HF").implementation == "hf"
     with pytest.raises(UnsupportedTarget, match=r"--target-impl: expected one of \['auto', 'fast', 'hf'\], found 'x'"):
         build_target(model, SPEC, "x")
@@ -136,3 +203,22 @@ def test_generate_on_the_fast_target_prints_it_and_equals_the_hf_target(toy_draf
     r = CliRunner().invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hi",
                                  "--device", "cpu", "--target-impl", "turbo"])
     assert r.exit_code == 2 and "--target-impl: expected one of" in r.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_compiled_cuda_graphed_target_equals_the_hf_model_on_a_gpu():
+    """float32 on the GPU, buckets compiled and captured up front (warmup), then the same walk; and
+    a bucket first used later is compiled and captured then."""
+    model = tiny_model("llama", L).cuda()
+    fast = LlamaTarget(model, SPEC, max_length=64, cuda_graphs=True, buckets=(1, 8, 16, 32))
+    hf = HFTarget(model, SPEC, max_length=64)
+    assert fast.implementation == "fast+compile+cuda-graphs"
+    seconds = fast.warmup(buckets=(1, 8, 16))
+    assert 0 < fast.compile_seconds <= seconds and sorted(fast._graphs) == [1, 8, 16]
+    assert fast.compile_error is None, fast.compile_error  # compiled, not the eager fallback
+    _walk(fast, hf, torch.Generator().manual_seed(0), device="cuda")
+    ids = torch.randint(0, 128, (1, 20), device="cuda")
+    _same(fast.forward(ids, torch.arange(15, 35, device="cuda")[None]),
+          hf.forward(ids, torch.arange(15, 35, device="cuda")[None]))
+    assert sorted(fast._graphs) == [1, 8, 16, 32]

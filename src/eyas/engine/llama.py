@@ -1,34 +1,64 @@
 """Our own forward for Llama-family targets (Llama, Mistral, Qwen2, Qwen3; SmolLM2 is a Llama): a
 static KV cache written by index, attention under the tree mask, and boundary capture inside the
-forward, with no hooks.
+forward, with no hooks and no Hugging Face module called.
 
-Every step runs through one function, ``_step``: B new tokens write their keys/values at cache
-slots cache_len .. cache_len+B-1 by index and attend the first ``keys`` cache entries under a bool
-mask. Exact shapes (the default) use B = T and keys = cache_len + T. Fixed shapes pad B to a bucket
-(1, 8, 16, 32, 64) and attend the whole capacity, so the step's shapes never depend on cache_len;
-on a GPU each bucket's step is then captured once as a CUDA graph and replayed (forward hooks would
-not survive a replay: the captured boundaries are an output of the step). The weights are the
-Hugging Face model's own modules, called as they are (projections, norms, MLP, rotary embedding):
-only the attention over the cache and the walk over the blocks are ours.
+A step is three pure functions over tensors, which take the model's weight tensors as arguments
+(references gathered once at construction, no copies):
 
-Shapes (batch 1): L blocks, H hidden, Hq query heads, Hkv key/value heads, D head dim, C the cache's
-capacity (``max_length`` positions).
+- ``_prologue``: the embeddings, the rotary cos/sin of the positions, the cache slots the step
+  writes and its attention mask, from ids, positions, the new tokens' [B, B] block mask and the
+  first slot (cache_len, a device scalar);
+- ``_layer``: one decoder block (RMSNorm, q/k/v with optional bias, Qwen3's per-head q/k norm,
+  rotate-half rope, keys/values written into the block's cache by index, grouped-query attention
+  over the cache under the mask, o, RMSNorm, SiLU MLP); every block is the same function on its own
+  weights and cache;
+- ``_head``: the final norm and the logits.
 
-    keys, values   [L, C, Hkv, D]    entry i = the token at position i (the cache is kept compact)
+The numerics are Hugging Face's: RMSNorm in float32 (x * rsqrt(mean(x^2) + eps), cast back, times the
+weight), scores q.k in the model's dtype, scaled and softmaxed in float32, cast back (the eager
+attention's order). ``tests/test_engine_llama.py`` holds the logits and the features equal to
+:class:`~eyas.engine.target.HFTarget` in float32.
+
+Every step runs through one walk, ``_step``: B new tokens write their keys/values at cache slots
+cache_len .. cache_len+B-1 and attend the first ``keys`` cache entries under a bool mask. Exact
+shapes (the default) use B = T and keys = cache_len + T, eagerly. Fixed shapes pad B to a bucket (1,
+8, 16, 32, 64) and attend the whole capacity, so the step's shapes never depend on cache_len (nor its
+inputs' addresses: each bucket has its own input buffers). On a GPU the three functions are then
+compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (inductor fuses each block's norms,
+rope, cache writes, softmax and SiLU into a few kernels; all blocks have the same shapes, so one
+compilation per bucket serves every block) and each bucket's whole step is captured once as a CUDA
+graph and replayed (forward hooks would not survive a replay: the captured boundaries are an output
+of the step). On the CPU the same functions run eagerly, so the tests check the code the GPU
+compiles. Compilation happens at a bucket's first use, or up front with :meth:`LlamaTarget.warmup`;
+``compile_seconds`` says how long it took. A compiler that fails (e.g. no C compiler for Triton)
+leaves the same functions eager, with a warning and ``compile_error``.
+
+No device value is read on the host: the range check uses host ints (cache_len + T <= max_length;
+a step's positions are at most cache_len + T - 1), host tensors travel with non-blocking copies, and
+the mask is built on the device inside the step.
+
+Shapes (batch 1, dropped inside the step): L blocks, H hidden, Hq query heads, Hkv key/value heads,
+G = Hq / Hkv, D head dim, C the cache's capacity (``max_length`` positions), V vocabulary.
+
+    keys, values   [L, Hkv, C, D]    entry i = the token at position i (the cache is kept compact)
     forward(T)     writes entries cache_len .. cache_len+B-1, attends [keys] entries with the mask
-                   [B, keys] = (every committed entry) ++ (tree_mask, or causal) ++ (pads: themselves)
+                   [B, keys] = (every committed entry) ++ (tree_mask, or causal; a pad: itself)
     keep(idx)      moves the kept entries of the last block to cache_len_before .. (+k) on the device
 
 Boundary capture follows the contract's convention (docs/conventions.md): boundary 0 is the input of
 block 0 (the embeddings), boundary b the output of block b-1 (``hidden + residual``), boundary L the
-last block's output before the final norm. ``tests/test_engine_llama.py`` holds the logits and the
-features equal to :class:`~eyas.engine.target.HFTarget` (which captures with
-:class:`~eyas.capture.hooks.BoundaryCapture`).
+last block's output before the final norm. ``_layer`` returns the stream entering its block (its
+boundary) and leaves the block's last residual add to the next block (or ``_head``), where it fuses
+with the next norm.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,65 +87,243 @@ def supports(model: nn.Module) -> str | None:
     layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"} or (kind == "mistral" and getattr(cfg, "sliding_window", None)):
         return f"layer types {sorted(layer_types)}: sliding-window attention is not implemented"
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        return f"hidden_act {act!r}: only the SiLU MLP is implemented"
     base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "rotary_emb") or not hasattr(base, "embed_tokens"):
-        return f"{type(model).__name__}: expected .model.embed_tokens and .model.rotary_emb"
+    if base is None or not all(hasattr(base, a) for a in ("rotary_emb", "embed_tokens", "norm")):
+        return f"{type(model).__name__}: expected .model.embed_tokens, .model.rotary_emb and .model.norm"
+    rope_type = str(getattr(base.rotary_emb, "rope_type", "default"))
+    if "dynamic" in rope_type or rope_type == "longrope" or not hasattr(base.rotary_emb, "inv_freq"):
+        return f"rope type {rope_type!r}: frequencies that change with the sequence length are not implemented"
     return None
 
 
-def _rotate_half(x: Tensor) -> Tensor:
+# -- the step's pure functions (eager on the CPU, compiled on a GPU) ----------------------------------
+
+
+class BlockWeights(NamedTuple):
+    """One decoder block's weight tensors (the model's own storage, detached; None = absent)."""
+
+    input_norm: Tensor  # [H]
+    q: Tensor  # [Hq*D, H]
+    q_bias: Tensor | None  # [Hq*D] (Qwen2)
+    k: Tensor  # [Hkv*D, H]
+    k_bias: Tensor | None
+    v: Tensor  # [Hkv*D, H]
+    v_bias: Tensor | None
+    o: Tensor  # [H, Hq*D]
+    o_bias: Tensor | None
+    q_norm: Tensor | None  # [D] (Qwen3: RMSNorm per head, before the rotation)
+    k_norm: Tensor | None
+    post_norm: Tensor  # [H]
+    gate: Tensor  # [I, H]
+    gate_bias: Tensor | None
+    up: Tensor  # [I, H]
+    up_bias: Tensor | None
+    down: Tensor  # [H, I]
+    down_bias: Tensor | None
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Hugging Face's LlamaRMSNorm: float32, x * rsqrt(mean(x^2) + eps), cast back, times the weight."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half rope: x [B, heads, D], cos/sin [B, 1, D]."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _prologue(ids: Tensor, pos: Tensor, block: Tensor, start: Tensor, embed: Tensor, inv_freq: Tensor, *,
+              n_keys: int, rope_scaling: float) -> tuple[Tensor, ...]:
+    """A step's inputs on the device. ids, pos [B] long; block [B, B] bool (new token i may attend
+    new token j); start [1] long (cache_len: the first slot written); embed [V, H]; inv_freq [D/2].
+
+    Returns h [B, H] (the embeddings: boundary 0), zero [B, H] (the residual still to add: none),
+    cos, sin [B, 1, D] (Hugging Face's rotary embedding, attention scaling included, in the model's
+    dtype), slots [B] long (start .. start+B-1) and mask [B, n_keys] bool: every committed entry
+    (index < start), then the block at start .. start+B-1, nothing after."""
+    B = ids.shape[0]
+    h = F.embedding(ids, embed)  # [B, H]
+    freqs = pos.float()[:, None] * inv_freq.float()[None, :]  # [B, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, D]
+    cos = (emb.cos() * rope_scaling).to(h.dtype)[:, None]  # [B, 1, D]
+    sin = (emb.sin() * rope_scaling).to(h.dtype)[:, None]
+    rel = torch.arange(n_keys, device=ids.device) - start  # [n_keys]: entry index - cache_len
+    in_block = block[:, rel.clamp(0, B - 1)]  # [B, n_keys]: block[i, entry - cache_len]
+    mask = (rel < 0) | ((rel < B) & in_block)  # [B, n_keys]
+    slots = start + torch.arange(B, device=ids.device)  # [B]
+    return h, torch.zeros_like(h), cos, sin, slots, mask
+
+
+def _layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
+           values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
+    """One decoder block for B tokens. The stream entering it is x + d [B, H] (the previous block's
+    last residual add is done here, fused with this block's norm); cos, sin [B, 1, D]; slots [B]
+    (where the new keys/values go); mask [B, n] bool over the first n cache entries; keys, values
+    [Hkv, C, D] this block's cache, written in place at ``slots``.
+
+    Returns (h_in, h, m), all [B, H]: the stream entering the block (its boundary), the stream after
+    attention, and the MLP's output; the block's output is h + m."""
+    h_in = x + d  # [B, H]
+    B = h_in.shape[0]
+    Hkv, _, D = keys.shape
+    Hq = w.q.shape[0] // D
+    G = Hq // Hkv
+    n = mask.shape[1]
+    a = _rms_norm(h_in, w.input_norm, eps)
+    q = F.linear(a, w.q, w.q_bias).view(B, Hq, D)
+    k = F.linear(a, w.k, w.k_bias).view(B, Hkv, D)
+    v = F.linear(a, w.v, w.v_bias).view(B, Hkv, D)
+    if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
+        q, k = _rms_norm(q, w.q_norm, qk_eps), _rms_norm(k, w.k_norm, qk_eps)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    keys.index_copy_(1, slots, k.transpose(0, 1))  # [Hkv, B, D] into [Hkv, C, D]
+    values.index_copy_(1, slots, v.transpose(0, 1))
+    # Grouped-query attention without copying the cache: query head j reads key/value head j // G,
+    # so the G query heads of a group become G*B rows against their shared keys.
+    qg = q.view(B, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * B, D)  # rows (g, b)
+    scores = torch.matmul(qg, keys[:, :n].transpose(1, 2))  # [Hkv, G*B, n], the model's dtype
+    scores = (scores.float() * scaling).view(Hkv, G, B, n).masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, G * B, n)
+    out = torch.matmul(p, values[:, :n])  # [Hkv, G*B, D]
+    out = out.view(Hkv, G, B, D).permute(2, 0, 1, 3).reshape(B, Hq * D)  # head j = g-th of group j // G
+    h = h_in + F.linear(out, w.o, w.o_bias)
+    a = _rms_norm(h, w.post_norm, eps)
+    m = F.linear(F.silu(F.linear(a, w.gate, w.gate_bias)) * F.linear(a, w.up, w.up_bias), w.down, w.down_bias)
+    return h_in, h, m
+
+
+def _head(x: Tensor, d: Tensor, norm: Tensor, lm_head: Tensor, lm_bias: Tensor | None, *,
+          eps: float) -> tuple[Tensor, Tensor]:
+    """The last block's output x + d [B, H] (boundary L) and the logits [B, V]."""
+    h = x + d
+    return h, F.linear(_rms_norm(h, norm, eps), lm_head, lm_bias)
+
+
+class _Inputs(NamedTuple):
+    """A step's inputs on the device (for fixed shapes, a bucket's own buffers: a graph's static inputs)."""
+
+    ids: Tensor  # [B] long
+    pos: Tensor  # [B] long
+    block: Tensor  # [B, B] bool
+    start: Tensor  # [1] long: cache_len
 
 
 class LlamaTarget(Target):
     """A Llama-family Hugging Face model served with a static KV cache and in-forward capture.
 
-    Holds references to the model's modules (no copy of the weights). ``max_length`` is the cache's
+    Holds references to the model's weight tensors (no copy; moving or converting the model
+    afterwards is not followed: build the target after). ``max_length`` is the cache's
     capacity; it defaults to the model's context, capped at ``default_capacity`` to keep the
-    preallocated cache small (2 x L x C x Hkv x D values)."""
+    preallocated cache small (2 x L x C x Hkv x D values). ``compile`` (default: with
+    ``cuda_graphs``) compiles the fixed-shape step with inductor; it applies on a GPU only."""
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
                  default_capacity: int = 4096, fixed_shapes: bool = False, cuda_graphs: bool = False,
-                 buckets: Sequence[int] = (1, 8, 16, 32, 64)) -> None:
+                 buckets: Sequence[int] = (1, 8, 16, 32, 64), compile: bool | None = None) -> None:
         why_not = supports(model)
         if why_not is not None:
             raise UnsupportedTarget(f"LlamaTarget: {why_not}; use the Hugging Face target (HFTarget)")
         self.model = model.eval()
         cfg = text_config(model)
-        self.blocks = find_decoder_blocks(model)
-        L = len(self.blocks)
+        blocks = find_decoder_blocks(model)
+        L = len(blocks)
         if spec.num_blocks != L:
             raise UnsupportedTarget(f"capture spec: expected a spec for {L} blocks, found one for {spec.num_blocks}")
         self.spec = spec
-        self.embed = model.model.embed_tokens
-        self.rotary = model.model.rotary_emb
-        self.norm = model.model.norm
-        self.lm_head = model.get_output_embeddings()
-        attn = self.blocks[0].self_attn
+        base = model.model
+        attn = blocks[0].self_attn
         self.head_dim = int(attn.head_dim)
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
-        self.scaling = float(getattr(attn, "scaling", self.head_dim ** -0.5))
+        lm_head = model.get_output_embeddings()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.vocab_size = self.lm_head.weight.shape[0]
+        self.vocab_size = lm_head.weight.shape[0]
+
+        # The weights, gathered once: detached references to the model's parameters (no copies).
+        def w(module: nn.Module | None, name: str = "weight") -> Tensor | None:
+            t = getattr(module, name, None) if module is not None else None
+            return None if t is None else t.detach()
+
+        self.weights = [BlockWeights(
+            input_norm=w(b.input_layernorm), q=w(b.self_attn.q_proj), q_bias=w(b.self_attn.q_proj, "bias"),
+            k=w(b.self_attn.k_proj), k_bias=w(b.self_attn.k_proj, "bias"),
+            v=w(b.self_attn.v_proj), v_bias=w(b.self_attn.v_proj, "bias"),
+            o=w(b.self_attn.o_proj), o_bias=w(b.self_attn.o_proj, "bias"),
+            q_norm=w(getattr(b.self_attn, "q_norm", None)), k_norm=w(getattr(b.self_attn, "k_norm", None)),
+            post_norm=w(b.post_attention_layernorm),
+            gate=w(b.mlp.gate_proj), gate_bias=w(b.mlp.gate_proj, "bias"),
+            up=w(b.mlp.up_proj), up_bias=w(b.mlp.up_proj, "bias"),
+            down=w(b.mlp.down_proj), down_bias=w(b.mlp.down_proj, "bias"),
+        ) for b in blocks]  # type: ignore[arg-type]
+        self.embed_weight = base.embed_tokens.weight.detach()  # [V, H]
+        self.inv_freq = base.rotary_emb.inv_freq  # [D/2] (a buffer: rope scaling already applied)
+        self.norm_weight = base.norm.weight.detach()  # [H]
+        self.lm_head_weight, self.lm_head_bias = w(lm_head), w(lm_head, "bias")  # [V, H], None
+
+        def eps_of(norm: nn.Module) -> float:
+            return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", getattr(cfg, "rms_norm_eps", 1e-6))))
+
+        q_norm = getattr(attn, "q_norm", None)
+        self._consts = {
+            "eps": eps_of(blocks[0].input_layernorm), "qk_eps": eps_of(q_norm) if q_norm is not None else 0.0,
+            "scaling": float(getattr(attn, "scaling", self.head_dim ** -0.5)),
+            "rope_scaling": float(getattr(base.rotary_emb, "attention_scaling", 1.0))}
+
         cfg_len = int(getattr(cfg, "max_position_embeddings", 0) or default_capacity)
         self.max_length = int(max_length or min(cfg_len, default_capacity))
-        shape = (L, self.max_length, self.num_kv_heads, self.head_dim)
+        shape = (L, self.num_kv_heads, self.max_length, self.head_dim)
         self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._slot_of = {b: i for i, b in enumerate(spec.boundaries)}
+
         # Fixed shapes: a step of T <= max(buckets) tokens runs padded to the smallest bucket >= T and
         # attends the cache's whole capacity under a mask, so its shapes never depend on cache_len;
-        # with cuda_graphs (on a GPU) each bucket's step is captured once and replayed.
-        self.fixed_shapes = bool(fixed_shapes or cuda_graphs)
-        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        # on a GPU its functions are compiled (compile) and each bucket's step is captured once as a
+        # CUDA graph and replayed (cuda_graphs).
+        on_gpu = self.device.type == "cuda"
+        self.cuda_graphs = bool(cuda_graphs) and on_gpu
+        self.compile = bool(cuda_graphs if compile is None else compile) and on_gpu
+        self.fixed_shapes = bool(fixed_shapes or cuda_graphs or self.compile)
         self.buckets = tuple(sorted(int(b) for b in buckets))
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, Tensor]]] = {}
+        self.implementation = "+".join(["fast"] + ["compile"] * self.compile + ["cuda-graphs"] * self.cuda_graphs)
+        self._eager = self._functions(None)
+        self._fixed = self._functions("inductor") if self.compile else self._eager
+        self._inputs: dict[int, _Inputs] = {}  # bucket -> its input buffers
+        self._ready: set[int] = set()  # buckets compiled / captured
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self.implementation = "fast+cuda-graphs" if self.cuda_graphs else "fast"
+        self.compile_seconds = 0.0  # time spent compiling and capturing buckets (at first use or in warmup)
+        self.compile_error: str | None = None  # why compilation failed, when it did (the step then runs eagerly)
+        top = max(self.buckets)
+        self._causal = torch.ones(top, top, dtype=torch.bool, device=self.device).tril_()
+        self._eye = torch.eye(top, dtype=torch.bool, device=self.device)
         self.reset()
+
+    def _functions(self, backend: str | None) -> tuple[Callable, Callable, Callable]:
+        """(prologue, layer, head) with this model's constants bound; compiled with ``backend``
+        (None: eager). Compiled, every call with a bucket's shapes hits the same compilation."""
+        c = self._consts
+        fns = (functools.partial(_prologue, rope_scaling=c["rope_scaling"]),
+               functools.partial(_layer, eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"]),
+               functools.partial(_head, eps=c["eps"]))
+        if backend is None:
+            return fns
+        import torch._dynamo.config as dynamo_config
+
+        # The three functions x buckets (x capacities, per model) are separate compilations of one
+        # code object (functools.partial's); the default limit (8) would fall back to eager silently.
+        for name, least in (("recompile_limit", 64), ("cache_size_limit", 64),
+                            ("accumulated_recompile_limit", 1024), ("accumulated_cache_size_limit", 1024)):
+            if isinstance(getattr(dynamo_config, name, None), int):
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), least))
+        return tuple(torch.compile(f, backend=backend, fullgraph=True, dynamic=False) for f in fns)  # type: ignore[return-value]
 
     # -- cache --------------------------------------------------------------------------------
 
@@ -126,8 +334,9 @@ class LlamaTarget(Target):
     def keep(self, indices: Sequence[int] | Tensor) -> None:
         idx, P, k = self._kept(indices)
         # Advanced indexing reads a copy first, so overlapping source and destination are fine.
-        self.keys[:, P:P + k] = self.keys[:, P + idx]
-        self.values[:, P:P + k] = self.values[:, P + idx]
+        src = P + idx
+        self.keys[:, :, P:P + k] = self.keys[:, :, src]
+        self.values[:, :, P:P + k] = self.values[:, :, src]
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -135,113 +344,141 @@ class LlamaTarget(Target):
     def forward(self, input_ids: Tensor, position_ids: Tensor, tree_mask: Tensor | None = None,
                 capture: bool = True) -> tuple[Tensor, Tensor | None]:
         T = input_ids.shape[1]
-        if self._len + T > self.max_length or int(position_ids.max()) >= self.max_length:
-            raise ValueError(f"position {max(self._len + T - 1, int(position_ids.max()))} is past the context "
-                             f"({self.max_length} positions)")
-        bucket = next((b for b in self.buckets if b >= T), None)
-        if self.fixed_shapes and bucket is not None and self._len + bucket <= self.max_length:
-            inputs = self._inputs(input_ids, position_ids, tree_mask, bucket, self.max_length)
-            logits, features = self._fixed_step(inputs, T)
-        else:  # exact shapes: B = T new tokens against the cache_len + T entries in use
-            logits, features = self._step(*self._inputs(input_ids, position_ids, tree_mask, T, self._len + T))
+        # Host ints only: a step's positions are at most cache_len + T - 1 (a tree's deepest node).
+        if self._len + T > self.max_length:
+            raise ValueError(f"position {self._len + T - 1} is past the context ({self.max_length} positions)")
+        bucket = next((b for b in self.buckets if b >= T), None) if self.fixed_shapes else None
+        if bucket is not None and self._len + bucket <= self.max_length:
+            logits, features = self._fixed_step(bucket, input_ids, position_ids, tree_mask)
+        else:  # exact shapes: B = T new tokens against the cache_len + T entries in use, eagerly
+            dev = self.device
+            inputs = _Inputs(
+                input_ids.reshape(-1).to(dev, non_blocking=True), position_ids.reshape(-1).to(dev, non_blocking=True),
+                (torch.ones(T, T, dtype=torch.bool, device=dev).tril_() if tree_mask is None
+                 else tree_mask.to(dev, torch.bool, non_blocking=True)),
+                torch.full((1,), self._len, dtype=torch.long, device=dev))
+            logits, features = self._step(inputs, self._len + T, self._eager)
+            logits, features = logits[None], features[None]
         self._appended(T)
         return logits, (features if capture else None)
 
-    def _inputs(self, input_ids: Tensor, position_ids: Tensor, tree_mask: Tensor | None, B: int,
-                keys: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """A step's inputs for B >= T tokens attending the first ``keys`` cache entries: ids [1, B],
-        positions [1, B], the cache slots it writes [B] (cache_len .. cache_len+B-1) and the mask
-        [B, keys]. Real token i attends every committed entry and its block's allowed tokens (the
-        tree mask, or causal); a pad (i >= T) attends only itself (an all-blocked row gives NaN), and
-        no real token attends a pad, so padding changes nothing the caller sees. Built from host
-        ints: no device read."""
-        T, P = input_ids.shape[1], self._len
-        ids = torch.zeros(1, B, dtype=torch.long, device=self.device)
-        ids[:, :T] = input_ids
-        pos = torch.zeros(1, B, dtype=torch.long, device=self.device)
-        pos[:, :T] = position_ids
-        slots = torch.arange(P, P + B, device=self.device)
-        block = (torch.ones(T, T, dtype=torch.bool, device=self.device).tril() if tree_mask is None
-                 else tree_mask.to(self.device, torch.bool))
-        mask = torch.zeros(B, keys, dtype=torch.bool, device=self.device)
-        mask[:T, :P] = True
-        mask[:T, P:P + T] = block
-        pads = torch.arange(T, B, device=self.device)
-        mask[pads, P + pads] = True
-        return ids, pos, slots, mask
-
-    def _step(self, ids: Tensor, pos: Tensor, slots: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """One forward of B = ids.shape[1] tokens attending the first mask.shape[1] cache entries;
-        its shapes depend only on those two numbers. Returns logits [1, B, V] and the captured
-        boundaries [1, B, S*H] in the spec's slot order (boundary b = the residual stream entering
-        block b; boundary L = the last block's output, before the final norm)."""
-        h = self.embed(ids)  # [1, B, H]: boundary 0
-        cos, sin = self.rotary(h, pos)  # [1, B, D] each, rope scaling included
+    def _step(self, inputs: _Inputs, n_keys: int, fns: tuple[Callable, Callable, Callable]) -> tuple[Tensor, Tensor]:
+        """One forward of B = len(inputs.ids) tokens attending the first ``n_keys`` cache entries; its
+        shapes depend only on those two numbers. Returns logits [B, V] and the captured boundaries
+        [B, S*H] in the spec's slot order (boundary b = the residual stream entering block b;
+        boundary L = the last block's output, before the final norm)."""
+        prologue, layer, head = fns
+        x, d, cos, sin, slots, mask = prologue(*inputs, self.embed_weight, self.inv_freq, n_keys=n_keys)
         captured: list[Tensor | None] = [None] * self.spec.num_slots
-        if 0 in self._slot_of:
-            captured[self._slot_of[0]] = h
-        attn_mask = mask[None, None]  # [1, 1, B, keys]
-        for i, block in enumerate(self.blocks):
-            h = h + self._attention(i, block.self_attn, block.input_layernorm(h), cos, sin, slots, attn_mask)
-            h = h + block.mlp(block.post_attention_layernorm(h))
-            if i + 1 in self._slot_of:  # boundary i + 1 = output of block i
-                captured[self._slot_of[i + 1]] = h
-        return self.lm_head(self.norm(h)), torch.cat(captured, dim=-1)  # type: ignore[arg-type]
+        for i, w in enumerate(self.weights):
+            h_in, x, d = layer(x, d, cos, sin, slots, mask, self.keys[i], self.values[i], w)
+            if i in self._slot_of:  # boundary i = the input of block i
+                captured[self._slot_of[i]] = h_in
+        h, logits = head(x, d, self.norm_weight, self.lm_head_weight, self.lm_head_bias)
+        L = len(self.weights)
+        if L in self._slot_of:
+            captured[self._slot_of[L]] = h
+        return logits, torch.cat(captured, dim=-1)  # type: ignore[arg-type]
 
-    def _attention(self, i: int, attn: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor,
-                   attn_mask: Tensor) -> Tensor:
-        """Block i's attention for x [1, B, H]: its keys/values written at ``slots`` by index, then
-        attention over the first attn_mask.shape[-1] cache entries."""
-        B, n_keys = x.shape[1], attn_mask.shape[-1]
-        q = attn.q_proj(x).view(1, B, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(1, B, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(1, B, self.num_kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head, before the rotation
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        c, s = cos[:, :, None], sin[:, :, None]  # [1, B, 1, D]
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
-        self.keys[i].index_copy_(0, slots, k[0])
-        self.values[i].index_copy_(0, slots, v[0])
-        keys = self.keys[i, :n_keys].transpose(0, 1)[None]  # [1, Hkv, keys, D]
-        values = self.values[i, :n_keys].transpose(0, 1)[None]
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=attn_mask, scale=self.scaling)
-        return attn.o_proj(out.transpose(1, 2).reshape(1, B, self.num_heads * self.head_dim))
+    # -- fixed shapes, compilation and CUDA graphs ------------------------------------------------
 
-    # -- fixed shapes and CUDA graphs -------------------------------------------------------------
+    def _buffers(self, B: int) -> _Inputs:
+        if B not in self._inputs:
+            dev = self.device
+            self._inputs[B] = _Inputs(torch.zeros(B, dtype=torch.long, device=dev),
+                                      torch.zeros(B, dtype=torch.long, device=dev),
+                                      self._eye[:B, :B].clone(), torch.zeros(1, dtype=torch.long, device=dev))
+        return self._inputs[B]
 
-    def _fixed_step(self, inputs: tuple[Tensor, Tensor, Tensor, Tensor], T: int) -> tuple[Tensor, Tensor]:
-        """The step padded to its bucket over the whole capacity: eager, or its CUDA graph replayed."""
+    def _load(self, B: int, input_ids: Tensor, position_ids: Tensor, tree_mask: Tensor | None) -> _Inputs:
+        """Write a step's T <= B tokens into bucket B's buffers: five small copies/fills, no host read.
+        A pad (index >= T) keeps the buffer's previous id and position (any valid ones do) and
+        attends the committed entries and itself (a row with nothing to attend would give NaN); no
+        real token attends a pad, so padding changes nothing the caller sees."""
+        buf = self._buffers(B)
+        T = input_ids.shape[1]
+        buf.ids[:T].copy_(input_ids.reshape(-1), non_blocking=True)
+        buf.pos[:T].copy_(position_ids.reshape(-1), non_blocking=True)
+        buf.block.copy_(self._eye[:B, :B])
+        buf.block[:T, :T].copy_(self._causal[:T, :T] if tree_mask is None else tree_mask, non_blocking=True)
+        buf.start.fill_(self._len)
+        return buf
+
+    def _fixed_step(self, B: int, input_ids: Tensor, position_ids: Tensor,
+                    tree_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The step padded to bucket B over the whole capacity: run (compiled or eager), or its CUDA
+        graph replayed. Returns logits [1, T, V] and features [1, T, S*H]."""
+        T = input_ids.shape[1]
+        buf = self._load(B, input_ids, position_ids, tree_mask)
+        if B not in self._ready:
+            self._prepare(B)
         if not self.cuda_graphs:
-            logits, features = self._step(*inputs)
-            return logits[:, :T], features[:, :T]
-        B = inputs[0].shape[1]
-        if B not in self._graphs:
-            self._graphs[B] = self._capture(inputs)
-        graph, static_in, (logits, features) = self._graphs[B]
-        for dst, src in zip(static_in, inputs):
-            dst.copy_(src)
+            logits, features = self._step(buf, self.max_length, self._fixed)
+            return logits[None, :T], features[None, :T]
+        graph, (logits, features) = self._graphs[B]
         graph.replay()
         # Cloned: the next replay overwrites the graph's outputs.
-        return logits[:, :T].clone(), features[:, :T].clone()
+        return logits[None, :T].clone(), features[None, :T].clone()
 
-    def _capture(self, inputs: tuple[Tensor, ...]) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, Tensor]]:
-        """Capture the step for this bucket. The warm-up runs write keys/values only at the step's own
-        slots (entries not yet committed), which the replay then overwrites."""
-        static_in = tuple(t.clone() for t in inputs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step(*static_in)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._step(*static_in)
-        return graph, static_in, out
+    def _prepare(self, B: int) -> None:
+        """Compile (first call of the compiled functions with this bucket's shapes) and capture bucket
+        B's step, on the inputs already in its buffers. The warm-up runs write keys/values only at
+        the step's own slots (entries not yet committed), which the step then overwrites."""
+        t0 = time.perf_counter()
+        buf = self._buffers(B)
+        if self.cuda_graphs:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # the warm-up (and compilation) off the capturing stream
+                for _ in range(2):
+                    self._warm_step(buf)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._step(buf, self.max_length, self._fixed)
+            self._graphs[B] = (graph, out)
+            torch.cuda.synchronize(self.device)
+        elif self.compile:
+            self._warm_step(buf)
+            torch.cuda.synchronize(self.device)
+        self._ready.add(B)
+        self.compile_seconds += time.perf_counter() - t0
+
+    def _warm_step(self, buf: _Inputs) -> None:
+        """A warm-up run of the fixed-shape step (the first one with compiled functions compiles
+        them). When compilation fails (a machine without a C compiler for Triton, an inductor bug),
+        say so and run the same functions eagerly: an error of the functions themselves then
+        raises again, eagerly."""
+        try:
+            self._step(buf, self.max_length, self._fixed)
+        except Exception as e:
+            if self._fixed is self._eager:
+                raise
+            self.compile_error = f"{type(e).__name__}: {e}"
+            warnings.warn(f"LlamaTarget: torch.compile failed ({self.compile_error[:500]}); the step runs "
+                          f"eagerly", stacklevel=3)
+            self.compile, self._fixed = False, self._eager
+            self.implementation = "+".join(["fast"] + ["cuda-graphs"] * self.cuda_graphs)
+            self._step(buf, self.max_length, self._fixed)
+
+    @torch.no_grad()
+    def warmup(self, buckets: Sequence[int] | None = None) -> float:
+        """Compile and capture the fixed-shape step of ``buckets`` (default: all) now rather than at
+        their first use, so that timings can leave compilation out. Empties the cache (call it before
+        ``prefill``). Returns the seconds it took (also added to ``compile_seconds``)."""
+        self.reset()
+        if not self.fixed_shapes:
+            return 0.0
+        t0 = time.perf_counter()
+        for B in self.buckets if buckets is None else buckets:
+            if B not in self.buckets:
+                raise ValueError(f"warmup: bucket {B} is not one of {list(self.buckets)}")
+            if B in self._ready or B > self.max_length:
+                continue
+            ids = torch.zeros(1, B, dtype=torch.long, device=self.device)
+            self._load(B, ids, torch.arange(B, device=self.device)[None], None)
+            self._prepare(B)
+        return time.perf_counter() - t0
 
 
 TARGET_IMPLEMENTATIONS = ("auto", "fast", "hf")
@@ -250,7 +487,7 @@ TARGET_IMPLEMENTATIONS = ("auto", "fast", "hf")
 def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "auto") -> Target:
     """The target the engine serves ``model`` with (``--target-impl``).
 
-    - ``fast``: :class:`LlamaTarget` (fixed shapes and CUDA graphs on a GPU; refused, with the
+    - ``fast``: :class:`LlamaTarget` (fixed shapes, compiled, CUDA graphs on a GPU; refused, with the
       reason, for an architecture it does not implement);
     - ``hf``: :class:`~eyas.engine.target.HFTarget`, any causal LM;
     - ``auto``: ``fast`` on a GPU where it applies (that is where graphs pay), else ``hf``.

@@ -1,0 +1,261 @@
+"""The cost of LlamaTarget's steps on an 8B-shaped Llama, against the bandwidth floor.
+
+A Llama-3-8B-shaped model with random weights (hidden 4096, intermediate 14336, 32 blocks, 32 query
+/ 8 key-value heads of 128, vocab 128256, rope theta 500000, untied lm_head), bf16, built directly
+on the GPU (normal(0, 0.02) weights, unit norms). No acceptance, just cost:
+
+- the copy bandwidth (a device-to-device ``copy_`` of 2 GiB: bytes read + written / time) and a
+  read-only estimate (a float32 sum of the same 2 GiB: bytes read / time);
+- the weight bytes a step must read: the 32 blocks + the final norm + lm_head. The embedding table is
+  left out (a step's lookup reads B rows of it); a tied embedding would be counted once, as lm_head;
+- the floor = weight bytes / copy bandwidth (and / the read-only bandwidth, for reference), and
+  ``gemv_ms``: every weight matrix of the step multiplied by one token's vector with cuBLAS, one
+  after the other (what the matrix products alone cost at batch 1);
+- with the cache pre-filled with 512 tokens (capacity 2048, attended whole by the fixed-shape step),
+  the time (CUDA events, median of ``--reps``; the forward alone, inputs already on the device, the
+  rollback ``keep([])`` untimed) of a plain step (1 token) and of verifying a random tree of 8, 16,
+  24, 32 and 64 tokens, for LlamaTarget compiled + CUDA graphs ("compiled", the default on a GPU)
+  and with CUDA graphs only ("graphs"). Each target's warm-up (every bucket compiled and captured)
+  is timed apart and left out of the step times.
+
+It prints a table and two checks (issue 10): the plain step within 1.3x of the floor; a round that
+verifies 24 tree tokens at most 1.5x a plain step. Writes everything as JSON (``--out``).
+
+    PYTHONPATH=src python benchmarks/llama_8b_cost.py --out llama_8b_cost.json
+
+``--tiny`` runs a toy config (4 blocks, hidden 128) with few repetitions: a smoke test, on the CPU
+unless ``--device cuda`` (there it compiles and captures like the real run, in a minute or so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from eyas.convention import CaptureSpec
+from eyas.engine import LlamaTarget
+
+SIZES = (1, 8, 16, 24, 32, 64)
+
+
+def llama_8b_shaped(device: torch.device, tiny: bool, seed: int = 0) -> torch.nn.Module:
+    if tiny:
+        cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=448, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=8192,
+                          rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    else:
+        cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                          rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    with torch.device(device):  # allocated (and initialised) where it runs: no 16 GB host copy
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    if next(model.parameters()).device.type != device.type:  # a transformers that ignored the context
+        print(f"from_config built the model on {next(model.parameters()).device}: moving it", flush=True)
+        model = model.to(device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+            else:
+                p.fill_(1.0)  # the RMSNorm weights
+    model.eval()
+    param = next(model.parameters())
+    assert param.device.type == device.type and param.dtype == torch.bfloat16, (param.device, param.dtype)
+    return model
+
+
+def tree_mask(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random tree of n nodes (node i's parent < i, -1 = the root): ancestor mask and depth."""
+    parent = [-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, n)]
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parent):
+        while p >= 0:
+            mask[i, p], p = True, parent[p]
+    return mask, mask.sum(1) - 1
+
+
+def timed(fn, device: torch.device, reps: int, warm: int = 3, after=None) -> float:
+    """Median milliseconds of ``fn`` (CUDA events on a GPU, the host clock on the CPU); ``after``
+    runs after each timed call, outside the timing."""
+    times = []
+    for _ in range(reps + warm):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1000)
+        if after is not None:
+            after()
+    return statistics.median(times[warm:])
+
+
+def bandwidth(device: torch.device, nbytes: int, reps: int) -> dict[str, float]:
+    """Copy bandwidth (read + written) and a read-only estimate (a sum), in GB/s."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).uniform_(-1, 1)
+    dst = torch.empty_like(src)
+    copy_ms = timed(lambda: dst.copy_(src), device, reps)
+    read_ms = timed(lambda: src.sum(dtype=torch.float32), device, reps)
+    return {"bytes": nbytes, "copy_ms": copy_ms, "copy_GBps": 2 * nbytes / copy_ms / 1e6,
+            "read_ms": read_ms, "read_GBps": nbytes / read_ms / 1e6}
+
+
+def step_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every weight matrix a step multiplies by: each block's q, k, v, o, gate, up, down; lm_head."""
+    mats = []
+    for b in model.model.layers:
+        a, m = b.self_attn, b.mlp
+        mats += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+                 m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+    return mats + [model.get_output_embeddings().weight]
+
+
+def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes a step reads: blocks + final norm + lm_head (the embedding lookup reads B rows; a tied
+    embedding is lm_head, counted once)."""
+    def nbytes(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
+
+    blocks = nbytes(model.model.layers.parameters())
+    norm = nbytes(model.model.norm.parameters())
+    lm_head = nbytes(model.get_output_embeddings().parameters())
+    embed = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight.data_ptr() == embed.data_ptr()
+    return {"blocks": blocks, "final_norm": norm, "lm_head": lm_head, "counted": blocks + norm + lm_head,
+            "embedding_not_counted": 0 if tied else embed.numel() * embed.element_size(), "tied": int(tied)}
+
+
+@torch.no_grad()
+def measure(model, spec, device, capacity: int, prefill: int, reps: int, compile_: bool) -> dict:
+    """Warm-up seconds and the median ms of each step size for one LlamaTarget variant."""
+    V = model.config.vocab_size
+    target = LlamaTarget(model, spec, max_length=capacity, cuda_graphs=True, compile=compile_)
+    out: dict = {"implementation": target.implementation}
+    out["warmup_s"] = target.warmup()
+    print(f"  {target.implementation}: warm-up {out['warmup_s']:.1f} s", flush=True)
+    g = torch.Generator().manual_seed(0)
+    target.prefill(torch.randint(0, V, (1, prefill), generator=g).to(device), capture=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    out["ms"] = {}
+    for n in SIZES:
+        ids = torch.randint(0, V, (1, n), generator=g).to(device)
+        if n == 1:  # a plain step: one token, causal
+            pos, mask = torch.tensor([[prefill]], device=device), None
+        else:
+            m, depth = tree_mask(n, g)
+            pos, mask = (prefill + depth)[None].to(device), m.to(device)
+
+        def step(ids=ids, pos=pos, mask=mask):
+            target.forward(ids, pos, mask)
+
+        out["ms"][n] = timed(step, device, reps, after=lambda: target.keep([]))
+        assert target.cache_len == prefill
+        print(f"    {n:3d} tokens: {out['ms'][n]:.3f} ms", flush=True)
+    out["compile_seconds"], out["compile_error"] = target.compile_seconds, target.compile_error
+    out["implementation"] = target.implementation  # without "compile" when compilation failed
+    return out  # the target (its cache and graphs) is freed with this frame
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="llama_8b_cost.json")
+    ap.add_argument("--tiny", action="store_true", help="a toy config and few repetitions (smoke test)")
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    ap.add_argument("--capacity", type=int, default=2048, help="the KV cache's capacity (attended whole)")
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 50; 3 with --tiny)")
+    ap.add_argument("--variants", default="compiled,graphs", help="comma-separated: compiled, graphs")
+    args = ap.parse_args()
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # toy shapes: a second thread only adds contention
+    reps = args.reps or (3 if args.tiny else 50)
+    capacity, prefill = (256, 64) if args.tiny else (args.capacity, args.prefill)
+    if prefill + max(SIZES) > capacity:
+        raise SystemExit(f"--prefill {prefill} + {max(SIZES)} tokens do not fit --capacity {capacity}")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if any(v not in ("compiled", "graphs") for v in variants):
+        raise SystemExit(f"--variants: expected compiled and/or graphs, found {args.variants!r}")
+
+    t0 = time.perf_counter()
+    model = llama_8b_shaped(dev, args.tiny)
+    cfg = model.config
+    L = cfg.num_hidden_layers
+    spec = CaptureSpec.create(L, None) if L >= 7 else CaptureSpec((1, L // 2, L - 1), L)
+    report: dict = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+        "model": (f"{'toy' if args.tiny else '8B-shaped'} Llama, random weights, bf16: hidden {cfg.hidden_size}, "
+                  f"intermediate {cfg.intermediate_size}, {L} blocks, {cfg.num_attention_heads}/"
+                  f"{cfg.num_key_value_heads} heads, vocab {cfg.vocab_size}"),
+        "parameters": sum(p.numel() for p in model.parameters()), "build_s": time.perf_counter() - t0,
+        "boundaries": list(spec.boundaries), "capacity": capacity, "prefill": prefill, "reps": reps}
+    wb = weight_bytes(model)
+    kv = 2 * L * cfg.num_key_value_heads * capacity * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    report["weight_bytes"] = wb
+    report["kv_cache_bytes_attended"] = kv  # read by every fixed-shape step (the whole capacity)
+    print(f"model built in {report['build_s']:.1f} s: {report['model']}; weight bytes counted "
+          f"{wb['counted'] / 1e9:.3f} GB", flush=True)
+
+    bw = bandwidth(dev, (64 << 20) if args.tiny else (2 << 30), reps)
+    report["bandwidth"] = bw
+    floor_ms = wb["counted"] / bw["copy_GBps"] / 1e6
+    report["floor_ms"] = {"weights_at_copy_bw": floor_ms,
+                          "weights_at_read_bw": wb["counted"] / bw["read_GBps"] / 1e6,
+                          "weights_and_kv_at_copy_bw": (wb["counted"] + kv) / bw["copy_GBps"] / 1e6}
+    mats = step_matrices(model)
+    xs = {k: torch.randn(1, k, dtype=torch.bfloat16, device=dev) for k in {w.shape[1] for w in mats}}
+    report["gemv_ms"] = timed(lambda: [F.linear(xs[w.shape[1]], w) for w in mats], dev, max(3, reps // 5))
+    print(f"copy {bw['copy_GBps']:.0f} GB/s, read {bw['read_GBps']:.0f} GB/s: floor {floor_ms:.3f} ms; "
+          f"cuBLAS GEMVs alone {report['gemv_ms']:.3f} ms", flush=True)
+
+    report["variants"] = {}
+    for v in variants:
+        print(f"{v}:", flush=True)
+        try:
+            report["variants"][v] = measure(model, spec, dev, capacity, prefill, reps, compile_=(v == "compiled"))
+        except Exception:  # noqa: BLE001 (report it and go on with the next variant)
+            report.setdefault("errors", {})[v] = traceback.format_exc()
+            print(f"{v} failed:\n{report['errors'][v]}", flush=True)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    print(f"\nfloor (weights {wb['counted'] / 1e9:.2f} GB / copy {bw['copy_GBps']:.0f} GB/s) = {floor_ms:.3f} ms; "
+          f"GEMVs alone {report['gemv_ms']:.3f} ms ({report['gemv_ms'] / floor_ms:.2f}x floor)")
+    print(f"{'variant':<9} {'tokens':>6} {'ms':>9} {'x plain':>8} {'x floor':>8}")
+    for v, r in report["variants"].items():
+        plain = r["ms"][1]
+        r["x_plain"] = {n: ms / plain for n, ms in r["ms"].items()}
+        r["x_floor"] = {n: ms / floor_ms for n, ms in r["ms"].items()}
+        for n, ms in r["ms"].items():
+            print(f"{v:<9} {n:>6} {ms:9.3f} {r['x_plain'][n]:8.2f} {r['x_floor'][n]:8.2f}")
+        r["checks"] = {"plain_step_within_1.3x_floor": r["x_floor"][1] <= 1.3,
+                       "verify_24_at_most_1.5x_plain": r["x_plain"][24] <= 1.5}
+        print(f"{v}: plain step {r['x_floor'][1]:.2f}x the floor (<= 1.3: {r['checks']['plain_step_within_1.3x_floor']}); "
+              f"verifying 24 = {r['x_plain'][24]:.2f}x a plain step (<= 1.5: {r['checks']['verify_24_at_most_1.5x_plain']}); "
+              f"warm-up {r['warmup_s']:.1f} s ({r['implementation']})")
+        if r["compile_error"]:
+            print(f"{v}: compilation failed, the step ran eagerly: {r['compile_error'][:300]}")
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
