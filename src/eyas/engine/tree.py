@@ -303,8 +303,8 @@ class DraftState:
             parent_row = order // K
             slots = m + scratch + torch.arange(r, device=dev)  # [r']
             scratch += r
-            rows = rows[parent_row].clone()  # the parent's visibility (committed + its ancestors)...
-            rows[torch.arange(r, device=dev), slots] = True  # ...plus the node itself
+            # the parent's visibility (committed + its ancestors), plus the node itself
+            rows = rows[parent_row] | (self.positions[None] == slots[:, None])  # [r', max_len]
             logits, hidden = self._eager[False](cand_tokens[-1][order][None], hidden[parent_row][None],
                                                 (m - 1 + d).expand(1, r), slots, rows[None, None])
             logits, hidden = logits[0], hidden[0]
@@ -317,8 +317,10 @@ class DraftState:
         else:  # sampling keeps every draw (module docstring)
             chosen = torch.arange(count, device=dev)
         N = chosen.shape[0]
-        renumber = torch.full((count + 1,), -1, dtype=torch.long, device=dev)  # candidate number -> node
-        renumber[0] = 0
+        # candidate number -> node number (-1: not kept); built from device tensors only: a graph
+        # cannot hold a copy from a host scalar
+        renumber = torch.cat([torch.zeros(1, dtype=torch.long, device=dev),
+                              torch.full((count,), -1, dtype=torch.long, device=dev)])
         renumber[chosen + 1] = torch.arange(1, N + 1, device=dev)
         node_tokens = torch.cat([root_token, tokens[chosen]])
         node_parents = torch.cat([torch.full((1,), -1, device=dev), renumber[parents[chosen]]])
