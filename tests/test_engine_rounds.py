@@ -25,8 +25,16 @@ READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "num
 GREEDY_BAR, SAMPLING_BAR = 2, 3  # issue 10's bars: reads per round on the fast path
 
 
+def _scalar_tensor_index(index) -> bool:
+    """Whether an index holds a 0-dim integer tensor: PyTorch reads its value back to index with it."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dim() == 0 and not i.is_floating_point() and i.dtype != torch.bool
+               for i in parts)
+
+
 class HostReads:
-    """Counts calls of READS while active (monkeypatched onto torch.Tensor)."""
+    """Counts calls of READS, and indexing with a 0-dim tensor, while active (monkeypatched onto
+    torch.Tensor)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count, self.active = 0, False
@@ -39,6 +47,14 @@ class HostReads:
                 return _original(t, *args, **kwargs)
 
             monkeypatch.setattr(torch.Tensor, name, counted)
+        getitem = torch.Tensor.__getitem__
+
+        def counted_getitem(t, index):
+            if self.active and _scalar_tensor_index(index):
+                self.count += 1
+            return getitem(t, index)
+
+        monkeypatch.setattr(torch.Tensor, "__getitem__", counted_getitem)
 
     def per_step(self, session) -> list[int]:
         """Reads of each round until the session is done."""

@@ -153,16 +153,19 @@ class Verdict:
 
 
 def _follow(accepted_child: Tensor, depth: int) -> tuple[Tensor, Tensor]:
-    """The path from the root along accepted_child [N+1] (-1 = none accepted): path [depth+1], a []."""
-    node = torch.zeros((), dtype=torch.long, device=accepted_child.device)
-    alive = torch.ones((), dtype=torch.bool, device=accepted_child.device)
+    """The path from the root along accepted_child [N+1] (-1 = none accepted): path [depth+1], a [].
+
+    The current node is a [1] tensor, never a 0-dim one: indexing with a 0-dim tensor reads its
+    value back to the host (a device sync per step)."""
+    node = torch.zeros(1, dtype=torch.long, device=accepted_child.device)
+    alive = torch.ones(1, dtype=torch.bool, device=accepted_child.device)
     path = [node]
     for _ in range(depth):
         nxt = accepted_child[node]
         alive = alive & (nxt >= 0)
         node = torch.where(alive, nxt, node)
         path.append(node)
-    path_t = torch.stack(path)
+    path_t = torch.cat(path)
     return path_t, (path_t[1:] != path_t[:-1]).sum()
 
 
@@ -174,7 +177,7 @@ def accept_greedy(tree: "DraftTree", logits: Tensor) -> Verdict:
     match = (kids >= 0) & tree.valid[kids.clamp(min=0)] & (tree.tokens[kids.clamp(min=0)] == best[:, None])
     accepted_child = torch.where(match.any(-1), kids.gather(1, match.long().argmax(-1, keepdim=True)).squeeze(1), -1)
     path, a = _follow(accepted_child, tree.depth)
-    return Verdict(path, a, best[path[-1]])
+    return Verdict(path, a, best[path[-1:]][0])  # [-1:]: a [1] index (see _follow)
 
 
 def accept_sampling(tree: "DraftTree", logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -202,4 +205,4 @@ def accept_sampling(tree: "DraftTree", logits: Tensor, params: SamplingParams, g
         decided = decided | take
         p, q = torch.where(rejected, p_rejected, p), torch.where(rejected, q_rejected, q)
     path, a = _follow(accepted_child, tree.depth)
-    return Verdict(path, a, sample(p[path[-1]], generator))
+    return Verdict(path, a, sample(p[path[-1:]][0], generator))  # [-1:]: a [1] index (see _follow)
