@@ -797,14 +797,15 @@ class Bench:
                                           disable_compile=not compile_it),
                           f"HF generate, StaticCache(max_cache_len={self.max_cache_len})"
                           + (f", decoding step torch.compile(mode={a.hf_compile_mode!r}, fullgraph={fullgraph})" if compile_it else ""))
-            times, ok = [], True
+            times, err = [], None
             for k in range(max(a.warmup, 2) + (1 if compile_it else 0)):
                 t0 = time.perf_counter()
                 r = self.call(dec, self.warm_ids, self.SamplingParams(0.0), 0, f"warm-up {k}")
                 times.append(round(time.perf_counter() - t0, 2))
                 if "error" in r:
-                    ok = False
+                    err = r["error"]
                     break
+            ok = err is None
             self.res.setdefault("warmup", {})[name] = {"seconds": times, "label": dec.label}
             if ok:
                 if compile_it:
@@ -812,14 +813,18 @@ class Bench:
                     log(f"{name}: warm-up calls {times} s (the first includes compilation)")
                 out.append(dec)
                 break
-            if compile_it and fullgraph:
-                self.note("hf_compiled with fullgraph=True failed; retrying with fullgraph=False")
+            # Only a graph break is worth a second compilation without fullgraph; anything else would
+            # fail again after as long.
+            if compile_it and fullgraph and any(w in err for w in ("Unsupported", "graph break", "fullgraph", "Graph break")):
+                self.note("hf_compiled with fullgraph=True failed at a graph break; retrying with fullgraph=False")
                 try:
                     torch._dynamo.reset()
                     model.__dict__.pop("_compiled_call", None)
                 except Exception:  # noqa: BLE001
                     pass
                 dec.errors = 0
+                continue
+            break
         return out
 
     def main_loop(self, decoders: list[Decoder]) -> None:
@@ -953,7 +958,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--commit", default=None, help="the git commit (default: git rev-parse, else unknown)")
     ap.add_argument("--sets", default=",".join(SETS), help="comma-separated EAGLE sets or prompt files")
     ap.add_argument("--prompts-per-set", type=int, default=80)
-    ap.add_argument("--hf-eager-prompts", type=int, default=3, help="HF eager runs on the first N prompts of each set")
+    ap.add_argument("--hf-eager-prompts", type=int, default=2, help="HF eager runs on the first N prompts of each set")
     ap.add_argument("--select-prompts", type=int, default=10, help="MT-bench prompts for the tree selection")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", default="0,1")

@@ -235,7 +235,8 @@ def calibrate(a: argparse.Namespace) -> dict[str, Any]:
         f"({B / step:.0f} tok/s if every row runs), prefill {out['regen_prefill_s'] * 1e3:.0f} ms")
 
     # --- training: the loop's step (eyas.training.loop.train) on a synthetic batch
-    T = min(a.max_length, p90 + a.max_new_tokens)
+    # a batch is padded to its longest sample: about the 95th percentile of 16 prompts, plus the answer
+    T = min(a.max_length, min(percentile(lengths, 0.95), a.max_prompt_tokens) + a.max_new_tokens)
     spec = CaptureSpec.create(loaded.num_blocks, None)
     use_bf16 = dev.type == "cuda"
     drafter, _ = new_drafter(loaded, tok, spec.boundaries, a.draft_vocab, capture_dtype="bfloat16", seed=0)
@@ -333,22 +334,32 @@ def run(a: argparse.Namespace) -> int:
         cal = calibrate(a)
     summary["calibration"] = cal
 
-    # 2. regenerate: as many whole chunks as fit in the regeneration share
+    # 2. regenerate. N conversations cost N / regen_rate to write and E * N / train_rate to train on for
+    #    E epochs: N is chosen so that both fit with E = --epochs (more data beats more epochs; when the
+    #    prompts run out, the rest of the time goes to training), capped at --regen-share-max.
     chunk_s = cal["regen_prefill_s"] + a.max_new_tokens * cal["regen_step_s"] * a.regen_slack
+    regen_rate = a.regen_batch / chunk_s  # conversations per second
+    train_rate = a.train_batch / (cal["train_step_s"] / a.train_safety)  # samples per second
     left = deadline - time.time()
-    regen_s = max(left * a.regen_share - a.cli_overhead_s, chunk_s)
-    chunks = max(1, int(regen_s // chunk_s))
+    work_s = left - 2 * a.cli_overhead_s - a.final_overhead_s
+    n_fit = work_s / (1 / regen_rate + a.epochs / train_rate)
+    n_cap = max(a.regen_share_max * left - a.cli_overhead_s, chunk_s) * regen_rate
+    chunks = max(1, math.ceil(min(n_fit, n_cap) / a.regen_batch))
     limit = a.limit or min(n_prompts, chunks * a.regen_batch)
+    regen_est = math.ceil(limit / a.regen_batch) * chunk_s
     answers = work / "answers.jsonl"
-    log(f"plan: regenerate {limit} prompts ({math.ceil(limit / a.regen_batch)} chunks of {a.regen_batch}, "
-        f"~{chunk_s:.1f} s each, ~{math.ceil(limit / a.regen_batch) * chunk_s + a.cli_overhead_s:.0f} s) "
-        f"then train in the remaining ~{left - math.ceil(limit / a.regen_batch) * chunk_s - 2 * a.cli_overhead_s:.0f} s")
-    summary["regenerate"] = {"limit": limit, "chunk_estimate_s": round(chunk_s, 2)}
+    log(f"plan: regenerate {limit} of {n_prompts} prompts ({math.ceil(limit / a.regen_batch)} chunks of "
+        f"{a.regen_batch}, ~{chunk_s:.1f} s each, ~{regen_est + a.cli_overhead_s:.0f} s), then train in the remaining "
+        f"~{work_s - regen_est:.0f} s (~{(work_s - regen_est) * train_rate / max(limit, 1):.1f} epochs)")
+    summary["regenerate"] = {"limit": limit, "chunk_estimate_s": round(chunk_s, 2),
+                             "estimated_s": round(regen_est + a.cli_overhead_s, 1)}
     if a.dry_run:
         log("dry run: stopping before regenerate")
         print(json.dumps(summary, indent=2))
         return 0
-    regen_deadline = min(time.time() + left * a.regen_share_max, deadline - a.min_train_s)
+    # killed past its estimate plus slack (whole chunks written so far stay), never into --min-train-s
+    regen_deadline = min(time.time() + max(1.3 * regen_est + a.cli_overhead_s + 20, a.regen_share_max * left),
+                         deadline - a.min_train_s)
     regen_args = ["regenerate", "--target", a.target, "--prompts", str(prompts), "--out", str(answers),
                   "--limit", str(limit), "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.regen_batch),
                   "--temperature", str(a.temperature), "--max-prompt-tokens", str(a.max_prompt_tokens),
@@ -439,8 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--work", default=str(DEFAULT_WORK), help="answers, training run, drafter, summary")
     r.add_argument("--device", default="cuda")
     r.add_argument("--budget-s", type=float, default=480.0, help="the whole pipeline, calibration included")
-    r.add_argument("--regen-share", type=float, default=0.4, help="share of the budget planned for regenerate")
-    r.add_argument("--regen-share-max", type=float, default=0.55, help="regenerate is stopped past this share")
+    r.add_argument("--epochs", type=float, default=4.0,
+                   help="plan as many conversations as can be regenerated AND trained on this many times")
+    r.add_argument("--regen-share-max", type=float, default=0.6, help="regenerate plans at most this share of the time")
     r.add_argument("--min-train-s", type=float, default=120.0, help="regenerate never eats into this")
     r.add_argument("--limit", type=int, default=None, help="prompts to regenerate (default: what fits)")
     r.add_argument("--max-new-tokens", type=int, default=256)
