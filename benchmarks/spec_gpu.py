@@ -382,7 +382,10 @@ def markdown(res: dict[str, Any]) -> str:
         lines += [f"Drafter held-out metrics (eyas.json): simulated accept length {mt.get('simulated_accept_length')}, "
                   f"accuracy per position {mt.get('accuracy_per_position')}, step {mt.get('step')}.", ""]
     if d.get("train"):
-        lines += [f"Drafter training: {json.dumps(d['train'])}", ""]
+        lines += [f"Drafter training (eyas train): {json.dumps(d['train'])}", ""]
+    if d.get("pipeline"):
+        pl = d["pipeline"]
+        lines += [f"Drafter pipeline (train_smollm2_drafter.py): {json.dumps({k: pl.get(k) for k in ('regenerate', 'train', 'drafter_from', 'total_wall_s')})}", ""]
     sel = res.get("tree_selection")
     if sel and sel.get("candidates"):
         lines += [f"## Tree selection (MT-bench, temperature 0, {sel.get('prompts')} prompts)", "",
@@ -607,13 +610,20 @@ class Bench:
                     drafter_info["metrics"] = c.metrics.model_dump()
             except Exception as e:  # noqa: BLE001
                 self.note(f"could not read the drafter's contract metrics: {e!r}")
-            for name in ("train_config.json", "summary.json", "../summary.json"):
+            # train_smollm2_drafter.py's records: eyas train's config, and the pipeline's summary
+            # (WORK/summary.json beside WORK/drafter, or train_summary.json beside $OUT/drafter)
+            for name, key in (("train_config.json", "train"), ("../summary.json", "pipeline"),
+                              ("../train_summary.json", "pipeline")):
                 p = Path(a.draft) / name
-                if p.exists():
+                if p.exists() and key not in drafter_info:
                     try:
-                        drafter_info["train" if "train" in name else "pipeline"] = json.loads(p.read_text())
+                        drafter_info[key] = json.loads(p.read_text())
                     except Exception:  # noqa: BLE001
                         pass
+            if "pipeline" in drafter_info:
+                pl = drafter_info["pipeline"]
+                drafter_info["pipeline"] = {k: pl.get(k) for k in ("calibration", "regenerate", "train", "drafter_from",
+                                                                    "total_wall_s") if k in pl}
         else:
             from eyas.drafter.build import new_drafter
 

@@ -12,24 +12,27 @@ Two steps, on two machines:
 ``run`` does, printing progress and the time of each phase:
 
 1. calibrate (~15 s): loads the target in this process and times, on synthetic inputs of the sizes
-   the run will use, one Hugging Face ``generate`` step at the regeneration batch size and one
-   online training step (target forward with capture + TTT forward/backward + AdamW), the same
-   library calls `eyas train` makes. ``--no-calibrate`` uses ``--est-*`` instead.
-2. ``eyas regenerate``: the target answers as many prompts as fit in its share of the budget
-   (greedy, ``--max-new-tokens`` 256, batches of 256: eager HF generate is launch-bound, so a large
-   batch costs about what one sequence does). EAGLE-3 drafters learn the target's own outputs.
-   Killed at its deadline if the estimate was wrong: the answers written so far (whole chunks) stay.
-   A rerun resumes the file (same parameters).
+   the run will use, Hugging Face ``generate`` at the regeneration batch size (a step and the
+   prefill) and one online training step (target forward with capture + TTT forward/backward +
+   AdamW: the library calls `eyas train` makes). ``--no-calibrate`` uses ``--est-*`` instead.
+2. ``eyas regenerate``: the target answers the first N prompts of the (shuffled) mix, greedy,
+   ``--max-new-tokens`` 256, batches of 256 (eager HF generate is launch-bound: a large batch costs
+   about what one sequence does). EAGLE-3 drafters learn the target's own outputs. N is planned
+   from the measured rates so that the rest of the budget trains ``--epochs`` (4) passes over the
+   answers. Stopped past its estimate (whole chunks written so far stay); a rerun resumes the file.
 3. ``eyas train`` online (the target in the same process, features captured on the fly): TTT 7
-   steps, the project's default lr, a frequency-based draft vocabulary (``--draft-vocab`` 16384),
-   as many steps as the measured step rate allows in the rest of the budget, checkpoints every
-   ~1/6 of the run. Killed at the deadline if the estimate was wrong; then the newest checkpoint
-   (a complete eyas drafter with its held-out metrics) is the result.
-4. the drafter (its top-level files: config.json, eyas.json, weights, metrics) is copied to
-   ``WORK/drafter``, loadable by `eyas generate`, `eyas bench` and ``benchmarks/spec_gpu.py``;
-   ``WORK/summary.json`` holds the plan, the measured rates and the drafter's metrics. With ``$OUT``
-   set (the device tool's output folder), the drafter, the summary, the training log and the
-   answers are copied there too.
+   steps, the project's default lr 1e-3, a frequency-based draft vocabulary of ``--draft-vocab``
+   12288 (lm_head under 16 MiB in bf16), batch 16, as many steps as the measured step rate allows
+   in the rest of the budget, checkpoints every ~1/6 of the run. Stopped at the deadline if the
+   estimate was wrong: then the newest checkpoint (a complete eyas drafter with its held-out
+   metrics) is the result.
+4. ``WORK/drafter``: the drafter's top-level files (config.json, eyas.json, weights, metrics),
+   loadable by `eyas generate`, `eyas bench` and ``benchmarks/spec_gpu.py``; ``WORK/drafter_bf16``:
+   the same in bf16 as shards of at most 15 MiB with an index (what serving on a GPU runs anyway);
+   ``WORK/summary.json``: the plan, the measured rates, the drafter's metrics. With ``$OUT`` set
+   (the device tool's output folder, which returns at most 8 files of 16 MiB), ``$OUT/drafter``
+   (the bf16 copy, 5 files) and ``$OUT/train_summary.json`` are written there, so that a later call
+   on a fresh machine can carry the drafter back.
 """
 
 from __future__ import annotations
@@ -300,6 +303,46 @@ def copy_drafter(src: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
+def transport_copy(src: Path, dest: Path, max_mib: float = 15.0) -> list[str]:
+    """A bf16 copy of the drafter in ``src`` whose every file is under ``max_mib`` (the device tool
+    returns at most 8 files of 16 MiB from $OUT): config.json, eyas.json, and the weights as
+    safetensors shards with a ``model.safetensors.index.json`` (eyas reads the index). Serving runs
+    the drafter in the target's dtype, bf16 on a GPU, so the copy serves exactly what the original
+    does there. Returns the files written."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+    limit = int(max_mib * 2**20) - 65536  # room for the header
+    too_big = [k for k, v in tensors.items() if v.numel() * v.element_size() > limit]
+    if too_big:
+        raise ValueError(f"tensors {too_big} exceed {max_mib} MiB even in bf16: use a smaller --draft-vocab")
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for k in sorted(tensors, key=lambda k: -tensors[k].numel() * tensors[k].element_size()):
+        b = tensors[k].numel() * tensors[k].element_size()
+        if size + b > limit and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][k] = tensors[k]
+        size += b
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, str(dest / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": weight_map}, indent=2))
+    for f in ("config.json", "eyas.json"):
+        shutil.copy2(src / f, dest / f)
+    return ["config.json", "eyas.json", "model.safetensors.index.json", *names]
+
+
 def final_drafter(train_dir: Path) -> tuple[Path | None, str]:
     """The finished drafter (``train_dir`` itself), else the newest complete checkpoint."""
     if (train_dir / "eyas.json").exists() and any(train_dir.glob("*.safetensors")):
@@ -422,14 +465,25 @@ def run(a: argparse.Namespace) -> int:
     log(f"held-out simulated accept length {m.get('simulated_accept_length')}, accuracy per position "
         f"{m.get('accuracy_per_position')}")
     log(f"total {summary['total_wall_s']:.0f} s (budget {a.budget_s:.0f} s)")
+    # A bf16, sharded copy small enough to come back through the device tool's $OUT (at most 8
+    # files of 16 MiB): the machine goes cold 30 s after a call, so the benchmark's call may have to
+    # carry the drafter back.
+    small = work / "drafter_bf16"
+    try:
+        files = transport_copy(dest, small)
+        summary["drafter_bf16"] = {"path": str(small), "files": files}
+        log(f"bf16 copy in {len(files)} files of at most 15 MiB -> {small}")
+    except Exception as e:  # noqa: BLE001 - the full drafter is still there
+        log(f"no bf16 copy: {e!r}")
+        files = []
+    (work / "summary.json").write_text(json.dumps(summary, indent=2))
     out_env = os.environ.get("OUT")
     if out_env and a.copy_to_out:
-        out_dir = Path(out_env) / "smollm2_drafter"
-        shutil.copytree(dest, out_dir / "drafter", dirs_exist_ok=True)
-        shutil.copy2(work / "summary.json", out_dir / "summary.json")
-        if answers.exists() and answers.stat().st_size < 48 * 2**20:
-            shutil.copy2(answers, out_dir / "answers.jsonl")
-        log(f"copied the drafter, summary and answers to {out_dir}")
+        out_dir = Path(out_env)
+        if files:
+            shutil.copytree(small, out_dir / "drafter", dirs_exist_ok=True)
+        shutil.copy2(work / "summary.json", out_dir / "train_summary.json")
+        log(f"copied {'the bf16 drafter and ' if files else ''}the summary to {out_dir}")
     print(json.dumps({k: summary[k] for k in ("drafter", "drafter_from", "total_wall_s", "metrics")}, indent=2))
     return 0
 
@@ -463,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--min-steps", type=int, default=100)
     r.add_argument("--train-batch", type=int, default=16)
     r.add_argument("--max-length", type=int, default=1024)
-    r.add_argument("--draft-vocab", type=int, default=16384)
+    r.add_argument("--draft-vocab", type=int, default=12288,
+                   help="12288 keeps lm_head under 16 MiB in bf16 (the device tool's file limit)")
     r.add_argument("--lr", type=float, default=1e-3, help="eyas train's default")
     r.add_argument("--ttt-steps", type=int, default=7)
     r.add_argument("--seed", type=int, default=0)
