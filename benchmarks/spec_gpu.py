@@ -13,10 +13,17 @@ bounds the whole run, results are written after every step so a cut run keeps wh
 2. tree selection: every ``--trees`` tree and ``--chains`` chain, interleaved per prompt, on the
    first ``--select-prompts`` MT-bench prompts at temperature 0; the best tree and the best chain by
    tokens/s go on (all are reported).
-3. a profile (torch.profiler, CPU + CUDA activities) of ``--profile-rounds`` speculative rounds of
-   the best tree, and of as many plain decoding steps: top ops by device time, kernel launches per
-   round (``profile.txt``).
-4. HF warm-ups: eager; static cache + compile (compile time reported apart).
+3. a profile (torch.profiler, CPU + CUDA activities) of one speculative round of the best tree
+   (``--profile-rounds``, after ``--profile-skip`` rounds), and of one plain decoding step: top ops
+   by device time, GPU kernels and host launch calls per round (``profile.txt``, summary in the
+   report).
+4. HF warm-ups: eager; then static cache + torch.compile the way transformers 5.x documents it:
+   a fixed-size cache passed to ``generate`` makes it compile the decoding step itself
+   (``compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead")``; the docs advise
+   against compiling ``model.forward`` by hand, which recompiles the prefill for every prompt
+   length). One ``StaticCache(max_cache_len = longest prompt + max new tokens)`` is reused
+   (reset) across calls, so the step compiles once and its CUDA graphs replay. The first calls'
+   times (compilation) are reported apart; compilation is given up after ``--compile-timeout-s``.
 5. the main loop, round-robin so that a budget cut leaves every (temperature, set) with about the
    same number of prompts: for prompt i, for each temperature, for each set, every decoder back to
    back on that prompt (same seed): ``spec_tree``, ``spec_chain``, ``eyas_plain``, ``hf_compiled``
@@ -43,6 +50,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -87,6 +95,29 @@ class Budget:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class time_limit:
+    """Raise TimeoutError in the main thread after ``seconds`` (SIGALRM; a no-op where it is missing):
+    bounds a torch.compile that would otherwise eat the whole budget."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.armed = hasattr(signal, "setitimer") and seconds > 0
+
+    def _fire(self, signum: int, frame: Any) -> None:
+        raise TimeoutError(f"still compiling after {self.seconds:.0f} s")
+
+    def __enter__(self) -> "time_limit":
+        if self.armed:
+            self.previous = signal.signal(signal.SIGALRM, self._fire)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -461,7 +492,7 @@ def markdown(res: dict[str, Any]) -> str:
     if res.get("notes") or res.get("errors"):
         lines += ["## Notes and errors", ""]
         lines += [f"- {n}" for n in res.get("notes", [])]
-        lines += [f"- error in {e['where']}: {e['error']}" for e in res.get("errors", [])[:30]]
+        lines += [f"- error in {e['where']}: " + " ".join(e["error"].split())[:400] for e in res.get("errors", [])[:30]]
         lines.append("")
     return "\n".join(lines)
 
@@ -646,6 +677,7 @@ class Bench:
             self.note(f"--target-impl {a.target_impl} failed; using auto")
             self.target = build_target(loaded.model, spec, "auto")
         self.eos = list(loaded.eos_ids)
+        self.context = int(getattr(self.target, "max_length", 0) or 2**31 - 1)
         self.pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else self.eos[0]
         from eyas.engine import plain_generate, speculative_generate
 
@@ -810,7 +842,10 @@ class Bench:
             times, err = [], None
             for k in range(max(a.warmup, 2) + (1 if compile_it else 0)):
                 t0 = time.perf_counter()
-                r = self.call(dec, self.warm_ids, self.SamplingParams(0.0), 0, f"warm-up {k}")
+                # the first call compiles: bounded so that a slow compilation cannot take the budget
+                limit = min(a.compile_timeout_s, self.budget.left() - a.reserve_s) if compile_it and k == 0 else 0
+                with time_limit(max(limit, 1.0) if limit else 0):
+                    r = self.call(dec, self.warm_ids, self.SamplingParams(0.0), 0, f"warm-up {k}")
                 times.append(round(time.perf_counter() - t0, 2))
                 if "error" in r:
                     err = r["error"]
@@ -860,16 +895,20 @@ class Bench:
                         stop = True
                         break
                     ids = self.prompts[s][i]
+                    if ids.shape[1] + a.max_new_tokens > self.context:
+                        self.note(f"{s} prompt {i}: {ids.shape[1]} tokens + {a.max_new_tokens} new exceed the "
+                                  f"target's context ({self.context}); skipped")
+                        continue
                     for dec in decoders:
                         if dec.disabled or (dec.name == "hf_eager" and i >= a.hf_eager_prompts):
                             continue
                         r = self.call(dec, ids, sampling, a.seed + i, f"t={temp} {s} prompt {i}")
                         self.records.setdefault(tkey, {}).setdefault(s, {}).setdefault(dec.name, []).append({"i": i, **r})
+                    self.write("running")
                 if stop:
                     break
             if bar is not None:
                 bar.update(1)
-            self.write("running")
             if i == 0:
                 per_prompt = self.budget.elapsed() - self.t_main
                 self.note(f"first prompt of every set and temperature took {per_prompt:.1f} s; "
@@ -980,14 +1019,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=540.0, help="the whole run; remaining work is skipped past it")
     ap.add_argument("--reserve-s", type=float, default=10.0, help="stop the main loop when less than this is left")
     ap.add_argument("--select-share", type=float, default=0.2, help="tree selection stops past this share of the budget")
-    ap.add_argument("--compile-reserve-s", type=float, default=150.0, help="skip HF compile when less is left")
+    ap.add_argument("--compile-reserve-s", type=float, default=120.0, help="skip HF compile when less is left")
+    ap.add_argument("--compile-timeout-s", type=float, default=240.0, help="give up compiling HF after this long")
     ap.add_argument("--hf-compile-mode", default="reduce-overhead")
     ap.add_argument("--no-hf-fullgraph", dest="hf_fullgraph", action="store_false",
                     help="compile with fullgraph=False at once (default: True, then False if it fails)")
     ap.add_argument("--hf-compile-cpu", action="store_true", help="compile the HF decoder on a CPU too (testing)")
     ap.add_argument("--skip", default="", help="decoders to leave out: spec_tree,spec_chain,eyas_plain,hf_compiled,hf_eager")
-    ap.add_argument("--profile-rounds", type=int, default=3)
-    ap.add_argument("--profile-skip", type=int, default=2, help="rounds before the profiled ones")
+    ap.add_argument("--profile-rounds", type=int, default=1, help="speculative rounds (plain steps) profiled")
+    ap.add_argument("--profile-skip", type=int, default=3, help="rounds before the profiled ones")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--max-errors", type=int, default=3, help="a decoder is disabled after this many errors")
     ap.add_argument("--engine-kwargs", default="{}", help="JSON passed to speculative_generate/plain_generate where "
@@ -1005,7 +1045,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.backends.cuda.matmul.allow_tf32 = True
     log(f"budget {a.budget_s:.0f} s; out {a.out_dir}")
     return Bench(a).run()
 
