@@ -633,8 +633,21 @@ class Bench:
         log(f"target {a.target} loaded in {time.perf_counter() - t0:.1f} s: {loaded.num_blocks} blocks, {loaded.dtype}, "
             f"{loaded.device}, eos {list(loaded.eos_ids)}")
         drafter_info: dict[str, Any] = {"path": a.draft}
+        drafter = None
         if a.draft:
-            drafter, contract = load_drafter(a.draft, target=loaded, tokenizer=loaded.tokenizer, force=a.force)
+            try:
+                drafter, contract = load_drafter(a.draft, target=loaded, tokenizer=loaded.tokenizer, force=a.force)
+            except Exception as e:  # noqa: BLE001 - a GPU call is too dear to lose over the contract
+                self.error("load_drafter", e)
+                if not a.force:
+                    try:
+                        drafter, contract = load_drafter(a.draft, target=loaded, tokenizer=loaded.tokenizer, force=True)
+                        drafter_info["forced"] = True
+                        self.note("THE DRAFTER'S CONTRACT DOES NOT MATCH THE TARGET (see errors): loaded with "
+                                  "force=True, its figures are suspect")
+                    except Exception as e2:  # noqa: BLE001
+                        self.error("load_drafter (force)", e2)
+        if drafter is not None:
             try:
                 c = read_contract(a.draft)
                 if c is not None and c.metrics is not None:
@@ -660,7 +673,8 @@ class Bench:
 
             drafter, contract = new_drafter(loaded, loaded.tokenizer, None, a.draft_vocab, source=str(a.target), seed=0)
             drafter_info["path"] = "untrained (new_drafter)"
-            self.note("no --draft: an untrained drafter (acceptance near zero; it measures the machinery only)")
+            self.note(("no --draft" if not a.draft else f"--draft {a.draft} could not be loaded")
+                      + ": an UNTRAINED drafter (acceptance near zero; it measures the machinery only)")
         if "train" in drafter_info:  # the essentials only
             t = drafter_info["train"]
             drafter_info["train"] = {k: t.get(k) for k in ("steps", "batch_size", "lr", "ttt_steps", "draft_vocab_size",
