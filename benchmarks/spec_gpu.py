@@ -359,14 +359,20 @@ def profile_rounds(name: str, generate: Callable[[], Any], target: Any, rounds: 
     launches = Counter(e.name for e in events if e.name in LAUNCH_NAMES)
     kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
     kernel_us = sum(e.time_range.elapsed_us() for e in kernels)
-    sort_keys = ("device_time_total", "cuda_time_total") if cuda else ("cpu_time_total",)
-    table = ""
-    for key in sort_keys:
-        try:
-            table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
-            break
-        except Exception:  # noqa: BLE001 - the key's name changed across torch versions
-            continue
+    # Ops by total device time (parents include their children), then by self device time (the
+    # kernels themselves); on a CPU by CPU time.
+    groups = ((("device_time_total", "cuda_time_total"), ("self_device_time_total", "self_cuda_time_total"))
+              if cuda else (("cpu_time_total",), ("self_cpu_time_total",)))
+    tables = []
+    for keys in groups:
+        for key in keys:
+            try:
+                tables.append(f"sorted by {key}:\n"
+                              + prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
+                break
+            except Exception:  # noqa: BLE001 - the key's name changed across torch versions
+                continue
+    table = "\n".join(tables)
     out = {
         "name": name, "rounds": window, "wall_ms_per_round": round(1e3 * (state["t1"] - state["t0"]) / window, 3),
         "gpu_kernels_per_round": round(len(kernels) / window, 1),
