@@ -1,0 +1,100 @@
+"""The GPU benchmark scripts in benchmarks/ run end to end on a CPU with a toy target: the report of
+spec_gpu.py holds every decoder, set and temperature, and greedy speculative output equals plain;
+train_smollm2_drafter.py mixes prompts and plans a run from a calibration."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support import DATA
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_spec_gpu_reports_every_decoder_set_and_temperature(toy_drafter, tmp_path):
+    target, draft = toy_drafter
+    spec_gpu = load_script("spec_gpu")
+    out = tmp_path / "bench"
+    code = spec_gpu.main(["--target", str(target), "--draft", str(draft), "--device", "cpu",
+                          "--sets", "mt_bench,gsm8k", "--prompts-per-set", "2", "--hf-eager-prompts", "1",
+                          "--select-prompts", "1", "--max-new-tokens", "8", "--trees", "3,2,5", "--chains", "2",
+                          "--temperatures", "0,1", "--profile-rounds", "2", "--profile-skip", "0",
+                          "--out-dir", str(out), "--commit", "test"])
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "done" and res["errors"] == [], res["errors"]
+    assert res["meta"]["commit"] == "test" and res["meta"]["target_impl"] == "fast"
+    sel = res["tree_selection"]
+    assert sel["best_tree"] == "3,2,5" and sel["best_chain"] == "2,1,2" and sel["prompts"] == 1
+    assert set(res["results"]) == {"t0", "t1"}
+    for tkey, tres in res["results"].items():
+        assert set(tres["sets"]) == {"mt_bench", "gsm8k"}
+        for s in list(tres["sets"].values()) + [tres["overall"]]:
+            for d in ("spec_tree", "spec_chain", "eyas_plain", "hf_static"):
+                assert s[d]["prompts"] == (2 if s is not tres["overall"] else 4) and s[d]["tokens_per_s"] > 0
+            assert s["hf_eager"]["prompts"] == (1 if s is not tres["overall"] else 2)
+            assert s["spec_tree"]["tau"] >= 1 and len(s["spec_tree"]["acceptance_at_depth"]) >= 1
+            assert set(s["spec_tree"]["ms_per_round"]) == {"draft", "verify", "bookkeeping", "total"}
+            assert s["speedups"]["spec_tree/eyas_plain"]["prompts"] == (2 if s is not tres["overall"] else 4)
+            assert s["speedups"]["spec_tree/hf_eager"]["prompts"] == (1 if s is not tres["overall"] else 2)
+            if tkey == "t0":  # greedy speculative decoding is lossless
+                for d in ("spec_tree", "spec_chain"):
+                    ident = s["identical_to_plain"][d]
+                    assert ident["fraction"] == 1.0 and ident["first_difference"] == [], (d, ident)
+                assert s["identical_to_plain"]["hf_static"]["compared"] >= 1
+    assert res["profile"]["spec_tree"]["rounds"] >= 1 and res["profile"]["eyas_plain"]["rounds"] >= 1
+    assert "aten::" in (out / "profile.txt").read_text()
+    md = (out / "results.md").read_text()
+    assert "## Temperature 0.0" in md and "## Temperature 1.0" in md and "| **overall** |" in md
+
+
+def test_spec_gpu_budget_keeps_partial_results(toy_drafter, tmp_path):
+    """A budget too small for the main loop still leaves a complete report of what was done."""
+    target, draft = toy_drafter
+    spec_gpu = load_script("spec_gpu")
+    out = tmp_path / "bench"
+    code = spec_gpu.main(["--target", str(target), "--draft", str(draft), "--device", "cpu", "--sets", "qa",
+                          "--prompts-per-set", "3", "--select-prompts", "1", "--max-new-tokens", "4",
+                          "--trees", "2,2,3", "--chains", "", "--temperatures", "0", "--no-profile",
+                          "--skip", "hf_eager,hf_compiled", "--budget-s", "0.5", "--reserve-s", "0",
+                          "--out-dir", str(out)])
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "done"
+    assert any("budget reached" in n for n in res["notes"]) or any("selection stopped" in n for n in res["notes"])
+    assert (out / "results.md").exists()
+
+
+def test_train_script_mixes_prompts_and_plans_a_run(toy_drafter, tmp_path, capsys):
+    target, _ = toy_drafter
+    train = load_script("train_smollm2_drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    assert train.main(["prepare", "--shared", str(DATA), "--out", str(prompts)]) == 0
+    rows = [json.loads(x) for x in prompts.read_text().splitlines()]
+    assert len(rows) > 50 and len({r["id"] for r in rows}) == len(rows)
+    assert all(r["messages"][-1]["role"] == "user" for r in rows)
+    sources = json.loads((tmp_path / "prompts.sources.json").read_text())
+    assert sources["prompts"] == len(rows) and "gsm8k/train.jsonl" in sources["sources"]
+
+    code = train.main(["run", "--target", str(target), "--prompts", str(prompts), "--work", str(tmp_path / "work"),
+                       "--device", "cpu", "--dry-run", "--budget-s", "300", "--regen-batch", "4",
+                       "--max-new-tokens", "8", "--train-batch", "2", "--max-length", "128", "--draft-vocab", "256",
+                       "--calib-gen-steps", "2", "--calib-train-steps", "1"])
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out.split("dry run: stopping before regenerate", 1)[1])
+    cal = plan["calibration"]
+    assert cal["regen_step_s"] > 0 and cal["train_step_s"] > 0 and cal["train_batch"] == 2
+    assert 4 <= plan["regenerate"]["limit"] <= len(rows)
