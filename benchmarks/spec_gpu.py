@@ -435,6 +435,14 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append(f"| {c['label']} | {_f(s.get('tau'), 2)} | {_f(s.get('tokens_per_s'))} | {_f(mpr.get('draft'), 2)} | "
                          f"{_f(mpr.get('verify'), 2)} | {_f(mpr.get('bookkeeping'), 2)} | {chosen} |")
         lines.append("")
+    ta = res.get("tree_auto")
+    if ta:
+        lines += [f"## --tree auto on the fast path ({ta.get('prompts')} MT-bench prompts, temperature 0)", "",
+                  f"Chose {ta['depth']},{ta['top_k']},{ta['total_tokens']} in {ta.get('tune_seconds')} s: predicted "
+                  f"{ta['round_ms']} ms per round and tau {ta['predicted_tau']}; measured {ta.get('measured_round_ms')} ms "
+                  f"per round and tau {ta.get('measured_tau')} (round prediction error "
+                  f"{_f(100 * ta['round_prediction_error'] if ta.get('round_prediction_error') is not None else None)}%).",
+                  "", f"Reason: {ta.get('reason')}", ""]
     wu = res.get("warmup") or {}
     if wu:
         lines += ["Warm-up (not timed in the results): " + "; ".join(
@@ -685,6 +693,7 @@ class Bench:
             t = drafter_info["train"]
             drafter_info["train"] = {k: t.get(k) for k in ("steps", "batch_size", "lr", "ttt_steps", "draft_vocab_size",
                                                            "max_length", "data") if k in t}
+        self.contract = contract
         drafter_info["boundaries"] = list(contract.capture.boundaries)
         drafter_info["draft_vocab_size"] = drafter.config.draft_vocab_size
         self.res["drafter"] = drafter_info
@@ -785,6 +794,34 @@ class Bench:
                                            f"{c['summary']['tokens_per_s']:.1f} tok/s" for c in sel_res["candidates"])
             + f" -> tree {sel_res['best_tree']}, chain {sel_res['best_chain']}")
         return (best["tree"][2] if "tree" in best else None), (best["chain"][2] if "chain" in best else None)
+
+    def tree_auto_check(self) -> None:
+        """``--tree auto`` on the fast path (issue 10, item 3): tune_tree calibrated on the first
+        3 MT-bench prompts, then its tree served greedily on the selection prompts; the predicted
+        round time against the rounds those generations paid (GenerationStats.time_rounds)."""
+        from eyas.engine import speculative_generate
+        from eyas.tune import tune_tree
+
+        t0 = time.perf_counter()
+        calibration = [p[0].tolist() for p in self.select_prompts[:3]]
+        choice = tune_tree(self.target, self.drafter, calibration, self.contract, eos_token_ids=self.eos)
+        tuned_s = time.perf_counter() - t0
+        rounds = seconds = tokens = 0.0
+        for ids in self.select_prompts:
+            st = speculative_generate(self.target, self.drafter, ids, tree=choice.spec, max_new_tokens=self.a.max_new_tokens,
+                                      eos_token_ids=self.eos, timing="off").stats
+            rounds += len(st.accept_lengths)
+            seconds += st.time_rounds
+            tokens += sum(st.accept_lengths)
+        measured_ms = 1e3 * seconds / rounds if rounds else None
+        entry = choice.to_dict()
+        entry.update(tune_seconds=round(tuned_s, 2), prompts=len(self.select_prompts),
+                     measured_round_ms=round(measured_ms, 4) if measured_ms else None,
+                     measured_tau=round(tokens / rounds, 4) if rounds else None,
+                     round_prediction_error=round(choice.round_s * 1e3 / measured_ms - 1, 4) if measured_ms else None)
+        self.res["tree_auto"] = entry
+        log(f"--tree auto: {choice.spec} predicted {choice.round_s * 1e3:.3f} ms/round, tau {choice.predicted_tau:.2f}; "
+            f"measured {measured_ms} ms/round, tau {entry['measured_tau']} ({tuned_s:.1f} s to tune)")
 
     def profile(self, tree: Any) -> None:
         from eyas.engine import plain_generate, speculative_generate
@@ -961,6 +998,12 @@ class Bench:
             tree = fallback if fallback.top_k > 1 else None
             chain = fallback if fallback.top_k == 1 else None
         self.write("trees selected")
+        if not a.no_tree_auto:
+            try:
+                self.tree_auto_check()
+            except Exception as e:  # noqa: BLE001
+                self.error("tree auto", e)
+            self.write("tree auto checked")
         if not a.no_profile:
             self.profile(tree or chain)
             self.write("profiled")
@@ -1049,6 +1092,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile-rounds", type=int, default=1, help="speculative rounds (plain steps) profiled")
     ap.add_argument("--profile-skip", type=int, default=3, help="rounds before the profiled ones")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--no-tree-auto", action="store_true", help="skip the --tree auto prediction check")
     ap.add_argument("--max-errors", type=int, default=3, help="a decoder is disabled after this many errors")
     ap.add_argument("--engine-kwargs", default="{}", help="JSON passed to speculative_generate/plain_generate where "
                                                           "their signatures accept it (e.g. '{\"timing\": \"events\"}')")
