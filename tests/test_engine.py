@@ -290,6 +290,19 @@ def test_tree_shapes(llama, trained_drafter):
         TreeSpec(0, 1, 1)
 
 
+@pytest.mark.unit
+def test_two_stage_top_k_equals_top_k():
+    from eyas.engine.tree import top_k
+
+    g = torch.Generator().manual_seed(0)
+    for rows, V, k in ((1, 12288, 1), (10, 8192, 10), (4, 32000, 8), (3, 1500, 4), (2, 300, 5)):
+        x = torch.randn(rows, V, generator=g)
+        values, indices = top_k(x, k)
+        ref = x.topk(k, dim=-1)
+        assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)  # distinct values: same order
+        assert torch.equal(x.gather(1, indices), values)
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling is lossless
 # ---------------------------------------------------------------------------------------------

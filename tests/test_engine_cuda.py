@@ -116,12 +116,13 @@ def test_a_fast_round_synchronises_the_device_once(llama_and_drafter, sampling):
 
     model, drafter = llama_and_drafter
     fast = LlamaTarget(model, SPEC4, cuda_graphs=True)
-    g = torch.Generator(device=CUDA).manual_seed(0)
-    # warm-up: graph capture and lazy initialisations synchronise, once
-    speculative_generate(fast, drafter, [1, 2, 3], tree=TreeSpec(4, 4, 16), sampling=sampling, max_new_tokens=16,
-                         generator=g)
-    session = start(fast, [7, 8, 9, 10], drafter, tree=TreeSpec(4, 4, 16), sampling=sampling, max_new_tokens=40,
-                    generator=g, timing="off")
+    prompt, tree = [7, 8, 9, 10], TreeSpec(4, 4, 16)
+    # warm-up: the same request once, so every shape it meets (the verification buckets, the drafts
+    # of each depth near the end) is captured; a capture synchronises, once per shape
+    speculative_generate(fast, drafter, prompt, tree=tree, sampling=sampling, max_new_tokens=40,
+                         generator=torch.Generator(device=CUDA).manual_seed(0))
+    session = start(fast, prompt, drafter, tree=tree, sampling=sampling, max_new_tokens=40,
+                    generator=torch.Generator(device=CUDA).manual_seed(0), timing="off")
     counts = []
     while not session.done:
         with warnings.catch_warnings(record=True) as caught:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from eyas.drafter.model import Eagle3Drafter
@@ -146,6 +147,24 @@ class DraftTree:
             valid = torch.ones(n, dtype=torch.bool, device=dev)
         return cls(tokens=tokens, parents=parents, depths=depths, mask=mask, children=children, valid=valid,
                    depth=depth, proposals=proposals)
+
+
+def top_k(x: Tensor, k: int, chunk: int = 256) -> tuple[Tensor, Tensor]:
+    """The k largest values of each row of x [r, V] and their indices, largest first: x.topk(k), in
+    two stages when rows are long. A GPU's top-k gives a row one thread block, so a few long rows
+    (the drafter's frontier over its vocabulary) leave it idle for tens of microseconds; splitting
+    each row into chunks of ``chunk`` first (the top k of every chunk, then of those) spreads the
+    work over r * V / chunk blocks. The same values; among equal values the order may differ."""
+    r, V = x.shape
+    if k > chunk or V < 4 * chunk:
+        return x.topk(k, dim=-1)
+    pad = (-V) % chunk
+    if pad:
+        x = F.pad(x, (0, pad), value=float("-inf"))
+    per_chunk = x.view(r, -1, chunk).topk(k, dim=-1)  # [r, V/chunk, k]
+    offsets = torch.arange(0, x.shape[1], chunk, device=x.device)[None, :, None]
+    best = per_chunk.values.flatten(1).topk(k, dim=-1)  # [r, k] over the chunks' candidates
+    return best.values, (per_chunk.indices + offsets).flatten(1).gather(1, best.indices)
 
 
 class DraftState:
@@ -279,8 +298,7 @@ class DraftState:
         for d in range(1, depth + 1):
             # 1. K children of each expanded node
             if greedy:
-                top = torch.log_softmax(logits.float(), dim=-1).topk(K, dim=-1)
-                drawn, log_q = top.indices, top.values  # [r, K]
+                log_q, drawn = top_k(torch.log_softmax(logits.float(), dim=-1), K)  # [r, K] each
             else:
                 q = probabilities(logits, sampling)  # [r, Vd]
                 drawn = gumbel_top_k(q, K, generator)  # [r, K] draw order; past the support: q = 0
