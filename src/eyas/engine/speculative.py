@@ -34,13 +34,15 @@ from torch import Tensor
 
 from eyas.drafter.model import Eagle3Drafter
 from eyas.engine.observe import RoundObserver
+from eyas.engine.graphs import StepGraphs
 from eyas.engine.sampling import (
-    GREEDY, AcceptRule, SamplingParams, accept_greedy, accept_sampling, probabilities, rejection_rule, sample,
+    GREEDY, AcceptRule, SamplingParams, Verdict, accept_greedy, accept_sampling, probabilities, rejection_rule,
+    sample,
 )
 from eyas.engine.stats import STOP_MAX_LENGTH, STOP_MAX_NEW_TOKENS, Clock, GenerationStats
 from eyas.engine.stopping import StopCriteria
 from eyas.engine.target import Target
-from eyas.engine.tree import DraftState, TreeSpec
+from eyas.engine.tree import DraftState, DraftTree, TreeSpec
 from eyas.errors import EyasError
 
 STOP_CANCELLED = "cancelled"
@@ -243,11 +245,11 @@ def _speculative_round(s: Session) -> list[int]:
         s.observer.target_forward(r, "verify", m + t.depths, f)
     with clock("bookkeeping"):
         if s.sampling.greedy:
-            v = accept_greedy(t, logits[0])
+            v, verdict = _greedy_verdict(target, t, logits[0])
         else:
             v = accept_sampling(t, logits[0], s.sampling, s.generator, s.accept_rule)
-        # The round's one read of the device: a, the path's tokens, the bonus, the tree's depth.
-        read = torch.cat([v.accepted[None], t.tokens[v.path], v.bonus[None], t.depths.max()[None]]).tolist()
+            verdict = _pack(t, v)
+        read = verdict.tolist()  # the round's one read of the device
         a, path_tokens, bonus, tree_depth = read[0], read[1:2 + t.depth], read[2 + t.depth], read[3 + t.depth]
         accepted = path_tokens[1:a + 1] + [bonus]  # x_{m+1} .. x_{m+a+1}
         path = v.path[:a + 1]  # x_m and the accepted nodes, on the device
@@ -263,6 +265,33 @@ def _speculative_round(s: Session) -> list[int]:
             s.observer.drafter_reads(r, "verify", s.positions[m:m + a + 1], tokens, features)
         assert draft.length == target.cache_len == s.m, (draft.length, target.cache_len, s.m)
     return accepted[:kept]
+
+
+def _pack(t: DraftTree, v: Verdict) -> Tensor:
+    """What the host needs of a round, in one tensor (one transfer): a, the path's tokens
+    [depth+1], the bonus token and the tree's depth."""
+    return torch.cat([v.accepted[None], t.tokens[v.path], v.bonus[None], t.depths.max()[None]])
+
+
+def _greedy_verdict(target: Target, t: DraftTree, logits: Tensor) -> tuple[Verdict, Tensor]:
+    """Greedy acceptance and its pack: a function of tensors whose shapes the tree fixes, so on a
+    target with CUDA graphs it is captured once per (tree shape, depth) and replayed (its outputs
+    are the graph's, valid until the next round's replay). logits [N+1, V]."""
+    def verdict(tokens: Tensor, parents: Tensor, depths: Tensor, mask: Tensor, children: Tensor, valid: Tensor,
+                logits: Tensor) -> tuple[Tensor, ...]:
+        tree = DraftTree(tokens, parents, depths, mask, children, valid, t.depth)
+        v = accept_greedy(tree, logits)
+        return v.path, v.accepted, v.bonus, _pack(tree, v)
+
+    if getattr(target, "cuda_graphs", False):
+        graphs = target.__dict__.setdefault("_verdicts", {})  # per depth; StepGraphs keys the shapes
+        if t.depth not in graphs:
+            graphs[t.depth] = StepGraphs(verdict)
+        run = graphs[t.depth]
+    else:
+        run = verdict
+    path, accepted, bonus, packed = run(t.tokens, t.parents, t.depths, t.mask, t.children, t.valid, logits)
+    return Verdict(path, accepted, bonus), packed
 
 
 def _plain_step(s: Session) -> list[int]:
