@@ -8,11 +8,14 @@ only. Python code inside the function runs once, at capture: no host reads, no d
 branches.
 
 Used for the drafter's steps (``tree.DraftState``): the expansion of the frontier at each depth
-and the re-read of the accepted tokens, both at shapes fixed by the tree.
+and the re-read of the accepted tokens, both at shapes fixed by the tree; the whole greedy draft; the
+greedy acceptance. A function whose capture fails (an op a graph cannot hold) warns and runs eagerly:
+the same results, only slower.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -28,13 +31,21 @@ class StepGraphs:
 
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]], warmup: int = 2) -> None:
         self.fn, self.warmup = fn, warmup
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
+        # per input shapes: the graph with its static inputs and outputs, or None where capture failed
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, ...]] | None] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def __call__(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         key = tuple((tuple(t.shape), t.dtype) for t in inputs)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(inputs)
+            try:
+                self.graphs[key] = self._capture(inputs)
+            except RuntimeError as e:  # an op the graph cannot hold: correct, only slower, eagerly
+                warnings.warn(f"CUDA graph capture of {getattr(self.fn, '__qualname__', self.fn)} failed, running it "
+                              f"eagerly: {e}", stacklevel=2)
+                self.graphs[key] = None
+        if self.graphs[key] is None:
+            return self.fn(*inputs)
         graph, static_in, static_out = self.graphs[key]
         for dst, src in zip(static_in, inputs):
             dst.copy_(src)
