@@ -119,3 +119,27 @@ def test_stepping_a_session_is_speculative_generate_and_sessions_own_the_target(
     second.cancel()
     assert second.done and step(second) == []
     assert second.result().stats.stop_reason == "cancelled"
+
+
+@pytest.mark.unit
+def test_a_step_whose_graph_capture_fails_runs_eagerly_with_a_warning(monkeypatch):
+    from eyas.engine.graphs import StepGraphs
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)  # no GPU here
+    calls = []
+
+    def double(x):
+        calls.append(x)
+        return (2 * x,)
+
+    graphs = StepGraphs(double)
+
+    def refuse(inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", refuse)
+    with pytest.warns(UserWarning, match="capture of .*double failed, running it eagerly: operation not permitted"):
+        (out,) = graphs(torch.tensor([1.0, 2.0]))
+    assert torch.equal(out, torch.tensor([2.0, 4.0]))
+    (out,) = graphs(torch.tensor([3.0, 4.0]))  # no second capture attempt for that shape
+    assert torch.equal(out, torch.tensor([6.0, 8.0])) and len(calls) == 2
