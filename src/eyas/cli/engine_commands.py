@@ -35,7 +35,12 @@ def load_for_serving(target: str, draft: Path, device: str, force: bool,
     drafter, contract = _run(load_drafter, draft, target=loaded, tokenizer=loaded.tokenizer, force=force)
     drafter = drafter.to(loaded.device, dtype=loaded.dtype).eval()
     spec = CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks)
-    return loaded, drafter, _run(build_target, loaded.model, spec, target_impl), contract
+    tgt = _run(build_target, loaded.model, spec, target_impl)
+    if getattr(tgt, "cuda_graphs", False):  # compile and capture every bucket now, not mid-generation
+        with err.status("[dim]fast target: compiling its steps and capturing CUDA graphs (once per bucket)...[/]"):
+            seconds = tgt.warmup()
+        err.print(f"[dim]fast target ready in {seconds:.1f} s ({tgt.implementation})[/]")
+    return loaded, drafter, tgt, contract
 
 
 def is_auto(tree: str) -> bool:
