@@ -143,3 +143,16 @@ def test_a_step_whose_graph_capture_fails_runs_eagerly_with_a_warning(monkeypatc
     assert torch.equal(out, torch.tensor([2.0, 4.0]))
     (out,) = graphs(torch.tensor([3.0, 4.0]))  # no second capture attempt for that shape
     assert torch.equal(out, torch.tensor([6.0, 8.0])) and len(calls) == 2
+
+
+@pytest.mark.integration
+def test_a_request_the_engine_cannot_serve_is_a_one_line_cli_error(toy_drafter):
+    from typer.testing import CliRunner
+
+    from eyas.cli.main import app
+
+    target, draft = toy_drafter
+    r = CliRunner().invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hi",
+                                 "--max-new-tokens", "4", "--temperature", "-0.5", "--device", "cpu"])
+    assert r.exit_code != 0 and (r.exception is None or isinstance(r.exception, SystemExit))
+    assert "temperature: expected >= 0, found -0.5" in r.output and "Traceback" not in r.output

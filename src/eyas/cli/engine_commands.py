@@ -85,6 +85,7 @@ def generate_cmd(
     from eyas.data.render import render_prompt
     from eyas.engine import SamplingParams, TreeSpec, speculative_generate
 
+    sampling = _run(SamplingParams, temperature, top_p, top_k)  # checked before anything loads
     loaded, drafter, tgt, contract = load_for_serving(target, draft, device, force, target_impl)
     tokenizer = loaded.tokenizer
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -99,7 +100,7 @@ def generate_cmd(
     stream = (lambda t: None) if json_out else (lambda t: console.print(tokenizer.decode([t]), end="", highlight=False))
     t0 = time.perf_counter()
     r = speculative_generate(tgt, drafter, ids, tree=spec_tree,
-                             sampling=SamplingParams(temperature, top_p, top_k), max_new_tokens=max_new_tokens,
+                             sampling=sampling, max_new_tokens=max_new_tokens,
                              eos_token_ids=loaded.eos_ids,
                              generator=torch.Generator(device=tgt.device).manual_seed(seed), on_token=stream)
     wall = time.perf_counter() - t0
@@ -147,6 +148,7 @@ def bench_cmd(
     from eyas.engine import SamplingParams, TreeSpec
     from eyas.tune import CALIBRATION_PROMPTS
 
+    sampling = _run(SamplingParams, temperature)  # checked before anything loads
     loaded, drafter, tgt, contract = load_for_serving(target, draft, device, force, target_impl)
     tokenizer = loaded.tokenizer
     err.print(f"[dim]target implementation: {tgt.implementation}[/]")
@@ -159,7 +161,6 @@ def bench_cmd(
         spec_tree = choice.spec
     else:
         spec_tree = _run(TreeSpec.parse, tree)
-    sampling = SamplingParams(temperature)
     summaries = []
     for name, convs in sets:
         result = bench_set(Path(name).stem, convs, loaded, tgt, drafter, spec_tree, sampling,

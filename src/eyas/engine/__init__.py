@@ -11,21 +11,23 @@
 Modules: target.py (the target interface and HFTarget), llama.py (LlamaTarget: our own forward for
 Llama-family targets, a static KV cache written by index and capture inside the forward), tree.py
 (drafting and masks), sampling.py (distributions and acceptance rules), speculative.py (the decoding
-loops), observe.py (what an observer such as ``eyas trace`` is shown each round), stopping.py (stop
-conditions), stats.py (per-request statistics). Choosing a tree for this hardware and this drafter
+loops: a Session per request, ``start`` and ``step``), graphs.py (CUDA graphs of fixed-shape steps),
+observe.py (what an observer such as ``eyas trace`` is shown each round), stopping.py (stop
+conditions), stats.py (per-request statistics and phase timing), errors.py (the engine's user errors). Choosing a tree for this hardware and this drafter
 (``--tree auto``) is a tuning tool, not the runtime: see :mod:`eyas.tune`.
 """
 
+from eyas.engine.errors import RequestError, SessionError
+from eyas.engine.llama import TARGET_IMPLEMENTATIONS, LlamaTarget, build_target
 from eyas.engine.observe import RoundObserver
 from eyas.engine.sampling import GREEDY, AcceptRule, SamplingParams, rejection_rule
-from eyas.engine.speculative import GenerationResult, plain_generate, speculative_generate
+from eyas.engine.speculative import GenerationResult, Session, plain_generate, speculative_generate, start, step
 from eyas.engine.stats import GenerationStats
-from eyas.engine.llama import TARGET_IMPLEMENTATIONS, LlamaTarget, build_target
 from eyas.engine.target import HFTarget, Target
 from eyas.engine.tree import DraftTree, TreeSpec
 
 __all__ = [
     "GREEDY", "AcceptRule", "DraftTree", "GenerationResult", "GenerationStats", "HFTarget", "LlamaTarget",
-    "RoundObserver", "SamplingParams", "TARGET_IMPLEMENTATIONS", "Target", "TreeSpec", "build_target",
-    "plain_generate", "rejection_rule", "speculative_generate",
+    "RequestError", "RoundObserver", "SamplingParams", "Session", "SessionError", "TARGET_IMPLEMENTATIONS", "Target",
+    "TreeSpec", "build_target", "plain_generate", "rejection_rule", "speculative_generate", "start", "step",
 ]

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import Tensor
 
+from eyas.engine.errors import RequestError
+
 if TYPE_CHECKING:  # a type only: tree.py imports this module
     from eyas.engine.tree import DraftTree
 
@@ -40,11 +42,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature: expected >= 0, found {self.temperature}")
+            raise RequestError(f"temperature: expected >= 0, found {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: expected 0 < top_p <= 1, found {self.top_p}")
+            raise RequestError(f"top_p: expected 0 < top_p <= 1, found {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k: expected >= 0, found {self.top_k}")
+            raise RequestError(f"top_k: expected >= 0, found {self.top_k}")
 
     @property
     def greedy(self) -> bool:

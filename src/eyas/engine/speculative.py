@@ -34,6 +34,7 @@ from torch import Tensor
 
 from eyas.drafter.model import Eagle3Drafter
 from eyas.engine.observe import RoundObserver
+from eyas.engine.errors import RequestError, SessionError
 from eyas.engine.graphs import StepGraphs
 from eyas.engine.sampling import (
     GREEDY, AcceptRule, SamplingParams, Verdict, accept_greedy, accept_sampling, probabilities, rejection_rule,
@@ -43,13 +44,8 @@ from eyas.engine.stats import STOP_MAX_LENGTH, STOP_MAX_NEW_TOKENS, Clock, Gener
 from eyas.engine.stopping import StopCriteria
 from eyas.engine.target import Target
 from eyas.engine.tree import DraftState, DraftTree, TreeSpec
-from eyas.errors import EyasError
 
 STOP_CANCELLED = "cancelled"
-
-
-class SessionError(EyasError, RuntimeError):
-    """A session stepped when the target's cache holds another one, or after it ended."""
 
 
 @dataclass
@@ -61,7 +57,7 @@ class GenerationResult:
 def _prompt_list(input_ids: Sequence[int] | Tensor) -> list[int]:
     ids = input_ids.flatten().tolist() if isinstance(input_ids, Tensor) else [int(t) for t in input_ids]
     if not ids:
-        raise ValueError("input_ids: expected at least one prompt token, found none")
+        raise RequestError("input_ids: expected at least one prompt token, found none")
     return ids
 
 
@@ -104,7 +100,7 @@ class Session:
                  on_token: Callable[[int], None] | None, generator: torch.Generator | None,
                  accept_rule: AcceptRule, timing: str) -> None:
         if len(prompt) > target.max_length:
-            raise ValueError(f"prompt of {len(prompt)} tokens is longer than the target's context "
+            raise RequestError(f"prompt of {len(prompt)} tokens is longer than the target's context "
                              f"({target.max_length} positions)")
         self.target, self.drafter, self.tree, self.sampling = target, drafter, tree, sampling
         self.generator, self.accept_rule = generator, accept_rule
@@ -183,13 +179,13 @@ def start(target: Target, input_ids: Sequence[int] | Tensor, drafter: Eagle3Draf
     session decodes speculatively, without one plainly. Arguments as :func:`speculative_generate`."""
     if drafter is not None:
         if drafter.config.num_slots != target.spec.num_slots or drafter.config.vocab_size != target.vocab_size:
-            raise ValueError(
+            raise RequestError(
                 f"drafter (num_slots={drafter.config.num_slots}, vocab_size={drafter.config.vocab_size}) does not "
                 f"fit the target (num_slots={target.spec.num_slots}, vocab_size={target.vocab_size})"
             )
         drafter_device = drafter.fc.weight.device
         if drafter_device != target.device:
-            raise ValueError(f"drafter on {drafter_device}, target on {target.device}: move the drafter with .to()")
+            raise RequestError(f"drafter on {drafter_device}, target on {target.device}: move the drafter with .to()")
     s = Session(target, drafter, _prompt_list(input_ids), tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
                 stop=StopCriteria(max_new_tokens, eos_token_ids, stop_strings, decode), on_token=on_token,
                 generator=generator, accept_rule=accept_rule, timing=timing)

@@ -27,6 +27,8 @@ from typing import Any, Iterator
 
 import torch
 
+from eyas.engine.errors import RequestError
+
 # Why a generation ended.
 STOP_EOS = "eos"
 STOP_STRING = "stop_string"
@@ -117,7 +119,7 @@ class Clock:
 
     def __init__(self, stats: GenerationStats, device: torch.device, timing: str = "auto") -> None:
         if timing not in TIMINGS:
-            raise ValueError(f"timing: expected one of {list(TIMINGS)}, found {timing!r}")
+            raise RequestError(f"timing: expected one of {list(TIMINGS)}, found {timing!r}")
         self.stats, self.device = stats, device
         cuda = device.type == "cuda"
         self.mode = {"auto": "events" if cuda else "sync", "events": "events" if cuda else "sync"}.get(timing, timing)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
+from eyas.engine.errors import RequestError
 from eyas.engine.stats import STOP_EOS, STOP_MAX_NEW_TOKENS, STOP_STRING
 
 
@@ -27,7 +28,7 @@ class StopCriteria:
         self.eos = {int(t) for t in eos_token_ids}
         self.stop_strings = [s for s in stop_strings if s]
         if self.stop_strings and decode is None:
-            raise ValueError("stop_strings need a decode function (token ids -> text)")
+            raise RequestError("stop_strings need a decode function (token ids -> text)")
         self.decode = decode
         self.window = max((len(s) for s in self.stop_strings), default=0) + 8
 
