@@ -23,11 +23,19 @@ log-probability under the drafter, are expanded; each expanded node proposes top
   with n decided before they were drawn: pruning drawn children by their own scores (EAGLE-2's
   final selection) would bias the output (e.g. keeping the likelier of two draws over-represents
   it), so sampling never prunes after drawing.
+
+On the device. Every tensor of a round stays there: candidates are grown with tensor top-k and
+stable sorts (ties keep creation order), the committed length enters as a device tensor, and the
+tree comes out as tensors (:class:`DraftTree`), so verification and acceptance read nothing back.
+Shapes are fixed by (spec, depth): a sampled draw past a distribution's support (a row with fewer
+than top_k tokens of positive probability) stays in the tree as a padding node (``valid`` False,
+never accepted), and the cap ``total_tokens`` counts candidates, valid or not, in creation order.
+The greedy draft is one function of tensors, captured as one CUDA graph per (spec, depth) on a GPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
