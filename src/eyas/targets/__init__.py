@@ -1,7 +1,15 @@
 """Targets: resolve and load `--target` (the embedded SmolLM2, a directory, a hub id) into a
 :class:`LoadedTarget`, with its structure, identity, device and dtype."""
 
-from eyas.targets.identity import TargetIdentity, target_identity, weights_fingerprint
+from eyas.targets.identity import (
+    TargetIdentity,
+    WeightsSample,
+    changed_parts,
+    describe_changes,
+    target_identity,
+    weights_fingerprint,
+    weights_sample,
+)
 from eyas.targets.loaded import LoadedTarget
 from eyas.targets.loading import (
     EMBEDDED,
@@ -16,5 +24,6 @@ from eyas.targets.loading import (
 from eyas.targets.placement import PlacementError, resolve_device, resolve_dtype
 
 __all__ = ["EMBEDDED", "LoadedTarget", "PlacementError", "TargetIdentity", "TargetNotFound", "TargetSource",
-           "load_target", "load_tokenizer", "resolve_device", "resolve_dtype", "resolve_target", "smollm2_gguf",
-           "target_for", "target_identity", "weights_fingerprint"]
+           "WeightsSample", "changed_parts", "describe_changes", "load_target", "load_tokenizer", "resolve_device",
+           "resolve_dtype", "resolve_target", "smollm2_gguf", "target_for", "target_identity", "weights_fingerprint",
+           "weights_sample"]
