@@ -112,3 +112,79 @@ def test_train_config_defaults_the_drafter_variant_flags_as_the_drafter_does():
 
     default = TrainConfig(steps=1)
     assert all(getattr(default, f) == DrafterConfig.model_fields[f].default for f in NORM_FLAGS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The identity covers every weight: a per-part sample names what changed
+# ---------------------------------------------------------------------------------------------
+
+
+def _perturbed(blocks: list[int], num_blocks: int = 6):
+    from tests.support.tiny import tiny_model
+
+    model = tiny_model(num_blocks=num_blocks)
+    with torch.no_grad():
+        for i in blocks:
+            model.model.layers[i].mlp.down_proj.weight.mul_(1.05)
+    return model
+
+
+@pytest.mark.unit
+def test_a_changed_middle_block_is_named_behind_an_identical_embedding():
+    from eyas.targets import changed_parts, describe_changes
+    from tests.support.tiny import tiny_model
+
+    base, changed = target_identity(tiny_model(num_blocks=6)), target_identity(_perturbed([2]))
+    assert changed.fingerprint == base.fingerprint  # the embedding and final norm alone cannot tell
+    assert changed_parts(base, changed) == ["block 2"]
+    assert describe_changes(changed_parts(base, changed)) == "block 2 differs"
+    several = target_identity(_perturbed([1, 2, 3, 5]))
+    assert changed_parts(base, several) == ["blocks 1 to 3", "block 5"]
+    assert describe_changes(changed_parts(base, several)) == "blocks 1 to 3 and block 5 differ"
+    assert describe_changes(["the embedding", "blocks 3 and 4"]) == "the embedding and blocks 3 and 4 differ"
+    mm = eyas.contract.compare(_contract(base), _contract(changed))
+    assert [(m.field, m.found) for m in mm] == [("target.weights", "block 2 differs")]
+
+
+@pytest.mark.unit
+def test_identical_targets_compare_equal_in_fp32_and_bf16():
+    from eyas.targets import changed_parts, weights_sample
+    from tests.support.tiny import tiny_model
+
+    a, b = target_identity(tiny_model(num_blocks=6)), target_identity(tiny_model(num_blocks=6))
+    assert a == b and changed_parts(a, b) == [] and a.weights is not None and len(a.weights.blocks) == 6
+    assert eyas.contract.compare(_contract(a), _contract(b)) == []
+    half = tiny_model(num_blocks=6).to(torch.bfloat16)  # the same checkpoint loaded in bf16
+    assert weights_sample(half) == a.weights and target_identity(half).fingerprint == a.fingerprint
+
+
+@pytest.mark.unit
+def test_an_identity_without_the_per_block_record_still_loads_and_compares():
+    """An eyas.json written before the per-part sample: it loads, compares as before, and names nothing."""
+    from eyas.targets import changed_parts
+    from tests.support.tiny import tiny_model
+
+    new = target_identity(_perturbed([2]))
+    old_json = new.model_dump(exclude={"weights"})
+    old = TargetIdentity.model_validate(old_json)
+    assert old.weights is None and "weights" not in old_json
+    assert changed_parts(old, new) is None and changed_parts(new, old) is None
+    assert eyas.contract.compare(_contract(old), _contract(target_identity(tiny_model(num_blocks=6)))) == []
+    other_fp = old.model_copy(update={"fingerprint": "0" * 16})
+    assert [m.field for m in eyas.contract.compare(_contract(other_fp), _contract(new))] == ["target.fingerprint"]
+    roundtrip = eyas.contract.Contract.from_json(_contract(old).to_json())
+    assert roundtrip.target == old
+
+
+@pytest.mark.unit
+def test_changed_blocks_warn_on_load_rather_than_refuse():
+    from tests.support.tiny import tiny_model
+
+    mm = eyas.contract.compare(_contract(target_identity(tiny_model(num_blocks=6))),
+                               _contract(target_identity(_perturbed([4]))))
+    with pytest.warns(UserWarning, match="target.weights.*block 4 differs.*eyas doctor"):
+        assert eyas.contract.enforce(mm, "drafter vs target") == mm
+
+
+def _contract(identity: TargetIdentity):
+    return eyas.contract.Contract(target=identity, capture=eyas.contract.CaptureContract(boundaries=[1, 2, 3]))

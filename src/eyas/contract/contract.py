@@ -16,7 +16,14 @@ from pydantic import BaseModel, ConfigDict, model_serializer
 
 from eyas import __version__
 # The target's identity lives with the targets (floor 2); the contract stores it and re-exports it.
-from eyas.targets.identity import TargetIdentity, target_identity, weights_fingerprint  # noqa: F401
+from eyas.targets.identity import (  # noqa: F401
+    TargetIdentity,
+    WeightsSample,
+    changed_parts,
+    describe_changes,
+    target_identity,
+    weights_fingerprint,
+)
 from eyas.errors import EyasError
 
 SCHEMA_VERSION = 1
@@ -151,6 +158,7 @@ CHECKED_FIELDS: tuple[str, ...] = (
     "target.hidden_size",
     "target.vocab_size",
     "target.fingerprint",
+    "target.weights",  # per-part sampled hashes, when both sides recorded them: names what changed
     "capture.boundaries",
     "capture.values",
     "tokenisation.chat_template_sha256",
@@ -181,9 +189,16 @@ def _get(obj: Any, dotted: str) -> Any:
 
 def compare(expected: Contract, found: Contract, fields: Iterable[str] = CHECKED_FIELDS) -> list[Mismatch]:
     """Every field where ``found`` disagrees with ``expected``. A section missing on either side
-    (e.g. no tokenisation recorded for a bare target) is unknown, not a mismatch."""
+    (e.g. no tokenisation recorded for a bare target, no ``target.weights`` in an older eyas.json)
+    is unknown, not a mismatch. ``target.weights`` is compared part by part: its mismatch names
+    the parts that differ (``found`` e.g. "blocks 20 to 22 differ")."""
     out = []
     for f in fields:
+        if f == "target.weights":
+            parts = changed_parts(expected.target, found.target)
+            if parts:
+                out.append(Mismatch(f, "the same sampled weights", describe_changes(parts)))
+            continue
         e, v = _get(expected, f), _get(found, f)
         if e is _ABSENT or v is _ABSENT or e is None or v is None:
             continue
@@ -203,11 +218,18 @@ class ContractError(EyasError, ValueError):
         super().__init__("\n".join(lines))
 
 
-# Mismatches that are reported but never refuse a load. The end-of-sequence token decides where
-# generation stops, not which hidden states the drafter sees (the chat template renders the
-# end-of-turn token itself and is checked by its sha256), and tokenizer readers disagree on it across
-# versions: transformers 5.17 reads SmolLM2's GGUF eos as '<|im_start|>', 5.24 as '<|im_end|>'.
-ADVISORY_FIELDS: frozenset[str] = frozenset({"tokenisation.eos_token"})
+# Mismatches that are reported but never refuse a load, each with why. The end-of-sequence token
+# decides where generation stops, not which hidden states the drafter sees (the chat template renders
+# the end-of-turn token itself and is checked by its sha256), and tokenizer readers disagree on it
+# across versions: transformers 5.17 reads SmolLM2's GGUF eos as '<|im_start|>', 5.24 as '<|im_end|>'.
+# Changed weights behind an unchanged embedding (a merged LoRA, a fine-tune with frozen embeddings)
+# may or may not move the hidden states the drafter reads: measured acceptance decides (eyas doctor).
+ADVISORY_NOTES: dict[str, str] = {
+    "tokenisation.eos_token": "generation stops at another token than in training; the drafter's inputs are unaffected",
+    "target.weights": "the target's weights changed since the drafter was made; `eyas doctor` measures whether "
+                      "its acceptance holds",
+}
+ADVISORY_FIELDS: frozenset[str] = frozenset(ADVISORY_NOTES)
 
 
 def enforce(mismatches: list[Mismatch], context: str, force: bool = False) -> list[Mismatch]:
@@ -218,8 +240,7 @@ def enforce(mismatches: list[Mismatch], context: str, force: bool = False) -> li
     advisory = [m for m in mismatches if m.field in ADVISORY_FIELDS]
     binding = [m for m in mismatches if m.field not in ADVISORY_FIELDS]
     if advisory:
-        warnings.warn(f"{context}: " + "; ".join(str(m) for m in advisory)
-                      + " (generation stops at another token than in training; the drafter's inputs are unaffected)",
+        warnings.warn(f"{context}: " + "; ".join(f"{m} ({ADVISORY_NOTES[m.field]})" for m in advisory),
                       stacklevel=2)
     if binding and not force:
         raise ContractError(binding, context)

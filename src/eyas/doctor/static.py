@@ -7,7 +7,8 @@ what the drafter was trained on and against the live target, without running any
   reads an absent ``norm_before_residual`` as true);
 - fc input width versus slots x target hidden size, and the width the engine builds fc for;
 - vocabulary sizes, the d2t range (every draft id maps into the target vocabulary) and t2d;
-- the contract versus the target: weights fingerprint, shape, chat template, special tokens.
+- the contract versus the target: weights fingerprint, shape, chat template, special tokens; weights
+  that changed behind the same embedding (named per block) only warn: measured acceptance decides.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from eyas.contract.contract import ADVISORY_FIELDS, Contract, TargetIdentity, compare, tokenisation_of
+from eyas.contract.contract import (
+    ADVISORY_FIELDS,
+    Contract,
+    TargetIdentity,
+    changed_parts,
+    compare,
+    describe_changes,
+    tokenisation_of,
+)
 from eyas.doctor.common import FAIL, INFO, NORM_FLAGS, OK, WARN, Edit, Stage, boundary_name
 from eyas.doctor.samples import SampleSet
 from eyas.interop import servers
@@ -254,13 +263,25 @@ def _check_contract(st: Stage, dd: DrafterDir, identity: TargetIdentity, tokeniz
     live = Contract(target=identity, capture=c.capture,
                     tokenisation=tokenisation_of(tokenizer, mode) if tokenizer is not None else None)
     mismatches = compare(c, live)
-    target_mm = [m for m in mismatches if m.field.startswith("target.")]
+    weights_mm = [m for m in mismatches if m.field == "target.weights"]
+    target_mm = [m for m in mismatches if m.field.startswith("target.") and m.field != "target.weights"]
     tok_mm = [m for m in mismatches if m.field.startswith("tokenisation.")]
     same_shape = [m.field for m in target_mm] == ["target.fingerprint"]
     for m in target_mm:
         what = "another checkpoint of the same shape" if same_shape else "another model"
-        st.add(FAIL, "target_mismatch", f"{m}: the target is {what}, not the one the drafter was trained for",
+        named = f" ({weights_mm[0].found})" if weights_mm and m.field == "target.fingerprint" else ""
+        st.add(FAIL, "target_mismatch", f"{m}: the target is {what}{named}, not the one the drafter was trained for",
                field=m.field, expected=m.expected, found=m.found, fix=_retrain_fix(c))
+    if weights_mm and not target_mm:
+        # Same embedding and final norm, other weights behind them (a merged LoRA, a fine-tune that froze
+        # the embeddings): the drafter may still read the target well, so measured acceptance decides.
+        m = weights_mm[0]
+        st.add(WARN, "target_changed", f"the target's weights differ from those the drafter was trained for: "
+               f"{m.found} (the embedding and final norm match, fingerprint {c.target.fingerprint}); the verdict "
+               f"rests on the measured acceptance", field=m.field, expected=m.expected, found=m.found)
+    elif c.target.weights is None and not target_mm:
+        st.add(INFO, "target_blocks_unrecorded", "the contract records no per-block weights sample (an eyas.json "
+               "written before it): only the embedding and the final norm are compared")
     if tok_mm:
         if samples is not None and samples.source == "shards" and samples.samples:
             drift = system_prompt_drift(tokenizer, samples.samples[0].input_ids)
@@ -283,7 +304,7 @@ def _check_contract(st: Stage, dd: DrafterDir, identity: TargetIdentity, tokeniz
                        found=m.found)
                 continue
             st.add(FAIL, "template_mismatch", msg, field=m.field, expected=m.expected, found=m.found, fix=fix)
-    if all(m.field in ADVISORY_FIELDS for m in mismatches):
+    if all(m.field in ADVISORY_FIELDS and m.field != "target.weights" for m in mismatches):
         st.add(OK, "contract", f"the target matches the contract (weights fingerprint {c.target.fingerprint}, "
                f"{c.target.num_blocks} blocks, hidden {c.target.hidden_size}, vocab {c.target.vocab_size}; "
                f"chat template and special tokens)")
@@ -302,9 +323,16 @@ def _check_data(st: Stage, dd: DrafterDir, samples: SampleSet | None) -> None:
     elif samples.stored_boundaries != dd.boundaries:
         st.add(WARN, "shards_boundaries", f"the shards hold boundaries {samples.stored_boundaries}; the drafter was "
                f"trained on {dd.boundaries}: replay recaptures the trained boundaries from the live target instead")
-    if dd.contract is not None and mc.target.fingerprint != dd.contract.target.fingerprint:
+    if dd.contract is None:
+        return
+    parts = changed_parts(dd.contract.target, mc.target)
+    if mc.target.fingerprint != dd.contract.target.fingerprint:
         st.add(WARN, "shards_target", f"the shards were captured from another target (fingerprint "
-               f"{mc.target.fingerprint}) than the drafter's ({dd.contract.target.fingerprint})")
+               f"{mc.target.fingerprint}) than the drafter's ({dd.contract.target.fingerprint})"
+               + (f": {describe_changes(parts)}" if parts else ""))
+    elif parts:
+        st.add(WARN, "shards_target", f"the shards were captured from a target whose weights differ from the "
+               f"drafter's behind the same embedding and final norm: {describe_changes(parts)}")
 
 
 def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
