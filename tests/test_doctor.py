@@ -369,6 +369,28 @@ def test_another_checkpoint_of_the_same_shape(world):
 
 
 @pytest.mark.integration
+def test_a_changed_middle_block_is_named_as_a_warning_when_acceptance_holds(world):
+    """Block 4's MLP output scaled by 1%: the embedding and final norm (the old fingerprint) are the
+    same, the per-block sample names block 4, and the verdict rests on the measured acceptance."""
+    from transformers import AutoModelForCausalLM
+
+    changed = world["root"] / "target-block4"
+    if not changed.exists():
+        shutil.copytree(world["target"], changed)
+        model = AutoModelForCausalLM.from_pretrained(changed, dtype=torch.float32)
+        with torch.no_grad():
+            model.model.layers[4].mlp.down_proj.weight.mul_(1.01)
+        model.save_pretrained(changed)
+    r = doctor(world, world["base"], "eyas", target=changed)
+    static = r.stages["static"].findings
+    warn = [f for f in static if f.code == "target_changed"]
+    assert len(warn) == 1 and warn[0].level == "warn" and warn[0].field == "target.weights"
+    assert "block 4 differs" in warn[0].message and warn[0].found == "block 4 differs"
+    assert "target_mismatch" not in codes(r, "static") and "contract" not in {f.code for f in static}
+    assert r.healthy, r.cause
+
+
+@pytest.mark.integration
 def test_chat_template_without_the_training_system_prompt(world):
     tmpl = world["root"] / "target-no-system"
     if not tmpl.exists():
