@@ -364,6 +364,7 @@ def test_another_checkpoint_of_the_same_shape(world):
     assert not r.healthy and "target_mismatch" in codes(r, "static")
     fp = r.stages["static"].findings[[f.code for f in r.stages["static"].findings].index("target_mismatch")]
     assert fp.field == "target.fingerprint" and fp.expected != fp.found
+    assert "the embedding, blocks 0 to 11" in fp.message  # the per-part sample names what differs
     assert "target.fingerprint" in r.cause and "same shape" in r.cause
     assert f"weights fingerprint {fp.expected}" in r.fix and str(world["target"]) in r.fix
 

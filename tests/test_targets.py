@@ -172,6 +172,10 @@ def test_an_identity_without_the_per_block_record_still_loads_and_compares():
     assert eyas.contract.compare(_contract(old), _contract(target_identity(tiny_model(num_blocks=6)))) == []
     other_fp = old.model_copy(update={"fingerprint": "0" * 16})
     assert [m.field for m in eyas.contract.compare(_contract(other_fp), _contract(new))] == ["target.fingerprint"]
+    # with both records but another embedding, the binding fingerprint mismatch is reported alone
+    other_seed = target_identity(tiny_model(num_blocks=6, seed=1))
+    assert [m.field for m in eyas.contract.compare(_contract(new), _contract(other_seed))] == ["target.fingerprint"]
+    assert changed_parts(new, other_seed)[0] == "the embedding"
     roundtrip = eyas.contract.Contract.from_json(_contract(old).to_json())
     assert roundtrip.target == old
 

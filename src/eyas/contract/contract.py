@@ -190,13 +190,13 @@ def _get(obj: Any, dotted: str) -> Any:
 def compare(expected: Contract, found: Contract, fields: Iterable[str] = CHECKED_FIELDS) -> list[Mismatch]:
     """Every field where ``found`` disagrees with ``expected``. A section missing on either side
     (e.g. no tokenisation recorded for a bare target, no ``target.weights`` in an older eyas.json)
-    is unknown, not a mismatch. ``target.weights`` is compared part by part: its mismatch names
-    the parts that differ (``found`` e.g. "blocks 20 to 22 differ")."""
+    is unknown, not a mismatch. ``target.weights`` is compared part by part, when the fingerprint
+    agrees: its mismatch names the parts that differ (``found`` e.g. "blocks 20 to 22 differ")."""
     out = []
     for f in fields:
-        if f == "target.weights":
+        if f == "target.weights":  # only behind an equal fingerprint: else that binding mismatch says it
             parts = changed_parts(expected.target, found.target)
-            if parts:
+            if parts and expected.target.fingerprint == found.target.fingerprint:
                 out.append(Mismatch(f, "the same sampled weights", describe_changes(parts)))
             continue
         e, v = _get(expected, f), _get(found, f)
@@ -226,8 +226,8 @@ class ContractError(EyasError, ValueError):
 # may or may not move the hidden states the drafter reads: measured acceptance decides (eyas doctor).
 ADVISORY_NOTES: dict[str, str] = {
     "tokenisation.eos_token": "generation stops at another token than in training; the drafter's inputs are unaffected",
-    "target.weights": "the target's weights changed since the drafter was made; `eyas doctor` measures whether "
-                      "its acceptance holds",
+    "target.weights": "the target's weights differ from those recorded, behind the same embedding; `eyas doctor` "
+                      "measures whether the drafter's acceptance holds",
 }
 ADVISORY_FIELDS: frozenset[str] = frozenset(ADVISORY_NOTES)
 

@@ -269,7 +269,8 @@ def _check_contract(st: Stage, dd: DrafterDir, identity: TargetIdentity, tokeniz
     same_shape = [m.field for m in target_mm] == ["target.fingerprint"]
     for m in target_mm:
         what = "another checkpoint of the same shape" if same_shape else "another model"
-        named = f" ({weights_mm[0].found})" if weights_mm and m.field == "target.fingerprint" else ""
+        parts = changed_parts(c.target, identity) if m.field == "target.fingerprint" else None
+        named = f" ({describe_changes(parts)})" if parts else ""
         st.add(FAIL, "target_mismatch", f"{m}: the target is {what}{named}, not the one the drafter was trained for",
                field=m.field, expected=m.expected, found=m.found, fix=_retrain_fix(c))
     if weights_mm and not target_mm:
