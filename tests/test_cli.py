@@ -52,6 +52,18 @@ def test_new_info_export_import_keep_the_boundaries(tiny_target, tmp_path):
     back = json.loads(run("import", str(tmp_path / "vl"), "--out", str(tmp_path / "back"), "--json"))
     assert back["boundaries"] == [3, 10, 29]
 
+    # A directory that does not say its target's block count: --target counts them.
+    (tmp_path / "vl" / "eyas.json").unlink()
+    cfg = json.loads((tmp_path / "vl" / "config.json").read_text())
+    del cfg["eyas_num_target_blocks"]
+    cfg["speculators_config"]["verifier"]["name_or_path"] = "org/not-local"
+    (tmp_path / "vl" / "config.json").write_text(json.dumps(cfg))
+    r = runner.invoke(app, ["info", str(tmp_path / "vl")])
+    assert r.exit_code == 2 and "--target" in r.output
+    assert json.loads(run("info", str(tmp_path / "vl"), "--target", str(tiny_target), "--json"))["num_target_blocks"] == 32
+    r = runner.invoke(app, ["info", str(tmp_path / "vl"), "--target", str(tiny_target), "--num-target-blocks", "30"])
+    assert r.exit_code == 2 and "--num-target-blocks: expected 32" in r.output
+
 
 @pytest.mark.integration
 def test_bad_boundaries_and_missing_target_fail_with_a_message(tiny_target, tmp_path):

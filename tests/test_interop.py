@@ -225,7 +225,9 @@ def test_sglang_dir_alone_carries_boundaries_and_flags_when_the_rules_agree(tmp_
 
 def test_speculators_layout_names_flags_and_verifier(tmp_path):
     drafter, contract = synthetic((3, 10, 29), fc_norm=True)
-    contract.target.source = "/models/target"
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    contract.target.source = str(tmp_path / "target")
     export_drafter(save_drafter(drafter, contract, tmp_path / "eyas"), "vllm", tmp_path / "spec")
     cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert cfg["architectures"] == ["Eagle3Speculator"] and cfg["speculators_model_type"] == "eagle3"
@@ -238,7 +240,7 @@ def test_speculators_layout_names_flags_and_verifier(tmp_path):
     assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
     assert sc["proposal_methods"][0]["proposal_type"] == "greedy"
     assert sc["proposal_methods"][0]["speculative_tokens"] >= 1
-    assert sc["verifier"] == {"name_or_path": "/models/target", "architectures": ["LlamaForCausalLM"]}
+    assert sc["verifier"] == {"name_or_path": str(tmp_path / "target"), "architectures": ["LlamaForCausalLM"]}
     tl = cfg["transformer_layer_config"]
     assert (tl["model_type"], tl["hidden_size"], tl["num_hidden_layers"], tl["vocab_size"]) == ("llama", 64, 1, 128)
 
@@ -246,6 +248,62 @@ def test_speculators_layout_names_flags_and_verifier(tmp_path):
     assert "layers.0.self_attn.q_proj.weight" in names and "layers.0.hidden_norm.weight" in names
     assert not any(n.startswith("midlayer.") for n in names)
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "fc_norm.0.weight"} <= names
+
+
+def _verifier(out: pathlib.Path) -> dict:
+    return json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]
+
+
+SMOLLM2_LABEL = "smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf)"  # how the embedded target names itself
+
+
+def test_speculators_verifier_is_never_a_display_label(tmp_path):
+    # speculators and vLLM resolve verifier.name_or_path as a model: a label is null, with a warning
+    # that says what to pass (issue 12, defect 1: the label used to be written).
+    drafter, contract = synthetic((3, 10, 29))
+    contract.target.source = SMOLLM2_LABEL
+    src = save_drafter(drafter, contract, tmp_path / "eyas")
+    with pytest.warns(UserWarning, match=r"name_or_path written as null.*--verifier"):
+        report = export_drafter(src, "vllm", tmp_path / "spec")
+    assert _verifier(tmp_path / "spec") == {"name_or_path": None, "architectures": ["LlamaForCausalLM"]}
+    assert any("--verifier" in n for n in report.notes)
+    # a GGUF file is no model speculators can resolve either
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    contract.target.source = str(gguf)
+    with pytest.warns(UserWarning, match="--verifier"):
+        export_drafter(save_drafter(drafter, contract, tmp_path / "eyas2"), "vllm", tmp_path / "spec2")
+    assert _verifier(tmp_path / "spec2")["name_or_path"] is None
+    # --verifier names it
+    export_drafter(src, "vllm", tmp_path / "spec3", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert _verifier(tmp_path / "spec3")["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_speculators_verifier_from_a_recorded_hub_id_or_local_directory(tmp_path, recwarn):
+    drafter, contract = synthetic((3, 10, 29))
+    contract.target.source = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    export_drafter(save_drafter(drafter, contract, tmp_path / "eyas"), "vllm", tmp_path / "spec")
+    assert _verifier(tmp_path / "spec")["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert not [w for w in recwarn if "verifier" in str(w.message)]
+    # without a contract: a local --verifier directory names its architectures too
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    strip_eyas_metadata(tmp_path / "spec")
+    d = import_drafter(tmp_path / "spec", tmp_path / "nocontract", num_target_blocks=32)
+    assert load_drafter(d)[1] is None
+    export_drafter(d, "vllm", tmp_path / "spec2", verifier=str(target))
+    assert _verifier(tmp_path / "spec2") == {"name_or_path": str(target.resolve()), "architectures": ["Qwen3ForCausalLM"]}
+
+
+def test_export_refuses_a_verifier_that_no_engine_can_resolve(tmp_path):
+    drafter, contract = synthetic((3, 10, 29))
+    src = save_drafter(drafter, contract, tmp_path / "eyas")
+    with pytest.raises(CheckpointError, match=r"verifier: expected a Hugging Face hub id .*found 'smollm2 \(x\)'"):
+        export_drafter(src, "vllm", tmp_path / "spec", verifier="smollm2 (x)")
+    with pytest.raises(CheckpointError, match=r"verifier: expected only for the speculators format"):
+        export_drafter(src, "sglang", tmp_path / "sg", verifier="org/name")
+    assert not (tmp_path / "spec").exists() and not (tmp_path / "sg").exists()
 
 
 def test_norm_before_fc_with_fc_norm_is_refused_as_ambiguous():
@@ -314,7 +372,7 @@ def test_specforge_ids_are_output_of_block_and_import_as_boundaries(tmp_path):
 
 def test_specforge_dir_without_ids_needs_the_block_count(tmp_path):
     specforge_dir(tmp_path / "sf", None)
-    with pytest.raises(CheckpointError, match="num_target_blocks") as e:
+    with pytest.raises(CheckpointError, match="--target T or --num-target-blocks N") as e:
         import_drafter(tmp_path / "sf", tmp_path / "eyas")
     assert "config.json" in str(e.value) and "[2, L//2, L-3]" in str(e.value)
     out = import_drafter(tmp_path / "sf", tmp_path / "eyas", num_target_blocks=32)

@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from eyas.cli.common import (
-    SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_HELP, ExportChoice, SGLangRuleChoice, console, err,
+    SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_HELP, ExportChoice, SGLangRuleChoice, console, err, fail,
 )
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
@@ -83,13 +83,24 @@ def new(
 @app.command()
 def info(
     path: Path = typer.Argument(..., help="a drafter directory (eyas, SGLang/SpecForge/EAGLE or speculators)"),
-    num_target_blocks: Optional[int] = typer.Option(None, help="needed when the directory does not say"),
+    target: Optional[str] = typer.Option(
+        None, help=TARGET_HELP + "; its number of decoder blocks, when the directory does not say"),
+    num_target_blocks: Optional[int] = typer.Option(
+        None, min=1, help="the target's number of decoder blocks, when the directory does not say (or --target)"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """The drafter's contract, and which physical boundaries each engine will capture for it."""
     from eyas.interop import view_engines
 
-    view = _run(view_engines, path, num_target_blocks)
+    if target:
+        from eyas.targets import load_target
+
+        blocks = _run(load_target, target).num_blocks
+        if num_target_blocks is not None and num_target_blocks != blocks:
+            fail(f"--num-target-blocks: expected {blocks} (the decoder blocks of --target {target}), "
+                 f"found {num_target_blocks}")
+        num_target_blocks = blocks
+    view = _run(view_engines, path, num_target_blocks, require_blocks=True)
     contract = view.contract  # read with the rest of the directory's metadata, once
     if json_out:
         _print_json({**view.to_dict(), "contract": contract.model_dump() if contract else None})
@@ -124,12 +135,22 @@ def export_cmd(
     to: ExportChoice = typer.Option(..., "--to", help="target engine format"),
     out: Path = typer.Option(..., help="directory to write"),
     sglang_rule: SGLangRuleChoice = typer.Option(SGLANG_RULE_DEFAULT, help=SGLANG_RULE_HELP),
+    verifier: Optional[str] = typer.Option(
+        None, help="--to vllm: the target as speculators and vLLM resolve it (speculators_config.verifier."
+                   "name_or_path): a hub id like org/name or a local model directory; default: the "
+                   "recorded target when it was loaded from one"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Write the drafter in SGLang or speculators/vLLM format, with layer ids in that engine's convention."""
+    import warnings
+
     from eyas.interop import export_drafter
 
-    report = _run(export_drafter, path, to.value, out, sglang_rule=sglang_rule.value)
+    with warnings.catch_warnings(record=True) as caught:  # each said once, as a warning line
+        warnings.simplefilter("always")
+        report = _run(export_drafter, path, to.value, out, sglang_rule=sglang_rule.value, verifier=verifier)
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        err.print(f"[yellow]warning:[/] {message}", highlight=False)
     if json_out:
         _print_json(report.to_dict())
         return
@@ -145,7 +166,8 @@ def import_cmd(
     path: Path = typer.Argument(..., help="an SGLang/SpecForge/EAGLE or speculators drafter directory"),
     out: Path = typer.Option(..., help="eyas directory to write"),
     target: Optional[str] = typer.Option(None, help=TARGET_HELP + "; records the target in the contract"),
-    num_target_blocks: Optional[int] = typer.Option(None, help="needed without --target when ids are absent"),
+    num_target_blocks: Optional[int] = typer.Option(
+        None, min=1, help="the target's number of decoder blocks, when the directory does not say (or --target)"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Convert a drafter from another format to the eyas format (boundaries in the eyas convention)."""
@@ -157,7 +179,7 @@ def import_cmd(
 
         loaded = _run(load_target, target)
     dest = _run(import_drafter, path, out, num_target_blocks=num_target_blocks, target=loaded)
-    view = view_engines(dest)
+    view = _run(view_engines, dest)
     if json_out:
         _print_json({"path": str(dest), **view.to_dict()})
         return

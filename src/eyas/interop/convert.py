@@ -6,6 +6,10 @@ tensors unchanged (names mapped, dtype and bits kept).
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,10 +18,12 @@ from torch import nn
 
 from eyas.targets.loaded import LoadedTarget
 from eyas.contract.contract import enforce
-from eyas.interop import servers
-from eyas.interop.common import CheckpointError
+from eyas.interop import servers, speculators
+from eyas.interop.common import CheckpointError, prepare_out_dir
 from eyas.interop.engines import EngineView, view_engines
-from eyas.interop.eyas_format import against_target, new_contract, read_checkpoint, write_checkpoint
+from eyas.interop.eyas_format import (
+    against_target, new_contract, read_checkpoint, unknown_blocks_error, write_checkpoint,
+)
 
 
 @dataclass(frozen=True)
@@ -47,19 +53,33 @@ def export_drafter(
     out_dir: str | Path,
     sglang_rule: str | None = None,
     speculative_tokens: int = 3,
+    verifier: str | None = None,
 ) -> ExportReport:
     """Write the drafter at ``src_dir`` for the engine ``to`` ("sglang", or "vllm" = speculators
     format), its layer ids in that engine's convention (SGLang: for ``sglang_rule``, default the
-    current one), and say what every engine will capture from the result."""
+    current one), and say what every engine will capture from the result.
+
+    ``verifier`` (speculators format only): the target as speculators and vLLM resolve it, a hub id
+    or a local model directory; by default the contract's target when it was loaded from one, else
+    null, with a warning saying what to pass."""
     spec = servers.for_export(to)
     if spec is None:
         raise CheckpointError(f"to: expected one of {sorted(servers.export_names())}, found {to!r}")
+    if verifier is not None:
+        if spec.layout != "speculators":
+            raise CheckpointError(
+                f"verifier: expected only for the speculators format (--to vllm), found {verifier!r} with --to {to}"
+            )
+        verifier = speculators.check_verifier(verifier)
     ckpt = read_checkpoint(src_dir)
     bs, L = ckpt.boundaries, ckpt.num_target_blocks
     written = write_checkpoint(
-        out_dir, ckpt.config, ckpt.tensors, bs, L, ckpt.contract, spec.layout, sglang_rule, speculative_tokens
+        out_dir, ckpt.config, ckpt.tensors, bs, L, ckpt.contract, spec.layout, sglang_rule, speculative_tokens,
+        verifier=verifier,
     )
-    notes: list[str] = []
+    notes: list[str] = list(written.notes)
+    for note in written.notes:
+        warnings.warn(note, stacklevel=2)
     check = spec.rule_check(bs, L if L is not None else max(bs), written.ids_written, written.sglang_rule)
     notes += check.notes
     engines = [s for s in servers.SERVERS.values() if s.layout is not None]
@@ -96,8 +116,13 @@ def import_drafter(
 
     Layer ids are read in the source layout's own convention, as its engine's spec says
     (:meth:`~eyas.interop.servers.ServerSpec.trained_boundaries`); absent ids mean the default
-    ``[2, L//2, L-3]``, which needs ``num_target_blocks`` or ``target``. With ``target`` the drafter is checked against it (see
+    ``[2, L//2, L-3]``. The target's block count comes from the directory, else
+    ``num_target_blocks`` or ``target``; when none says it the import is refused (an eyas directory
+    records it). With ``target`` the drafter is checked against it (see
     :func:`~eyas.interop.load_drafter`) and the contract records it.
+
+    The result is written to a temporary directory beside ``out_dir``, read back with every check,
+    and only then moved into place: a failed import leaves ``out_dir`` as it was.
     """
     loaded = LoadedTarget.of(target) if target is not None else None
     blocks = loaded.num_blocks if loaded is not None else None
@@ -106,12 +131,31 @@ def import_drafter(
             f"num_target_blocks: expected {blocks} (the target's decoder blocks), found {num_target_blocks} (passed in)"
         )
     ckpt = read_checkpoint(src_dir, num_target_blocks, default_num_blocks=blocks)
+    L = ckpt.num_target_blocks
+    if L is None:
+        raise unknown_blocks_error(ckpt.meta)
     contract = ckpt.contract
     if loaded is not None:
         forced = enforce(against_target(ckpt, loaded),
                          f"importing {ckpt.meta.path} for target {type(loaded.model).__name__}", force)
         if contract is None and not forced:  # never record a target the drafter does not fit
             contract = new_contract(ckpt, loaded)
-    L = ckpt.num_target_blocks
-    write_checkpoint(out_dir, ckpt.config, ckpt.tensors, ckpt.boundaries, L, contract, layout="eyas")
-    return Path(out_dir)
+    out = Path(out_dir)
+    if out.exists():
+        prepare_out_dir(out)  # refuses a file, or stale weights an engine would load, before any work
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".importing", dir=out.parent))
+    try:
+        write_checkpoint(tmp, ckpt.config, ckpt.tensors, ckpt.boundaries, L, contract, layout="eyas")
+        read_checkpoint(tmp)  # every check, on the files as written
+        view_engines(tmp, require_blocks=True)  # and every engine's reading of them
+        if out.exists():  # each file replaced atomically, once all of them are known good
+            for f in sorted(tmp.iterdir()):
+                os.replace(f, out / f.name)
+            tmp.rmdir()
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -18,7 +18,7 @@ from eyas.drafter.config import NORM_FLAGS, DrafterConfig
 from eyas.interop import servers
 from eyas.interop.common import CheckpointError
 from eyas.interop.directory import DrafterDir
-from eyas.interop.eyas_format import Meta, read_meta
+from eyas.interop.eyas_format import PASS_BLOCKS, Meta, read_meta, unknown_blocks_error
 from eyas.interop.servers import Edit, EngineReading
 
 
@@ -104,14 +104,19 @@ class EngineView:
         }
 
 
-def view_engines(path: str | Path, num_target_blocks: int | None = None) -> EngineView:
+def view_engines(path: str | Path, num_target_blocks: int | None = None,
+                 require_blocks: bool = False) -> EngineView:
     """Every engine's reading of the drafter at ``path`` (metadata only: the weights are not read).
 
-    ``num_target_blocks`` is asserted: a directory that records another count is refused.
+    ``num_target_blocks`` is asserted: a directory that records another count is refused. With
+    ``require_blocks`` a directory that does not say its target's block count (and none passed) is
+    refused too, saying what to pass; otherwise what depends on it is reported as unknown.
     """
     meta = read_meta(path, num_target_blocks)
     if meta.boundaries is None:
-        raise CheckpointError(f"{meta.boundaries_source}: pass num_target_blocks (CLI: --num-target-blocks)")
+        raise CheckpointError(f"{meta.boundaries_source}: {PASS_BLOCKS}")
+    if require_blocks and meta.num_target_blocks is None:
+        raise unknown_blocks_error(meta)
     L = meta.num_target_blocks
     readings = {spec.view_key(rule): spec.read(meta, L, rule) for spec, rule in servers.readings()}
     ids = {spec.id_key: spec.read_ids(meta.config) for spec in servers.SERVERS.values() if spec.id_key}

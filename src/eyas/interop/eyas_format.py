@@ -116,6 +116,10 @@ def read_meta(
     ``num_target_blocks`` is asserted by the caller (a disagreement with the directory is an
     error); ``default_num_blocks`` is only used when the directory does not say.
     """
+    if num_target_blocks is not None and num_target_blocks < 1:
+        raise CheckpointError(
+            f"num_target_blocks: expected the target's number of decoder blocks (1 or more), found {num_target_blocks}"
+        )
     d = _directory(path)
     cfile = d / CONFIG_JSON
     if not cfile.exists():
@@ -183,6 +187,26 @@ def read_meta(
 
     fmt = str(eyas.get("format", "eyas")) if eyas is not None else layout
     return Meta(d, config, layout, fmt, eyas, drafter_config, contract, L, bs, source)
+
+
+PASS_BLOCKS = "pass the target or its number of decoder blocks (CLI: --target T or --num-target-blocks N)"
+
+
+def unknown_blocks_error(meta: Meta) -> CheckpointError:
+    """The error for a directory that does not say how many decoder blocks its target has (and
+    none was passed): where eyas looked, why it found nothing, and what to pass. Never 0."""
+    cfile, efile = meta.path / CONFIG_JSON, meta.path / EYAS_JSON
+    looked = [f"{efile} num_target_blocks", f"{cfile} eyas_num_target_blocks"]
+    why = ""
+    if meta.layout == "speculators":
+        looked.append("the config.json of speculators_config.verifier.name_or_path")
+        name = ((meta.config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        why = (f" (verifier.name_or_path {name!r} is not a local model directory, and eyas never downloads "
+               f"a model to count its blocks)")
+    return CheckpointError(
+        f"{cfile}: the target's number of decoder blocks: expected it in {', '.join(looked)}, "
+        f"found none{why}; {PASS_BLOCKS}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,7 +331,7 @@ def read_checkpoint(
     if (pickle_only := pickle_only_error(meta.path)) is not None:  # say this before anything else
         raise CheckpointError(pickle_only)
     if meta.boundaries is None:
-        raise CheckpointError(f"{meta.boundaries_source}: pass num_target_blocks (CLI: --num-target-blocks) or a target")
+        raise CheckpointError(f"{meta.boundaries_source}: {PASS_BLOCKS}")
     raw, where = read_tensors(meta.path)
     layout = LAYOUTS[meta.layout]
     tensors = layout.tensors_from_file(raw)
@@ -383,6 +407,7 @@ class WrittenCheckpoint:
     path: Path
     ids_written: dict[str, list[int]]  # config.json key -> the layer ids written under it
     sglang_rule: str | None  # the SGLang id rule the nested ids follow (None: no SGLang ids written)
+    notes: tuple[str, ...] = ()  # what the engine's config could not say as the engine needs it
 
 
 def write_checkpoint(
@@ -395,10 +420,12 @@ def write_checkpoint(
     layout: str = "eyas",
     sglang_rule: str | None = None,
     speculative_tokens: int = 3,
+    verifier: str | None = None,
 ) -> WrittenCheckpoint:
     """Write a drafter directory in ``layout`` ("eyas", "sglang" or "speculators"), ``eyas.json``
     included; ``sglang_rule`` (default: the current one) is the SGLang id rule nested ids are
-    written for."""
+    written for; ``verifier`` the target model a speculators config names (default: from the
+    contract, see :meth:`~eyas.interop.servers.vllm.VLLMServer.write_config`)."""
     if layout != "eyas" and layout not in LAYOUTS:
         raise CheckpointError(f"layout: expected 'eyas', 'sglang' or 'speculators', found {layout!r}")
     # config.json comes from the engine the layout is for (eyas writes SGLang's, eyas.json beside it)
@@ -422,7 +449,7 @@ def write_checkpoint(
         raise CheckpointError(f"{out_dir}: {e}") from None
 
     written = spec.write_config(cfg, bs, _blocks_or_bound(bs, L), rule=sglang_rule, dtype=tensors_dtype(tensors),
-                                contract=contract, speculative_tokens=speculative_tokens)
+                                contract=contract, speculative_tokens=speculative_tokens, verifier=verifier)
     config = written.config
     if L is None:
         config["eyas_num_target_blocks"] = None
@@ -444,7 +471,7 @@ def write_checkpoint(
     atomic_save_tensors(out / WEIGHTS, file_tensors)
     atomic_write_json(out / CONFIG_JSON, config)
     atomic_write_json(out / EYAS_JSON, eyas_json)
-    return WrittenCheckpoint(out, written.ids_written, written.rule)
+    return WrittenCheckpoint(out, written.ids_written, written.rule, written.notes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ writer, are vLLM's rules: :mod:`eyas.interop.servers.vllm`.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,18 +57,78 @@ def check_config(config: dict[str, Any], where: str) -> None:
         )
 
 
+# A Hugging Face hub id: "org/name" (what transformers, speculators and vLLM resolve by download).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+VERIFIER_HINT = ("pass --verifier with the target's hub id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct for the "
+                 "embedded smollm2) or a local model directory with a config.json")
+
+
+def is_hub_id(name: str) -> bool:
+    return bool(_HUB_ID.match(name)) and not name.endswith(".gguf") and not Path(name).exists()
+
+
+def check_verifier(name: str) -> str:
+    """``--verifier`` as given: a hub id, or a local model directory (returned absolute)."""
+    p = Path(name).expanduser()
+    if p.is_dir() and (p / "config.json").is_file():
+        return str(p.resolve())
+    if is_hub_id(name):
+        return name
+    raise CheckpointError(
+        f"verifier: expected a Hugging Face hub id like 'org/name' or a local model directory with a "
+        f"config.json (what speculators and vLLM resolve as speculators_config.verifier.name_or_path), "
+        f"found {name!r}"
+    )
+
+
+def verifier_reference(source: str | None) -> tuple[str | None, str | None]:
+    """``speculators_config.verifier.name_or_path`` for a target recorded as loaded from ``source``
+    (the contract's ``target.source``): ``(reference, None)``, or ``(None, why)`` when ``source`` is
+    nothing speculators or vLLM can resolve as a model (a display label, a GGUF file, a directory
+    without config.json). A local directory is written absolute; one that is not on this machine
+    is kept, with a note, since the engine resolves it where it runs."""
+    if not source:
+        return None, "the drafter's contract does not say where its target was loaded from"
+    p = Path(source).expanduser()
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return str(p.resolve()), None
+        return None, f"the target was loaded from {source!r}, a directory without config.json"
+    if source.endswith(".gguf") or p.is_file():
+        return None, f"the target was loaded from {source!r}, a file that speculators and vLLM cannot resolve as a model"
+    if is_hub_id(source):
+        return source, None
+    if source.startswith(("/", "./", "../", "~")):
+        return source, (f"the target's directory {source!r} is not on this machine; written as recorded, "
+                        "for the machine the engine runs on")
+    return None, f"the target is recorded as {source!r}, a label, not a hub id or a model directory"
+
+
+def _local_config(name: Any) -> dict[str, Any] | None:
+    """The config.json of a local model directory ``name`` (never a download), else None."""
+    if not isinstance(name, str) or not name:
+        return None
+    try:
+        vcfg = json.loads((Path(name).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return vcfg if isinstance(vcfg, dict) else None
+
+
+def local_architectures(name: str | None) -> list[str]:
+    """The ``architectures`` of a local verifier directory (empty when it is not one)."""
+    archs = (_local_config(name) or {}).get("architectures")
+    return [str(a) for a in archs] if isinstance(archs, list) else []
+
+
 def verifier_num_blocks(config: dict[str, Any]) -> int | None:
     """The verifier's block count when ``verifier.name_or_path`` is a local directory (never a download)."""
     name = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    if not name:
+    vcfg = _local_config(name)
+    if vcfg is None:
         return None
-    path = Path(name) / "config.json"
-    try:
-        vcfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    vcfg = vcfg.get("text_config", vcfg) if isinstance(vcfg, dict) else {}
-    n = vcfg.get("num_hidden_layers")
+    vcfg = vcfg.get("text_config", vcfg)
+    n = vcfg.get("num_hidden_layers") if isinstance(vcfg, dict) else None
     return int(n) if isinstance(n, int) else None
 
 

@@ -58,7 +58,8 @@ class EyasServer(ServerSpec):
 
     def write_config(self, cfg: DrafterConfig, boundaries: Sequence[int], num_blocks: int, *,
                      rule: str | None = None, dtype: torch.dtype | None = None,
-                     contract: "Contract | None" = None, speculative_tokens: int = 3) -> WrittenConfig:
+                     contract: "Contract | None" = None, speculative_tokens: int = 3,
+                     verifier: str | None = None) -> WrittenConfig:
         """An eyas directory is SGLang-loadable: its config.json is SGLang's (eyas.json beside it)."""
         return SGLANG.write_config(cfg, boundaries, num_blocks, rule=rule, dtype=dtype)
 

@@ -77,7 +77,7 @@ def sglang_ids_to_boundaries(
     """What SGLang captures when it reads ``ids`` from ``eagle_config.eagle_aux_hidden_state_layer_ids``.
 
     ``ids=None`` (key absent) makes SGLang fall back to its default ``[2, L//2, L-3]`` boundaries.
-    The result is validated against the target; with ``num_blocks`` unknown (None or 0, e.g. a
+    The result is validated against the target; with ``num_blocks`` unknown (None, e.g. a
     checkpoint read on its own) only the checks that need no target apply (>= 0, distinct).
     """
     rule = SGLangRule(rule)
@@ -223,7 +223,8 @@ class SGLangServer(ServerSpec):
 
     def write_config(self, cfg: DrafterConfig, boundaries: Sequence[int], num_blocks: int, *,
                      rule: str | None = None, dtype: torch.dtype | None = None,
-                     contract: "Contract | None" = None, speculative_tokens: int = 3) -> WrittenConfig:
+                     contract: "Contract | None" = None, speculative_tokens: int = 3,
+                     verifier: str | None = None) -> WrittenConfig:
         """``config.json`` for SGLang: the Llama fields, every norm flag, the nested ids for ``rule``
         (the legacy rule when PR #25454 cannot express them), top-level ids = boundaries (read by vLLM
         and the SafeAILab reference) and the unambiguous eyas record."""
@@ -269,7 +270,7 @@ class SGLangServer(ServerSpec):
         if ids is not None:
             # SpecForge semantics: output of block k = boundary k+1, always (the legacy SGLang rule).
             try:
-                bs = sglang_ids_to_boundaries(ids, num_blocks or 0, SGLangRule.LEGACY)
+                bs = sglang_ids_to_boundaries(ids, num_blocks, SGLangRule.LEGACY)
             except BoundaryError as e:
                 raise CheckpointError(f"{where}: {NESTED_IDS}: {e}") from None
             if top and [int(i) for i in top] != bs:

@@ -130,6 +130,7 @@ class WrittenConfig:
     config: dict[str, Any]
     ids_written: dict[str, list[int]]  # config key -> ids, as written
     rule: str | None = None  # the id rule the ids were written for (None: single-rule engine)
+    notes: tuple[str, ...] = ()  # what the writer could not fill in as an engine needs it, for people
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,10 @@ class ServerSpec(ABC):
 
     def write_config(self, cfg: DrafterConfig, boundaries: Sequence[int], num_blocks: int, *,
                      rule: str | None = None, dtype: torch.dtype | None = None,
-                     contract: "Contract | None" = None, speculative_tokens: int = 3) -> WrittenConfig:
+                     contract: "Contract | None" = None, speculative_tokens: int = 3,
+                     verifier: str | None = None) -> WrittenConfig:
+        """``config.json`` for this engine. ``verifier``: the target model the engine resolves, for
+        engines whose config names one (vLLM/speculators), already checked; None: from ``contract``."""
         raise ServerError(f"{self.title} has no config writer of its own")
 
     def rule_check(self, boundaries: Sequence[int], num_blocks: int, ids_written: dict[str, list[int]],

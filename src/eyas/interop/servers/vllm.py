@@ -35,7 +35,7 @@ TOP_IDS = "eagle_aux_hidden_state_layer_ids"  # top-level: boundaries, as vLLM r
 def vllm_ids_to_boundaries(ids: Sequence[int] | None, num_blocks: int | None) -> list[int]:
     """What vLLM captures for top-level ``eagle_aux_hidden_state_layer_ids`` (absent -> default).
 
-    With ``num_blocks`` unknown (None or 0) explicit ids are checked only for what needs no target."""
+    With ``num_blocks`` unknown (None) explicit ids are checked only for what needs no target."""
     if not ids:
         return default_boundaries(num_blocks)
     return validate_boundaries(ids, num_blocks)
@@ -94,10 +94,13 @@ class VLLMServer(ServerSpec):
 
     def write_config(self, cfg: DrafterConfig, boundaries: Sequence[int], num_blocks: int, *,
                      rule: str | None = None, dtype: torch.dtype | None = None,
-                     contract: "Contract | None" = None, speculative_tokens: int = 3) -> WrittenConfig:
+                     contract: "Contract | None" = None, speculative_tokens: int = 3,
+                     verifier: str | None = None) -> WrittenConfig:
         """``config.json`` in the speculators format, which vLLM loads: every norm flag explicit (vLLM
-        reads an absent norm_before_residual as true), ids = boundaries, the verifier named from the
-        contract."""
+        reads an absent norm_before_residual as true), ids = boundaries. ``verifier.name_or_path`` is
+        resolved as a model by speculators and vLLM: ``verifier`` (a hub id or local directory), else
+        the contract's target when it was loaded from a hub id or a local directory, else null with a
+        note saying what to pass (never a display label)."""
         if cfg.norm_before_fc and cfg.fc_norm:
             raise CheckpointError(
                 "drafter config: norm_before_fc and fc_norm: expected at most one true for the speculators "
@@ -106,6 +109,16 @@ class VLLMServer(ServerSpec):
             )
         bs = validate_boundaries(boundaries, num_blocks, cfg.num_slots)
         target = contract.target if contract is not None else None
+        notes: list[str] = []
+        if verifier is not None:
+            name_or_path = verifier
+        else:
+            name_or_path, why = layout.verifier_reference(target.source if target else None)
+            if name_or_path is None:
+                notes.append(f"speculators_config.verifier.name_or_path written as null: {why}; "
+                             f"speculators and vLLM resolve it as a model, so {layout.VERIFIER_HINT}")
+            elif why:
+                notes.append(f"speculators_config.verifier.name_or_path: {why}")
         config = {
             "architectures": [layout.ARCHITECTURE],
             "speculators_model_type": layout.MODEL_TYPE,
@@ -121,8 +134,8 @@ class VLLMServer(ServerSpec):
                 ],
                 "default_proposal_method": "greedy",
                 "verifier": {
-                    "name_or_path": target.source if target else None,
-                    "architectures": [target.architecture] if target else [],
+                    "name_or_path": name_or_path,
+                    "architectures": [target.architecture] if target else layout.local_architectures(name_or_path),
                 },
             },
             "transformer_layer_config": llama_fields(cfg, dtype),
@@ -134,7 +147,7 @@ class VLLMServer(ServerSpec):
             "eyas_boundaries": bs,
             "eyas_num_target_blocks": num_blocks,
         }
-        return WrittenConfig(config, {TOP_IDS: bs})
+        return WrittenConfig(config, {TOP_IDS: bs}, notes=tuple(notes))
 
     def trained_boundaries(self, config: dict[str, Any], num_blocks: int | None,
                            where: str) -> tuple[list[int] | None, str]:
