@@ -136,6 +136,7 @@ def test_healthy_drafter_passes_with_no_warning_on_every_engine_setting(world, e
     assert trained[0] > 0.15  # the drafter learned something: the checks below are not about a dead drafter
     for slot in r.stages.fingerprint.result.slots:
         assert slot.looks_like == slot.trained_boundary and abs(slot.rms_z) < 1
+        assert slot.trained_matches == slot.trained_boundary and not slot.shifted and not slot.indistinct
 
 
 @pytest.mark.integration
