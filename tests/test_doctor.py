@@ -136,6 +136,7 @@ def test_healthy_drafter_passes_with_no_warning_on_every_engine_setting(world, e
     assert trained[0] > 0.15  # the drafter learned something: the checks below are not about a dead drafter
     for slot in r.stages.fingerprint.result.slots:
         assert slot.looks_like == slot.trained_boundary and abs(slot.rms_z) < 1
+        assert slot.trained_matches == slot.trained_boundary and not slot.shifted and not slot.indistinct
 
 
 @pytest.mark.integration
@@ -253,6 +254,10 @@ def test_sglang_convention_read_by_vllm_is_off_by_one(world):
     assert "[1, 5, 8]" in r.cause and "one block before" in r.cause
     assert "top-level eagle_aux_hidden_state_layer_ids: [2, 6, 9]" in r.fix
     assert r.stages.search.result.winner.boundaries == "[2, 6, 9]"
+    # the fingerprint names each one-block shift: fed [1, 5, 8], its training statistics match [2, 6, 9]
+    slots = r.stages.fingerprint.result.slots
+    assert r.stages.fingerprint.status == "fail" and all(s.off and s.shifted for s in slots)
+    assert [(s.looks_like, s.trained_matches) for s in slots] == [(1, 2), (5, 6), (8, 9)]
 
 
 @pytest.mark.integration

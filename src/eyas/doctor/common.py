@@ -42,6 +42,13 @@ REPLAY_SIGMAS = 3.0
 RMS_Z_OFF = 3.0
 RMS_RATIO_OFF = 1.25
 CHANNEL_OFF = 0.5
+# Fingerprint resemblance: the live boundary nearest a slot's training statistics is told apart from
+# the runner-up only when the runner-up is farther by more than SEPARATION_MARGIN times the nearest
+# one's own distance. That distance is what is left between training and its best live match (other
+# texts, capture dtype, a quantised target): the noise of the comparison. A gap inside it (the
+# runner-up less than twice as far, relative gap (d2 - d1) / d2 <= 1/2) is not evidence of which
+# boundary the slot was trained on.
+SEPARATION_MARGIN = 1.0
 # Search: the first SEARCH_POSITIONS draft positions are scored (position 0 sees the target's
 # features, position 1 the drafter's own fed-back state: together they exercise every norm flag).
 SEARCH_POSITIONS = 2

@@ -15,8 +15,21 @@ the final norm): the nearest one by
     distance(a, b) = |ln(rms_a / rms_b)| + mean over channels |mean_a - mean_b| / max(rms_a, rms_b)
 
 and, the other way round, which live boundary the *training* statistics of the slot resemble
-(the boundary the slot should be fed). This module takes plain statistics, so ``eyas trace`` can
-hold an engine's observed junctions against the same fingerprint.
+(the boundary the slot should be fed).
+
+The thresholds alone miss a one-block shift at depth (neighbouring boundaries differ by less than
+they allow), so resemblance decides too (:func:`match_slot`):
+
+- a slot **shifted**: the boundary it looks like is not the one its training statistics are
+  nearest to. It fails, with both distances of each side (a slot off the thresholds fails too);
+- otherwise a slot whose training statistics cannot tell their nearest boundary from the
+  runner-up is **indistinct**: the runner-up is not farther by more than
+  ``SEPARATION_MARGIN`` times the nearest one's own distance, the noise of the comparison
+  (:data:`eyas.doctor.common.SEPARATION_MARGIN`). The stage warns, with the distances, instead of
+  claiming a match: the fingerprint does not confirm that slot, the measured accuracy decides.
+
+This module takes plain statistics, so ``eyas trace`` can hold an engine's observed junctions
+against the same fingerprint.
 """
 
 from __future__ import annotations
@@ -26,7 +39,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from eyas.contract.contract import SlotFingerprint
-from eyas.doctor.common import CHANNEL_OFF, FAIL, OK, RMS_RATIO_OFF, RMS_Z_OFF, Stage, boundary_name, slot_label
+from eyas.doctor.common import (CHANNEL_OFF, FAIL, OK, RMS_RATIO_OFF, RMS_Z_OFF, SEPARATION_MARGIN, WARN, Stage,
+                               boundary_name, slot_label)
 
 if TYPE_CHECKING:
     from eyas.doctor.context import DoctorContext
@@ -44,6 +58,86 @@ def distance(a: SlotFingerprint, b: SlotFingerprint) -> float:
 def nearest(stats: SlotFingerprint, candidates: dict[int, SlotFingerprint]) -> tuple[int, float]:
     best = min(candidates, key=lambda b: distance(stats, candidates[b]))
     return best, distance(stats, candidates[best])
+
+
+def separable(d_near: float, d_other: float, margin: float = SEPARATION_MARGIN) -> bool:
+    """Whether a boundary at ``d_other`` is told apart from the nearest one at ``d_near``: the gap
+    exceeds ``margin`` times ``d_near``, the residual of the best match (the comparison's noise)."""
+    return d_other - d_near > margin * d_near
+
+
+@dataclass(frozen=True)
+class SlotMatch:
+    """Which live boundary a slot looks like, which one its training statistics match, and the
+    distances (:func:`distance`) that decide; ``d_observed_*`` from the observed statistics,
+    ``d_trained_*`` from the training statistics, to the boundary each names."""
+
+    looks_like: int  # the live boundary nearest the observed statistics
+    trained_matches: int  # the live boundary nearest the training statistics
+    runner_up: int | None  # the live boundary second nearest the training statistics (None: only one)
+    d_observed_looks: float
+    d_observed_match: float
+    d_trained_looks: float
+    d_trained_match: float
+    d_trained_runner_up: float | None
+
+    @property
+    def shifted(self) -> bool:
+        """The slot looks like another boundary than the one its training statistics match."""
+        return self.looks_like != self.trained_matches
+
+    @property
+    def shift_within_noise(self) -> bool:
+        """A shifted slot whose two boundaries are within noise of each other, seen from training."""
+        return self.shifted and not separable(self.d_trained_match, self.d_trained_looks)
+
+    @property
+    def indistinct(self) -> bool:
+        """Not shifted, but the training statistics cannot tell their match from the runner-up."""
+        return (not self.shifted and self.d_trained_runner_up is not None
+                and not separable(self.d_trained_match, self.d_trained_runner_up))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shifted": self.shifted, "indistinct": self.indistinct, "runner_up": self.runner_up,
+                "distance_observed_to_looks_like": self.d_observed_looks,
+                "distance_observed_to_trained_match": self.d_observed_match,
+                "distance_trained_to_looks_like": self.d_trained_looks,
+                "distance_trained_to_trained_match": self.d_trained_match,
+                "distance_trained_to_runner_up": self.d_trained_runner_up}
+
+
+def match_slot(observed: SlotFingerprint, trained: SlotFingerprint, live: dict[int, SlotFingerprint]) -> SlotMatch:
+    """Observed and training statistics of one slot against every live boundary (``live``)."""
+    looks, d_obs_looks = nearest(observed, live)
+    by_trained = sorted(live, key=lambda b: distance(trained, live[b]))
+    should, runner = by_trained[0], (by_trained[1] if len(by_trained) > 1 else None)
+    return SlotMatch(
+        looks_like=looks, trained_matches=should, runner_up=runner, d_observed_looks=d_obs_looks,
+        d_observed_match=distance(observed, live[should]), d_trained_looks=distance(trained, live[looks]),
+        d_trained_match=distance(trained, live[should]),
+        d_trained_runner_up=distance(trained, live[runner]) if runner is not None else None)
+
+
+def shift_text(i: int, m: SlotMatch, L: int) -> str:
+    """Why slot ``i`` is shifted, with the distances to both boundaries from each side."""
+    looks, should = boundary_name(m.looks_like, L), boundary_name(m.trained_matches, L)
+    text = (f"slot {i} looks like {looks} (distance {m.d_observed_looks:.3g}; {m.d_observed_match:.3g} from "
+            f"{should}), but the training statistics of slot {i} are nearest {should} of this target (distance "
+            f"{m.d_trained_match:.3g}; {m.d_trained_looks:.3g} from {looks})")
+    if m.shift_within_noise:
+        text += (f"; the two are close for this target (the gap {m.d_trained_looks - m.d_trained_match:.3g} is "
+                 f"within {SEPARATION_MARGIN:g} x {m.d_trained_match:.3g}, the noise of the match)")
+    return text
+
+
+def indistinct_text(i: int, m: SlotMatch, L: int) -> str:
+    """Why slot ``i``'s match is not confirmed: its two nearest boundaries, with the distances."""
+    assert m.runner_up is not None and m.d_trained_runner_up is not None
+    should, runner = boundary_name(m.trained_matches, L), boundary_name(m.runner_up, L)
+    return (f"slot {i}: {should} and {runner} cannot be told apart on this target: the training statistics of slot "
+            f"{i} are {m.d_trained_match:.3g} from {should} and {m.d_trained_runner_up:.3g} from {runner}, a gap "
+            f"within {SEPARATION_MARGIN:g} x {m.d_trained_match:.3g} (the noise of the match); the fingerprint does "
+            f"not confirm slot {i}, the measured accuracy decides")
 
 
 @dataclass(frozen=True)
@@ -88,6 +182,7 @@ class FingerprintSlot:
     rms_trained: float
     rms_std_trained: float
     comparison: SlotComparison
+    match: SlotMatch  # resemblance to every live boundary, with the distances
     looks_like: int | str  # the live boundary the observed statistics are nearest to
     looks_like_name: str
     trained_matches: int | str  # the live boundary the training statistics are nearest to
@@ -100,18 +195,27 @@ class FingerprintSlot:
         return self.comparison.rms_z
 
     @property
+    def shifted(self) -> bool:
+        return self.match.shifted
+
+    @property
+    def indistinct(self) -> bool:
+        return self.match.indistinct
+
+    @property
     def off(self) -> bool:
-        return self.comparison.off
+        """Off the thresholds, or shifted: the slot fails the stage."""
+        return self.comparison.off or self.match.shifted
 
     def to_dict(self) -> dict[str, Any]:
         c = self.comparison
         return {"slot": self.slot, "served_boundary": self.served_boundary, "trained_boundary": self.trained_boundary,
                 "rms_observed": self.rms_observed, "rms_trained": self.rms_trained,
                 "rms_std_trained": self.rms_std_trained, "rms_z": c.rms_z, "rms_ratio": c.rms_ratio,
-                "channel_z": c.channel_z, "off": c.off, "looks_like": self.looks_like,
+                "channel_z": c.channel_z, "off": self.off, "looks_like": self.looks_like,
                 "looks_like_name": self.looks_like_name, "trained_matches": self.trained_matches,
                 "trained_matches_name": self.trained_matches_name, "tokens_observed": self.tokens_observed,
-                "tokens_trained": self.tokens_trained}
+                "tokens_trained": self.tokens_trained, **self.match.to_dict()}
 
 
 @dataclass
@@ -149,25 +253,46 @@ def compare_fingerprints(reference: Sequence[SlotFingerprint] | None, reference_
     for i, (b, ref) in enumerate(zip(served, reference)):
         obs = boundary_stats[b]
         cmp = compare_slot(obs, ref)
-        looks, _ = nearest(obs, boundary_stats)
-        should, _ = nearest(ref, boundary_stats)
+        m = match_slot(obs, ref, boundary_stats)
+        looks, should = m.looks_like, m.trained_matches
         slots.append(FingerprintSlot(
             slot=i, served_boundary=slot_label(b, L), trained_boundary=ref.boundary, rms_observed=obs.rms_mean,
-            rms_trained=ref.rms_mean, rms_std_trained=ref.rms_std, comparison=cmp, looks_like=slot_label(looks, L),
-            looks_like_name=boundary_name(looks, L), trained_matches=slot_label(should, L),
-            trained_matches_name=boundary_name(should, L), tokens_observed=obs.num_tokens,
-            tokens_trained=ref.num_tokens))
+            rms_trained=ref.rms_mean, rms_std_trained=ref.rms_std, comparison=cmp, match=m,
+            looks_like=slot_label(looks, L), looks_like_name=boundary_name(looks, L),
+            trained_matches=slot_label(should, L), trained_matches_name=boundary_name(should, L),
+            tokens_observed=obs.num_tokens, tokens_trained=ref.num_tokens))
         if cmp.off:
             st.add(FAIL, "slot_off",
                    f"slot {i} is off: per-token RMS {obs.rms_mean:.4g} against {ref.rms_mean:.4g} at training "
                    f"(z = {cmp.rms_z:+.1f}, ratio {cmp.rms_ratio:.2f}, channel shift {cmp.channel_z:.2f}); "
                    f"slot {i} looks like {boundary_name(looks, L)}; the training statistics of slot {i} match "
-                   f"{boundary_name(should, L)} of this target",
+                   f"{boundary_name(should, L)} of this target"
+                   + (f" (distance {m.d_trained_match:.3g}; {m.d_trained_looks:.3g} from {boundary_name(looks, L)})"
+                      if m.shifted else ""),
                    field=f"slot {i}", expected=ref.boundary, found=slot_label(looks, L))
+        elif m.shifted:
+            st.add(FAIL, "slot_shifted",
+                   f"slot {i} is fed another boundary than its training statistics match, inside the z and ratio "
+                   f"thresholds (z = {cmp.rms_z:+.1f}, ratio {cmp.rms_ratio:.2f}, channel shift "
+                   f"{cmp.channel_z:.2f}): {shift_text(i, m, L)}",
+                   field=f"slot {i}", expected=slot_label(should, L), found=slot_label(looks, L))
+        elif m.indistinct:
+            st.add(WARN, "slot_indistinct", indistinct_text(i, m, L), field=f"slot {i}",
+                   expected=slot_label(should, L), found=slot_label(m.runner_up, L) if m.runner_up is not None else None)
     st.result = FingerprintResult(reference_source, slots)
     off = [r.slot for r in slots if r.off]
-    if not off:
-        st.add(OK, "fingerprint", f"every slot matches the training fingerprint (max |rms_z| "
-               f"{max(abs(r.rms_z) for r in slots):.2f}, max channel shift "
-               f"{max(r.comparison.channel_z for r in slots):.2f})")
-    return st.settle(f"slots {off} off the training fingerprint" if off else "all slots match the training fingerprint")
+    indistinct = [r.slot for r in slots if r.indistinct]
+    matched = [r for r in slots if not r.off and not r.indistinct]
+    if matched:
+        what = "every slot matches" if len(matched) == len(slots) else f"slots {[r.slot for r in matched]} match"
+        st.add(OK, "fingerprint", f"{what} the training fingerprint (max |rms_z| "
+               f"{max(abs(r.rms_z) for r in matched):.2f}, max channel shift "
+               f"{max(r.comparison.channel_z for r in matched):.2f}, each nearest the boundary its training "
+               f"statistics match)")
+    if off:
+        summary = f"slots {off} off the training fingerprint"
+    elif indistinct:
+        summary = f"slots {indistinct} cannot be told from a neighbouring boundary on this target"
+    else:
+        summary = "all slots match the training fingerprint"
+    return st.settle(summary)

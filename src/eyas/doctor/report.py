@@ -212,12 +212,17 @@ def render(report: DoctorReport, console: Any) -> None:
         fingerprint = report.stages.fingerprint.result
         if name == "fingerprint" and fingerprint is not None and fingerprint.slots:
             t = Table(title=f"slots vs training fingerprint ({e(fingerprint.reference)})", title_justify="left")
-            for c in ("slot", "served", "trained", "RMS live", "RMS train", "rms z", "channel", "looks like", "off"):
+            for c in ("slot", "served", "trained", "RMS live", "RMS train", "rms z", "channel", "looks like",
+                      "train matches", "train dist (match/looks/next)", "off"):
                 t.add_column(c)
             for r in fingerprint.slots:
+                m = r.match
+                dists = f"{m.d_trained_match:.3g}/{m.d_trained_looks:.3g}/" + (
+                    f"{m.d_trained_runner_up:.3g}" if m.d_trained_runner_up is not None else "-")
+                off = "[bold red]yes[/]" if r.off else "[yellow]indistinct[/]" if r.indistinct else "no"
                 t.add_row(str(r.slot), str(r.served_boundary), str(r.trained_boundary),
                           f"{r.rms_observed:.4g}", f"{r.rms_trained:.4g}", f"{r.rms_z:+.1f}",
-                          f"{r.comparison.channel_z:.2f}", e(r.looks_like_name), "[bold red]yes[/]" if r.off else "no")
+                          f"{r.comparison.channel_z:.2f}", e(r.looks_like_name), str(r.trained_matches), dists, off)
             console.print(t)
         search = report.stages.search.result
         if name == "search" and search is not None and search.candidates:

@@ -5,9 +5,9 @@ most fundamental failure, in this order: the directory cannot be read or loaded 
 target is not the one trained for; shapes and vocabularies do not fit; the engine captures other
 boundaries; it builds the drafter with other norm flags; the chat template differs; then what only
 the measurements show (a protocol the search found, replay short of training, live short of replay,
-a slot off its fingerprint). The fix is the set of config edits, in the chosen engine's convention,
-that every config-fixable failure needs (boundaries and flags together when both are wrong), or
-the fix in words when no edit can help.
+a slot off its fingerprint or fed another boundary than its training statistics match). The fix is
+the set of config edits, in the chosen engine's convention, that every config-fixable failure needs
+(boundaries and flags together when both are wrong), or the fix in words when no edit can help.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def _fingerprint_evidence(fp: FingerprintResult | None) -> str:
     rows = [r for r in (fp.slots if fp is not None else []) if r.off]
     if not rows:
         return ""
-    bits = [f"slot {r.slot} looks like {r.looks_like_name} (RMS z = {r.rms_z:+.1f} against training)"
+    bits = [f"slot {r.slot} looks like {r.looks_like_name} (RMS z = {r.rms_z:+.1f} against training"
+            + (f"; its training statistics match {r.trained_matches_name}" if r.shifted else "") + ")"
             for r in rows[:3]]
     return "; the fingerprint shows " + ", ".join(bits)
 
@@ -151,7 +152,7 @@ def verdict(stages: DoctorStages, dd: DrafterDir | None, reading: EngineReading 
         elif first.code == "live_short":
             cause += "; no plausible protocol restores it"
             words = "no config edit found: compare the engine's capture with `eyas trace`"
-        elif first.code == "slot_off":
+        elif first.code in ("slot_off", "slot_shifted"):
             words = "feed each slot the boundary its training statistics match (see the fingerprint stage)"
     out.cause = cause
     out.fix_edits = edits
