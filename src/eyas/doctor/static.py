@@ -151,7 +151,9 @@ def _check_boundaries(st: Stage, dd: DrafterDir, r: EngineReading, L: int, train
         st.add(FAIL, "boundaries", msg, field="boundaries", expected=trained, found=r.boundaries, edits=edits,
                fix=problem)
     else:
-        st.add(OK, "boundaries", f"{r.label} captures boundaries {r.boundaries}, the trained ones ({r.boundaries_note})")
+        which = "the assumed trained ones" if source == dd.meta.boundaries_source and dd.meta.boundaries_assumed \
+            else "the trained ones"
+        st.add(OK, "boundaries", f"{r.label} captures boundaries {r.boundaries}, {which} ({r.boundaries_note})")
     for other in spec.rules:  # an engine whose versions read ids differently: each other version
         if other == r.rule:
             continue
