@@ -87,3 +87,45 @@ def test_embedded_smollm2_demo(tmp_path):
     assert c["tokenisation"]["eos_token"] == "<|im_end|>"
     # [2, ...] is the one case where both SGLang rules agree: every engine captures what was trained.
     assert all(v == [2, 15, 27] for v in info["engines"].values())
+
+
+@pytest.mark.unit
+def test_info_and_import_name_each_reading_of_third_party_ids_and_mark_the_boundaries_assumed(tmp_path):
+    from tests.test_interop import specforge_dir
+
+    sf = tmp_path / "sf"
+    specforge_dir(sf, {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]})
+    text = " ".join(run("info", str(sf), "--num-target-blocks", "32").split())
+    assert "specforge: [3, 16, 28]; sglang (PR #25454): [2, 15, 27]; sglang-legacy: [3, 16, 28]" in text
+    assert "trained boundaries [3, 16, 28] are ASSUMED" in text and "--ids-convention" in text
+    info = json.loads(run("info", str(sf), "--num-target-blocks", "32", "--json"))
+    assert info["boundaries"] == [3, 16, 28] and info["boundaries_assumed"] is True
+    assert info["id_readings"] == {"specforge": [3, 16, 28], "sglang": [2, 15, 27], "sglang-legacy": [3, 16, 28]}
+
+    named = json.loads(run("info", str(sf), "--num-target-blocks", "32", "--ids-convention", "specforge", "--json"))
+    assert named["boundaries"] == [3, 16, 28] and named["boundaries_assumed"] is False
+    assert named["ids_convention"] == "specforge" and named["boundaries_assumed_why"] is None
+    text = " ".join(run("info", str(sf), "--num-target-blocks", "32", "--ids-convention", "sglang").split())
+    assert "ASSUMED" not in text and "read by the sglang convention (--ids-convention)" in text
+
+    text = " ".join(run("import", str(sf), "--out", str(tmp_path / "a"), "--num-target-blocks", "32").split())
+    assert "(trained boundaries [3, 16, 28] ASSUMED)" in text and "sglang (PR #25454): [2, 15, 27]" in text
+    assert json.loads(run("info", str(tmp_path / "a"), "--json"))["boundaries_assumed"] is True
+    imported = json.loads(run("import", str(sf), "--out", str(tmp_path / "b"), "--num-target-blocks", "32",
+                              "--ids-convention", "sglang", "--json"))
+    assert imported["boundaries"] == [2, 15, 27] and imported["boundaries_assumed"] is False
+    assert imported["ids_convention"] == "sglang"
+
+
+@pytest.mark.unit
+def test_an_eyas_directory_ignores_ids_convention_and_says_so(tmp_path):
+    from eyas.interop import save_drafter
+    from tests.test_interop import synthetic
+
+    drafter, contract = synthetic(boundaries=(3, 10, 29))
+    d = save_drafter(drafter, contract, tmp_path / "eyas")
+    plain = json.loads(run("info", str(d), "--json"))
+    named = json.loads(run("info", str(d), "--ids-convention", "sglang", "--json"))
+    assert plain == named and plain["boundaries"] == [3, 10, 29] and plain["boundaries_assumed"] is False
+    text = " ".join(run("info", str(d), "--ids-convention", "sglang").split())
+    assert "--ids-convention sglang not used" in text and "ASSUMED" not in text

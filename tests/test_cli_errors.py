@@ -180,3 +180,13 @@ def test_export_refuses_a_verifier_no_engine_resolves_or_one_for_sglang(tmp_path
     assert_user_error(invoke("export", src, "--to", "sglang", "--out", tmp_path / "s", "--verifier", "org/name"),
                       "verifier: expected only for the speculators format")
     assert not (tmp_path / "v").exists() and not (tmp_path / "s").exists()
+
+
+@pytest.mark.integration
+def test_an_unknown_ids_convention_is_refused_before_anything_is_written(sglang_dir, tmp_path):
+    assert_user_error(invoke("info", sglang_dir, "--num-target-blocks", L, "--ids-convention", "eagle"),
+                      "--ids-convention")
+    out = tmp_path / "never"
+    assert_user_error(invoke("import", sglang_dir, "--out", out, "--num-target-blocks", L,
+                             "--ids-convention", "eagle"), "--ids-convention")
+    assert not out.exists()

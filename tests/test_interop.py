@@ -716,3 +716,77 @@ def test_another_eos_token_only_warns_another_bos_token_refuses(saved):
     with pytest.raises(ContractError) as e:
         load_drafter(path, target=model, tokenizer=other_bos)
     assert _fields(e.value) == {"tokenisation.bos_token"}
+
+
+# ---------------------------------------------------------------------------------------------
+# third-party nested SGLang ids: ambiguous, so named or marked assumed (issue 12, Defect 5)
+# ---------------------------------------------------------------------------------------------
+
+AMBIGUOUS = {"eagle_aux_hidden_state_layer_ids": [2, 15, 27], "use_aux_hidden_state": True}
+READINGS = {"specforge": [3, 16, 28], "sglang": [2, 15, 27], "sglang-legacy": [3, 16, 28]}
+
+
+def test_third_party_nested_ids_that_the_conventions_read_differently_are_assumed_not_silently_legacy(tmp_path):
+    specforge_dir(tmp_path / "sf", AMBIGUOUS)
+    view = view_engines(tmp_path / "sf", 32)
+    assert view.boundaries == [3, 16, 28]  # SpecForge's reading, but only assumed
+    assert view.boundaries_assumed and "ASSUMED" not in view.boundaries_assumed
+    assert "specforge: [3, 16, 28]; sglang (PR #25454): [2, 15, 27]; sglang-legacy: [3, 16, 28]" in \
+        view.boundaries_assumed
+    assert "--ids-convention" in view.boundaries_assumed and "eyas.json" in view.boundaries_assumed
+    assert view.id_readings == READINGS and view.ids_convention == "specforge"
+    eyas = view.readings["eyas"]
+    assert eyas.boundaries_assumed and eyas.assumed_why == view.boundaries_assumed and "ASSUMED" in eyas.boundaries_note
+    d = view.to_dict()
+    assert d["boundaries_assumed"] is True and d["id_readings"] == READINGS
+    assert not view.readings["sglang"].boundaries_assumed  # what an engine captures is no assumption
+
+
+@pytest.mark.parametrize("convention", sorted(READINGS))
+def test_a_named_ids_convention_picks_its_reading_and_nothing_is_assumed(tmp_path, convention):
+    specforge_dir(tmp_path / "sf", AMBIGUOUS)
+    view = view_engines(tmp_path / "sf", 32, ids_convention=convention)
+    assert view.boundaries == READINGS[convention] and view.boundaries_assumed is None
+    assert view.ids_convention == convention and view.id_readings == READINGS
+    assert not view.readings["eyas"].boundaries_assumed
+    assert view.to_dict()["boundaries_assumed"] is False
+    out = import_drafter(tmp_path / "sf", tmp_path / "eyas", num_target_blocks=32, ids_convention=convention)
+    assert view_engines(out).boundaries == READINGS[convention]
+    assert view_engines(out).boundaries_assumed is None
+    assert "boundaries_assumed" not in json.loads((out / "eyas.json").read_text())
+
+
+def test_ids_every_convention_reads_alike_are_not_assumed(tmp_path):
+    specforge_dir(tmp_path / "sf", {"eagle_aux_hidden_state_layer_ids": [1, 15, 27]})
+    view = view_engines(tmp_path / "sf", 32)
+    assert view.boundaries == [2, 16, 28] and view.boundaries_assumed is None and view.id_readings == {}
+
+
+def test_an_import_that_assumed_the_boundaries_records_it_and_its_exports_keep_it(tmp_path):
+    specforge_dir(tmp_path / "sf", AMBIGUOUS)
+    out = import_drafter(tmp_path / "sf", tmp_path / "eyas", num_target_blocks=32)
+    recorded = json.loads((out / "eyas.json").read_text())["boundaries_assumed"]
+    assert "sglang (PR #25454): [2, 15, 27]" in recorded
+    view = view_engines(out)
+    assert view.boundaries == [3, 16, 28] and view.boundaries_assumed == recorded
+    assert view.readings["eyas"].boundaries_assumed
+    report = export_drafter(out, "sglang", tmp_path / "sg")
+    assert any("assumed" in n for n in report.notes) and report.view.boundaries_assumed == recorded
+
+
+def test_an_eyas_written_directory_is_read_as_before_whatever_the_ids_convention(tmp_path):
+    drafter, contract = synthetic(boundaries=(3, 10, 29))
+    src = save_drafter(drafter, contract, tmp_path / "eyas")
+    sg = export_drafter(src, "sglang", tmp_path / "sg").path  # nested ids [3, 10, 29]: readings would differ
+    for d in (src, sg):
+        for convention in (None, "specforge", "sglang", "sglang-legacy"):
+            view = view_engines(d, ids_convention=convention)
+            assert view.boundaries == [3, 10, 29] and view.boundaries_assumed is None
+            assert view.id_readings == {} and view.ids_convention is None
+
+
+def test_an_unknown_ids_convention_is_refused(tmp_path):
+    specforge_dir(tmp_path / "sf", AMBIGUOUS)
+    with pytest.raises(CheckpointError, match=r"ids_convention: expected one of \['specforge', 'sglang', "
+                                              r"'sglang-legacy'\], found 'eagle'"):
+        view_engines(tmp_path / "sf", 32, ids_convention="eagle")

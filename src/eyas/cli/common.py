@@ -36,6 +36,13 @@ SGLANG_RULE_DEFAULT = SGLangRuleChoice(_SGLANG_RULES[0])
 SGLANG_RULE_HELP = (f"the SGLang version's layer-id rule: {' | '.join(_SGLANG_RULES)} "
                     f"({_SGLANG_RULES[0]}, the current one, by default; legacy adds 1 to every id)")
 
+_CONVENTIONS = list(servers.get("sglang").ids_conventions)
+IdsConventionChoice = _choice("IdsConventionChoice", _CONVENTIONS)
+IDS_CONVENTION_HELP = (f"what the nested SGLang ids of a directory eyas did not write mean: {' | '.join(_CONVENTIONS)} "
+                       f"(specforge: output of block k = boundary k+1; sglang: as SGLang since PR #25454 reads "
+                       f"them; sglang-legacy: +1 to every id). Without it, ids these read differently give "
+                       f"boundaries marked ASSUMED")
+
 
 def fail(message: str, code: int = 2) -> None:
     err.print(f"[bold red]error:[/] {message}", highlight=False)

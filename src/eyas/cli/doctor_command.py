@@ -17,8 +17,8 @@ from typing import Optional
 import typer
 
 from eyas.cli.common import (
-    SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_HELP, TARGET_IMPL_HELP, EngineChoice, SGLangRuleChoice, console,
-    err,
+    IDS_CONVENTION_HELP, SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_HELP, TARGET_IMPL_HELP, EngineChoice,
+    IdsConventionChoice, SGLangRuleChoice, console, err,
 )
 from eyas.cli.common import fail as _fail
 from eyas.cli.common import print_json as _print_json
@@ -37,6 +37,7 @@ def doctor_cmd(
     max_length: int = typer.Option(512, min=8, help="tokens per sample at most"),
     png: Optional[Path] = typer.Option(None, help="write a PNG of replay vs live accuracy per position"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
+    ids_convention: Optional[IdsConventionChoice] = typer.Option(None, help=IDS_CONVENTION_HELP),
     json_out: bool = typer.Option(False, "--json", help="print the report as JSON"),
 ) -> None:
     """Check that a drafter sees, as ENGINE serves it, the hidden states it was trained on; name the fix."""
@@ -46,7 +47,8 @@ def doctor_cmd(
         _fail(f"--draft {draft}: no such directory")
     log = (lambda m: err.print(f"[dim]doctor: {m}[/]", highlight=False))
     report = _run(run_doctor, target, str(draft), data=data, engine=engine.value, sglang_rule=sglang_rule.value,
-                  samples=samples, max_length=max_length, png=png, device=device, log=log)
+                  samples=samples, max_length=max_length, png=png, device=device, log=log,
+                  ids_convention=ids_convention.value if ids_convention else None)
     if json_out:
         _print_json(report.to_dict())
     else:
@@ -67,6 +69,7 @@ def trace_cmd(
     sglang_rule: SGLangRuleChoice = typer.Option(SGLANG_RULE_DEFAULT, help="with --engine sglang: " + SGLANG_RULE_HELP),
     device: str = typer.Option("auto", help="cpu | cuda | auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
+    ids_convention: Optional[IdsConventionChoice] = typer.Option(None, help=IDS_CONVENTION_HELP),
     json_out: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
     """Trace the engine's junctions (each captured boundary, the concatenation, the fc input) per round
@@ -82,7 +85,7 @@ def trace_cmd(
     # an EyasError: _run prints it and exits 2.
     report = _run(run_trace, target, str(draft), prompt, out, system=system, max_new_tokens=max_new_tokens,
                   tree=spec_tree, engine=engine.value, sglang_rule=sglang_rule.value, device=device,
-                  target_impl=target_impl, log=log)
+                  target_impl=target_impl, log=log, ids_convention=ids_convention.value if ids_convention else None)
     if json_out:
         _print_json(report.to_dict())
     else:

@@ -12,7 +12,8 @@ import typer
 from rich.table import Table
 
 from eyas.cli.common import (
-    SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_HELP, ExportChoice, SGLangRuleChoice, console, err, fail,
+    IDS_CONVENTION_HELP, SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_HELP, ExportChoice, IdsConventionChoice,
+    SGLangRuleChoice, console, err, fail,
 )
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
@@ -38,7 +39,7 @@ def engine_table(view: Any) -> Table:
     table = Table(title=f"boundaries each engine captures (target has {view.num_target_blocks} blocks)")
     table.add_column("engine")
     table.add_column("captures")
-    table.add_column("vs trained " + str(trained))
+    table.add_column("vs trained " + str(trained) + (" (ASSUMED)" if getattr(view, "boundaries_assumed", None) else ""))
     for engine, got in view.engines.items():
         if got == trained:
             status = "[green]same[/]"
@@ -51,6 +52,25 @@ def engine_table(view: Any) -> Table:
             status = "[bold red]DIFFERS[/] " + ", ".join(diff)
         table.add_row(engine, str(got), status)
     return table
+
+
+def assumed_lines(view: Any, asked: Any) -> list[str]:
+    """What ``info`` and ``import`` say about third-party ids: each convention's reading where they
+    differ, and that the trained boundaries are assumed (or read by the named convention, ``asked``)."""
+    from eyas.interop.servers.sglang import readings_text
+
+    lines = []
+    if view.id_readings:
+        lines.append(f"the nested SGLang ids read by each convention: {readings_text(view.id_readings)}")
+    if view.boundaries_assumed:
+        lines.append(f"[bold yellow]trained boundaries {view.boundaries} are ASSUMED[/]: {view.boundaries_assumed}")
+    elif asked is not None and view.ids_convention == asked.value:
+        lines.append(f"trained boundaries {view.boundaries}: the nested ids read by the {asked.value} convention "
+                     f"(--ids-convention)")
+    elif asked is not None:
+        lines.append(f"[yellow]--ids-convention {asked.value} not used: {view.boundaries_source} says the "
+                     f"boundaries[/]")
+    return lines
 
 
 @app.command()
@@ -87,6 +107,7 @@ def info(
         None, help=TARGET_HELP + "; its number of decoder blocks, when the directory does not say"),
     num_target_blocks: Optional[int] = typer.Option(
         None, min=1, help="the target's number of decoder blocks, when the directory does not say (or --target)"),
+    ids_convention: Optional[IdsConventionChoice] = typer.Option(None, help=IDS_CONVENTION_HELP),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """The drafter's contract, and which physical boundaries each engine will capture for it."""
@@ -100,7 +121,8 @@ def info(
             fail(f"--num-target-blocks: expected {blocks} (the decoder blocks of --target {target}), "
                  f"found {num_target_blocks}")
         num_target_blocks = blocks
-    view = _run(view_engines, path, num_target_blocks, require_blocks=True)
+    view = _run(view_engines, path, num_target_blocks, require_blocks=True,
+                ids_convention=ids_convention.value if ids_convention else None)
     contract = view.contract  # read with the rest of the directory's metadata, once
     if json_out:
         _print_json({**view.to_dict(), "contract": contract.model_dump() if contract else None})
@@ -126,6 +148,8 @@ def info(
             console.print("  drafter  " + ", ".join(f"{k}={v}" for k, v in contract.drafter.model_dump().items()))
         if contract.metrics is not None and contract.metrics.recorded:
             console.print(f"  metrics  {json.dumps(contract.metrics.model_dump())}")
+    for line in assumed_lines(view, ids_convention):
+        console.print(line, highlight=False)
     console.print(engine_table(view))
 
 
@@ -168,6 +192,7 @@ def import_cmd(
     target: Optional[str] = typer.Option(None, help=TARGET_HELP + "; records the target in the contract"),
     num_target_blocks: Optional[int] = typer.Option(
         None, min=1, help="the target's number of decoder blocks, when the directory does not say (or --target)"),
+    ids_convention: Optional[IdsConventionChoice] = typer.Option(None, help=IDS_CONVENTION_HELP),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Convert a drafter from another format to the eyas format (boundaries in the eyas convention)."""
@@ -178,12 +203,19 @@ def import_cmd(
         from eyas.targets import load_target
 
         loaded = _run(load_target, target)
-    dest = _run(import_drafter, path, out, num_target_blocks=num_target_blocks, target=loaded)
+    conv = ids_convention.value if ids_convention else None
+    dest = _run(import_drafter, path, out, num_target_blocks=num_target_blocks, target=loaded, ids_convention=conv)
+    source = _run(view_engines, path, num_target_blocks or (loaded.num_blocks if loaded else None),
+                  ids_convention=conv)  # how the source's ids were read
     view = _run(view_engines, dest)
     if json_out:
-        _print_json({"path": str(dest), **view.to_dict()})
+        _print_json({"path": str(dest), **view.to_dict(), "ids_convention": source.ids_convention,
+                     "id_readings": dict(source.id_readings)})
         return
-    console.print(f"imported {path} -> [bold]{dest}[/] (trained boundaries {view.boundaries})")
+    assumed = " ASSUMED" if view.boundaries_assumed else ""
+    console.print(f"imported {path} -> [bold]{dest}[/] (trained boundaries {view.boundaries}{assumed})")
+    for line in assumed_lines(source, ids_convention):
+        console.print(line, highlight=False)
     console.print(engine_table(view))
 
 

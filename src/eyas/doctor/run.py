@@ -54,13 +54,16 @@ def run_doctor(
     model: Any = None,
     tokenizer: Any = None,
     log: Callable[[str], None] | None = None,
+    ids_convention: str | None = None,
 ) -> DoctorReport:
     """Diagnose the drafter at ``draft`` against ``target`` as ``engine`` would serve it (an engine
     with several id rules, SGLang, following ``sglang_rule``; default: its current one).
 
     ``model``/``tokenizer`` may be passed already loaded (then ``target`` only names it in the
     report). Raises only for a target that cannot be loaded or a bad ``engine``; every problem with
-    the drafter or the data is a finding in the report.
+    the drafter or the data is a finding in the report. ``ids_convention`` (specforge | sglang |
+    sglang-legacy) says what a directory's third-party nested SGLang ids mean; without it, ids those
+    conventions read differently give assumed boundaries, which the static stage warns about.
     """
     t0 = time.perf_counter()
     spec = servers.get(engine)
@@ -70,20 +73,20 @@ def run_doctor(
         options=DoctorOptions(draft=draft, data=data, samples=samples, max_length=max_length, device=str(loaded.device)),
         engine=EngineChoice(name, version, spec.label(version)), loaded=loaded, target=TargetFacts.of(loaded),
         embedding=find_embedding(loaded.model).weight, say=log or (lambda m: None))
-    if _open_directory(ctx):
+    if _open_directory(ctx, ids_convention):
         _load_data(ctx)
     for stage_name, stage in STAGE_FUNCTIONS:
         ctx.stages[stage_name] = ctx.blocked(stage_name) or stage(ctx)
     return _report(ctx, png, t0)
 
 
-def _open_directory(ctx: DoctorContext) -> bool:
-    """Read the drafter directory and the engine's reading of it; False (and the blocker) when it
-    cannot be read."""
+def _open_directory(ctx: DoctorContext, ids_convention: str | None = None) -> bool:
+    """Read the drafter directory (third-party nested ids by ``ids_convention``) and the engine's
+    reading of it; False (and the blocker) when it cannot be read."""
     draft, L = ctx.options.draft, ctx.target.num_blocks
     ctx.say(f"reading {draft}")
     try:
-        dd = read_drafter_dir(draft, L)
+        dd = read_drafter_dir(draft, L, ids_convention)
     except INPUT_ERRORS as e:
         ctx.unreadable(e)
         return False

@@ -151,7 +151,9 @@ def _check_boundaries(st: Stage, dd: DrafterDir, r: EngineReading, L: int, train
         st.add(FAIL, "boundaries", msg, field="boundaries", expected=trained, found=r.boundaries, edits=edits,
                fix=problem)
     else:
-        st.add(OK, "boundaries", f"{r.label} captures boundaries {r.boundaries}, the trained ones ({r.boundaries_note})")
+        which = "the assumed trained ones" if source == dd.meta.boundaries_source and dd.meta.boundaries_assumed \
+            else "the trained ones"
+        st.add(OK, "boundaries", f"{r.label} captures boundaries {r.boundaries}, {which} ({r.boundaries_note})")
     for other in spec.rules:  # an engine whose versions read ids differently: each other version
         if other == r.rule:
             continue
@@ -341,6 +343,8 @@ def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
     directory's own, or its training shards' when it has no contract, which ``ctx.trained_note``
     says), the trained flags, the shapes, the contract and the data, without running anything."""
     dd, reading, tokenizer, samples = ctx.dd, ctx.served, ctx.tokenizer, ctx.samples
+    # (third-party ids whose conventions disagree, none named: the trained boundaries are assumed,
+    # which a warning says unless the training shards settle them)
     L, H, V = ctx.target.num_blocks, ctx.target.hidden_size, ctx.target.vocab_size
     trained, trained_note = ctx.trained, ctx.trained_note
     st: Stage[StaticResult] = Stage("static")
@@ -348,6 +352,10 @@ def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
         st.add(WARN, "checkpoint", p)
     if trained_note:
         st.add(INFO, "trained_from_shards", trained_note)
+    elif dd.meta.boundaries_assumed:  # nothing here settles what the ids meant: never call them verified
+        st.add(WARN, "boundaries_assumed", f"the trained boundaries {trained} are assumed, not recorded: "
+               f"{dd.meta.boundaries_assumed}; what settles it: the training shards (--data), a conversations "
+               f"file (--data) whose measured acceptance decides, or an eyas.json")
     source = "the training shards" if trained_note else dd.meta.boundaries_source
     _check_boundaries(st, dd, reading, L, trained, source)
     _check_flags(st, dd, reading)

@@ -657,7 +657,7 @@ class _ServedDrafter:
 
 
 def _serve(draft: str | Path, engine: str, version: str | None, loaded: Any,
-           target_impl: str = "auto") -> _ServedDrafter:
+           target_impl: str = "auto", ids_convention: str | None = None) -> _ServedDrafter:
     """Read ``draft`` as ``engine`` does and build what it would serve, on the engine's target
     ``target_impl`` (:func:`eyas.engine.build_target`); TraceError when it cannot serve it or the
     drafter does not fit the target (UnsupportedTarget when ``fast`` cannot run the target)."""
@@ -667,7 +667,7 @@ def _serve(draft: str | Path, engine: str, version: str | None, loaded: Any,
     from eyas.targets.structure import find_embedding
 
     L = loaded.num_blocks
-    dd = read_drafter_dir(draft, L)
+    dd = read_drafter_dir(draft, L, ids_convention)
     reading = read_as(engine, dd, L, version)
     if not reading.loadable or reading.boundaries is None:
         raise TraceError(f"{reading.label} cannot serve {draft}: {reading.why_not}")
@@ -713,6 +713,7 @@ def run_trace(
     model: Any = None,
     tokenizer: Any = None,
     log: Callable[[str], None] | None = None,
+    ids_convention: str | None = None,
 ) -> TraceReport:
     """Serve the drafter at ``draft`` with the eyas engine the way ``engine`` reads the directory
     (its boundaries, in its slot order, and its norm flags), answer ``prompt`` greedily with the
@@ -720,6 +721,10 @@ def run_trace(
 
     ``target_impl``: the engine's target (``auto``, ``fast``, ``hf``: :func:`eyas.engine.build_target`);
     the one that ran is in the header and the report (``target_impl``).
+
+    ``ids_convention`` (specforge | sglang | sglang-legacy): what the directory's third-party nested
+    SGLang ids mean; without it, boundaries those conventions read differently are assumed, which
+    the header says (``trained_boundaries_assumed``).
 
     ``model``/``tokenizer`` may be passed already loaded. Raises :class:`TraceError` when the engine
     cannot serve the directory or the drafter does not fit the target.
@@ -739,14 +744,15 @@ def run_trace(
         raise TraceError("a tokenizer is needed to render the prompt")
     facts = TargetFacts.of(loaded)
     say(f"reading {draft}")
-    served = _serve(draft, engine, engine_version, loaded, target_impl)
+    served = _serve(draft, engine, engine_version, loaded, target_impl, ids_convention)
     reference, trained, ref_source, capture_dtype = _training_reference(served.directory)
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = render_prompt(messages, tokenizer).to(loaded.device)
     header = {"engine": served.engine.to_dict(), "target": source, "draft": str(draft), "trained_boundaries": trained,
               "prompt_tokens": int(ids.numel()), "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens],
-              "max_new_tokens": max_new_tokens}
+              "max_new_tokens": max_new_tokens,
+              "trained_boundaries_assumed": served.directory.meta.boundaries_assumed}
     say(f"tracing {served.engine.label}: boundaries {served.engine.boundaries}, {ids.numel()} prompt tokens, "
         f"target {served.target.implementation}")
     with Tracer(served.target, served.drafter, out, header=header,

@@ -75,9 +75,11 @@ def export_drafter(
     bs, L = ckpt.boundaries, ckpt.num_target_blocks
     written = write_checkpoint(
         out_dir, ckpt.config, ckpt.tensors, bs, L, ckpt.contract, spec.layout, sglang_rule, speculative_tokens,
-        verifier=verifier,
+        verifier=verifier, boundaries_assumed=ckpt.meta.boundaries_assumed,
     )
     notes: list[str] = list(written.notes)
+    if ckpt.meta.boundaries_assumed:
+        notes.append(f"the boundaries {bs} are assumed, not recorded: {ckpt.meta.boundaries_assumed}")
     for note in written.notes:
         warnings.warn(note, stacklevel=2)
     check = spec.rule_check(bs, L if L is not None else max(bs), written.ids_written, written.sglang_rule)
@@ -111,12 +113,16 @@ def import_drafter(
     num_target_blocks: int | None = None,
     target: LoadedTarget | nn.Module | None = None,
     force: bool = False,
+    ids_convention: str | None = None,
 ) -> Path:
     """Convert an SGLang/SpecForge/EAGLE-3 or speculators directory to an eyas directory.
 
     Layer ids are read in the source layout's own convention, as its engine's spec says
     (:meth:`~eyas.interop.servers.ServerSpec.trained_boundaries`); absent ids mean the default
-    ``[2, L//2, L-3]``. The target's block count comes from the directory, else
+    ``[2, L//2, L-3]``. Nested SGLang ids mean what the tool that trained the drafter meant:
+    ``ids_convention`` (specforge | sglang | sglang-legacy) names it; without it, ids those
+    conventions read differently are read as SpecForge's and the eyas directory records in
+    ``eyas.json`` that its boundaries are assumed (``boundaries_assumed``). The target's block count comes from the directory, else
     ``num_target_blocks`` or ``target``; when none says it the import is refused (an eyas directory
     records it). With ``target`` the drafter is checked against it (see
     :func:`~eyas.interop.load_drafter`) and the contract records it.
@@ -130,7 +136,7 @@ def import_drafter(
         raise CheckpointError(
             f"num_target_blocks: expected {blocks} (the target's decoder blocks), found {num_target_blocks} (passed in)"
         )
-    ckpt = read_checkpoint(src_dir, num_target_blocks, default_num_blocks=blocks)
+    ckpt = read_checkpoint(src_dir, num_target_blocks, default_num_blocks=blocks, ids_convention=ids_convention)
     L = ckpt.num_target_blocks
     if L is None:
         raise unknown_blocks_error(ckpt.meta)
@@ -146,7 +152,8 @@ def import_drafter(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".importing", dir=out.parent))
     try:
-        write_checkpoint(tmp, ckpt.config, ckpt.tensors, ckpt.boundaries, L, contract, layout="eyas")
+        write_checkpoint(tmp, ckpt.config, ckpt.tensors, ckpt.boundaries, L, contract, layout="eyas",
+                         boundaries_assumed=ckpt.meta.boundaries_assumed)
         read_checkpoint(tmp)  # every check, on the files as written
         view_engines(tmp, require_blocks=True)  # and every engine's reading of them
         if out.exists():  # each file replaced atomically, once all of them are known good

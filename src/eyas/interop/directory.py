@@ -106,12 +106,14 @@ def _read_train_config(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     return value, None
 
 
-def read_drafter_dir(path: str | Path, num_blocks: int | None) -> DrafterDir:
+def read_drafter_dir(path: str | Path, num_blocks: int | None, ids_convention: str | None = None) -> DrafterDir:
     """Read a drafter directory for diagnosis. Raises CheckpointError only when nothing can be
-    diagnosed (no config.json, no weights, no derivable boundaries)."""
+    diagnosed (no config.json, no weights, no derivable boundaries). ``ids_convention``: what
+    third-party nested SGLang ids mean (without it, boundaries those conventions read differently
+    are marked assumed, ``meta.boundaries_assumed``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        meta = read_meta(path, default_num_blocks=num_blocks)
+        meta = read_meta(path, default_num_blocks=num_blocks, ids_convention=ids_convention)
     if meta.boundaries is None:
         raise CheckpointError(f"{meta.boundaries_source}: the drafter's boundaries are unknown")
     raw, where = read_tensors(meta.path)

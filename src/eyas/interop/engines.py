@@ -9,7 +9,7 @@ themselves are each engine's spec (:mod:`eyas.interop.servers`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,12 +22,12 @@ from eyas.interop.eyas_format import PASS_BLOCKS, Meta, read_meta, unknown_block
 from eyas.interop.servers import Edit, EngineReading
 
 
-def _meta(directory: str | Path | Meta | DrafterDir, num_blocks: int | None) -> Meta:
+def _meta(directory: str | Path | Meta | DrafterDir, num_blocks: int | None, ids_convention: str | None) -> Meta:
     if isinstance(directory, DrafterDir):
         return directory.meta
     if isinstance(directory, Meta):
         return directory
-    return read_meta(directory, default_num_blocks=num_blocks)
+    return read_meta(directory, default_num_blocks=num_blocks, ids_convention=ids_convention)
 
 
 def read_as(
@@ -35,9 +35,13 @@ def read_as(
     directory: str | Path | Meta | DrafterDir,
     num_blocks: int | None = None,
     rule: str | None = None,
+    ids_convention: str | None = None,
 ) -> EngineReading:
     """What ``engine`` (following id ``rule``; default: its current one) builds from ``directory``'s
     files as they stand, for a target of ``num_blocks`` blocks (None: unknown, defaults unresolved).
+    ``ids_convention`` says what a path's third-party nested SGLang ids mean (a directory already
+    read was read with its own); the eyas reading marks boundaries it could only assume
+    (``boundaries_assumed``).
 
     ``directory`` is a path, or a directory already read: its metadata (:class:`Meta`) or, for
     diagnosis, a :class:`DrafterDir` (then what config.json and the weights say stands in for a
@@ -45,7 +49,7 @@ def read_as(
     rule; every problem with the files is in the reading (``loadable``, ``why_not``).
     """
     spec = servers.get(engine)
-    meta = _meta(directory, num_blocks)
+    meta = _meta(directory, num_blocks, ids_convention)
     if isinstance(directory, DrafterDir):
         return spec.read(meta, num_blocks, rule, directory.files_config, directory.problems)
     return spec.read(meta, num_blocks, rule)
@@ -81,6 +85,9 @@ class EngineView:
     ids: dict[str, list[int] | None]  # each engine's id key -> the ids as written
     readings: dict[str, EngineReading]
     contract: Contract | None  # eyas.json's contract (None: no eyas.json, or imported without a target)
+    boundaries_assumed: str | None = None  # why the trained boundaries are only assumed (None: the directory says)
+    id_readings: dict[str, list[int] | str] = field(default_factory=dict)  # each convention's reading, where they differ
+    ids_convention: str | None = None  # the convention third-party nested ids were read by, where several apply
 
     @property
     def engines(self) -> dict[str, list[int] | None]:
@@ -101,18 +108,26 @@ class EngineView:
             "ids": dict(self.ids),
             "engines": dict(self.engines),
             "differs": self.differs,
+            "boundaries_assumed": self.boundaries_assumed is not None,
+            "boundaries_assumed_why": self.boundaries_assumed,
+            "ids_convention": self.ids_convention,
+            "id_readings": dict(self.id_readings),
         }
 
 
 def view_engines(path: str | Path, num_target_blocks: int | None = None,
-                 require_blocks: bool = False) -> EngineView:
+                 require_blocks: bool = False, ids_convention: str | None = None) -> EngineView:
     """Every engine's reading of the drafter at ``path`` (metadata only: the weights are not read).
+
+    ``ids_convention`` says what third-party nested SGLang ids mean (see
+    :func:`~eyas.interop.eyas_format.read_meta`); without it the view says when the trained
+    boundaries are only assumed, and each convention's reading where they differ.
 
     ``num_target_blocks`` is asserted: a directory that records another count is refused. With
     ``require_blocks`` a directory that does not say its target's block count (and none passed) is
     refused too, saying what to pass; otherwise what depends on it is reported as unknown.
     """
-    meta = read_meta(path, num_target_blocks)
+    meta = read_meta(path, num_target_blocks, ids_convention=ids_convention)
     if meta.boundaries is None:
         raise CheckpointError(f"{meta.boundaries_source}: {PASS_BLOCKS}")
     if require_blocks and meta.num_target_blocks is None:
@@ -123,5 +138,6 @@ def view_engines(path: str | Path, num_target_blocks: int | None = None,
     return EngineView(
         path=meta.path, format=meta.format, boundaries=list(meta.boundaries),
         boundaries_source=meta.boundaries_source, num_target_blocks=L, ids=ids,
-        readings=readings, contract=meta.contract,
+        readings=readings, contract=meta.contract, boundaries_assumed=meta.boundaries_assumed,
+        id_readings=dict(meta.id_readings), ids_convention=meta.ids_convention,
     )

@@ -5,7 +5,8 @@
     model.safetensors  the drafter's state_dict names; embed_tokens.weight only when asked for (the
                        engines take the target's embedding otherwise)
     eyas.json          {"format", "embeddings": "saved"|"from_target", "boundaries",
-                        "num_target_blocks", "drafter_config", "contract"}
+                        "num_target_blocks", "drafter_config", "contract"}, and
+                        "boundaries_assumed" (why) when an import had to assume them
 
 Exports (the SGLang / speculators layouts, each written by its engine's spec in
 eyas.interop.servers) carry the same ``eyas.json`` so that the contract survives a trip through an
@@ -20,7 +21,7 @@ record of what the drafter was trained on and wins over anything inferred from `
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
@@ -79,6 +80,13 @@ class Meta:
     num_target_blocks: int | None
     boundaries: list[int] | None  # None only when they depend on an unknown block count
     boundaries_source: str  # where the boundaries came from (or why they are unknown)
+    # Why the boundaries are only assumed (third-party ids the conventions read differently, none
+    # named; or eyas.json's record of an import that assumed them); None: the directory says
+    boundaries_assumed: str | None = None
+    # Each convention's reading of third-party ids where they differ (convention -> boundaries or
+    # why it cannot read them); empty otherwise
+    id_readings: dict[str, list[int] | str] = field(default_factory=dict)
+    ids_convention: str | None = None  # the convention third-party ids were read by, where several apply
 
 
 def _directory(path: str | Path) -> Path:
@@ -109,13 +117,21 @@ def _read_eyas_json(d: Path) -> tuple[dict[str, Any] | None, DrafterConfig | Non
 
 
 def read_meta(
-    path: str | Path, num_target_blocks: int | None = None, default_num_blocks: int | None = None
+    path: str | Path, num_target_blocks: int | None = None, default_num_blocks: int | None = None,
+    ids_convention: str | None = None,
 ) -> Meta:
     """Read ``config.json`` and ``eyas.json``.
 
     ``num_target_blocks`` is asserted by the caller (a disagreement with the directory is an
     error); ``default_num_blocks`` is only used when the directory does not say.
+    ``ids_convention`` (specforge | sglang | sglang-legacy) is what the user says the nested SGLang
+    ids of a directory eyas did not write mean; without it, ids the conventions read differently
+    give boundaries marked assumed (``Meta.boundaries_assumed``). Directories eyas wrote record
+    their boundaries and ignore it.
     """
+    conventions = servers.get("sglang").ids_conventions
+    if ids_convention is not None and ids_convention not in conventions:
+        raise CheckpointError(f"ids_convention: expected one of {list(conventions)}, found {ids_convention!r}")
     if num_target_blocks is not None and num_target_blocks < 1:
         raise CheckpointError(
             f"num_target_blocks: expected the target's number of decoder blocks (1 or more), found {num_target_blocks}"
@@ -167,6 +183,9 @@ def read_meta(
         L = default_num_blocks
 
     # --- the boundaries it was trained on: eyas.json, then eyas_boundaries, then the layout's convention ---
+    assumed: str | None = None
+    readings: dict[str, list[int] | str] = {}
+    convention: str | None = None
     if eyas is not None and (eyas.get("boundaries") is not None or contract is not None):
         bs = [int(b) for b in (eyas.get("boundaries") or contract.capture.boundaries)]  # type: ignore[union-attr]
         if contract is not None and contract.capture.boundaries != bs:
@@ -175,10 +194,13 @@ def read_meta(
                 f"found {contract.capture.boundaries}"
             )
         source = f"{efile}"
+        if eyas.get("boundaries_assumed"):  # an import that had to assume them says so for good
+            assumed = str(eyas["boundaries_assumed"])
     elif config.get("eyas_boundaries") is not None:
         bs, source = [int(b) for b in config["eyas_boundaries"]], f"{cfile} eyas_boundaries"
     else:
-        bs, source = servers.for_layout(layout).trained_boundaries(config, L, str(cfile))
+        tb = servers.for_layout(layout).trained_boundaries(config, L, str(cfile), ids_convention)
+        bs, source, assumed, readings, convention = tb.boundaries, tb.source, tb.assumed, tb.readings, tb.convention
     if bs is not None and known_L is not None:
         try:
             validate_boundaries(bs, known_L)
@@ -186,7 +208,7 @@ def read_meta(
             raise CheckpointError(f"{source}: {e}") from None
 
     fmt = str(eyas.get("format", "eyas")) if eyas is not None else layout
-    return Meta(d, config, layout, fmt, eyas, drafter_config, contract, L, bs, source)
+    return Meta(d, config, layout, fmt, eyas, drafter_config, contract, L, bs, source, assumed, readings, convention)
 
 
 PASS_BLOCKS = "pass the target or its number of decoder blocks (CLI: --target T or --num-target-blocks N)"
@@ -325,9 +347,10 @@ def _check_vocab_map(tensors: dict[str, Tensor], cfg: DrafterConfig, where: str)
 
 
 def read_checkpoint(
-    path: str | Path, num_target_blocks: int | None = None, default_num_blocks: int | None = None
+    path: str | Path, num_target_blocks: int | None = None, default_num_blocks: int | None = None,
+    ids_convention: str | None = None,
 ) -> Checkpoint:
-    meta = read_meta(path, num_target_blocks, default_num_blocks)
+    meta = read_meta(path, num_target_blocks, default_num_blocks, ids_convention)
     if (pickle_only := pickle_only_error(meta.path)) is not None:  # say this before anything else
         raise CheckpointError(pickle_only)
     if meta.boundaries is None:
@@ -421,11 +444,14 @@ def write_checkpoint(
     sglang_rule: str | None = None,
     speculative_tokens: int = 3,
     verifier: str | None = None,
+    boundaries_assumed: str | None = None,
 ) -> WrittenCheckpoint:
     """Write a drafter directory in ``layout`` ("eyas", "sglang" or "speculators"), ``eyas.json``
     included; ``sglang_rule`` (default: the current one) is the SGLang id rule nested ids are
     written for; ``verifier`` the target model a speculators config names (default: from the
-    contract, see :meth:`~eyas.interop.servers.vllm.VLLMServer.write_config`)."""
+    contract, see :meth:`~eyas.interop.servers.vllm.VLLMServer.write_config`);
+    ``boundaries_assumed`` (why) is recorded in ``eyas.json`` when the boundaries are an assumption
+    (an import of ambiguous ids), so that every later reading still says so."""
     if layout != "eyas" and layout not in LAYOUTS:
         raise CheckpointError(f"layout: expected 'eyas', 'sglang' or 'speculators', found {layout!r}")
     # config.json comes from the engine the layout is for (eyas writes SGLang's, eyas.json beside it)
@@ -465,6 +491,8 @@ def write_checkpoint(
     }
     if written.rule is not None:
         eyas_json["sglang_rule"] = written.rule
+    if boundaries_assumed:
+        eyas_json["boundaries_assumed"] = boundaries_assumed
     out = prepare_out_dir(out_dir)
     # Each file is replaced atomically; the three together are not (an interrupted overwrite can
     # mix generations, which the checks on load against eyas.json report).

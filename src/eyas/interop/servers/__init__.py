@@ -14,11 +14,11 @@ from eyas.interop.servers.registry import (
     SERVERS, export_names, for_export, for_layout, get, names, readings, register, unregister,
 )
 from eyas.interop.servers.spec import (
-    Edit, EngineReading, KeyRead, RuleCheck, ServerError, ServerSpec, WrittenConfig, flag_edit,
+    Edit, EngineReading, KeyRead, RuleCheck, ServerError, ServerSpec, TrainedBoundaries, WrittenConfig, flag_edit,
 )
 
 __all__ = [
     "SERVERS", "Edit", "EngineReading", "KeyRead", "RuleCheck", "ServerError", "ServerSpec",
-    "WrittenConfig", "export_names", "flag_edit", "for_export", "for_layout", "get", "names", "readings",
+    "TrainedBoundaries", "WrittenConfig", "export_names", "flag_edit", "for_export", "for_layout", "get", "names", "readings",
     "register", "unregister",
 ]

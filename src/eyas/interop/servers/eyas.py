@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from eyas.drafter.config import NORM_FLAGS, DrafterConfig
 from eyas.interop.common import CONFIG_JSON, EYAS_JSON
 from eyas.interop.servers.sglang import SGLANG
-from eyas.interop.servers.spec import Edit, EngineReading, KeyRead, ServerSpec, WrittenConfig
+from eyas.interop.servers.spec import Edit, EngineReading, KeyRead, ServerSpec, TrainedBoundaries, WrittenConfig
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +36,9 @@ class EyasServer(ServerSpec):
         has_eyas_json = meta.eyas is not None
         r.boundaries = list(meta.boundaries) if meta.boundaries is not None else None
         r.boundaries_note = f"from {meta.boundaries_source}"
+        if meta.boundaries_assumed:  # third-party ids the conventions read differently, none named
+            r.boundaries_assumed, r.assumed_why = True, meta.boundaries_assumed
+            r.boundaries_note += " (ASSUMED)"
         r.keys.append(KeyRead("eyas.json boundaries" if has_eyas_json else "boundaries", True, r.boundaries,
                               r.boundaries, r.boundaries_note))
         cfg = meta.drafter_config or files_config
@@ -63,9 +66,9 @@ class EyasServer(ServerSpec):
         """An eyas directory is SGLang-loadable: its config.json is SGLang's (eyas.json beside it)."""
         return SGLANG.write_config(cfg, boundaries, num_blocks, rule=rule, dtype=dtype)
 
-    def trained_boundaries(self, config: dict[str, Any], num_blocks: int | None,
-                           where: str) -> tuple[list[int] | None, str]:
-        return SGLANG.trained_boundaries(config, num_blocks, where)
+    def trained_boundaries(self, config: dict[str, Any], num_blocks: int | None, where: str,
+                           convention: str | None = None) -> TrainedBoundaries:
+        return SGLANG.trained_boundaries(config, num_blocks, where, convention)
 
 
 EYAS = EyasServer()

@@ -17,8 +17,12 @@ Absent ids make SGLang fall back to the default ``[2, L//2, L-3]`` boundaries. A
 read false; ``fc`` is built for 3 slots of ``target_hidden_size`` (llama_eagle3.py); capture is at
 block inputs, so boundary L (the last block's output) never arrives.
 
-SpecForge (and so a third-party SGLang-format directory) writes "output of block k" = boundary k+1
-always: importing one reads its ids by the legacy rule.
+SpecForge writes "output of block k" = boundary k+1 always; other tools write the ids as the SGLang
+that serves them reads them, by that version's rule. So the nested ids of a directory eyas did not
+write are ambiguous (:class:`IdsConvention`): :meth:`SGLangServer.trained_boundaries` reads them by
+the convention the user names, else by SpecForge's and says where the readings differ that the
+boundaries are assumed. Directories eyas wrote carry their boundaries under eyas keys and are not
+read through the ids at all.
 
 Adding an SGLang version with another rule is one more member of :class:`SGLangRule`.
 """
@@ -34,7 +38,9 @@ from eyas.drafter.config import NORM_FLAGS, DrafterConfig
 from eyas.interop import speculators
 from eyas.interop import sglang as layout
 from eyas.interop.common import CONFIG_JSON, CheckpointError, default_boundaries_or_none, llama_fields
-from eyas.interop.servers.spec import Edit, EngineReading, KeyRead, RuleCheck, ServerSpec, WrittenConfig
+from eyas.interop.servers.spec import (
+    Edit, EngineReading, KeyRead, RuleCheck, ServerSpec, TrainedBoundaries, WrittenConfig,
+)
 from eyas.interop.servers.vllm import TOP_IDS  # written too, so that vLLM loads an SGLang directory
 
 if TYPE_CHECKING:
@@ -69,6 +75,46 @@ class SGLangRule(str, Enum):
 
     def shift(self, ids: Sequence[int]) -> int:
         return self.reading(list(ids))[0]
+
+
+class IdsConvention(str, Enum):
+    """What the nested ids of a directory eyas did not write meant to the tool that trained it.
+
+    Each member is (CLI name, title, the SGLang rule whose arithmetic it follows). SpecForge's
+    "output of block k" is boundary k+1, the legacy rule's arithmetic, whatever SGLang serves it.
+    """
+
+    title: str
+    rule: SGLangRule
+
+    def __new__(cls, value: str, title: str, rule: SGLangRule) -> "IdsConvention":
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.title = title
+        member.rule = rule
+        return member
+
+    SPECFORGE = ("specforge", "specforge", SGLangRule.LEGACY)
+    SGLANG = ("sglang", f"sglang ({SGLangRule.PR25454.rule_title})", SGLangRule.PR25454)
+    SGLANG_LEGACY = ("sglang-legacy", "sglang-legacy", SGLangRule.LEGACY)
+
+
+def ids_readings(ids: Sequence[int], num_blocks: int | None) -> dict[str, list[int] | str]:
+    """``ids`` (nested, written by a tool other than eyas) read by every :class:`IdsConvention`:
+    convention name -> boundaries, or why that reading is invalid for the target."""
+    out: dict[str, list[int] | str] = {}
+    for c in IdsConvention:
+        try:
+            out[c.value] = sglang_ids_to_boundaries(ids, num_blocks, c.rule)
+        except BoundaryError as e:
+            out[c.value] = str(e)
+    return out
+
+
+def readings_text(readings: dict[str, list[int] | str]) -> str:
+    """``specforge: [3, 16, 28]; sglang (PR #25454): [2, 15, 27]; sglang-legacy: [3, 16, 28]``."""
+    return "; ".join(f"{IdsConvention(k).title}: {v if isinstance(v, list) else 'invalid (' + v + ')'}"
+                     for k, v in readings.items())
 
 
 def sglang_ids_to_boundaries(
@@ -170,6 +216,7 @@ class SGLangServer(ServerSpec):
     id_key = NESTED_IDS
     captures_last_boundary = False
     fc_slots = 3
+    ids_conventions = tuple(c.value for c in IdsConvention)
     rules_disagree_note = ("no id list is read the same by both rules unless the first boundary is 2: "
                            "pin the SGLang version")
 
@@ -263,26 +310,43 @@ class SGLangServer(ServerSpec):
         )
         return RuleCheck(False, notes)
 
-    def trained_boundaries(self, config: dict[str, Any], num_blocks: int | None,
-                           where: str) -> tuple[list[int] | None, str]:
+    def trained_boundaries(self, config: dict[str, Any], num_blocks: int | None, where: str,
+                           convention: str | None = None) -> TrainedBoundaries:
+        """Nested ids (a directory eyas did not write) mean what the tool that trained the drafter
+        meant (:class:`IdsConvention`): read by ``convention`` when the user names it; otherwise by
+        SpecForge's, and where the conventions read the ids differently the boundaries are assumed
+        (``assumed`` says so and ``readings`` names each one). Top-level ids alone are boundaries."""
         ids = nested_ids(config)
         top = config.get(TOP_IDS)
         if ids is not None:
-            # SpecForge semantics: output of block k = boundary k+1, always (the legacy SGLang rule).
-            try:
-                bs = sglang_ids_to_boundaries(ids, num_blocks, SGLangRule.LEGACY)
-            except BoundaryError as e:
-                raise CheckpointError(f"{where}: {NESTED_IDS}: {e}") from None
+            readings = ids_readings(ids, num_blocks)
+            conv = IdsConvention(convention) if convention is not None else IdsConvention.SPECFORGE
+            read = readings[conv.value]
+            if not isinstance(read, list):
+                raise CheckpointError(f"{where}: {NESTED_IDS}: {read} (read by the {conv.title} convention)")
+            bs = read
+            differ = len({tuple(v) if isinstance(v, list) else v for v in readings.values()}) > 1
+            assumed = None
+            if convention is not None:
+                source = f"{NESTED_IDS} {ids} read by the {conv.title} convention (named by the user)"
+            else:
+                source = f"{NESTED_IDS} {ids} (SpecForge convention: boundary = id + 1)"
+                if differ:
+                    assumed = (f"{where}: {NESTED_IDS} {ids} were not written by eyas and the conventions read "
+                               f"them differently ({readings_text(readings)}); {bs} (specforge) is assumed. Name "
+                               f"the convention (--ids-convention specforge|sglang|sglang-legacy), or let "
+                               f"`eyas doctor` settle it with the training shards, a conversations file or "
+                               f"an eyas.json")
             if top and [int(i) for i in top] != bs:
                 warnings.warn(
-                    f"{where}: {NESTED_IDS} {ids} (SpecForge convention: boundaries {bs}) and top-level "
-                    f"{TOP_IDS} {list(top)} (boundaries) disagree; using {bs}, which SGLang reads",
+                    f"{where}: {NESTED_IDS} {ids} ({conv.title} convention: boundaries {bs}) and top-level "
+                    f"{TOP_IDS} {list(top)} (boundaries) disagree; using {bs}",
                     stacklevel=4,
                 )
-            return bs, f"{NESTED_IDS} {ids} (SpecForge convention: boundary = id + 1)"
+            return TrainedBoundaries(bs, source, assumed, readings if differ else {},
+                                     conv.value if convention is not None or differ else None)
         if top:
-            return [int(i) for i in top], f"top-level {TOP_IDS} (boundaries)"
-        return default_boundaries_or_none(num_blocks, where, "layer ids")
-
+            return TrainedBoundaries([int(i) for i in top], f"top-level {TOP_IDS} (boundaries)")
+        return TrainedBoundaries(*default_boundaries_or_none(num_blocks, where, "layer ids"))
 
 SGLANG = SGLangServer()

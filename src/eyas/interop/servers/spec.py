@@ -12,7 +12,9 @@ A spec answers, for one engine, every question eyas asks about serving a drafter
 - **fixing** (:meth:`ServerSpec.boundary_edits`): the config edits, in the engine's own id
   convention, that make it capture given boundaries;
 - **importing** (:meth:`ServerSpec.trained_boundaries`): the boundaries a third-party directory of
-  the engine's layout was trained on, by that layout's own convention.
+  the engine's layout was trained on, by that layout's own convention (or the one the user names
+  where the tools that write the layout disagree, :attr:`ServerSpec.ids_conventions`), and whether
+  they are an assumption (:class:`TrainedBoundaries`).
 
 The answers are typed: an :class:`EngineReading` with one :class:`KeyRead` per key read, an
 :class:`Edit` per config edit, a :class:`WrittenConfig` per writer call.
@@ -110,6 +112,10 @@ class EngineReading:
     vocab_size: int | None = None
     fc_slots: int | None = None  # slots the engine builds fc for (None: as many as the weights have)
     keys: list[KeyRead] = field(default_factory=list)
+    # True when ``boundaries`` are the trained ones only by assumption (eyas reading third-party
+    # ids whose conventions disagree, no convention named); ``assumed_why`` says why and what settles it
+    boundaries_assumed: bool = False
+    assumed_why: str | None = None
 
     @property
     def rule(self) -> str | None:
@@ -120,7 +126,26 @@ class EngineReading:
                 "why_not": self.why_not, "boundaries": self.boundaries, "boundaries_note": self.boundaries_note,
                 "flags": self.flags, "flags_present": self.flag_present, "target_hidden_size": self.target_hidden_size,
                 "draft_vocab_size": self.draft_vocab_size, "vocab_size": self.vocab_size, "fc_slots": self.fc_slots,
-                "keys": [k.to_dict() for k in self.keys]}
+                "keys": [k.to_dict() for k in self.keys], "boundaries_assumed": self.boundaries_assumed,
+                "assumed_why": self.assumed_why}
+
+
+@dataclass(frozen=True)
+class TrainedBoundaries:
+    """The boundaries a directory eyas did not write was trained on, as its layout's ids say.
+
+    ``boundaries`` is None (and ``source`` says why) when they depend on an unknown block count.
+    ``assumed`` is set (why, and what settles it) when the ids mean different boundaries to the
+    tools that write the layout and no convention was named; ``readings`` then maps each
+    convention to its boundaries (or why it cannot read them). ``convention`` is the convention
+    the ids were read by, where more than one applies (None: the layout has one meaning).
+    """
+
+    boundaries: list[int] | None
+    source: str
+    assumed: str | None = None
+    readings: dict[str, list[int] | str] = field(default_factory=dict)
+    convention: str | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +188,7 @@ class ServerSpec(ABC):
     captures_last_boundary: bool = True  # False: captures block inputs only, boundary L never arrives
     fc_slots: int | None = None  # slots its drafter class builds fc for (None: as the weights say)
     rules_disagree_note: str = ""  # what to do when no id list is read alike by every rule
+    ids_conventions: tuple[str, ...] = ()  # what third-party ids may mean (empty: one meaning)
 
     # --- names ---
 
@@ -314,9 +340,10 @@ class ServerSpec(ABC):
         """What an export for this engine should say about its id rules (nothing for one rule)."""
         return RuleCheck()
 
-    def trained_boundaries(self, config: dict[str, Any], num_blocks: int | None,
-                           where: str) -> tuple[list[int] | None, str]:
+    def trained_boundaries(self, config: dict[str, Any], num_blocks: int | None, where: str,
+                           convention: str | None = None) -> TrainedBoundaries:
         """The boundaries a directory of this engine's layout, without eyas metadata, was trained
-        on: ``(boundaries, where they come from)``, or ``(None, why)`` when that needs an unknown
-        block count."""
+        on, where they come from, and whether they are assumed; boundaries None (and why) when that
+        needs an unknown block count. ``convention`` (one of :attr:`ids_conventions`) is what the
+        user says the ids mean; layouts with one meaning ignore it."""
         raise ServerError(f"{self.title} reads no layout of its own")

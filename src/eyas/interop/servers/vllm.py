@@ -22,7 +22,9 @@ from eyas.convention.boundaries import BoundaryError, default_boundaries, valida
 from eyas.drafter.config import NORM_FLAGS, DrafterConfig
 from eyas.interop import speculators as layout
 from eyas.interop.common import CONFIG_JSON, CheckpointError, default_boundaries_or_none, llama_fields
-from eyas.interop.servers.spec import Edit, EngineReading, KeyRead, ServerSpec, WrittenConfig, ids_or_none
+from eyas.interop.servers.spec import (
+    Edit, EngineReading, KeyRead, ServerSpec, TrainedBoundaries, WrittenConfig, ids_or_none,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -149,13 +151,12 @@ class VLLMServer(ServerSpec):
         }
         return WrittenConfig(config, {TOP_IDS: bs}, notes=tuple(notes))
 
-    def trained_boundaries(self, config: dict[str, Any], num_blocks: int | None,
-                           where: str) -> tuple[list[int] | None, str]:
+    def trained_boundaries(self, config: dict[str, Any], num_blocks: int | None, where: str,
+                           convention: str | None = None) -> TrainedBoundaries:
         ids = self.read_ids(config)
         if ids:
-            return ids, f"top-level {TOP_IDS} (boundaries)"
-        return default_boundaries_or_none(num_blocks, where, TOP_IDS)
-
+            return TrainedBoundaries(ids, f"top-level {TOP_IDS} (boundaries)")
+        return TrainedBoundaries(*default_boundaries_or_none(num_blocks, where, TOP_IDS))
 
 VLLM = VLLMServer()
 

@@ -1,0 +1,46 @@
+"""`eyas doctor` on a third-party SGLang directory whose nested ids the conventions read differently:
+its static stage says the trained boundaries are assumed (and what settles it) unless the user
+named the convention."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import save_file
+
+from eyas.doctor import run_doctor
+from eyas.drafter import DrafterConfig, Eagle3Drafter
+from eyas.interop.common import llama_fields
+from tests.support.toy import make_toy_target
+
+
+def _third_party(target: Path, d: Path) -> Path:
+    from transformers import AutoConfig
+
+    cfg = DrafterConfig.for_target(AutoConfig.from_pretrained(target), draft_vocab_size=64)
+    d.mkdir()
+    state = {k: v for k, v in Eagle3Drafter(cfg).state_dict().items() if k != "embed_tokens.weight"}
+    save_file(state, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], **llama_fields(cfg), "draft_vocab_size": 64,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 5, 8]}}))  # specforge [3, 6, 9], sglang [2, 5, 8]
+    return d
+
+
+@pytest.mark.integration
+def test_doctor_warns_that_assumed_boundaries_are_assumed_unless_the_convention_is_named(tmp_path, one_thread):
+    target = make_toy_target(tmp_path / "t", num_blocks=12)
+    draft = _third_party(target, tmp_path / "sf")
+    kw = dict(samples=2, max_length=32)
+    report = run_doctor(str(target), draft, **kw)
+    found = {f.code: f for f in report.stages["static"].findings}
+    assert "boundaries_assumed" in found and found["boundaries_assumed"].level == "warn"
+    msg = found["boundaries_assumed"].message
+    assert "[3, 6, 9] are assumed" in msg and "sglang (PR #25454): [2, 5, 8]" in msg
+    assert "training shards" in msg and "conversations file" in msg and "eyas.json" in msg
+    assert "the assumed trained ones" in found["boundaries"].message  # eyas serves them; nothing verified them
+    named = run_doctor(str(target), draft, ids_convention="sglang", **kw)
+    assert "boundaries_assumed" not in {f.code for f in named.stages["static"].findings}
+    assert named.draft.trained_boundaries == [2, 5, 8]
