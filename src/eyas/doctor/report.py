@@ -32,6 +32,9 @@ class DraftFacts:
                 "trained_boundaries": self.trained_boundaries, "trained_flags": self.trained_flags}
 
 
+EXIT_UNVERIFIED = 3  # nothing failed, but the trained boundaries are an unsettled assumption
+
+
 @dataclass
 class DoctorReport:
     verdict: Verdict
@@ -68,13 +71,23 @@ class DoctorReport:
         return self.verdict.problems
 
     @property
+    def unverified(self) -> str | None:
+        return self.verdict.unverified
+
+    @property
+    def status(self) -> str:
+        """healthy, unverified or unhealthy."""
+        return "healthy" if self.healthy else "unverified" if self.unverified else "unhealthy"
+
+    @property
     def exit_code(self) -> int:
-        return 0 if self.healthy else 1
+        """0 healthy, 1 not healthy, 3 unverified (2 is the CLI's bad-input code)."""
+        return {"healthy": 0, "unhealthy": 1, "unverified": EXIT_UNVERIFIED}[self.status]
 
     def to_dict(self) -> dict[str, Any]:
         v = self.verdict
         d: dict[str, Any] = {
-            "healthy": v.healthy, "cause": v.cause, "fix": v.fix, "fix_edits": [e.to_dict() for e in v.fix_edits],
+            "healthy": v.healthy, "status": self.status, "unverified": v.unverified, "cause": v.cause, "fix": v.fix, "fix_edits": [e.to_dict() for e in v.fix_edits],
             "warnings": v.warnings, "problems": v.problems, "engine": self.engine.to_dict(),
             "target": self.target.to_dict(), "draft": self.draft.to_dict(),
             "data": self.data.to_dict() if self.data is not None else None,
@@ -130,7 +143,7 @@ def plot_png(report: DoctorReport, path: str | Path) -> Path:
     ax.set_xlabel("draft position")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1)
-    verdict = "healthy" if report.healthy else "NOT healthy"
+    verdict = {"healthy": "healthy", "unverified": "UNVERIFIED"}.get(report.status, "NOT healthy")
     ax.set_title(f"eyas doctor ({report.engine.label}): {verdict}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
@@ -240,6 +253,9 @@ def render(report: DoctorReport, console: Any) -> None:
         if report.warnings:
             body += "\n" + "\n".join(f"[yellow]warning[/] {e(w)}" for w in report.warnings)
         console.print(Panel(body, title="verdict", border_style="green"))
+    elif report.unverified:
+        body = f"[bold yellow]UNVERIFIED[/]: {e(report.unverified)}"
+        console.print(Panel(body, title="verdict", border_style="yellow"))
     else:
         body = f"[bold red]NOT HEALTHY[/]\n[bold]cause[/] {e(report.cause or '-')}\n[bold]fix[/]   {e(report.fix or '-')}"
         others: dict[str, int] = {}

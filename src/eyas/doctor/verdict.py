@@ -1,6 +1,9 @@
-"""Stage 6, verdict: healthy or not, the cause in one sentence, and the fix.
+"""Stage 6, verdict: healthy, unverified or not healthy; the cause in one sentence, and the fix.
 
-Healthy means no stage failed (warnings are listed, they do not fail). Otherwise the cause is the
+Healthy means no stage failed (warnings are listed, they do not fail) and the trained boundaries
+are known. Unverified means nothing failed but the trained boundaries are an assumption that no
+evidence here settled (no eyas.json, no training shards; ids that mean different boundaries to
+different tools, or no ids at all): unknown is not healthy. Otherwise the cause is the
 most fundamental failure, in this order: the directory cannot be read or loaded by the engine; the
 target is not the one trained for; shapes and vocabularies do not fit; the engine captures other
 boundaries; it builds the drafter with other norm flags; the chat template differs; then what only
@@ -64,6 +67,9 @@ def describe_boundaries(trained: list[int], served: list[int], L: int) -> str:
 class Verdict:
     healthy: bool
     cause: str | None = None  # the most fundamental failure, in one sentence
+    # Why nothing failed yet the doctor cannot call the drafter healthy (None: it could): the trained
+    # boundaries are assumed and no evidence here settled them. Such a run is neither healthy nor failed.
+    unverified: str | None = None
     fix: str | None = None  # the config edits in words, then the fix in words when no edit helps
     fix_edits: list[Edit] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # "stage: message" of every warning
@@ -94,6 +100,15 @@ def verdict(stages: DoctorStages, dd: DrafterDir | None, reading: EngineReading 
     warnings = [f"{name}: {f.message}" for name, st in stages.items() for f in st.findings if f.level == WARN]
     out = Verdict(healthy=not fails, warnings=warnings, problems=[f"{f.code}: {f.message}" for f in fails])
     if not fails:
+        # Unknown is not healthy: boundaries the directory does not record, which no training shards
+        # settled, leave every check above comparing the drafter with an assumption.
+        assumed = next((f for f in stages.static.findings if f.code == "boundaries_assumed"), None)
+        if assumed is not None:
+            out.healthy = False
+            out.unverified = (f"{assumed.message}. Every check passed against those boundaries, but no evidence here "
+                              f"says the drafter was trained on them: give the doctor its training shards (--data) "
+                              f"or a directory with an eyas.json, or name the ids' convention (--ids-convention) if "
+                              f"you know it")
         return out
     static_fails = sorted(stages.static.failures(), key=_rank)
     label = reading.label if reading is not None else "the engine"

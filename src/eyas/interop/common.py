@@ -261,3 +261,11 @@ def default_boundaries_or_none(num_blocks: int | None, where: str, missing: str)
         return None, (f"{where} has no {missing}, so the drafter uses the EAGLE-3 default boundaries "
                       f"[2, L//2, L-3], which depend on the target's number of decoder blocks L")
     return default_boundaries(num_blocks), f"the EAGLE-3 default for {num_blocks} blocks (no ids)"
+
+
+def default_assumed(where: str, missing: str) -> str:
+    """Why boundaries taken from the EAGLE-3 default are an assumption: the engines capture the
+    default when a config has no ids, but nothing in the directory says the drafter was trained on it
+    (a converter that drops the ids writes exactly such a directory)."""
+    return (f"{where} records no {missing}: the engines capture the EAGLE-3 default, and nothing in the directory "
+            f"says the drafter was trained on it")

@@ -37,7 +37,7 @@ from eyas.convention.boundaries import BoundaryError, default_boundaries, valida
 from eyas.drafter.config import NORM_FLAGS, DrafterConfig
 from eyas.interop import speculators
 from eyas.interop import sglang as layout
-from eyas.interop.common import CONFIG_JSON, CheckpointError, default_boundaries_or_none, llama_fields
+from eyas.interop.common import CONFIG_JSON, CheckpointError, default_assumed, default_boundaries_or_none, llama_fields
 from eyas.interop.servers.spec import (
     Edit, EngineReading, KeyRead, RuleCheck, ServerSpec, TrainedBoundaries, WrittenConfig,
 )
@@ -347,6 +347,7 @@ class SGLangServer(ServerSpec):
                                      conv.value if convention is not None or differ else None)
         if top:
             return TrainedBoundaries([int(i) for i in top], f"top-level {TOP_IDS} (boundaries)")
-        return TrainedBoundaries(*default_boundaries_or_none(num_blocks, where, "layer ids"))
+        bs, source = default_boundaries_or_none(num_blocks, where, "layer ids")
+        return TrainedBoundaries(bs, source, assumed=default_assumed(where, "layer ids") if bs is not None else None)
 
 SGLANG = SGLangServer()

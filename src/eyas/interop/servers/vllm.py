@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from eyas.convention.boundaries import BoundaryError, default_boundaries, validate_boundaries
 from eyas.drafter.config import NORM_FLAGS, DrafterConfig
 from eyas.interop import speculators as layout
-from eyas.interop.common import CONFIG_JSON, CheckpointError, default_boundaries_or_none, llama_fields
+from eyas.interop.common import CONFIG_JSON, CheckpointError, default_assumed, default_boundaries_or_none, llama_fields
 from eyas.interop.servers.spec import (
     Edit, EngineReading, KeyRead, ServerSpec, TrainedBoundaries, WrittenConfig, ids_or_none,
 )
@@ -156,7 +156,8 @@ class VLLMServer(ServerSpec):
         ids = self.read_ids(config)
         if ids:
             return TrainedBoundaries(ids, f"top-level {TOP_IDS} (boundaries)")
-        return TrainedBoundaries(*default_boundaries_or_none(num_blocks, where, TOP_IDS))
+        bs, source = default_boundaries_or_none(num_blocks, where, TOP_IDS)
+        return TrainedBoundaries(bs, source, assumed=default_assumed(where, TOP_IDS) if bs is not None else None)
 
 VLLM = VLLMServer()
 
