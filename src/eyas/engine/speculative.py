@@ -154,7 +154,7 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
     rounded up to a power of two (at least 256), so requests of similar lengths share one state
     (fixed-shape steps attend the whole cache: it must not be much longer than needed). Its shapes
     follow the target's: fixed (and graphed) when the target's are."""
-    states = target.__dict__.setdefault("_draft_states", {})
+    states = target.loop_cache.setdefault("draft_states", {})
     key = (id(drafter), tree)
     need = max_len + tree.scratch_slots + tree.depth + 1
     if key not in states or states[key][0] is not drafter or states[key][1].max_len < need:
@@ -280,7 +280,7 @@ def _greedy_verdict(target: Target, t: DraftTree, logits: Tensor) -> tuple[Verdi
         return v.path, v.accepted, v.bonus, _pack(tree, v)
 
     if getattr(target, "cuda_graphs", False):
-        graphs = target.__dict__.setdefault("_verdicts", {})  # per depth; StepGraphs keys the shapes
+        graphs = target.loop_cache.setdefault("verdicts", {})  # per depth; StepGraphs keys the shapes
         if t.depth not in graphs:
             graphs[t.depth] = StepGraphs(verdict)
         run = graphs[t.depth]
