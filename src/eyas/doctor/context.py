@@ -24,13 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from torch import Tensor
 
 from eyas.contract.contract import SlotFingerprint, ValidationMetrics
 from eyas.doctor.capture import LiveCapture, capture_all
 from eyas.doctor.common import FAIL, STAGES, DoctorStages, Finding, Stage
+from eyas.doctor.evaluate import Accuracy, accuracy
 from eyas.interop import DrafterDir, build_drafter
 from eyas.interop.servers import EngineReading
 from eyas.doctor.samples import SampleSet
@@ -168,6 +169,8 @@ class DoctorContext:
     capture: LiveCapture | None = None
     reference: list[SlotFingerprint] | None = None  # the training fingerprint, one per trained slot
     reference_source: str = ""
+    # measured on the live capture, per (slots, sorted norm flags): the longest run asked for (live_accuracy)
+    live_accuracies: dict[tuple, Accuracy] = field(default_factory=dict)
     # -- the results --------------------------------------------------------------------------------------
     stages: DoctorStages = field(default_factory=DoctorStages)
 
@@ -238,6 +241,23 @@ class DoctorContext:
                           "(catches a wrong capture, not a wrong target)")
         self.capture, self.reference, self.reference_source = cap, ref, ref_source
         return cap
+
+    def live_accuracy(self, slots: Sequence[int], flags: dict[str, bool], steps: int) -> Accuracy:
+        """The drafter built with norm ``flags``, fed the live capture's boundaries ``slots`` (in
+        order) and the live target's labels, over ``steps`` draft positions.
+
+        Measured once per (slots, flags): replay on live features, live and the search ask for
+        the same protocol on the same capture, and a shorter ask is the first positions of a
+        longer run (:meth:`Accuracy.first`); a longer ask than measured runs again."""
+        bs = tuple(int(b) for b in slots)
+        key = (bs, tuple(sorted(flags.items())))
+        got = self.live_accuracies.get(key)
+        if got is None or len(got.accuracy_per_position) < steps:
+            cap = self.live_capture()
+            got = accuracy(self.drafter_cache.get(flags), self.sample_set.samples, lambda i: cap.features(i, bs),
+                           cap.argmax, steps)
+            self.live_accuracies[key] = got
+        return got.first(steps)
 
     # -- reading --------------------------------------------------------------------------------------
 

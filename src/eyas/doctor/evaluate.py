@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import Tensor
 
 from eyas.doctor.samples import Sample
 from eyas.drafter.model import Eagle3Drafter
 from eyas.training.batches import pad_right
-from eyas.drafter.ttt import Tally, TargetLabels, ttt_forward
+from eyas.drafter.ttt import Tally, TargetLabels, accept_length, ttt_forward
 
 @dataclass(frozen=True)
 class Accuracy:
@@ -40,16 +41,29 @@ class Accuracy:
         acc = self.accuracy_per_position[:positions]
         return sum(acc) / len(acc) if acc else 0.0
 
+    def first(self, positions: int) -> Accuracy:
+        """The first ``positions`` draft positions only: what a run of that many steps measures
+        (position k depends on steps 0..k alone; the accept length is recomputed from them)."""
+        if positions >= len(self.accuracy_per_position):
+            return self
+        cond = self.conditional_accuracy_per_position[:positions]
+        return Accuracy(self.accuracy_per_position[:positions], cond, round(accept_length(cond), 5), self.tokens_counted)
+
     def to_dict(self) -> dict[str, Any]:
         return {"accuracy_per_position": self.accuracy_per_position,
                 "conditional_accuracy_per_position": self.conditional_accuracy_per_position,
                 "simulated_accept_length": self.simulated_accept_length, "tokens_counted": self.tokens_counted}
 
 
+@torch.inference_mode()
 def accuracy(drafter: Eagle3Drafter, samples: Sequence[Sample], features: Callable[[int], Tensor],
              labels: Sequence[Tensor], steps: int, batch_size: int = 8) -> Accuracy:
     """Per-position accuracy, conditional accuracy and simulated accept length of ``drafter`` on
-    ``samples`` whose target features are ``features(i)`` [T, S*H] and labels ``labels[i]`` [T]."""
+    ``samples`` whose target features are ``features(i)`` [T, S*H] and labels ``labels[i]`` [T].
+
+    Runs under ``torch.inference_mode`` (no autograd graph: the loss ``ttt_forward`` computes is
+    not reported). Position k's counts depend only on steps 0..k, so the first positions of a
+    longer run are exactly what a shorter run would measure."""
     device = drafter.fc.weight.device
     order = sorted(range(len(samples)), key=lambda i: -samples[i].length)  # similar lengths share a batch
     tally = Tally(steps)

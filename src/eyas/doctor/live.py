@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from eyas.doctor.common import FAIL, INFO, OK, Stage, fmt_acc, replay_tolerance, short_by
-from eyas.doctor.evaluate import Accuracy, accuracy
+from eyas.doctor.evaluate import Accuracy
 
 if TYPE_CHECKING:
     from eyas.doctor.context import DoctorContext
@@ -45,9 +45,8 @@ def live_stage(ctx: DoctorContext) -> Stage[LiveResult]:
     if fc_in is not None and fc_in != len(bs) * cap.hidden_size:
         return st.skip(f"{reading.label} captures {len(bs)} boundaries x {cap.hidden_size} = "
                        f"{len(bs) * cap.hidden_size} features; the drafter's fc takes {fc_in}")
-    drafter, build_notes = ctx.drafter_cache.with_notes(reading.flags)
-    samples = ctx.sample_set.samples
-    measured = accuracy(drafter, samples, lambda i: cap.features(i, bs), cap.argmax, ctx.steps)
+    build_notes = ctx.drafter_cache.with_notes(reading.flags)[1]
+    measured = ctx.live_accuracy(bs, reading.flags, ctx.steps)  # measured once when replay ran the same protocol
     st.result = LiveResult(bs, reading.flags, reading.label, measured)
     acc = measured.accuracy_per_position
     for note in build_notes:

@@ -44,12 +44,18 @@ class ReplayResult:
                 **self.accuracy.to_dict(), "training": training}
 
 
+def replays_stored(trained: list[int], samples: SampleSet, cap: LiveCapture, stored_labels: list[Tensor] | None) -> bool:
+    """Whether the replay runs on the stored training features (shards of the trained boundaries,
+    of the live target's width); else on the live capture of the trained boundaries."""
+    mc = samples.manifest_contract
+    return (samples.source == "shards" and samples.stored_boundaries == trained and stored_labels is not None
+            and mc is not None and mc.target.hidden_size == cap.hidden_size)
+
+
 def replay_features(trained: list[int], samples: SampleSet, cap: LiveCapture, live_labels: list[Tensor],
                     stored_labels: list[Tensor] | None) -> tuple[Callable[[int], Tensor], list[Tensor], str]:
     """(features of sample i, labels, description) for the replay of a drafter trained on ``trained``."""
-    mc = samples.manifest_contract
-    if (samples.source == "shards" and samples.stored_boundaries == trained and stored_labels is not None
-            and mc is not None and mc.target.hidden_size == cap.hidden_size):
+    if replays_stored(trained, samples, cap, stored_labels):
         return (lambda i: samples.samples[i].features), stored_labels, \
             f"stored training features (shards, boundaries {trained})"
     bs = trained
@@ -65,8 +71,10 @@ def replay_stage(ctx: DoctorContext) -> Stage[ReplayResult]:
     sset = ctx.sample_set
     stored = stored_labels(ctx.model, sset.samples) if sset.source == "shards" else None
     features, labels, how = replay_features(ctx.trained, sset, cap, cap.argmax, stored)
-    drafter = ctx.drafter_cache.get(ctx.dd.trained_flags)
-    measured = accuracy(drafter, sset.samples, features, labels, ctx.steps)
+    if replays_stored(ctx.trained, sset, cap, stored):
+        measured = accuracy(ctx.drafter_cache.get(ctx.dd.trained_flags), sset.samples, features, labels, ctx.steps)
+    else:  # the live capture: the measurement live and the search reuse for the same protocol
+        measured = ctx.live_accuracy(ctx.trained, ctx.dd.trained_flags, ctx.steps)
     metrics = ctx.metrics
     st: Stage[ReplayResult] = Stage("replay", result=ReplayResult(how, len(sset.samples), sset.selection, measured, metrics))
     acc = measured.accuracy_per_position

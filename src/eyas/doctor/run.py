@@ -11,6 +11,7 @@ reported failed or skipped instead of run.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -65,6 +66,30 @@ def run_doctor(
     sglang-legacy) says what a directory's third-party nested SGLang ids mean; without it, ids those
     conventions read differently give assumed boundaries, which the static stage warns about.
     """
+    threads = cpu_threads(device)
+    if threads is None:
+        return _run(target, draft, data, engine, sglang_rule, samples, max_length, png, device, model, tokenizer, log)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run(target, draft, data, engine, sglang_rule, samples, max_length, png, device, model, tokenizer, log)
+    finally:
+        torch.set_num_threads(before)
+
+
+def cpu_threads(device: str) -> int | None:
+    """The intra-op threads the doctor runs with on a CPU: half of torch's default (at least 1),
+    unless OMP_NUM_THREADS says otherwise (then None: as set). Its many small operations wait at
+    every thread barrier; with as many threads as cores, any other busy process stalls them (on 2
+    cores shared with other work a run took 56-94 s with 2 threads and 23 s with 1)."""
+    if not str(device).startswith("cpu") or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, torch.get_num_threads() // 2)
+
+
+def _run(target: str | None, draft: str | Path, data: str | None, engine: str, sglang_rule: str | None,
+         samples: int, max_length: int, png: str | Path | None, device: str, model: Any, tokenizer: Any,
+         log: Callable[[str], None] | None) -> DoctorReport:
     t0 = time.perf_counter()
     spec = servers.get(engine)
     name, version = spec.name, spec.rule(sglang_rule)

@@ -144,14 +144,15 @@ def _from_shards(path: str, train_config: Any, n: int, max_length: int) -> Sampl
 
 
 @torch.no_grad()
-def answer(model: Any, tokenizer: Any, prompts: list[Tensor], max_new_tokens: int) -> list[Tensor]:
-    """Greedy answers of the target (left-padded batches); each ends at (and keeps) its EOS."""
+def answer(model: Any, tokenizer: Any, prompts: list[Tensor], max_new_tokens: int, batch_size: int = 16) -> list[Tensor]:
+    """Greedy answers of the target (left-padded batches of ``batch_size``: on a CPU the decode
+    steps, not the batch, set the time); each ends at (and keeps) its EOS."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     device = next(model.parameters()).device
     out: list[Tensor] = []
-    for b0 in range(0, len(prompts), 8):
-        batch = prompts[b0:b0 + 8]
+    for b0 in range(0, len(prompts), batch_size):
+        batch = prompts[b0:b0 + batch_size]
         T = max(p.shape[0] for p in batch)
         ids = torch.full((len(batch), T), pad, dtype=torch.long)
         attn = torch.zeros(len(batch), T, dtype=torch.long)

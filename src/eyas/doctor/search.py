@@ -16,7 +16,13 @@ plausible way the two sides can disagree is tried on the live capture of the sam
 Each candidate is scored by its mean accuracy over the first two draft positions (position 0
 reads the target's features, position 1 the drafter's fed-back state, so every flag shows); it
 restores when it is no further below the replay than a healthy live would be. The trained
-protocol wins when it restores; otherwise the best restoring candidate.
+protocol wins when it restores, and then the search stops there (it is tried first; the other
+candidates could not change the winner); otherwise the best restoring candidate.
+
+Each measurement on the live capture is made once per (slots, flags) and shared with replay and
+live (:meth:`eyas.doctor.context.DoctorContext.live_accuracy`): the trained protocol's score is
+the replay's own run when replay ran on the live capture, and the winner's run over every draft
+position is reused when it was already made.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from eyas.doctor.common import NORM_FLAGS, OK, SEARCH_POSITIONS, WARN, Stage, short_by, slots_text
-from eyas.doctor.evaluate import Accuracy, accuracy
+from eyas.doctor.evaluate import Accuracy
 from eyas.doctor.fingerprint import nearest
 
 if TYPE_CHECKING:
@@ -144,10 +150,7 @@ class _Scorer:
         self.scored: list[ScoredProtocol] = []
 
     def accuracy(self, p: Protocol, positions: int) -> Accuracy:
-        ctx = self.ctx
-        cap = ctx.live_capture()
-        return accuracy(ctx.drafter_cache.get(p.flag_dict), ctx.sample_set.samples, lambda i: cap.features(i, p.slots),
-                        cap.argmax, positions)
+        return self.ctx.live_accuracy(p.slots, p.flag_dict, positions)  # the replay's run, for the trained protocol
 
     def run(self, p: Protocol) -> ScoredProtocol:
         a = self.accuracy(p, self.positions)
@@ -170,9 +173,10 @@ def _combined(best: Protocol) -> list[Protocol]:
 
 
 def search_stage(ctx: DoctorContext) -> Stage[SearchResult]:
-    """Run only when live falls short of replay: score every candidate protocol; if none restores,
-    the best boundaries with each flag toggled; the trained protocol wins when it restores, else
-    the best restoring one, which is then measured over every draft position."""
+    """Run only when live falls short of replay: score the candidate protocols, the trained one
+    first (when it restores it wins and the rest are not scored); if none restores, the best
+    boundaries with each flag toggled; else the best restoring one wins. The winner is then
+    measured over every draft position."""
     st: Stage[SearchResult] = Stage("search")
     live, reading = ctx.stages.live, ctx.served
     served = reading.boundaries if reading.loadable else None
@@ -190,7 +194,8 @@ def search_stage(ctx: DoctorContext) -> Stage[SearchResult]:
     scorer = _Scorer(ctx, k, ref)
     dd = ctx.dd
     for p in candidates(served, reading.flags, L, ctx.trained, dd.trained_flags, fingerprint_match):
-        scorer.run(p)
+        if scorer.run(p).restores and p.kind == "trained":
+            break  # decided: the trained protocol wins when it restores, whatever the others score
     if not any(r.restores for r in scorer.scored):
         best = max((r for r in scorer.scored if r.protocol.kind in ("boundaries", "fingerprint")),
                    key=lambda r: r.score, default=None)
