@@ -68,11 +68,13 @@ def run_doctor(
     """
     threads = cpu_threads(device)
     if threads is None:
-        return _run(target, draft, data, engine, sglang_rule, samples, max_length, png, device, model, tokenizer, log)
+        return _run(target, draft, data, engine, sglang_rule, samples, max_length, png, device, model, tokenizer, log,
+                    ids_convention)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _run(target, draft, data, engine, sglang_rule, samples, max_length, png, device, model, tokenizer, log)
+        return _run(target, draft, data, engine, sglang_rule, samples, max_length, png, device, model, tokenizer, log,
+                    ids_convention)
     finally:
         torch.set_num_threads(before)
 
@@ -89,7 +91,7 @@ def cpu_threads(device: str) -> int | None:
 
 def _run(target: str | None, draft: str | Path, data: str | None, engine: str, sglang_rule: str | None,
          samples: int, max_length: int, png: str | Path | None, device: str, model: Any, tokenizer: Any,
-         log: Callable[[str], None] | None) -> DoctorReport:
+         log: Callable[[str], None] | None, ids_convention: str | None) -> DoctorReport:
     t0 = time.perf_counter()
     spec = servers.get(engine)
     name, version = spec.name, spec.rule(sglang_rule)

@@ -354,8 +354,9 @@ def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
         st.add(INFO, "trained_from_shards", trained_note)
     elif dd.meta.boundaries_assumed:  # nothing here settles what the ids meant: never call them verified
         st.add(WARN, "boundaries_assumed", f"the trained boundaries {trained} are assumed, not recorded: "
-               f"{dd.meta.boundaries_assumed}; what settles it: the training shards (--data), a conversations "
-               f"file (--data) whose measured acceptance decides, or an eyas.json")
+               f"{dd.meta.boundaries_assumed}; what settles it: the training shards (--data) or an eyas.json "
+               f"(a conversations file does not: without the training statistics or accuracy there is no "
+               f"reference to hold each candidate boundary set against)")
     source = "the training shards" if trained_note else dd.meta.boundaries_source
     _check_boundaries(st, dd, reading, L, trained, source)
     _check_flags(st, dd, reading)

@@ -335,8 +335,7 @@ class SGLangServer(ServerSpec):
                     assumed = (f"{where}: {NESTED_IDS} {ids} were not written by eyas and the conventions read "
                                f"them differently ({readings_text(readings)}); {bs} (specforge) is assumed. Name "
                                f"the convention (--ids-convention specforge|sglang|sglang-legacy), or let "
-                               f"`eyas doctor` settle it with the training shards, a conversations file or "
-                               f"an eyas.json")
+                               f"`eyas doctor` settle it with the training shards or an eyas.json")
             if top and [int(i) for i in top] != bs:
                 warnings.warn(
                     f"{where}: {NESTED_IDS} {ids} ({conv.title} convention: boundaries {bs}) and top-level "
