@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import time
 import traceback
 
@@ -42,6 +41,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from eyas.convention import CaptureSpec
 from eyas.engine import LlamaTarget
+from llama_target_gpu import timed, tree_mask  # the sibling script (run from benchmarks/ or the repo root)
 
 SIZES = (1, 8, 16, 24, 32, 64)
 
@@ -71,37 +71,6 @@ def llama_8b_shaped(device: torch.device, tiny: bool, seed: int = 0) -> torch.nn
     param = next(model.parameters())
     assert param.device.type == device.type and param.dtype == torch.bfloat16, (param.device, param.dtype)
     return model
-
-
-def tree_mask(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random tree of n nodes (node i's parent < i, -1 = the root): ancestor mask and depth."""
-    parent = [-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, n)]
-    mask = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parent):
-        while p >= 0:
-            mask[i, p], p = True, parent[p]
-    return mask, mask.sum(1) - 1
-
-
-def timed(fn, device: torch.device, reps: int, warm: int = 3, after=None) -> float:
-    """Median milliseconds of ``fn`` (CUDA events on a GPU, the host clock on the CPU); ``after``
-    runs after each timed call, outside the timing."""
-    times = []
-    for _ in range(reps + warm):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1000)
-        if after is not None:
-            after()
-    return statistics.median(times[warm:])
 
 
 def bandwidth(device: torch.device, nbytes: int, reps: int) -> dict[str, float]:

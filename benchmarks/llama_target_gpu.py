@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from eyas.convention import CaptureSpec
 from eyas.engine import HFTarget, LlamaTarget, plain_generate
+from eyas.engine.stats import synchronize
 
 
 def smollm2_shaped(device: torch.device, tiny: bool, seed: int = 0) -> torch.nn.Module:
@@ -90,11 +91,6 @@ def timed(fn, device: torch.device, reps: int = 30, warm: int = 5, after=None) -
         if after is not None:
             after()
     return statistics.median(times[warm:])
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 @torch.no_grad()

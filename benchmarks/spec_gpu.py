@@ -66,6 +66,9 @@ if str(REPO / "src") not in sys.path:
 
 import torch  # noqa: E402
 
+from eyas.bench.run import sum_lists  # noqa: E402
+from eyas.engine.stats import synchronize  # noqa: E402
+
 SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 WARMUP_MESSAGE = "Write a short paragraph about the ocean, then list three facts about whales."
 DECODER_ORDER = ("spec_tree", "spec_chain", "eyas_plain", "hf_compiled", "hf_static", "hf_eager")
@@ -90,11 +93,6 @@ class Budget:
 
     def left(self) -> float:
         return self.seconds - self.elapsed()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class time_limit:
@@ -218,15 +216,6 @@ def hf_runner(model: Any, eos: list[int], pad: int, max_new: int, cache: Any = N
 # ---------------------------------------------------------------------------------------------
 
 
-def _sum_lists(lists: list[list[int]]) -> list[int]:
-    out: list[int] = []
-    for xs in lists:
-        out += [0] * (len(xs) - len(out))
-        for i, x in enumerate(xs):
-            out[i] += x
-    return out
-
-
 def _rate_mean(rows: list[dict[str, Any]]) -> float:
     rates = [r["n"] / r["s"] for r in rows if r["s"] > 0]
     return sum(rates) / len(rates) if rates else 0.0
@@ -250,8 +239,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if stats and any(s["accept_lengths"] for s in stats):
         per_round = [n for s in stats for n in s["accept_lengths"]]
         rounds = len(per_round)
-        drafted = _sum_lists([s["drafted_at_depth"] for s in stats])
-        accepted = _sum_lists([s["accepted_at_depth"] for s in stats])
+        drafted = sum_lists([s["drafted_at_depth"] for s in stats])
+        accepted = sum_lists([s["accepted_at_depth"] for s in stats])
         hist = Counter(per_round)
         out.update(
             tau=round(sum(per_round) / rounds, 3) if rounds else 1.0,
@@ -321,11 +310,11 @@ def profile_rounds(name: str, generate: Callable[[], Any], target: Any, rounds: 
         state["calls"] += 1
         c = state["calls"]
         if c == skip + 2 and state["start"] is None:
-            sync(target.device)
+            synchronize(target.device)
             prof.start()
             state["start"], state["t0"] = c, time.perf_counter()
         elif state["start"] is not None and state["stop"] is None and c == state["start"] + rounds:
-            sync(target.device)
+            synchronize(target.device)
             state["t1"] = time.perf_counter()
             prof.stop()
             state["stop"] = c
@@ -340,15 +329,15 @@ def profile_rounds(name: str, generate: Callable[[], Any], target: Any, rounds: 
     if state["start"] is None:  # the engine never called target.forward enough: profile it all
         note = f"whole generation profiled ({state['calls']} target.forward calls seen)"
         prof = profile(activities=acts)
-        sync(target.device)
+        synchronize(target.device)
         with prof:
             state["t0"] = time.perf_counter()
             result = generate()
-            sync(target.device)
+            synchronize(target.device)
             state["t1"] = time.perf_counter()
         window = max(result.stats.rounds, 1)
     elif state["stop"] is None:
-        sync(target.device)
+        synchronize(target.device)
         state["t1"] = time.perf_counter()
         prof.stop()
         window = state["calls"] - state["start"] + 1
@@ -600,10 +589,10 @@ class Bench:
         dev = self.device
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        sync(dev)
+        synchronize(dev)
         t0 = time.perf_counter()
         tokens, stats = dec.run(ids, sampling, seed)
-        sync(dev)
+        synchronize(dev)
         dt = time.perf_counter() - t0
         row: dict[str, Any] = {"n": len(tokens), "s": round(dt, 5), "tokens": tokens}
         if dev.type == "cuda":

@@ -22,7 +22,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Every Tensor method that hands a device value to Python.
 READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
-GREEDY_BAR, SAMPLING_BAR = 2, 3  # issue 10's bars: reads per round on the fast path
 
 
 def _scalar_tensor_index(index) -> bool:
@@ -80,8 +79,7 @@ def test_a_round_on_the_fast_path_reads_the_device_once(llama, trained_drafter, 
                         generator=torch.Generator().manual_seed(0), timing="off")
         counts = reads.per_step(session)
         # one read per round: the verdict (accepted length, path tokens, bonus, tree depth)
-        assert counts == [1] * len(counts)
-        assert max(counts) <= (GREEDY_BAR if sampling.greedy else SAMPLING_BAR)
+        assert counts == [1] * len(counts)  # within issue 10's bars: 2 greedy, 3 sampling
         rounds += len(counts)
         accepted += sum(session.stats.accept_lengths) - len(session.stats.accept_lengths)
     assert rounds > 0 and accepted > 0  # rounds that accepted drafts were counted too

@@ -57,8 +57,8 @@ class SetResult:
         # papers; the first token, which comes from the prefill alone, is not a round.
         per_round = [n for s in self.stats for n in s.accept_lengths]
         new = sum(s.new_tokens for s in self.stats)
-        drafted = _sum_lists([s.drafted_at_depth for s in self.stats])
-        accepted = _sum_lists([s.accepted_at_depth for s in self.stats])
+        drafted = sum_lists([s.drafted_at_depth for s in self.stats])
+        accepted = sum_lists([s.accepted_at_depth for s in self.stats])
         mean = {m: round(r.tokens_per_s_mean(), 2) for m, r in self.runs.items()}
         total = {m: round(r.tokens_per_s_total(), 2) for m, r in self.runs.items()}
         spec, plain, hf = (self.runs[m] for m in METHODS)
@@ -66,6 +66,7 @@ class SetResult:
             "set": self.name,
             "prompts": len(self.stats),
             "new_tokens": new,
+            "rounds": len(per_round),  # speculative rounds after the prefill
             "tau": round(sum(per_round) / len(per_round), 3) if per_round else 1.0,  # = GenerationStats.tau
             "tokens_per_s": mean,
             "tokens_per_s_total": total,
@@ -84,7 +85,8 @@ class SetResult:
         }
 
 
-def _sum_lists(lists: Sequence[list[int]]) -> list[int]:
+def sum_lists(lists: Sequence[list[int]]) -> list[int]:
+    """Element-wise sum of lists of different lengths (per-depth counts of many requests)."""
     out: list[int] = []
     for xs in lists:
         out += [0] * (len(xs) - len(out))

@@ -174,9 +174,9 @@ def bench_cmd(
               "sets": summaries, "png": str(png)}
     if choice is not None:
         report["tree_auto"] = choice.to_dict()
-        rounds = [sum(s["accept_length_histogram"].values()) for s in summaries]
-        if sum(rounds):  # the rounds this run paid, against the prediction
-            measured_ms = sum((s["round_ms"] or 0.0) * n for s, n in zip(summaries, rounds)) / sum(rounds)
+        rounds = sum(s["rounds"] for s in summaries)
+        if rounds:  # the rounds this run paid, against the prediction
+            measured_ms = sum((s["round_ms"] or 0.0) * s["rounds"] for s in summaries) / rounds
             report["tree_auto"]["measured_round_ms"] = round(measured_ms, 4)
             report["tree_auto"]["round_prediction_error"] = round(choice.round_s * 1e3 / measured_ms - 1, 4)
     if out:

@@ -16,9 +16,8 @@ from pydantic import BaseModel, ConfigDict, model_serializer
 
 from eyas import __version__
 # The target's identity lives with the targets (floor 2); the contract stores it and re-exports it.
-from eyas.targets.identity import (  # noqa: F401
+from eyas.targets.identity import (  # noqa: F401 (target_identity, weights_fingerprint: re-exported)
     TargetIdentity,
-    WeightsSample,
     changed_parts,
     describe_changes,
     target_identity,

@@ -9,17 +9,20 @@ branches.
 
 Used for the drafter's steps (``tree.DraftState``): the expansion of the frontier at each depth
 and the re-read of the accepted tokens, both at shapes fixed by the tree; the whole greedy draft; the
-greedy acceptance. A function whose capture fails (an op a graph cannot hold) warns and runs eagerly:
+greedy acceptance. :func:`capture` (warm up on a side stream, then capture) also serves
+``LlamaTarget``'s bucketed steps. A function whose capture fails (an op a graph cannot hold) warns and runs eagerly:
 the same results, only slower.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 from torch import Tensor
+
+T = TypeVar("T")
 
 
 class StepGraphs:
@@ -53,16 +56,25 @@ class StepGraphs:
         return static_out
 
     def _capture(self, inputs: tuple[Tensor, ...]) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, ...]]:
-        # Warm-up runs on a side stream (lazy initialisations, allocator), as torch.cuda.graphs asks.
-        # They run on the real inputs, so whatever they write in place is what the caller asked for.
         static_in = tuple(t.clone() for t in inputs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup):
-                self.fn(*static_in)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            static_out = self.fn(*static_in)
+        graph, static_out = capture(lambda: self.fn(*static_in), self.pool, warmups=self.warmup)
         return graph, static_in, static_out
+
+
+def capture(run: Callable[[], T], pool: object, warmups: int = 2,
+            warm: Callable[[], object] | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``run`` captured as a CUDA graph (in memory pool ``pool``), after ``warmups`` warm-up calls
+    of ``warm`` (default: ``run``) on a side stream, as torch.cuda.graphs asks (lazy
+    initialisations, the allocator, a compilation). The warm-ups run on the real inputs, so whatever
+    they write in place is what the caller asked for. Returns the graph and ``run``'s outputs,
+    which each replay overwrites."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            (warm or run)()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out

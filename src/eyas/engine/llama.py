@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eyas.convention.boundaries import CaptureSpec
+from eyas.engine.graphs import capture
 from eyas.engine.target import Target
 from eyas.errors import EyasError
 from eyas.targets.structure import find_decoder_blocks, text_config
@@ -426,17 +427,9 @@ class LlamaTarget(Target):
         the step's own slots (entries not yet committed), which the step then overwrites."""
         t0 = time.perf_counter()
         buf = self._buffers(B)
-        if self.cuda_graphs:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # the warm-up (and compilation) off the capturing stream
-                for _ in range(2):
-                    self._warm_step(buf)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._step(buf, self.max_length, self._fixed)
-            self._graphs[B] = (graph, out)
+        if self.cuda_graphs:  # the warm-up (and compilation) runs off the capturing stream
+            self._graphs[B] = capture(lambda: self._step(buf, self.max_length, self._fixed), self._pool,
+                                      warm=lambda: self._warm_step(buf))
             torch.cuda.synchronize(self.device)
         elif self.compile:
             self._warm_step(buf)

@@ -26,7 +26,8 @@ session that last prefilled it (a step on another raises :class:`SessionError`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -93,17 +94,16 @@ class Session:
     max_len: the length the sequence may reach (prompt + new tokens, the last at position
     max_len - 1, within the target's context)."""
 
-    observer: RoundObserver | None = None  # start's; sees each round's features when given
-
     def __init__(self, target: Target, drafter: Eagle3Drafter | None, prompt: list[int], *, tree: TreeSpec,
                  sampling: SamplingParams, max_new_tokens: int, stop: StopCriteria,
                  on_token: Callable[[int], None] | None, generator: torch.Generator | None,
-                 accept_rule: AcceptRule, timing: str) -> None:
+                 accept_rule: AcceptRule, timing: str, observer: RoundObserver | None) -> None:
         if len(prompt) > target.max_length:
             raise RequestError(f"prompt of {len(prompt)} tokens is longer than the target's context "
                              f"({target.max_length} positions)")
         self.target, self.drafter, self.tree, self.sampling = target, drafter, tree, sampling
         self.generator, self.accept_rule = generator, accept_rule
+        self.observer = observer  # sees each round's features when given
         self.x = list(prompt)  # committed tokens x_0 .. x_m
         self.max_new_tokens = max_new_tokens
         self.max_len = min(target.max_length, len(prompt) + max_new_tokens)
@@ -145,16 +145,36 @@ class Session:
         return kept
 
 
+@dataclass
+class _TargetRounds:
+    """What the decoding loop keeps per target, because it lives as long as the target's KV cache:
+    the drafter's state per (drafter, tree), each with the drafter it was built for (the key holds
+    only its id), and the greedy verdict's CUDA graphs per tree depth."""
+
+    draft_states: dict[tuple[int, TreeSpec], tuple[Eagle3Drafter, DraftState]] = field(default_factory=dict)
+    verdicts: dict[int, StepGraphs] = field(default_factory=dict)
+
+
+# One per target, gone with it.
+_ROUNDS: weakref.WeakKeyDictionary[Target, _TargetRounds] = weakref.WeakKeyDictionary()
+
+
+def _rounds(target: Target) -> _TargetRounds:
+    if target not in _ROUNDS:
+        _ROUNDS[target] = _TargetRounds()
+    return _ROUNDS[target]
+
+
 def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len: int) -> DraftState:
     """The drafter's state for a session of up to ``max_len`` tokens on ``target``, emptied.
 
-    One per (target, drafter, tree), kept on the target and reused by its sessions (one at a time,
-    like the target's cache), so the drafter's CUDA graphs are captured once, not per request. Its
-    cache holds the committed entries, one round's scratch and the padding of a fixed-shape re-read,
+    One per (target, drafter, tree), reused by the target's sessions (one at a time, like the
+    target's cache), so the drafter's CUDA graphs are captured once, not per request. Its cache
+    holds the committed entries, one round's scratch and the padding of a fixed-shape re-read,
     rounded up to a power of two (at least 256), so requests of similar lengths share one state
     (fixed-shape steps attend the whole cache: it must not be much longer than needed). Its shapes
     follow the target's: fixed (and graphed) when the target's are."""
-    states = target.loop_cache.setdefault("draft_states", {})
+    states = _rounds(target).draft_states
     key = (id(drafter), tree)
     need = max_len + tree.scratch_slots + tree.depth + 1
     if key not in states or states[key][0] is not drafter or states[key][1].max_len < need:
@@ -188,9 +208,8 @@ def start(target: Target, input_ids: Sequence[int] | Tensor, drafter: Eagle3Draf
             raise RequestError(f"drafter on {drafter_device}, target on {target.device}: move the drafter with .to()")
     s = Session(target, drafter, _prompt_list(input_ids), tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
                 stop=StopCriteria(max_new_tokens, eos_token_ids, stop_strings, decode), on_token=on_token,
-                generator=generator, accept_rule=accept_rule, timing=timing)
+                generator=generator, accept_rule=accept_rule, timing=timing, observer=observer)
     target.session = s
-    s.observer = observer
     if len(s.x) >= s.max_len:  # nothing to generate: no new tokens asked for, or the prompt fills the context
         s.out.reason = STOP_MAX_NEW_TOKENS if max_new_tokens <= 0 else STOP_MAX_LENGTH
         return s
@@ -280,7 +299,7 @@ def _greedy_verdict(target: Target, t: DraftTree, logits: Tensor) -> tuple[Verdi
         return v.path, v.accepted, v.bonus, _pack(tree, v)
 
     if getattr(target, "cuda_graphs", False):
-        graphs = target.loop_cache.setdefault("verdicts", {})  # per depth; StepGraphs keys the shapes
+        graphs = _rounds(target).verdicts  # per depth; StepGraphs keys the shapes
         if t.depth not in graphs:
             graphs[t.depth] = StepGraphs(verdict)
         run = graphs[t.depth]

@@ -47,15 +47,6 @@ class Target(ABC):
 
     session: object | None = None  # the decoding session whose tokens the cache holds (speculative.start)
 
-    @property
-    def loop_cache(self) -> dict[str, Any]:
-        """The decoding loop's state kept per target, because it lives as long as the KV cache it
-        serves: the drafter's state per (drafter, tree) and the round's CUDA graphs (speculative.py).
-        Created on first use, one per target."""
-        if "_loop_cache" not in self.__dict__:
-            self._loop_cache: dict[str, Any] = {}
-        return self._loop_cache
-
     # Cache bookkeeping every implementation shares, in host ints (reading them syncs nothing).
     _len: int = 0  # entries in the cache
     _committed: int = 0  # entries before the last forward (the block after them is keep's to choose from)
