@@ -62,12 +62,26 @@ SOURCES: list[tuple[str, int, str]] = [
     ("sharegpt_prompts/ShareGPT_V3_filtered_1000.json", 1000, "Apache-2.0 repo; ShareGPT terms unclear"),
     ("sharegpt_prompts/sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json", 2978,
      "Apache-2.0 repo; ShareGPT terms unclear"),
-    ("gpteacher/codegen_prompts.jsonl", 1500, "MIT"),
-    ("gpteacher/roleplay_prompts.jsonl", 800, "MIT"),
-    ("gsm8k/train.jsonl", 1500, "MIT"),
+    ("gpteacher/codegen_prompts.jsonl", 4535, "MIT"),
+    ("gpteacher/roleplay_prompts.jsonl", 1923, "MIT"),
+    ("gsm8k/train.jsonl", 3000, "MIT"),  # capped: 7,473 math word problems would outweigh the chat sets
     ("self_instruct/seed_tasks.jsonl", 175, "Apache-2.0"),
     ("self_instruct/user_oriented_instructions.jsonl", 252, "Apache-2.0"),
     ("arena_hard/v0.1_question.jsonl", 500, "Apache-2.0"),
+]
+
+# Every source holds first turns only. MT-bench (and chat in general) asks a second question about
+# the first answer, so a share of the prompts gets one of these generic follow-ups as a second user
+# turn; `eyas regenerate --max-turns 2` answers it after the target's own first answer.
+FOLLOW_UPS: list[str] = [
+    "Can you explain that in more detail?",
+    "Please summarise your answer in three bullet points.",
+    "Rewrite your answer so that a ten-year-old could understand it.",
+    "Give a concrete example.",
+    "What are the limitations or possible mistakes in your answer?",
+    "Now make it shorter and more formal.",
+    "Can you continue?",
+    "Turn your answer into a short table.",
 ]
 
 
@@ -80,9 +94,11 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def prepare(shared: Path, out: Path, seed: int, no_sharegpt: bool, max_chars: int) -> dict[str, Any]:
+def prepare(shared: Path, out: Path, seed: int, no_sharegpt: bool, max_chars: int,
+            follow_up_share: float = 0.3) -> dict[str, Any]:
     """First user turn of every source record (system message kept when it leads), de-duplicated by
-    text, at most ``cap`` per source, shuffled (any prefix is a mix), as OpenAI-style JSONL."""
+    text, at most ``cap`` per source, shuffled (any prefix is a mix), as OpenAI-style JSONL; a
+    ``follow_up_share`` of them (seeded) get a second user turn from FOLLOW_UPS."""
     sys.path.insert(0, str(REPO / "src"))
     from eyas.data.conversations import read_conversations
 
@@ -114,11 +130,16 @@ def prepare(shared: Path, out: Path, seed: int, no_sharegpt: bool, max_chars: in
         rows += picked
         counts[rel] = {"records": len(convs), "kept": len(picked), "licence": licence}
     rng.shuffle(rows)
+    follow_ups = 0
+    for r in rows:
+        if rng.random() < follow_up_share:
+            r["messages"].append({"role": "user", "content": rng.choice(FOLLOW_UPS)})
+            follow_ups += 1
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     tmp.replace(out)
-    info = {"prompts": len(rows), "bytes": out.stat().st_size, "seed": seed, "max_chars": max_chars,
+    info = {"prompts": len(rows), "with_follow_up": follow_ups, "bytes": out.stat().st_size, "seed": seed, "max_chars": max_chars,
             "shared": str(shared), "sources": counts}
     out.with_name(out.stem + ".sources.json").write_text(json.dumps(info, indent=2))
     log(f"prepare: wrote {len(rows)} prompts ({info['bytes'] / 2**20:.2f} MiB) to {out}")
@@ -497,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-sharegpt", action="store_true", help="leave out ShareGPT (unclear terms)")
     p.add_argument("--max-chars", type=int, default=6000, help="drop longer prompts")
+    p.add_argument("--follow-up-share", type=float, default=0.3, help="share of prompts given a second, generic turn")
 
     r = sub.add_parser("run", help="calibrate, regenerate, train (GPU)")
     r.add_argument("--target", required=True, help="the SmolLM2 GGUF (or any eyas --target)")
@@ -536,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--dry-run", action="store_true", help="calibrate and plan, run nothing")
     a = ap.parse_args(argv)
     if a.cmd == "prepare":
-        prepare(Path(a.shared), Path(a.out), a.seed, a.no_sharegpt, a.max_chars)
+        prepare(Path(a.shared), Path(a.out), a.seed, a.no_sharegpt, a.max_chars, a.follow_up_share)
         return 0
     return run(a)
 
