@@ -162,4 +162,5 @@ def test_regenerate_reports_temperatures_loops_finish_reasons_and_speed(tmp_path
     result = runner.invoke(app, [*base, "--temperature", "0", "--temperatures", "0,0.8"])
     assert result.exit_code == 2 and "expected one of the two" in " ".join(result.output.split())
     result = runner.invoke(app, [*base, "--temperatures", "0,warm"])
-    assert result.exit_code == 2 and "--temperatures: expected comma-separated numbers" in " ".join(result.output.split())
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--temperatures: expected comma-separated numbers" in message

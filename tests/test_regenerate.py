@@ -292,7 +292,7 @@ def test_loops_cut_keeps_the_first_copy_and_ends_the_conversation(tmp_path, tok,
 
 
 def test_loops_drop_sends_the_conversation_to_the_sidecar_and_keep_leaves_it(tmp_path, tok, target, monkeypatch):
-    _, looped = _looping(monkeypatch, "question 3")
+    _looping(monkeypatch, "question 3")
     out = tmp_path / "drop.jsonl"
     s = regenerate(target, tok, prompts(4), opts(out, loops="drop", max_new_tokens=20))
     assert "p3" not in {r["id"] for r in lines(out)}
@@ -302,7 +302,8 @@ def test_loops_drop_sends_the_conversation_to_the_sidecar_and_keep_leaves_it(tmp
     keep = tmp_path / "keep.jsonl"
     s = regenerate(target, tok, prompts(4), opts(keep, loops="keep", max_new_tokens=20))
     p3 = next(r for r in lines(keep) if r["id"] == "p3")
-    assert p3["messages"][-1]["content"] == "The answer is " + "abc" * 12 and p3["provenance"]["finish_reasons"] == ["length"]
+    assert p3["messages"][-1]["content"] == "The answer is " + "abc" * 12
+    assert p3["provenance"]["finish_reasons"] == ["length"]
     assert (s.loops_cut, s.loops_dropped, s.finish["loop"]) == (0, 0, 0)
 
 
@@ -315,8 +316,8 @@ def test_a_file_from_before_loops_resumes_only_as_it_was_written(tmp_path, tok, 
         del r["provenance"]["generation"]["loops"], r["provenance"]["generation"]["sort_by_length"]
     out = tmp_path / "old.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in old[:4]))
-    with pytest.raises(RegenerateError, match=r"old.jsonl: .*loops: file has 'keep', now 'cut'.*"
-                                              r"sort_by_length: file has False, now True.*--loops keep --no-sort-by-length"):
+    with pytest.raises(RegenerateError, match=r"old.jsonl: .*loops: file has 'keep', now 'cut'.*sort_by_length: "
+                                              r"file has False, now True.*--loops keep --no-sort-by-length"):
         regenerate(target, tok, prompts(), opts(out))
     s = regenerate(target, tok, prompts(), opts(out, loops="keep", sort_by_length=False))
     assert (s.skipped, s.written) == (4, 3)
@@ -373,7 +374,8 @@ def test_resume_with_several_temperatures_is_byte_identical_and_checks_each_temp
     s = regenerate(target, tok, prompts(), opts(out, **kw))
     assert (s.skipped, s.written) == (8, 6)
     assert out.read_bytes() == ref.read_bytes()
-    with pytest.raises(RegenerateError, match=r"out.jsonl: .*temperature 1; expected one of this run's temperatures \(0\)"):
+    with pytest.raises(RegenerateError, match=r"out.jsonl: .*temperature 1; expected one of this run's "
+                                              r"temperatures \(0\)"):
         regenerate(target, tok, prompts(), opts(out))
     with pytest.raises(RegenerateError, match=r"at temperature 1 \(top_p: file has 1.0, now 0.5\)"):
         regenerate(target, tok, prompts(), opts(out, temperatures=[0.0, 1.0], seed=3, top_p=0.5))
@@ -383,7 +385,7 @@ def test_temperature_options_are_checked(tmp_path):
     o = tmp_path / "o.jsonl"
     with pytest.raises(RegenerateError, match=r"temperature, temperatures: expected one of the two"):
         RegenerateOptions(out_path=o, temperature=0.5, temperatures=[0, 0.5])
-    with pytest.raises(RegenerateError, match=r"temperatures: expected distinct finite temperatures.*found \[0.8, 0.8\]"):
+    with pytest.raises(RegenerateError, match=r"temperatures: expected distinct finite .*found \[0.8, 0.8\]"):
         RegenerateOptions(out_path=o, temperatures=[0.8, 0.8])
     with pytest.raises(RegenerateError, match=r"temperatures.0: expected greater than or equal to 0, found -1"):
         RegenerateOptions(out_path=o, temperatures=[-1])

@@ -77,9 +77,9 @@ def regenerate_cmd(
     limit: Optional[int] = typer.Option(None, help="only the first N conversations"),
     max_new_tokens: int = typer.Option(1024, help="per answer"),
     batch_size: int = typer.Option(64, help="conversations generated together (also the resume unit)"),
-    temperature: Optional[float] = typer.Option(None, help="one answer per prompt: 0 = greedy (default); > 0 = sampled"),
+    temperature: Optional[float] = typer.Option(None, help="one answer per prompt: 0 = greedy (default), > 0 sampled"),
     temperatures: Optional[str] = typer.Option(
-        None, help="one answer per prompt and temperature, e.g. 0,0.8 (sampled ids: <id>@t0.8); not with --temperature"),
+        None, help="one answer per prompt and temperature, e.g. 0,0.8 (ids <id>@t0.8); not with --temperature"),
     top_p: float = typer.Option(1.0, help="nucleus sampling (only with a temperature > 0)"),
     seed: int = typer.Option(0, help="sampling seed (per batch and temperature: a resumed run samples the same)"),
     system_prompt: str = typer.Option("template_default", help=SYSTEM_HELP),

@@ -45,10 +45,11 @@ knows they were attempted.
 
 Speed (``cache``). ``static`` gives ``generate`` one transformers ``StaticCache`` for the whole run
 (batch ``batch_size``, length ``max_prompt_tokens + max_new_tokens``, or the longest first prompt
-of the run + ``max_new_tokens``), reset before each batch; every batch is padded to ``batch_size``
-rows with copies of its first prompt (their answers discarded), so on CUDA the decode step compiled
-with CUDA graphs (``CompileConfig(fullgraph=True, mode="reduce-overhead")``) is captured once and
-replayed. On a CPU nothing is compiled. ``auto``: static on CUDA, dynamic elsewhere.
+of the run + ``max_new_tokens``, grown if a later turn is longer), reset before each batch; every
+batch is padded to ``batch_size`` rows with copies of its first prompt (their answers discarded),
+so on CUDA the decode step compiled with CUDA graphs (``CompileConfig(fullgraph=True,
+mode="reduce-overhead")``) is captured once and replayed. On a CPU nothing is compiled. ``auto``:
+static on CUDA, dynamic elsewhere.
 """
 
 
@@ -704,7 +705,8 @@ def _answer_unit(model: Any, tokenizer: Any, unit: _Unit, options: RegenerateOpt
             summary.new_tokens += len(ans) + (finish == "eos")
             summary.prompt_tokens += len(ids)
             if loop is not None:
-                where = f"repetition loop in the answer to turn {t} (period {loop.period}, tokens {loop.start}..{loop.end})"
+                where = (f"repetition loop in the answer to turn {t} "
+                         f"(period {loop.period}, tokens {loop.start}..{loop.end})")
                 summary.finish["loop"] += 1
                 if options.loops == "drop":
                     summary.loops_dropped += 1
