@@ -129,3 +129,38 @@ def test_an_eyas_directory_ignores_ids_convention_and_says_so(tmp_path):
     assert plain == named and plain["boundaries"] == [3, 10, 29] and plain["boundaries_assumed"] is False
     text = " ".join(run("info", str(d), "--ids-convention", "sglang").split())
     assert "--ids-convention sglang not used" in text and "ASSUMED" not in text
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("one_thread")
+def test_regenerate_reports_temperatures_loops_finish_reasons_and_speed(tmp_path):
+    """`eyas regenerate` with several temperatures, a loop policy and a cache: --json carries the
+    counts, the table names new tokens/s and the answers per finish reason."""
+    from tests.support.chat import chat_target, chat_tokenizer
+
+    tok = chat_tokenizer()
+    tdir = tmp_path / "target"
+    chat_target(tok).save_pretrained(tdir)
+    tok.save_pretrained(tdir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [f"question {i}?"]}) + "\n" for i in range(3)))
+    out = tmp_path / "answers.jsonl"
+    base = ["regenerate", "--target", str(tdir), "--prompts", str(prompts), "--out", str(out),
+            "--max-new-tokens", "30", "--batch-size", "2", "--device", "cpu"]
+    rep = json.loads(run(*base, "--temperatures", "0,0.8", "--loops", "drop", "--cache", "static", "--json"))
+    assert (rep["conversations"], rep["total"], rep["temperatures"], rep["cache"]) == (3, 6, [0.0, 0.8], "static")
+    assert set(rep["finish"]) == {"eos", "length", "loop"} and "tokens_per_s" in rep
+    assert rep["written"] + rep["failed"] == 6 and rep["loops_dropped"] == rep["finish"]["loop"]
+    assert rep["loops_cut"] == 0
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    assert any(i.endswith("@t0.8") for i in ids) or rep["loops_dropped"] > 0
+    table = run(*base, "--temperatures", "0,0.8", "--loops", "drop", "--cache", "static")
+    assert "new tokens/s" in table and "loop" in table and "already there" in table
+    # A resume with another loop policy is refused, naming the file and the field.
+    result = runner.invoke(app, [*base, "--temperatures", "0,0.8", "--loops", "cut"])
+    assert result.exit_code == 2 and "loops: file has 'drop', now 'cut'" in " ".join(result.output.split())
+    result = runner.invoke(app, [*base, "--temperature", "0", "--temperatures", "0,0.8"])
+    assert result.exit_code == 2 and "expected one of the two" in " ".join(result.output.split())
+    result = runner.invoke(app, [*base, "--temperatures", "0,warm"])
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--temperatures: expected comma-separated numbers" in message

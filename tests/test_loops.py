@@ -52,3 +52,24 @@ def test_accepts_a_tensor_and_empty_input() -> None:
     assert find_loops([]) == [] and loop_body_mask([]).numel() == 0
     t = torch.tensor([4] * 30)
     assert find_loops(t) == [Loop(0, 1, 30)]
+
+
+def test_rows_with_loops_agrees_with_find_loops_row_by_row() -> None:
+    from eyas.data.loops import rows_with_loops
+
+    rng = random.Random(1)
+    rows: list[list[int]] = [[], [5], [3] * 23, [3] * 24, [1, 2] * 12, [1, 2, 3] * 8, [1, 2] * 11 + [7, 7]]
+    for _ in range(200):
+        n = rng.randrange(0, 120)
+        row = [rng.randrange(6) for _ in range(n)]  # a small alphabet: many near-loops
+        if rng.random() < 0.5 and n > 10:
+            s, p = rng.randrange(n), rng.randrange(1, 12)
+            block = row[s : s + p] or [1]
+            row = row[:s] + block * rng.randrange(1, 12) + row[s:]
+        rows.append(row)
+    expected = [bool(find_loops(r)) for r in rows]
+    assert rows_with_loops(rows) == expected
+    assert any(expected) and not all(expected)
+    kw = dict(max_period=5, min_repeats=4, min_span=10)
+    assert rows_with_loops(rows, **kw) == [bool(find_loops(r, **kw)) for r in rows]
+    assert rows_with_loops([]) == []

@@ -49,6 +49,15 @@ def _read(path: Path) -> Any:
     return result
 
 
+def _floats(option: str, text: str) -> list[float]:
+    """``0,0.8`` -> [0.0, 0.8]; anything else fails naming the option, expected and found."""
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        _fail(f"{option}: expected comma-separated numbers such as 0,0.8, found {text!r}")
+        raise  # unreachable: fail exits
+
+
 def _table(title: str, rows: list[tuple[str, Any]]) -> Table:
     table = Table(title=title, show_header=False)
     table.add_column("", style="bold")
@@ -68,12 +77,19 @@ def regenerate_cmd(
     limit: Optional[int] = typer.Option(None, help="only the first N conversations"),
     max_new_tokens: int = typer.Option(1024, help="per answer"),
     batch_size: int = typer.Option(64, help="conversations generated together (also the resume unit)"),
-    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 = sampled"),
-    top_p: float = typer.Option(1.0, help="nucleus sampling (only with --temperature > 0)"),
-    seed: int = typer.Option(0, help="sampling seed (per batch: a resumed run samples the same)"),
+    temperature: Optional[float] = typer.Option(None, help="one answer per prompt: 0 = greedy (default), > 0 sampled"),
+    temperatures: Optional[str] = typer.Option(
+        None, help="one answer per prompt and temperature, e.g. 0,0.8 (ids <id>@t0.8); not with --temperature"),
+    top_p: float = typer.Option(1.0, help="nucleus sampling (only with a temperature > 0)"),
+    seed: int = typer.Option(0, help="sampling seed (per batch and temperature: a resumed run samples the same)"),
     system_prompt: str = typer.Option("template_default", help=SYSTEM_HELP),
     max_turns: Optional[int] = typer.Option(None, help="answer at most this many user turns per conversation"),
     max_prompt_tokens: Optional[int] = typer.Option(None, help="end a conversation before a longer prompt"),
+    loops: str = typer.Option("cut", help="an answer with a repetition loop: cut (after its first copy; the "
+                                          "conversation ends there) | drop (the conversation) | keep"),
+    sort_by_length: bool = typer.Option(True, help="batch conversations of similar prompt length (less padding)"),
+    cache: str = typer.Option("auto", help="KV cache: static (compiled decode step on CUDA) | dynamic | "
+                                           "auto (static on CUDA)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N"),
     target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
@@ -82,9 +98,15 @@ def regenerate_cmd(
     from eyas.data.regenerate import RegenerateOptions, regenerate
 
     t0 = time.perf_counter()
+    sampling: dict[str, Any] = {}
+    if temperature is not None:
+        sampling["temperature"] = temperature
+    if temperatures is not None:
+        sampling["temperatures"] = _floats("--temperatures", temperatures)
     options = _run(RegenerateOptions, out_path=out, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                   temperature=temperature, top_p=top_p, seed=seed, limit=limit, system_prompt=system_prompt,
-                   max_prompt_tokens=max_prompt_tokens, max_turns=max_turns, progress=not json_out)
+                   **sampling, top_p=top_p, seed=seed, limit=limit, system_prompt=system_prompt,
+                   max_prompt_tokens=max_prompt_tokens, max_turns=max_turns, loops=loops,
+                   sort_by_length=sort_by_length, cache=cache, progress=not json_out)
     read = _read(prompts)
     loaded = _load(target, device, target_dtype)
     model, tokenizer, src = loaded.model, loaded.tokenizer, loaded.name
@@ -94,12 +116,15 @@ def regenerate_cmd(
     if json_out:
         _print_json(report)
         return
+    temps = ", ".join(f"{t:g}" for t in s.temperatures)
     console.print(_table(f"regenerated answers -> {s.out_path}", [
-        ("target", src), ("conversations", f"{s.total} ({s.written} written, {s.skipped} already there, "
-                                           f"{s.failed} failed, {s.duplicates} duplicate ids)"),
-        ("finish", f"{s.finish['eos']} eos, {s.finish['length']} length"),
+        ("target", src),
+        ("conversations", f"{s.conversations} x temperatures [{temps}] = {s.total} ({s.written} written, "
+                          f"{s.skipped} already there, {s.failed} failed, {s.duplicates} duplicate ids)"),
+        ("finish", f"answers: {s.finish['eos']} eos, {s.finish['length']} length, {s.finish['loop']} loop"),
+        ("loops", f"{s.loops_cut} answers cut, {s.loops_dropped} conversations dropped (--loops {options.loops})"),
         ("tokens", f"{s.new_tokens} new, {s.prompt_tokens} prompt"),
-        ("speed", f"{s.tokens_per_s:.1f} new tokens/s over {s.wall_s:.1f} s"),
+        ("speed", f"{s.tokens_per_s:.1f} new tokens/s over {s.wall_s:.1f} s ({s.cache} cache)"),
         *([("failed", s.skipped_path)] if s.skipped_path else []),
     ]))
 

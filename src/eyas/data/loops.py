@@ -89,3 +89,33 @@ def cut_at_first_loop(ids: Sequence[int], **kw: int) -> tuple[list[int], Loop | 
     if not loops:
         return list(ids), None
     return list(ids)[: loops[0].body_start], loops[0]
+
+
+def rows_with_loops(rows: Sequence[Sequence[int]], max_period: int = MAX_PERIOD, min_repeats: int = MIN_REPEATS,
+                    min_span: int = MIN_SPAN) -> list[bool]:
+    """Per row, whether :func:`find_loops` finds at least one loop in it, for a whole batch at once.
+
+    Invariant: ``rows_with_loops(rows)[i] == bool(find_loops(rows[i]))`` for the same thresholds.
+    A loop of period p exists iff some run of x_i == x_{i+p} is at least
+    ``max(min_repeats * p, min_span) - p`` long (the first run found at a period is never taken by
+    a smaller one unless that one is a loop itself), and a run that long exists iff a window of that
+    many consecutive comparisons is all True: one cumulative sum per period over the padded
+    [B, T] batch instead of one search per row. The padding holds distinct negative values, so it
+    never equals a token or itself shifted. Used as a cheap filter: only the rows it flags need
+    :func:`cut_at_first_loop`.
+    """
+    n_rows = len(rows)
+    width = max((len(r) for r in rows), default=0)
+    if n_rows == 0 or width == 0:
+        return [False] * n_rows
+    pad = list(range(-1, -width - 1, -1))
+    x = torch.tensor([list(r) + pad[len(r):] for r in rows], dtype=torch.long)
+    found = torch.zeros(n_rows, dtype=torch.bool)
+    for p in range(1, min(max_period, width // max(min_repeats, 1)) + 1):
+        need = max(max(min_repeats * p, min_span) - p, 1)  # comparisons in a row
+        if need > width - p:
+            continue
+        eq = (x[:, :-p] == x[:, p:]).to(torch.int32)
+        c = torch.nn.functional.pad(eq.cumsum(dim=1), (1, 0))
+        found |= ((c[:, need:] - c[:, :-need]) == need).any(dim=1)
+    return found.tolist()
