@@ -2,44 +2,40 @@
 
 Two steps, on two machines:
 
-    # 1. here (CPU, seconds): mix first-turn training prompts from shared/data into the git-ignored
-    #    benchmarks/data/train_prompts.jsonl, which the GPU run must be given (carry "benchmarks/data")
+    # 1. here (CPU, seconds): mix training prompts from shared/data into the git-ignored
+    #    benchmarks/data/ (train_prompts.jsonl, and val_prompts.jsonl held out for the tau probe),
+    #    which the GPU run must be given (carry "benchmarks/data")
     python benchmarks/train_smollm2_drafter.py prepare --shared ../shared/data
 
-    # 2. on the GPU (at most --budget-s seconds, 480 by default, everything included)
-    PYTHONPATH=src:/tmp/deps python benchmarks/train_smollm2_drafter.py run --target /tmp/smol.gguf
+    # 2. on the GPU (at most --budget-s seconds, everything included)
+    PYTHONPATH=src:/tmp/deps python benchmarks/train_smollm2_drafter.py run --target /tmp/smol.gguf \
+        [--before-src /tmp/old/src]
 
 ``run`` does, printing progress and the time of each phase:
 
-1. calibrate (~15 s): loads the target in this process and times, on synthetic inputs of the sizes
-   the run will use, Hugging Face ``generate`` at the regeneration batch size (a step and the
-   prefill) and one online training step (target forward with capture + TTT forward/backward +
-   AdamW: the library calls `eyas train` makes). ``--no-calibrate`` uses ``--est-*`` instead.
-2. ``eyas regenerate``: the target answers the first N prompts of the (shuffled) mix, greedy,
-   ``--max-new-tokens`` 256, batches of 256 (eager HF generate is launch-bound: a large batch costs
-   about what one sequence does). EAGLE-3 drafters learn the target's own outputs. N is planned
-   from the measured rates so that the rest of the budget trains ``--epochs`` (4) passes over the
-   answers. Stopped past its estimate (whole chunks written so far stay); a rerun resumes the file.
-3. ``eyas train`` online (the target in the same process, features captured on the fly): TTT 7
-   steps, the project's default lr 1e-3, a frequency-based draft vocabulary of ``--draft-vocab``
-   12288 (lm_head under 16 MiB in bf16), batch 16, as many steps as the measured step rate allows
-   in the rest of the budget, checkpoints every ~1/6 of the run. Stopped at the deadline if the
-   estimate was wrong: then the newest checkpoint (a complete eyas drafter with its held-out
-   metrics) is the result.
-4. ``WORK/drafter``: the drafter's top-level files (config.json, eyas.json, weights, metrics),
-   loadable by `eyas generate`, `eyas bench` and ``benchmarks/spec_gpu.py``; ``WORK/drafter_bf16``:
-   the same in bf16 as shards of at most 15 MiB with an index (what serving on a GPU runs anyway);
-   ``WORK/summary.json``: the plan, the measured rates, the drafter's metrics. With ``$OUT`` set
-   (the device tool's output folder, which returns at most 8 files of 16 MiB), ``$OUT/drafter``
-   (the bf16 copy, 5 files) and ``$OUT/train_summary.json`` are written there, so that a later call
-   on a fresh machine can carry the drafter back.
+0. with ``--before-src`` (a src/ tree of an older commit): that code's `eyas regenerate` and
+   `eyas train` on a small slice, so that before and after are measured in one run on one machine.
+1. ``eyas regenerate``: the target answers every prompt of the mix (its first turn, then the
+   follow-up turn where there is one), greedy plus any ``--temperatures``, ``--max-new-tokens``
+   256, on a static cache (a compiled decoding step on a GPU), repetition loops cut. EAGLE-3
+   drafters learn the target's own outputs. Killed at ``--regen-budget-s``: whole chunks stay.
+2. ``eyas train`` online (the target in the same process, features captured on the fly):
+   batches of about ``--tokens-per-batch`` tokens of similar length, TTT 7 steps, a
+   frequency-based draft vocabulary of ``--draft-vocab`` 12288 (lm_head under 16 MiB in bf16).
+   Every ``--eval-every`` steps: held-out metrics (with and without loop tokens) and the engine's
+   tau on the held-out validation prompts; the best checkpoint by tau is kept, and training stops
+   after ``--patience`` evaluations without improvement, or at the budget.
+3. ``WORK/drafter``: the best drafter (config.json, eyas.json, weights, metrics, plot);
+   ``WORK/drafter_bf16``: the same in bf16 as shards of at most 15 MiB with an index (what serving
+   on a GPU runs anyway); ``WORK/summary.json``: the throughputs, the evaluations, the metrics. With
+   ``$OUT`` set (the device tool's output folder, which returns at most 8 files of 16 MiB),
+   ``$OUT/drafter`` (the bf16 copy) and ``$OUT/train_summary.json`` are written there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import shutil
@@ -95,10 +91,12 @@ def log(msg: str) -> None:
 
 
 def prepare(shared: Path, out: Path, seed: int, no_sharegpt: bool, max_chars: int,
-            follow_up_share: float = 0.3) -> dict[str, Any]:
+            follow_up_share: float = 0.3, val_prompts: int = 24) -> dict[str, Any]:
     """First user turn of every source record (system message kept when it leads), de-duplicated by
     text, at most ``cap`` per source, shuffled (any prefix is a mix), as OpenAI-style JSONL; a
-    ``follow_up_share`` of them (seeded) get a second user turn from FOLLOW_UPS."""
+    ``follow_up_share`` of them (seeded) get a second user turn from FOLLOW_UPS. The first
+    ``val_prompts`` of the shuffled mix are held out (first turn only) into ``val_prompts.jsonl``
+    next to ``out``: training measures the engine's tau on them and never trains on them."""
     sys.path.insert(0, str(REPO / "src"))
     from eyas.data.conversations import read_conversations
 
@@ -130,6 +128,10 @@ def prepare(shared: Path, out: Path, seed: int, no_sharegpt: bool, max_chars: in
         rows += picked
         counts[rel] = {"records": len(convs), "kept": len(picked), "licence": licence}
     rng.shuffle(rows)
+    held_out, rows = rows[:val_prompts], rows[val_prompts:]
+    val_path = out.with_name("val_prompts.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    val_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in held_out), encoding="utf-8")
     follow_ups = 0
     for r in rows:
         if rng.random() < follow_up_share:
@@ -139,7 +141,7 @@ def prepare(shared: Path, out: Path, seed: int, no_sharegpt: bool, max_chars: in
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     tmp.replace(out)
-    info = {"prompts": len(rows), "with_follow_up": follow_ups, "bytes": out.stat().st_size, "seed": seed, "max_chars": max_chars,
+    info = {"prompts": len(rows), "with_follow_up": follow_ups, "val_prompts": len(held_out), "bytes": out.stat().st_size, "seed": seed, "max_chars": max_chars,
             "shared": str(shared), "sources": counts}
     out.with_name(out.stem + ".sources.json").write_text(json.dumps(info, indent=2))
     log(f"prepare: wrote {len(rows)} prompts ({info['bytes'] / 2**20:.2f} MiB) to {out}")
@@ -149,161 +151,62 @@ def prepare(shared: Path, out: Path, seed: int, no_sharegpt: bool, max_chars: in
 
 
 # ---------------------------------------------------------------------------------------------
-# run: calibrate -> regenerate -> train -> copy (GPU)
+# run: [before] -> regenerate -> train -> copy (GPU)
 # ---------------------------------------------------------------------------------------------
 
 
-def child_env() -> dict[str, str]:
+def child_env(src: Path) -> dict[str, str]:
+    """The environment of an eyas command run from the source tree ``src``."""
     env = dict(os.environ)
-    parts = [str(REPO / "src")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    parts = [str(src)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO / "src")]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("TQDM_MININTERVAL", "5")  # progress bars every 5 s, not every 0.1 s (the log stays short)
+    env.setdefault("TQDM_MININTERVAL", "10")  # progress bars every 10 s, not every 0.1 s (the log stays short)
     return env
 
 
-def run_cli(args: list[str], deadline: float, name: str) -> tuple[int | None, float]:
-    """``python -m eyas.cli.main ARGS`` with its output streamed; killed (its own process group:
-    SIGINT, then SIGTERM, then SIGKILL) at ``deadline``. -> (exit code or None when killed, seconds)."""
+def run_cli(args: list[str], deadline: float, name: str, src: Path = REPO / "src") -> tuple[int | None, float, str]:
+    """``python -m eyas.cli.main ARGS`` (from the source tree ``src``) with its output streamed and
+    kept; killed (its own process group: SIGINT, then SIGTERM, then SIGKILL) at ``deadline``.
+    -> (exit code or None when killed, seconds, stdout)."""
     cmd = [sys.executable, "-m", "eyas.cli.main", *args]
     log(f"{name}: {' '.join(cmd)}")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=child_env(), cwd=str(REPO), start_new_session=True)
-    killed = False
-    while proc.poll() is None:
-        if time.time() > deadline and not killed:
-            log(f"{name}: deadline reached, stopping it (pid {proc.pid}); what it wrote so far is kept")
-            killed = True
-            for sig, wait in ((signal.SIGINT, 10), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        time.sleep(0.5)
+    out_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"eyas-{name}-{os.getpid()}.out"
+    with out_path.open("w") as out:
+        proc = subprocess.Popen(cmd, env=child_env(src), cwd=str(REPO), start_new_session=True, stdout=out)
+        killed = False
+        while proc.poll() is None:
+            if time.time() > deadline and not killed:
+                log(f"{name}: deadline reached, stopping it (pid {proc.pid}); what it wrote so far is kept")
+                killed = True
+                for sig, wait in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except ProcessLookupError:
+                        break
+                    try:
+                        proc.wait(timeout=wait)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+            time.sleep(0.5)
     dt = time.perf_counter() - t0
+    text = out_path.read_text(errors="replace")
+    print(text[-4000:], flush=True)
     log(f"{name}: {'killed' if killed else f'exit {proc.returncode}'} after {dt:.1f} s")
-    return (None if killed else proc.returncode), dt
+    return (None if killed else proc.returncode), dt, text
 
 
-def token_lengths(tokenizer: Any, prompts: Path, n: int = 256) -> list[int]:
-    """Rendered lengths (chat template, generation prompt) of the first ``n`` prompts."""
-    from eyas.data.conversations import read_conversations
-    from eyas.data.render import render_prompt
-
-    convs = read_conversations(prompts, on_error="skip").conversations[:n]
-    return sorted(len(render_prompt(c, tokenizer)) for c in convs)
-
-
-def percentile(xs: list[int], q: float) -> int:
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0
-
-
-def calibrate(a: argparse.Namespace) -> dict[str, Any]:
-    """Seconds per HF generate step at the regeneration batch, seconds per prefill of that batch,
-    and seconds per online training step at the training batch, on synthetic inputs of the run's
-    sizes (the prompts' 90th-percentile rendered length)."""
-    import torch
-    from transformers import GenerationConfig
-
-    from eyas.convention import CaptureSpec
-    from eyas.drafter.build import new_drafter
-    from eyas.drafter.ttt import Tally, ttt_forward
-    from eyas.targets import load_target
-    from eyas.training.batches import OnlineBatches
-
-    t0 = time.perf_counter()
-    loaded = load_target(a.target, dtype="auto", device=a.device)
-    load_s = time.perf_counter() - t0
-    model, tok, dev = loaded.model, loaded.tokenizer, loaded.device
-    lengths = token_lengths(tok, a.prompts)
-    p90 = min(percentile(lengths, 0.9), a.max_prompt_tokens)
-    out: dict[str, Any] = {"target_load_s": round(load_s, 2), "prompt_tokens_p50": percentile(lengths, 0.5),
-                           "prompt_tokens_p90": percentile(lengths, 0.9)}
-    log(f"calibrate: target loaded in {load_s:.1f} s on {dev} ({loaded.dtype}); rendered prompt length "
-        f"p50 {out['prompt_tokens_p50']}, p90 {out['prompt_tokens_p90']} tokens")
-
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-
-    g = torch.Generator().manual_seed(0)
-    vocab = loaded.vocab_size
-    eos = list(loaded.eos_ids)
-
-    # --- regeneration: generate(n) at the batch size, for two n; step = slope, prefill = intercept
-    B, P = a.regen_batch, max(p90, 16)
-    ids = torch.randint(100, vocab - 100, (B, P), generator=g).to(dev)
-
-    def gen(n: int) -> float:
-        cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=eos[0],
-                               eos_token_id=eos, repetition_penalty=1.0, num_beams=1)
-        sync()
-        t = time.perf_counter()
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-        sync()
-        return time.perf_counter() - t
-
-    gen(2)  # warm-up
-    n1, n2 = 4, 4 + a.calib_gen_steps
-    t1, t2 = gen(n1), gen(n2)
-    step = max((t2 - t1) / (n2 - n1), 1e-4)
-    out.update(regen_step_s=round(step, 5), regen_prefill_s=round(max(t1 - n1 * step, 0.0), 4),
-               regen_batch=B, regen_prompt_tokens=P)
-    log(f"calibrate: generate at batch {B} x {P} prompt tokens: {step * 1e3:.1f} ms a step "
-        f"({B / step:.0f} tok/s if every row runs), prefill {out['regen_prefill_s'] * 1e3:.0f} ms")
-
-    # --- training: the loop's step (eyas.training.loop.train) on a synthetic batch
-    # a batch is padded to its longest sample: about the 95th percentile of 16 prompts, plus the answer
-    T = min(a.max_length, min(percentile(lengths, 0.95), a.max_prompt_tokens) + a.max_new_tokens)
-    spec = CaptureSpec.create(loaded.num_blocks, None)
-    use_bf16 = dev.type == "cuda"
-    drafter, _ = new_drafter(loaded, tok, spec.boundaries, a.draft_vocab, capture_dtype="bfloat16", seed=0)
-    drafter.to(dev).train()
-    draft_ids = drafter.draft_to_target(torch.arange(a.draft_vocab, device=dev))
-    batches = OnlineBatches(model, spec, draft_ids, dev, torch.bfloat16 if use_bf16 else None)
-    samples = []
-    for _ in range(a.train_batch):
-        x = torch.randint(100, vocab - 100, (T,), generator=g)
-        m = torch.zeros(T, dtype=torch.long)
-        m[min(p90, T - 1):] = 1
-        samples.append({"input_ids": x, "loss_mask": m})
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95))
-    tally = Tally(a.ttt_steps)
-
-    def train_step() -> None:
-        batch = batches.make(samples)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
-            r = ttt_forward(drafter, batch.input_ids, batch.features, batch.labels, batch.loss_mask, a.ttt_steps, 0.8)
-        opt.zero_grad(set_to_none=True)
-        r.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        tally.add(r)
-
-    for _ in range(2):
-        train_step()
-    sync()
-    t = time.perf_counter()
-    for _ in range(a.calib_train_steps):
-        train_step()
-    sync()
-    tstep = (time.perf_counter() - t) / a.calib_train_steps
-    out.update(train_step_s=round(tstep, 5), train_batch=a.train_batch, train_tokens=T)
-    if dev.type == "cuda":
-        out["train_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    log(f"calibrate: training step at batch {a.train_batch} x {T} tokens: {tstep * 1e3:.0f} ms "
-        f"({1 / tstep:.1f} steps/s); calibration took {time.perf_counter() - t0:.1f} s")
-    del model, loaded, drafter, batches, opt
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return out
+def last_json(text: str) -> dict[str, Any] | None:
+    """The last top-level JSON object printed by a ``--json`` command."""
+    i = text.rfind("\n{")
+    for start in ([i + 1] if i >= 0 else []) + [0]:
+        try:
+            return json.loads(text[start:])
+        except json.JSONDecodeError:
+            continue
+    return None
 
 
 def count_lines(path: Path) -> int:
@@ -311,6 +214,13 @@ def count_lines(path: Path) -> int:
         return 0
     with path.open("rb") as f:
         return sum(1 for line in f if line.strip())
+
+
+def metrics_rows(train_dir: Path) -> list[dict[str, Any]]:
+    path = train_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def copy_drafter(src: Path, dest: Path) -> None:
@@ -333,7 +243,9 @@ def transport_copy(src: Path, dest: Path, max_mib: float = 15.0) -> list[str]:
     import torch
     from safetensors.torch import load_file, save_file
 
-    tensors = load_file(str(src / "model.safetensors"))
+    tensors: dict[str, Any] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
     tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
     limit = int(max_mib * 2**20) - 65536  # room for the header
     too_big = [k for k, v in tensors.items() if v.numel() * v.element_size() > limit]
@@ -359,19 +271,59 @@ def transport_copy(src: Path, dest: Path, max_mib: float = 15.0) -> list[str]:
     total = sum(v.numel() * v.element_size() for v in tensors.values())
     (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                    "weight_map": weight_map}, indent=2))
-    for f in ("config.json", "eyas.json"):
-        shutil.copy2(src / f, dest / f)
-    return ["config.json", "eyas.json", "model.safetensors.index.json", *names]
+    kept = ["config.json", "eyas.json", "model.safetensors.index.json", *names]
+    for f in ("config.json", "eyas.json", "metrics.jsonl", "training.png", "train_config.json"):
+        if (src / f).exists():
+            shutil.copy2(src / f, dest / f)
+            if f not in kept:
+                kept.append(f)
+    return kept
 
 
 def final_drafter(train_dir: Path) -> tuple[Path | None, str]:
-    """The finished drafter (``train_dir`` itself), else the newest complete checkpoint."""
-    if (train_dir / "eyas.json").exists() and any(train_dir.glob("*.safetensors")):
+    """The finished drafter (``train_dir`` itself: the best checkpoint, which `eyas train` writes
+    there at the end), else its best-so-far copy ``best/``, else the newest complete checkpoint."""
+    def complete(p: Path) -> bool:
+        return (p / "eyas.json").exists() and any(p.glob("*.safetensors"))
+
+    if complete(train_dir):
         return train_dir, "final"
-    ckpts = sorted((p for p in (train_dir / "checkpoints").glob("step-*") if (p / "eyas.json").exists()
+    if complete(train_dir / "best"):
+        return train_dir / "best", "best so far"
+    ckpts = sorted((p for p in (train_dir / "checkpoints").glob("step-*") if complete(p)
                     and not p.name.endswith(".tmp")), key=lambda p: int(p.name.split("-")[1])) \
         if (train_dir / "checkpoints").is_dir() else []
     return (ckpts[-1], f"checkpoint {ckpts[-1].name}") if ckpts else (None, "none")
+
+
+def before(a: argparse.Namespace, work: Path, prompts: Path, deadline: float) -> dict[str, Any]:
+    """Throughput of the code before this change (``--before-src``, a src/ tree of the old commit),
+    on the same machine in the same run: its `eyas regenerate` (HF generate on a dynamic cache) on
+    the first ``--before-prompts`` prompts, then its `eyas train` for ``--before-steps`` steps on them."""
+    src = Path(a.before_src).resolve()
+    d = work / "before"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    res: dict[str, Any] = {"src": str(src)}
+    code, wall, text = run_cli(
+        ["regenerate", "--target", a.target, "--prompts", str(prompts), "--out", str(d / "answers.jsonl"),
+         "--limit", str(a.before_prompts), "--max-new-tokens", str(a.max_new_tokens), "--batch-size", "256",
+         "--max-prompt-tokens", str(a.max_prompt_tokens), "--device", a.device, "--json"],
+        min(deadline, time.time() + a.before_budget_s / 2), "before-regenerate", src)
+    rep = last_json(text) or {}
+    res["regenerate"] = {"exit": code, "wall_s": round(wall, 1), "new_tokens": rep.get("new_tokens"),
+                         "tokens_per_s": rep.get("tokens_per_s"), "conversations": count_lines(d / "answers.jsonl")}
+    if count_lines(d / "answers.jsonl") >= 32:
+        code, wall, _ = run_cli(
+            ["train", "--target", a.target, "--data", str(d / "answers.jsonl"), "--out", str(d / "train"),
+             "--steps", str(a.before_steps), "--batch-size", "16", "--max-length", str(a.max_length),
+             "--draft-vocab", str(a.draft_vocab), "--save-every", "100000", "--eval-every", "100000",
+             "--device", a.device], min(deadline, time.time() + a.before_budget_s / 2), "before-train", src)
+        rows = [r for r in metrics_rows(d / "train") if r.get("kind") == "train"]
+        res["train"] = {"exit": code, "wall_s": round(wall, 1), "steps": rows[-1]["step"] if rows else 0,
+                        "tokens_per_s": rows[-1].get("tokens_per_s") if rows else None}
+    log(f"before: {json.dumps(res)}")
+    return res
 
 
 def run(a: argparse.Namespace) -> int:
@@ -389,123 +341,92 @@ def run(a: argparse.Namespace) -> int:
                                "budget_s": a.budget_s}
     log(f"{n_prompts} prompts in {prompts}; budget {a.budget_s:.0f} s; work dir {work}")
 
-    # 1. calibrate
-    if a.no_calibrate:
-        cal = {"regen_step_s": a.est_regen_step_s, "regen_prefill_s": 0.5, "train_step_s": 1 / a.est_train_steps_per_s,
-               "source": "--est-* (not measured)"}
-    else:
-        sys.path.insert(0, str(REPO / "src"))
-        cal = calibrate(a)
-    summary["calibration"] = cal
+    def save_summary() -> None:
+        (work / "summary.json").write_text(json.dumps(summary, indent=2))
+        if os.environ.get("OUT") and a.copy_to_out:
+            shutil.copy2(work / "summary.json", Path(os.environ["OUT"]) / "train_summary.json")
 
-    # 2. regenerate. N conversations cost N / regen_rate to write and E * N / train_rate to train on for
-    #    E epochs: N is chosen so that both fit with E = --epochs (more data beats more epochs; when the
-    #    prompts run out, the rest of the time goes to training), capped at --regen-share-max.
-    chunk_s = cal["regen_prefill_s"] + a.max_new_tokens * cal["regen_step_s"] * a.regen_slack
-    regen_rate = a.regen_batch / chunk_s  # conversations per second
-    train_rate = a.train_batch / (cal["train_step_s"] / a.train_safety)  # samples per second
-    left = deadline - time.time()
-    work_s = left - 2 * a.cli_overhead_s - a.final_overhead_s
-    n_fit = work_s / (1 / regen_rate + a.epochs / train_rate)
-    n_cap = max(a.regen_share_max * left - a.cli_overhead_s, chunk_s) * regen_rate
-    chunks = max(1, math.ceil(min(n_fit, n_cap) / a.regen_batch))
-    limit = a.limit or min(n_prompts, chunks * a.regen_batch)
-    regen_est = math.ceil(limit / a.regen_batch) * chunk_s
+    if a.before_src:
+        summary["before"] = before(a, work, prompts, deadline)
+        save_summary()
+
+    # 1. regenerate: the target's own answers (greedy, plus any sampled temperatures), first turn and
+    #    follow-up, loops cut. Killed at its deadline: whole chunks written so far stay (resumable).
     answers = work / "answers.jsonl"
-    log(f"plan: regenerate {limit} of {n_prompts} prompts ({math.ceil(limit / a.regen_batch)} chunks of "
-        f"{a.regen_batch}, ~{chunk_s:.1f} s each, ~{regen_est + a.cli_overhead_s:.0f} s), then train in the remaining "
-        f"~{work_s - regen_est:.0f} s (~{(work_s - regen_est) * train_rate / max(limit, 1):.1f} epochs)")
-    summary["regenerate"] = {"limit": limit, "chunk_estimate_s": round(chunk_s, 2),
-                             "estimated_s": round(regen_est + a.cli_overhead_s, 1)}
-    if a.dry_run:
-        log("dry run: stopping before regenerate")
-        print(json.dumps(summary, indent=2))
-        return 0
-    # killed past its estimate plus slack (whole chunks written so far stay), never into --min-train-s
-    regen_deadline = min(time.time() + max(1.3 * regen_est + a.cli_overhead_s + 20, a.regen_share_max * left),
-                         deadline - a.min_train_s)
+    regen_deadline = min(time.time() + a.regen_budget_s, deadline - a.min_train_s)
     regen_args = ["regenerate", "--target", a.target, "--prompts", str(prompts), "--out", str(answers),
-                  "--limit", str(limit), "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.regen_batch),
-                  "--temperature", str(a.temperature), "--max-prompt-tokens", str(a.max_prompt_tokens),
-                  "--device", a.device]
-    code, regen_wall = run_cli(regen_args, regen_deadline, "regenerate")
+                  "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.regen_batch),
+                  "--temperatures", a.temperatures, "--max-prompt-tokens", str(a.max_prompt_tokens),
+                  "--max-turns", "2", "--loops", a.loops, "--cache", a.cache, "--device", a.device, "--json"]
+    if a.limit:
+        regen_args += ["--limit", str(a.limit)]
+    code, regen_wall, text = run_cli(regen_args, regen_deadline, "regenerate")
+    rep = last_json(text) or {}
     n_answers = count_lines(answers)
-    summary["regenerate"].update(exit=code, wall_s=round(regen_wall, 1), conversations=n_answers)
+    summary["regenerate"] = {"exit": code, "wall_s": round(regen_wall, 1), "conversations": n_answers,
+                             **{k: rep.get(k) for k in ("new_tokens", "tokens_per_s", "finish", "loops_cut",
+                                                         "loops_dropped", "wall_s")}}
     log(f"regenerate: {n_answers} conversations in {answers}")
+    save_summary()
     if n_answers < 8:
         log("error: too few regenerated conversations to train on")
-        (work / "summary.json").write_text(json.dumps(summary, indent=2))
         return 1
 
-    # 3. train online for as many steps as the rest of the budget allows
+    # 2. train online until the held-out figure stops improving or the budget ends; the best
+    #    checkpoint (by the engine's tau on the validation prompts) is the result.
     train_dir = work / "train"
     if train_dir.exists() and not a.resume:
         shutil.rmtree(train_dir)  # a stale run would be resumed with another schedule
-    left = deadline - time.time()
-    train_s = left - a.cli_overhead_s - a.final_overhead_s
-    steps = a.steps or max(a.min_steps, int(train_s / cal["train_step_s"] * a.train_safety))
-    save_every = max(25, steps // 6)
-    eval_every = max(25, steps // 12)
-    summary["train"] = {"steps": steps, "estimated_s": round(steps * cal["train_step_s"], 1), "save_every": save_every}
-    log(f"plan: train {steps} steps at batch {a.train_batch} (~{steps * cal['train_step_s']:.0f} s of steps, "
-        f"{steps * a.train_batch / max(n_answers, 1):.1f} epochs), checkpoint every {save_every}")
     train_args = ["train", "--target", a.target, "--data", str(answers), "--out", str(train_dir),
-                  "--steps", str(steps), "--batch-size", str(a.train_batch), "--max-length", str(a.max_length),
+                  "--epochs", str(a.epochs), "--tokens-per-batch", str(a.tokens_per_batch),
+                  "--batch-size", str(a.train_batch), "--max-length", str(a.max_length),
                   "--draft-vocab", str(a.draft_vocab), "--lr", str(a.lr), "--ttt-steps", str(a.ttt_steps),
-                  "--save-every", str(save_every), "--eval-every", str(eval_every), "--seed", str(a.seed),
-                  "--device", a.device]
-    code, train_wall = run_cli(train_args, deadline, "train")
-    summary["train"].update(exit=code, wall_s=round(train_wall, 1))
-    metrics_rows = []
-    if (train_dir / "metrics.jsonl").exists():
-        metrics_rows = [json.loads(x) for x in (train_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    trained = [r for r in metrics_rows if r.get("kind") == "train"]
-    if trained:
-        summary["train"]["steps_done"] = trained[-1]["step"]
-        summary["train"]["tokens_per_s"] = trained[-1].get("tokens_per_s")
+                  "--eval-every", str(a.eval_every), "--save-every", str(a.eval_every), "--patience", str(a.patience),
+                  "--seed", str(a.seed), "--device", a.device]
+    if a.val_prompts and Path(a.val_prompts).exists():
+        train_args += ["--val-prompts", str(a.val_prompts), "--val-max-new-tokens", str(a.val_max_new_tokens),
+                       "--val-tree", a.val_tree]
+    code, train_wall, _ = run_cli(train_args, deadline - a.final_overhead_s, "train")
+    rows = metrics_rows(train_dir)
+    trained = [r for r in rows if r.get("kind") == "train"]
+    summary["train"] = {"exit": code, "wall_s": round(train_wall, 1),
+                        "steps_done": trained[-1]["step"] if trained else 0,
+                        "tokens_per_s": trained[-1].get("tokens_per_s") if trained else None,
+                        "target_share": trained[-1].get("target_share") if trained else None,
+                        "evaluations": [{k: r.get(k) for k in ("step", "simulated_accept_length",
+                                                               "simulated_accept_length_no_loops", "tau")}
+                                        for r in rows if r.get("kind") == "val"]}
 
-    # 4. the drafter
+    # 3. the drafter, and a bf16 copy small enough for the device tool's $OUT
     src, which = final_drafter(train_dir)
     summary["drafter_from"] = which
     if src is None:
         log("error: training left no drafter (neither a final one nor a checkpoint)")
-        (work / "summary.json").write_text(json.dumps(summary, indent=2))
+        save_summary()
         return 1
     dest = work / "drafter"
     copy_drafter(src, dest)
     for f in ("metrics.jsonl", "training.png", "train_config.json"):
-        if (train_dir / f).exists() and not (dest / f).exists():
+        if (train_dir / f).exists():
             shutil.copy2(train_dir / f, dest / f)
     meta = json.loads((dest / "eyas.json").read_text())
     summary["metrics"] = (meta.get("contract") or {}).get("metrics")
     summary["drafter"] = str(dest)
     summary["total_wall_s"] = round(time.time() - t_start, 1)
-    (work / "summary.json").write_text(json.dumps(summary, indent=2))
-    m = summary["metrics"] or {}
-    log(f"drafter ({which}) -> {dest}")
-    log(f"held-out simulated accept length {m.get('simulated_accept_length')}, accuracy per position "
-        f"{m.get('accuracy_per_position')}")
-    log(f"total {summary['total_wall_s']:.0f} s (budget {a.budget_s:.0f} s)")
-    # A bf16, sharded copy small enough to come back through the device tool's $OUT (at most 8
-    # files of 16 MiB): the machine goes cold 30 s after a call, so the benchmark's call may have to
-    # carry the drafter back.
     small = work / "drafter_bf16"
     try:
         files = transport_copy(dest, small)
         summary["drafter_bf16"] = {"path": str(small), "files": files}
-        log(f"bf16 copy in {len(files)} files of at most 15 MiB -> {small}")
     except Exception as e:  # noqa: BLE001 - the full drafter is still there
         log(f"no bf16 copy: {e!r}")
         files = []
-    (work / "summary.json").write_text(json.dumps(summary, indent=2))
-    out_env = os.environ.get("OUT")
-    if out_env and a.copy_to_out:
-        out_dir = Path(out_env)
-        if files:
-            shutil.copytree(small, out_dir / "drafter", dirs_exist_ok=True)
-        shutil.copy2(work / "summary.json", out_dir / "train_summary.json")
-        log(f"copied {'the bf16 drafter and ' if files else ''}the summary to {out_dir}")
-    print(json.dumps({k: summary[k] for k in ("drafter", "drafter_from", "total_wall_s", "metrics")}, indent=2))
+    save_summary()
+    if os.environ.get("OUT") and a.copy_to_out and files:
+        shutil.copytree(small, Path(os.environ["OUT"]) / "drafter", dirs_exist_ok=True)
+        log(f"copied the bf16 drafter to {os.environ['OUT']}/drafter")
+    m = summary["metrics"] or {}
+    log(f"drafter ({which}) -> {dest}; held-out simulated accept length {m.get('simulated_accept_length')}")
+    print(json.dumps({k: summary.get(k) for k in ("drafter", "drafter_from", "total_wall_s", "metrics")}, indent=2))
     return 0
 
 
@@ -519,46 +440,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sharegpt", action="store_true", help="leave out ShareGPT (unclear terms)")
     p.add_argument("--max-chars", type=int, default=6000, help="drop longer prompts")
     p.add_argument("--follow-up-share", type=float, default=0.3, help="share of prompts given a second, generic turn")
+    p.add_argument("--val-prompts", type=int, default=24, help="prompts held out for the tau probe")
 
-    r = sub.add_parser("run", help="calibrate, regenerate, train (GPU)")
+    r = sub.add_parser("run", help="[before] -> regenerate -> train (GPU)")
     r.add_argument("--target", required=True, help="the SmolLM2 GGUF (or any eyas --target)")
     r.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    r.add_argument("--val-prompts", default=str(DEFAULT_PROMPTS.with_name("val_prompts.jsonl")))
     r.add_argument("--work", default=str(DEFAULT_WORK), help="answers, training run, drafter, summary")
     r.add_argument("--device", default="cuda")
-    r.add_argument("--budget-s", type=float, default=480.0, help="the whole pipeline, calibration included")
-    r.add_argument("--epochs", type=float, default=4.0,
-                   help="plan as many conversations as can be regenerated AND trained on this many times")
-    r.add_argument("--regen-share-max", type=float, default=0.6, help="regenerate plans at most this share of the time")
-    r.add_argument("--min-train-s", type=float, default=120.0, help="regenerate never eats into this")
-    r.add_argument("--limit", type=int, default=None, help="prompts to regenerate (default: what fits)")
+    r.add_argument("--budget-s", type=float, default=540.0, help="the whole pipeline")
+    r.add_argument("--before-src", default=None, help="src/ of the old commit: measure its throughput first")
+    r.add_argument("--before-prompts", type=int, default=512)
+    r.add_argument("--before-steps", type=int, default=40)
+    r.add_argument("--before-budget-s", type=float, default=150.0)
+    r.add_argument("--regen-budget-s", type=float, default=200.0)
+    r.add_argument("--min-train-s", type=float, default=150.0, help="regenerate never eats into this")
+    r.add_argument("--limit", type=int, default=None, help="prompts to regenerate (default: all)")
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--max-prompt-tokens", type=int, default=768)
-    r.add_argument("--regen-batch", type=int, default=256)
-    r.add_argument("--temperature", type=float, default=0.0, help="regeneration: 0 = greedy")
-    r.add_argument("--steps", type=int, default=None, help="training steps (default: what fits)")
-    r.add_argument("--min-steps", type=int, default=100)
-    r.add_argument("--train-batch", type=int, default=16)
+    r.add_argument("--regen-batch", type=int, default=512)
+    r.add_argument("--temperatures", default="0", help="e.g. 0,0.8: one answer per temperature")
+    r.add_argument("--loops", default="cut", choices=["cut", "drop", "keep"])
+    r.add_argument("--cache", default="auto", choices=["auto", "static", "dynamic"])
+    r.add_argument("--epochs", type=float, default=4.0)
+    r.add_argument("--tokens-per-batch", type=int, default=16384)
+    r.add_argument("--train-batch", type=int, default=16, help="rows per batch without --tokens-per-batch")
     r.add_argument("--max-length", type=int, default=1024)
     r.add_argument("--draft-vocab", type=int, default=12288,
                    help="12288 keeps lm_head under 16 MiB in bf16 (the device tool's file limit)")
     r.add_argument("--lr", type=float, default=1e-3, help="eyas train's default")
     r.add_argument("--ttt-steps", type=int, default=7)
+    r.add_argument("--eval-every", type=int, default=150)
+    r.add_argument("--patience", type=int, default=4)
+    r.add_argument("--val-max-new-tokens", type=int, default=96)
+    r.add_argument("--val-tree", default="6,10,60")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--resume", action="store_true", help="keep WORK/train and let eyas train resume it")
-    r.add_argument("--no-calibrate", action="store_true", help="use the --est-* figures instead of measuring")
-    r.add_argument("--est-regen-step-s", type=float, default=0.04)
-    r.add_argument("--est-train-steps-per-s", type=float, default=5.0)
-    r.add_argument("--calib-gen-steps", type=int, default=24)
-    r.add_argument("--calib-train-steps", type=int, default=8)
-    r.add_argument("--regen-slack", type=float, default=1.15, help="safety factor on the regeneration estimate")
-    r.add_argument("--train-safety", type=float, default=0.85, help="share of the estimated steps to plan")
-    r.add_argument("--cli-overhead-s", type=float, default=25.0, help="start-up of one eyas command")
-    r.add_argument("--final-overhead-s", type=float, default=15.0, help="training's last evaluation and save")
+    r.add_argument("--final-overhead-s", type=float, default=30.0, help="training's last evaluation and save")
     r.add_argument("--no-copy-to-out", dest="copy_to_out", action="store_false")
-    r.add_argument("--dry-run", action="store_true", help="calibrate and plan, run nothing")
     a = ap.parse_args(argv)
     if a.cmd == "prepare":
-        prepare(Path(a.shared), Path(a.out), a.seed, a.no_sharegpt, a.max_chars, a.follow_up_share)
+        prepare(Path(a.shared), Path(a.out), a.seed, a.no_sharegpt, a.max_chars, a.follow_up_share, a.val_prompts)
         return 0
     return run(a)
 

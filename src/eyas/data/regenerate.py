@@ -60,6 +60,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, Sequence
@@ -372,11 +373,16 @@ def _generate_batch(model: Any, tokenizer: Any, prompts: list[list[int]], gen_co
     n = len(prompts)
     extra: dict[str, Any] = {}
     if static is not None:
-        prompts, extra["cache"] = static.prepare(prompts)
+        # past_key_values: the name every transformers 5.x release reads (newer ones also take `cache`
+        # and warn that past_key_values is deprecated; an unknown `cache` would be silently ignored
+        # by an older one, which would decode on a dynamic cache).
+        prompts, extra["past_key_values"] = static.prepare(prompts)
     enc = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")  # left-padded [B, T]
     device = next(model.parameters()).device
     input_ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    out = model.generate(input_ids=input_ids, attention_mask=attn, generation_config=gen_config, **extra)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*past_key_values.*")
+        out = model.generate(input_ids=input_ids, attention_mask=attn, generation_config=gen_config, **extra)
     new = out[:n, input_ids.shape[1]:].tolist()  # [n, <= max_new_tokens], finished rows padded
     results = []
     eos = set(eos_ids)
