@@ -446,6 +446,9 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
                dynamic_ncols=True)
     window = Tally(cfg.ttt_steps)
     timer = PhaseTimer(device)
+    # Plan the first epoch now; a later epoch is planned at its first step, on the host from CPU
+    # tensors (a seeded randperm: no device involved).
+    order.step(start, d.rank, d.world)
     done, stopped_early, last_eval = start, False, None
     for step in bar:
         t_start = timer.mark()
@@ -489,6 +492,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
                             dft=f"{figures['drafter_share']:.0%}")
             window = Tally(cfg.ttt_steps)
         evaluates = val_idx or validate is not None
+        t_other = time.perf_counter()
         if done < total_steps and evaluates and (done % cfg.eval_every == 0 or done % cfg.save_every == 0):
             last_eval = evaluation(done)
             if cfg.patience is not None and best.evals_since >= cfg.patience:
@@ -500,6 +504,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
                 break
         if done < total_steps and done % cfg.save_every == 0:
             save_checkpoint(done, last_eval if last_eval is not None and last_eval["step"] == done else None)
+        timer.exclude(time.perf_counter() - t_other)
         if stop_after is not None and done - start >= stop_after:
             return TrainResult(out, drafter, done, best.step)
 

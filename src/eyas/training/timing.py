@@ -1,5 +1,9 @@
 """Throughput of the training loop, measured without a device sync per step.
 
+The window's wall time leaves out evaluations and checkpoints (:meth:`PhaseTimer.exclude`), so
+tokens/s is training throughput and the two shares add up to about 1 (the rest: host work between
+steps that the GPU did not hide, and logging).
+
 Each step marks three instants: before the batch (data + the target's forward, online), after it
 (the drafter's forward, backward, all-reduce and optimizer step follow), and at its end. On CUDA
 the marks are CUDA events recorded in the stream (recording does not wait for the GPU); they are
@@ -44,6 +48,11 @@ class PhaseTimer:
         self._steps: list[tuple[object, object, object]] = []
         self._tokens = self._padded = 0
         self._t0 = time.perf_counter()
+        self._excluded = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` of wall time out of the window (evaluations, checkpoints: not training)."""
+        self._excluded += seconds
 
     def mark(self) -> object:
         if self.cuda:
@@ -71,6 +80,6 @@ class PhaseTimer:
             else:
                 target += b - a  # type: ignore[operator]
                 drafter += c - b  # type: ignore[operator]
-        w = Window(now - self._t0, target, drafter, self._tokens, self._padded)
-        self._steps, self._tokens, self._padded, self._t0 = [], 0, 0, now
+        w = Window(now - self._t0 - self._excluded, target, drafter, self._tokens, self._padded)
+        self._steps, self._tokens, self._padded, self._t0, self._excluded = [], 0, 0, now, 0.0
         return w
