@@ -37,7 +37,7 @@ from eyas.drafter.config import NORM_FLAGS
 from eyas.drafter.model import Eagle3Drafter
 from eyas.training.batches import Batch, OfflineBatches, OnlineBatches, pad_right
 from eyas.training.config import TrainConfig, split_indices
-from eyas.training.order import FixedOrder, make_order
+from eyas.training.order import FixedOrder, budget_batches, make_order
 from eyas.training.state import checkpoint_dirs, commit_dir, load_train_state, save_train_state
 from eyas.drafter.ttt import Tally, ttt_forward
 from eyas.training.timing import PhaseTimer, Window
@@ -177,8 +177,12 @@ def evaluate(drafter: Eagle3Drafter, batches: Any, samples: Any, val_idx: Sequen
     drafter.eval()
     tally, tally_nl = Tally(cfg.ttt_steps), Tally(cfg.ttt_steps)
     mine = list(val_idx)[d.rank :: d.world]
-    for i in range(0, len(mine), cfg.batch_size):
-        chunk = mine[i : i + cfg.batch_size]
+    if cfg.tokens_per_batch is None:
+        chunks = [mine[i : i + cfg.batch_size] for i in range(0, len(mine), cfg.batch_size)]
+    else:  # similar lengths together under the training budget (the sums do not depend on the grouping)
+        lengths = sample_lengths(samples, mine)
+        chunks = [[mine[p] for p in b] for b in budget_batches(range(len(mine)), lengths, cfg.tokens_per_batch)]
+    for chunk in chunks:
         b = batches.make([samples[j] for j in chunk])
         keep = None
         if outside_loops is not None:

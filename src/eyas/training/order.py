@@ -101,17 +101,7 @@ class BucketOrder:
             while j < len(perm) and tokens < window_tokens:  # one window of the permutation
                 tokens += self.lengths[perm[j]]
                 j += 1
-            window = sorted(perm[i:j], key=lambda p: -self.lengths[p])  # stable: ties keep permutation order
-            batch: list[int] = []
-            for p in window:
-                # longest first, so the batch's padded length is its first sample's
-                width = _padded(self.lengths[batch[0]] if batch else self.lengths[p])
-                if batch and (len(batch) + 1) * width > self.tokens_per_batch:
-                    batches.append(batch)
-                    batch = []
-                batch.append(p)
-            if batch:
-                batches.append(batch)
+            batches += budget_batches(perm[i:j], self.lengths, self.tokens_per_batch)
             i = j
         g = torch.Generator().manual_seed(self.seed * 1000003 + epoch + 7919)
         order = torch.randperm(len(batches), generator=g).tolist()
@@ -134,6 +124,23 @@ class BucketOrder:
         if epochs > whole:
             n += (epochs - whole) * len(self.plan(whole))
         return max(1, math.ceil(n / world))
+
+
+def budget_batches(items: Sequence[int], lengths: Sequence[int], tokens_per_batch: int) -> list[list[int]]:
+    """``items`` sorted by ``lengths[item]`` (longest first; stable, so ties keep their order) and cut
+    greedily into batches with ``rows * padded_len <= tokens_per_batch`` (padded_len: the batch's
+    first, longest, item rounded up to PAD_MULTIPLE); an item longer than the budget is a batch alone."""
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    for p in sorted(items, key=lambda p: -lengths[p]):
+        width = _padded(lengths[batch[0]] if batch else lengths[p])
+        if batch and (len(batch) + 1) * width > tokens_per_batch:
+            batches.append(batch)
+            batch = []
+        batch.append(p)
+    if batch:
+        batches.append(batch)
+    return batches
 
 
 def make_order(train_idx: Sequence[int], lengths: Sequence[int] | None, batch_size: int,

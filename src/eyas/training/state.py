@@ -28,27 +28,32 @@ STATE_TENSORS = f"{STATE_DIR}/train_state.safetensors"  # before shards: one fil
 STATE_INDEX = f"{STATE_DIR}/train_state.index.json"
 STATE_JSON = f"{STATE_DIR}/train_state.json"
 SHARD_BYTES = 16 * 2**20
+_ENTRY_BYTES = 128  # bound on a header entry without its key: {"dtype":"BF16","shape":[...],"data_offsets":[...]}
+_HEADER_BYTES = 1024  # the header's length prefix, braces, __metadata__ and alignment padding
+_RESERVE = _HEADER_BYTES + _ENTRY_BYTES + 1024  # what a full-size piece leaves for its header (key <= 1 KiB)
 
 
 def save_sharded(tensors: dict[str, torch.Tensor], directory: Path, prefix: str,
                  max_bytes: int = SHARD_BYTES) -> dict[str, Any]:
-    """Write ``tensors`` as ``{prefix}-NNNNN.safetensors`` shards of at most ``max_bytes`` of
-    tensor data each under ``directory``; returns the index (see the module docstring)."""
+    """Write ``tensors`` as ``{prefix}-NNNNN.safetensors`` files of at most ``max_bytes`` each
+    under ``directory``; returns the index (see the module docstring). A file's size is its
+    tensors' bytes plus the JSON header, which each entry is charged for at a bound of
+    ``_ENTRY_BYTES`` + its key (the header's own braces fit in the reserve a piece leaves)."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     sizes = [0]
     index: dict[str, Any] = {"tensors": {}, "max_bytes": max_bytes}
     for name, t in tensors.items():
         t = t.detach().cpu().contiguous()
         flat = t.reshape(-1)
-        per = max(1, max_bytes // max(1, t.element_size()))  # elements per piece
+        per = max(1, (max_bytes - _RESERVE) // max(1, t.element_size()))  # elements per piece
         parts = []
         for a in range(0, max(1, flat.numel()), per):
             piece = flat[a : a + per].clone()  # own storage: safetensors refuses shared views
-            nbytes = piece.numel() * piece.element_size()
-            if sizes[-1] and sizes[-1] + nbytes > max_bytes:
+            key = f"{name}#{len(parts)}"
+            nbytes = piece.numel() * piece.element_size() + _ENTRY_BYTES + len(key.encode())
+            if sizes[-1] and sizes[-1] + nbytes > max_bytes - _HEADER_BYTES:
                 shards.append({})
                 sizes.append(0)
-            key = f"{name}#{len(parts)}"
             shards[-1][key] = piece
             sizes[-1] += nbytes
             parts.append([len(shards) - 1, key])
