@@ -54,6 +54,14 @@ def pad_right(seqs: Sequence[Tensor], value: float | int = 0, multiple: int = 1)
     return out
 
 
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """Copy a fresh host tensor to ``device`` without making the host wait for the GPU: through
+    pinned memory on CUDA (an asynchronous copy, queued behind the work already launched)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class OnlineBatches:
     """Samples are dicts with ``input_ids`` and ``loss_mask`` [T]; features come from the live target."""
 
@@ -72,8 +80,8 @@ class OnlineBatches:
         mask would also make the model check it on the host (a device sync per step).
         The labels come from the logits in the model's dtype (:meth:`TargetLabels.from_logits`).
         """
-        ids = pad_right([s["input_ids"] for s in samples], multiple=multiple).to(self.device, non_blocking=True)
-        mask = pad_right([s["loss_mask"] for s in samples], multiple=multiple).to(self.device, non_blocking=True)
+        ids = to_device(pad_right([s["input_ids"] for s in samples], multiple=multiple), self.device)
+        mask = to_device(pad_right([s["loss_mask"] for s in samples], multiple=multiple), self.device)
         with BoundaryCapture(self.model, self.spec) as cap, torch.autocast(
             self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
         ):
@@ -104,10 +112,11 @@ class OfflineBatches:
     @torch.no_grad()
     def make(self, samples: Sequence[dict[str, Tensor]], multiple: int = 1) -> Batch:
         """One batch padded to the longest sample rounded up to ``multiple``."""
-        ids = pad_right([s["input_ids"].long() for s in samples], multiple=multiple).to(self.device)
-        mask = pad_right([s["loss_mask"].long() for s in samples], multiple=multiple).to(self.device)
-        feats = pad_right([self.features_of(s).float() for s in samples], multiple=multiple).to(self.device)
-        last = pad_right([s["last_hidden"] for s in samples], multiple=multiple).to(self.device)
+        ids = to_device(pad_right([s["input_ids"].long() for s in samples], multiple=multiple), self.device)
+        mask = to_device(pad_right([s["loss_mask"].long() for s in samples], multiple=multiple), self.device)
+        # copied in the stored dtype (bf16 shards: half the bytes), made float32 on the device
+        feats = to_device(pad_right([self.features_of(s) for s in samples], multiple=multiple), self.device).float()
+        last = to_device(pad_right([s["last_hidden"] for s in samples], multiple=multiple), self.device)
         dtype = self.lm_head.weight.dtype
         labels = TargetLabels.from_last_hidden(last.to(dtype), self.final_norm, self.lm_head, self.draft_ids)
         return Batch(ids, mask, feats, labels, sum(int(s["input_ids"].shape[0]) for s in samples))
