@@ -308,6 +308,9 @@ def test_resume_with_buckets_and_patience_gives_identical_weights_and_best(toy, 
     from eyas.interop import read_contract
 
     assert read_contract(tmp_path / "straight").metrics == read_contract(tmp_path / "crashed").metrics
+    steps = [json.loads(x)["step"] for x in (tmp_path / "crashed" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["kind"] == "val"]
+    assert steps == sorted(steps) and len(steps) == len(set(steps))  # the crashed run's later rows were dropped
 
 
 @pytest.mark.integration

@@ -391,6 +391,9 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     metrics_path = out / METRICS_FILE
     if d.main and start == 0 and metrics_path.exists():
         metrics_path.unlink()
+    elif d.main and metrics_path.exists():  # rows the crashed run wrote after the checkpoint come again
+        kept = [x for x in metrics_path.read_text().splitlines() if x.strip() and json.loads(x).get("step", 0) <= start]
+        atomic_write_text(metrics_path, "".join(x + "\n" for x in kept))
 
     def record(row: dict[str, Any]) -> None:
         if d.main:
