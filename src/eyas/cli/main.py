@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import typer
 from rich.table import Table
@@ -219,6 +219,49 @@ def import_cmd(
     console.print(engine_table(view))
 
 
+def _engine_tau(cfg: Any, prompts: str, limit: int, max_new_tokens: int, tree: str) -> Callable[[Any], dict[str, float]]:
+    """The training loop's ``validate`` hook: the engine's tau (greedy, HF target) over the first
+    ``limit`` prompts of ``prompts`` -- accepted tokens per speculative round, pooled over all
+    rounds of all prompts -- with a copy of the drafter in training in the serving dtype (the
+    engine never holds the training weights). Prompts are read and the tree parsed now; the target
+    for serving is loaded at the first evaluation, with the capture boundaries training uses."""
+    import copy
+
+    from eyas.bench import load_prompts
+    from eyas.data.render import render_prompt
+    from eyas.engine import TreeSpec, build_target, speculative_generate
+
+    convs = _run(load_prompts, prompts, limit)
+    spec_tree = _run(TreeSpec.parse, tree)
+    state: dict[str, Any] = {}
+
+    def validate(drafter: Any) -> dict[str, float]:
+        import torch
+
+        from eyas.convention import CaptureSpec
+        from eyas.data.shards import ShardDataset, is_shard_dir
+        from eyas.targets import load_target
+
+        if not state:
+            loaded = load_target(cfg.target, dtype="auto", device=cfg.device)
+            boundaries = (ShardDataset(cfg.data).contract.capture.boundaries if is_shard_dir(cfg.data)
+                          else cfg.boundaries)
+            spec = CaptureSpec.create(loaded.num_blocks, boundaries)
+            state.update(loaded=loaded, tgt=build_target(loaded.model, spec, "hf"))
+        loaded, tgt = state["loaded"], state["tgt"]
+        d = copy.deepcopy(drafter).to(loaded.device, dtype=loaded.dtype).eval()
+        lengths: list[int] = []
+        with torch.no_grad():
+            for c in convs:
+                ids = render_prompt(c, loaded.tokenizer).to(tgt.device)[None]
+                r = speculative_generate(tgt, d, ids, tree=spec_tree, max_new_tokens=max_new_tokens,
+                                         eos_token_ids=loaded.eos_ids)
+                lengths += r.stats.accept_lengths
+        return {"tau": sum(lengths) / len(lengths) if lengths else 1.0, "validate_prompts": float(len(convs))}
+
+    return validate
+
+
 @app.command()
 def train(
     target: str = typer.Option(..., help=TARGET_HELP),
@@ -228,12 +271,25 @@ def train(
     epochs: Optional[float] = typer.Option(None, help="passes over the training split (or --steps)"),
     boundaries: Optional[str] = typer.Option(None, help="online only: e.g. 2,15,27 (default [2, L//2, L-3])"),
     draft_vocab: int = typer.Option(8192, "--draft-vocab"),
-    batch_size: int = typer.Option(4),
+    batch_size: int = typer.Option(4, help="sequences per rank per step (without --tokens-per-batch)"),
+    tokens_per_batch: Optional[int] = typer.Option(
+        None, help="length-bucketed batches: rows * padded length <= this many tokens per rank per step "
+                   "(padded to a multiple of 64); replaces --batch-size"),
     max_length: int = typer.Option(1024),
     lr: float = typer.Option(1e-3),
     ttt_steps: int = typer.Option(7),
     save_every: int = typer.Option(200),
     eval_every: int = typer.Option(100),
+    log_every: int = typer.Option(10),
+    patience: Optional[int] = typer.Option(
+        None, help="stop when the held-out figure (tau with --validate-prompts, else the simulated accept length) "
+                   "has not improved for this many evaluations; OUT/best keeps the best, OUT ends with it"),
+    validate_prompts: Optional[str] = typer.Option(
+        None, help="at every evaluation, measure the engine's tau (greedy) on these prompts (a prompt set name or "
+                   "file, as `eyas bench --prompts`; keep them apart from evaluation prompts); picks the best"),
+    validate_limit: int = typer.Option(8, help="--validate-prompts: how many prompts"),
+    validate_tokens: int = typer.Option(128, help="--validate-prompts: new tokens per prompt"),
+    validate_tree: str = typer.Option("5", help="--validate-prompts: the tree (" + "as --tree of `eyas generate`)"),
     seed: int = typer.Option(0),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     norm_before_residual: bool = typer.Option(False, help="drafter variant: residual = hidden_norm(h) instead of h"),
@@ -252,13 +308,15 @@ def train(
     cfg = TrainConfig(
         target=target, data=data, out=str(out), steps=steps, epochs=epochs,
         boundaries=_run(parse_boundaries, boundaries) if boundaries else None, draft_vocab_size=draft_vocab,
-        batch_size=batch_size, max_length=max_length, lr=lr, ttt_steps=ttt_steps, save_every=save_every,
-        eval_every=eval_every, seed=seed, device=device, norm_before_residual=norm_before_residual,
+        batch_size=batch_size, tokens_per_batch=tokens_per_batch, max_length=max_length, lr=lr, ttt_steps=ttt_steps,
+        save_every=save_every, eval_every=eval_every, log_every=log_every, patience=patience, seed=seed, device=device, norm_before_residual=norm_before_residual,
         norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output,
     )
     log = (lambda m: err.print(m, highlight=False)) if json_out else (lambda m: console.print(m, highlight=False))
     t0 = time.perf_counter()
-    path = _run(run_training, cfg, force=force, log=log).out
+    validate = (_engine_tau(cfg, validate_prompts, validate_limit, validate_tokens, validate_tree)
+                if validate_prompts else None)
+    path = _run(run_training, cfg, force=force, log=log, validate=validate).out
     metrics = read_contract(path).metrics
     if json_out:
         _print_json({"path": str(path), "wall_s": round(time.perf_counter() - t0, 1),

@@ -43,7 +43,10 @@ class TargetLabels:
 
     @classmethod
     def from_logits(cls, logits: Tensor, draft_ids: Tensor) -> "TargetLabels":
-        """From full target logits [B, T, V] (online training)."""
+        """From full target logits [B, T, V] (online training), in the logits' own dtype: the
+        argmax over V and the gather of the Vd draft columns read the logits as they are; only the
+        [B, T, Vd] part is made float32 (a float32 copy of [B, T, V] would cost B*T*V*4 bytes of
+        memory traffic for nothing: bf16 -> fp32 is exact, so the argmax is the same)."""
         return cls(argmax=logits.argmax(-1), draft_logits=logits[..., draft_ids].float())
 
     @classmethod
@@ -54,14 +57,36 @@ class TargetLabels:
 
 
 @dataclass
-class TTTResult:
-    loss: Tensor  # scalar, the weighted sum over steps
-    step_loss: list[Tensor] = field(default_factory=list)  # per step, mean over counted positions
-    correct: list[int] = field(default_factory=list)  # per step: drafter argmax == target argmax
-    cond_correct: list[int] = field(default_factory=list)  # ...among positions all earlier steps got right
-    cond_total: list[int] = field(default_factory=list)
-    total: list[int] = field(default_factory=list)  # counted positions per step
-    logits: list[Tensor] = field(default_factory=list)  # keep_logits only: per step [B, T, Vd], the drafter's for x_{t+2+k}
+class StepCounts:
+    """Per-step counts of one TTT forward, kept on the device (each a [steps] tensor), so that a
+    training step never reads a value back to the host (a read is a device sync; on a launch-bound
+    GPU it stalls the queue of kernel launches). :class:`Tally` sums them, still on the device, and
+    reads them once when a summary is asked for.
+
+    step_loss:    [steps] float32  mean soft cross-entropy over the counted positions (detached)
+    correct:      [steps] int64    counted positions where drafter argmax == target argmax
+    total:        [steps] int64    counted positions
+    cond_correct: [steps] int64    ...right among positions all earlier steps got right
+    cond_total:   [steps] int64    counted positions all earlier steps got right
+    """
+
+    step_loss: Tensor
+    correct: Tensor
+    total: Tensor
+    cond_correct: Tensor
+    cond_total: Tensor
+
+
+@dataclass
+class TTTResult(StepCounts):
+    """``loss``: scalar, the weighted sum over steps (the one with a graph); the counts of
+    :class:`StepCounts` over the positions the loss counts; ``subset``: the same counts over the
+    positions ``ttt_forward``'s ``count_mask`` keeps (None without one); ``logits``: keep_logits only,
+    per step [B, T, Vd], the drafter's logits for x_{t+2+k}."""
+
+    loss: Tensor = None  # type: ignore[assignment]  # always set by ttt_forward
+    subset: StepCounts | None = None
+    logits: list[Tensor] = field(default_factory=list)
 
 
 def ttt_mask(T: int, step: int, device: torch.device) -> Tensor:
@@ -89,42 +114,65 @@ def ttt_forward(
     steps: int = 7,
     decay: float = 0.8,
     keep_logits: bool = False,
+    count_mask: Tensor | None = None,  # [B, T] bool, a subset of loss_mask: also count over these x_t
 ) -> TTTResult:
+    """The TTT loss and per-step counts of one batch (see the module docstring).
+
+    Nothing here reads a value back to the host: the counts stay [steps] tensors on the device.
+    With ``count_mask`` the counts are also taken over the positions whose predicted token
+    x_{t+2+k} it keeps (``result.subset``; the held-out metrics without repetition loops); the
+    conditional counts there use the same "all earlier steps right" as the full counts.
+    """
     B, T = input_ids.shape
     device = input_ids.device
     positions = torch.arange(T, device=device).expand(B, T)
     cache = ConcatKVCache()
     in_draft_vocab = drafter.t2d[labels.argmax]  # [B, T]: can the drafter express the target's token?
     hidden = features
-    result = TTTResult(loss=features.new_zeros((), dtype=torch.float32))
+    loss = features.new_zeros((), dtype=torch.float32)
     still_right = torch.ones(B, T, dtype=torch.bool, device=device)
+    masks = [loss_mask] + ([count_mask] if count_mask is not None else [])
+    # rows[m][k]: [5] counts of mask m at step k: loss sum, correct, total, cond_correct, cond_total
+    rows: list[list[Tensor]] = [[] for _ in masks]
+    logits_kept: list[Tensor] = []
     for k in range(steps):
         # Step k at position t: token x_{t+1+k}, label p_{t+1+k}, counted iff x_{t+2+k} is assistant.
         tokens = shift_left(input_ids, 1 + k)
         target_argmax = shift_left(labels.argmax, 1 + k)
         target_logits = shift_left(labels.draft_logits, 1 + k)
-        counted = shift_left(loss_mask, 2 + k).bool() & shift_left(in_draft_vocab, 1 + k, False)
+        expressible = shift_left(in_draft_vocab, 1 + k, False)
+        counted = shift_left(loss_mask, 2 + k).bool() & expressible
         out = drafter(tokens, hidden, positions + k, cache=cache, mask=ttt_mask(T, k, device),
                       from_target=k == 0)
         logp = F.log_softmax(out.logits.float(), dim=-1)  # [B, T, Vd]
-        p = F.softmax(target_logits, dim=-1)
+        p = F.softmax(target_logits.float(), dim=-1)
         per_pos = -(p * logp).sum(-1)  # [B, T]
         n = counted.sum()
         step_loss = (per_pos * counted).sum() / n.clamp(min=1)
-        result.loss = result.loss + decay**k * step_loss
-        result.step_loss.append(step_loss.detach())
+        loss = loss + decay**k * step_loss
         with torch.no_grad():
-            right = drafter.draft_to_target(out.logits.argmax(-1)) == target_argmax
+            right = drafter.draft_to_target(out.logits.argmax(-1)) == target_argmax  # [B, T]
             if keep_logits:  # evaluation (serving's acceptance, --tree auto's calibration), not training
-                result.logits.append(out.logits.detach())
-            result.correct.append(int((right & counted).sum()))
-            result.total.append(int(n))
-            cond = counted & still_right
-            result.cond_correct.append(int((right & cond).sum()))
-            result.cond_total.append(int(cond.sum()))
+                logits_kept.append(out.logits.detach())
+            pl = per_pos.detach()
+            for m, mask in enumerate(masks):
+                c = counted if m == 0 else shift_left(mask, 2 + k).bool() & expressible
+                cond = c & still_right
+                rows[m].append(torch.stack([(pl * c).sum().double(), (right & c).sum().double(),
+                                            c.sum().double(), (right & cond).sum().double(),
+                                            cond.sum().double()]))
             still_right = still_right & right
         hidden = out.hidden
-    return result
+
+    def counts(r: list[Tensor]) -> StepCounts:
+        t = torch.stack(r, dim=1) if r else torch.zeros(5, 0, dtype=torch.float64, device=device)  # [5, steps]
+        total = t[2].long()
+        return StepCounts(step_loss=(t[0] / t[2].clamp(min=1)).float(), correct=t[1].long(), total=total,
+                          cond_correct=t[3].long(), cond_total=t[4].long())
+
+    main = counts(rows[0])
+    return TTTResult(**vars(main), loss=loss, subset=counts(rows[1]) if count_mask is not None else None,
+                     logits=logits_kept)
 
 
 def accept_length(cond_acc: list[float]) -> float:
@@ -137,16 +185,23 @@ def accept_length(cond_acc: list[float]) -> float:
 
 
 class Tally:
-    """Counts summed over batches (and ranks) -> per-position accuracies and accept length."""
+    """Counts summed over batches (and ranks) -> per-position accuracies and accept length.
+
+    The sums live on the device of the first result added ([5, steps] float64: loss*n, correct,
+    total, cond_correct, cond_total) and are read back to the host only by :meth:`summary`, so
+    adding a training step's result costs no device sync. float64 keeps counts exact up to 2^53.
+    """
 
     def __init__(self, steps: int) -> None:
-        self.t = torch.zeros(5, steps, dtype=torch.float64)  # loss*n, correct, total, cond_correct, cond_total
+        self.t = torch.zeros(5, steps, dtype=torch.float64)
 
-    def add(self, r: TTTResult) -> None:
-        for k in range(self.t.shape[1]):
-            n = r.total[k]
-            self.t[:, k] += torch.tensor([float(r.step_loss[k]) * n, r.correct[k], n, r.cond_correct[k], r.cond_total[k]],
-                                         dtype=torch.float64)
+    def add(self, r: StepCounts) -> None:
+        """Add one result's counts (a :class:`TTTResult` or its ``subset``); no host read."""
+        if self.t.device != r.total.device:
+            self.t = self.t.to(r.total.device)
+        total = r.total.double()
+        self.t += torch.stack([r.step_loss.double() * total, r.correct.double(), total, r.cond_correct.double(),
+                               r.cond_total.double()])
 
     def all_reduce(self) -> None:
         """Sum the counts over the ranks of a torchrun job (a no-op in a single process)."""
@@ -154,8 +209,9 @@ class Tally:
             dist.all_reduce(self.t)
 
     def summary(self) -> ValidationMetrics:
-        """Per-position means of the counts (rounded to 5 places), without a step (the caller's)."""
-        loss_n, correct, total, cc, ct = self.t
+        """Per-position means of the counts (rounded to 5 places), without a step (the caller's).
+        One host read of the [5, steps] sums."""
+        loss_n, correct, total, cc, ct = self.t.cpu()
         acc = (correct / total.clamp(min=1)).tolist()
         cond = (cc / ct.clamp(min=1)).tolist()
         return ValidationMetrics(

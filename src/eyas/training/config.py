@@ -27,7 +27,10 @@ class TrainConfig(BaseModel):
     # --- how long ---
     steps: int | None = None  # exactly one of steps / epochs
     epochs: float | None = None
-    batch_size: int = 4  # sequences per rank per step
+    batch_size: int = 4  # sequences per rank per step (when tokens_per_batch is None)
+    # Length-bucketed batches (eyas.training.order.BucketOrder): rows * padded length <= this many
+    # tokens per rank per step, padded length a multiple of 64; None: batch_size samples per step.
+    tokens_per_batch: int | None = None
     max_length: int = 1024
 
     # --- optimisation ---
@@ -45,6 +48,9 @@ class TrainConfig(BaseModel):
     max_val_samples: int = 64
     log_every: int = 10
     eval_every: int = 100
+    # Stop when the held-out figure (validate's tau, else the simulated accept length) has not
+    # improved for this many evaluations; None: train all the steps. out/best keeps the best.
+    patience: int | None = None
     save_every: int = 200
     seed: int = 0
     device: str = "auto"  # auto: cuda when available
@@ -54,6 +60,13 @@ class TrainConfig(BaseModel):
     def _check(self) -> "TrainConfig":
         if (self.steps is None) == (self.epochs is None):
             raise ValueError(f"give exactly one of steps / epochs; found steps={self.steps}, epochs={self.epochs}")
+        if self.tokens_per_batch is not None and self.tokens_per_batch < 64:
+            raise ValueError(f"tokens_per_batch: expected None or at least 64, found {self.tokens_per_batch}")
+        if self.patience is not None and self.patience < 1:
+            raise ValueError(f"patience: expected None or at least 1, found {self.patience}")
+        for name in ("batch_size", "log_every", "eval_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected at least 1, found {getattr(self, name)}")
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"val_fraction: expected 0 <= x < 1, found {self.val_fraction}")
         return self

@@ -2,8 +2,11 @@
 
     set up (distributed, device, target) -> samples (online or shards) -> held-out split
     -> draft vocabulary -> drafter + contract -> AdamW + warm-up/cosine -> resume if possible
-    -> for each step: batch -> TTT loss -> backward -> all-reduce -> clip -> step
-       (log, evaluate, checkpoint every N) -> final evaluation -> eyas-format drafter + plot
+    -> for each step: batch (fixed size or length-bucketed) -> TTT loss -> backward -> all-reduce
+       -> clip -> step (log, evaluate + keep the best + patience, checkpoint every N)
+    -> final evaluation -> the best eyas-format drafter + plot
+
+A step reads nothing back from the device; only log, evaluation and checkpoint steps do.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -27,14 +30,17 @@ from eyas.io import atomic_write_text
 from eyas.targets import LoadedTarget, load_target, resolve_device
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract.contract import SlotFingerprint, ValidationMetrics
+from eyas.data.loops import loop_body_mask
 from eyas.data.shards import is_shard_dir
 from eyas.drafter.build import drafter_flags, new_drafter
 from eyas.drafter.config import NORM_FLAGS
 from eyas.drafter.model import Eagle3Drafter
-from eyas.training.batches import Batch, OfflineBatches, OnlineBatches
+from eyas.training.batches import Batch, OfflineBatches, OnlineBatches, pad_right
 from eyas.training.config import TrainConfig, split_indices
+from eyas.training.order import FixedOrder, budget_batches, make_order
 from eyas.training.state import checkpoint_dirs, commit_dir, load_train_state, save_train_state
 from eyas.drafter.ttt import Tally, ttt_forward
+from eyas.training.timing import PhaseTimer, Window
 from eyas.training.vocab import build_draft_vocab, count_targets
 
 METRICS_FILE = "metrics.jsonl"
@@ -78,21 +84,19 @@ def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
     return f
 
 
-def epoch_order(train_idx: Sequence[int], epoch: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
-    return [train_idx[i] for i in torch.randperm(len(train_idx), generator=g).tolist()]
-
-
 def step_samples(train_idx: Sequence[int], step: int, cfg: TrainConfig, d: Dist) -> list[int]:
-    """The sample indices of this rank at ``step``: the data position is a function of the step
-    alone, so resuming at step s reads exactly what an uninterrupted run would."""
-    global_batch = cfg.batch_size * d.world
-    start = step * global_batch
-    out = []
-    for j in range(start + d.rank * cfg.batch_size, start + (d.rank + 1) * cfg.batch_size):
-        epoch, pos = divmod(j, len(train_idx))
-        out.append(epoch_order(train_idx, epoch, cfg.seed)[pos])
-    return out
+    """The sample indices of this rank at ``step`` with fixed-size batches: the data position is a
+    function of the step alone (eyas.training.order). The loop keeps one order object, which
+    computes each epoch's permutation once."""
+    return FixedOrder(train_idx, cfg.batch_size, cfg.seed).step(step, d.rank, d.world)
+
+
+def sample_lengths(samples: Any, indices: Sequence[int]) -> list[int]:
+    """Tokens of each of ``samples[indices]``: from the shard index (no sample read) offline."""
+    lengths = getattr(samples, "lengths", None)
+    if lengths is not None:
+        return [lengths[i] for i in indices]
+    return [int(samples[i]["input_ids"].shape[0]) for i in indices]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,22 +158,54 @@ def token_pairs(samples: Any, indices: Sequence[int]):
 # Metrics
 # ---------------------------------------------------------------------------------------------
 
+NO_LOOPS = "_no_loops"  # suffix of the held-out figures over the positions outside repetition loops
+
+
+def keep_outside_loops(sample: dict[str, Any]) -> torch.Tensor:
+    """Bool [T]: the sample's loss positions whose token is not inside a repetition loop's body
+    (eyas.data.loops); a TTT position is counted there iff its predicted token is kept."""
+    ids = sample["input_ids"]
+    return sample["loss_mask"].bool() & ~loop_body_mask(ids)
+
 
 @torch.no_grad()
 def evaluate(drafter: Eagle3Drafter, batches: Any, samples: Any, val_idx: Sequence[int], cfg: TrainConfig,
-             d: Dist) -> ValidationMetrics:
+             d: Dist, outside_loops: dict[int, torch.Tensor] | None = None) -> ValidationMetrics:
+    """Held-out metrics (summed over the ranks); with ``outside_loops`` (sample index -> bool [T],
+    :func:`keep_outside_loops`) also the same figures over the positions outside repetition loops,
+    as extra fields with the suffix ``_no_loops``."""
     drafter.eval()
-    tally = Tally(cfg.ttt_steps)
+    tally, tally_nl = Tally(cfg.ttt_steps), Tally(cfg.ttt_steps)
     mine = list(val_idx)[d.rank :: d.world]
-    for i in range(0, len(mine), cfg.batch_size):
-        b = batches.make([samples[j] for j in mine[i : i + cfg.batch_size]])
-        tally.add(ttt_forward(drafter, b.input_ids, b.features, b.labels, b.loss_mask, cfg.ttt_steps, cfg.ttt_decay))
+    if cfg.tokens_per_batch is None:
+        chunks = [mine[i : i + cfg.batch_size] for i in range(0, len(mine), cfg.batch_size)]
+    else:  # similar lengths together under the training budget (the sums do not depend on the grouping)
+        lengths = sample_lengths(samples, mine)
+        chunks = [[mine[p] for p in b] for b in budget_batches(range(len(mine)), lengths, cfg.tokens_per_batch)]
+    for chunk in chunks:
+        b = batches.make([samples[j] for j in chunk])
+        keep = None
+        if outside_loops is not None:
+            keep = pad_right([outside_loops[j] for j in chunk]).to(b.input_ids.device)
+            keep = torch.nn.functional.pad(keep, (0, b.input_ids.shape[1] - keep.shape[1]))  # [B, T]
+        r = ttt_forward(drafter, b.input_ids, b.features, b.labels, b.loss_mask, cfg.ttt_steps, cfg.ttt_decay,
+                        count_mask=keep)
+        tally.add(r)
+        if r.subset is not None:
+            tally_nl.add(r.subset)
     tally.all_reduce()
+    tally_nl.all_reduce()
     drafter.train()
-    return tally.summary()
+    m = tally.summary()
+    if outside_loops is None:
+        return m
+    nl = tally_nl.summary().model_dump()
+    return m.model_copy(update={k + NO_LOOPS: v for k, v in nl.items()})
 
 
 def plot_metrics(metrics_path: Path, png: Path) -> None:
+    """Train loss; held-out simulated accept length (with and without loops, and the validate
+    hook's tau when recorded) against step; per-position accuracy of the last evaluation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,19 +214,52 @@ def plot_metrics(metrics_path: Path, png: Path) -> None:
     rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
     train = [r for r in rows if r["kind"] == "train"]
     val = [r for r in rows if r["kind"] == "val"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, c, b) = plt.subplots(1, 3, figsize=(16, 4))
     a.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
     a.set_xlabel("step"), a.set_ylabel("TTT loss"), a.legend()
+    for key, label in (("simulated_accept_length", "simulated accept length"),
+                       ("simulated_accept_length" + NO_LOOPS, "... outside loops"), ("tau", "tau (validate)")):
+        pts = [(r["step"], r[key]) for r in val if r.get(key) is not None]
+        if pts:
+            c.plot(*zip(*pts), "o-", label=label)
+    c.set_xlabel("step"), c.set_ylabel("tokens per round")
     if val:
-        last = val[-1]
-        ks = range(len(last["accuracy_per_position"]))
-        b.plot(ks, last["accuracy_per_position"], "o-", label="accuracy")
-        b.plot(ks, last["conditional_accuracy_per_position"], "s-", label="conditional accuracy")
-        b.set_title(f"held-out @ step {last['step']}: simulated accept length {last['simulated_accept_length']:.2f}")
-        b.set_xlabel("draft position"), b.set_ylim(0, 1), b.legend()
+        c.legend()
+        last = next((r for r in reversed(val) if r.get("accuracy_per_position")), None)
+        if last is not None:
+            ks = range(len(last["accuracy_per_position"]))
+            b.plot(ks, last["accuracy_per_position"], "o-", label="accuracy")
+            b.plot(ks, last["conditional_accuracy_per_position"], "s-", label="conditional accuracy")
+            b.set_title(f"held-out @ step {last['step']}: simulated accept length "
+                        f"{last['simulated_accept_length']:.2f}")
+            b.set_xlabel("draft position"), b.set_ylim(0, 1), b.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+@dataclass
+class Best:
+    """The best evaluation so far, by ``key`` (validate's "tau" when it returns one, else the
+    simulated accept length); ``evals_since``: evaluations since it (patience counts them)."""
+
+    step: int | None = None
+    score: float = -math.inf
+    key: str = "simulated_accept_length"
+    evals_since: int = 0
+    row: dict[str, Any] | None = None  # the evaluation's figures, for the final contract
+
+    def update(self, step: int, row: dict[str, Any]) -> bool:
+        """Count one evaluation; True when it is a new best (strictly better)."""
+        key = "tau" if row.get("tau") is not None else "simulated_accept_length"
+        score = row.get(key)
+        if score is None:
+            return False
+        if score > self.score or self.step is None:
+            self.step, self.score, self.key, self.evals_since, self.row = step, float(score), key, 0, dict(row)
+            return True
+        self.evals_since += 1
+        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,18 +270,48 @@ def plot_metrics(metrics_path: Path, png: Path) -> None:
 @dataclass
 class TrainResult:
     out: Path  # the eyas-format drafter directory
-    drafter: Eagle3Drafter  # this rank's weights (identical on every rank)
+    drafter: Eagle3Drafter  # this rank's weights (identical on every rank): the best ones when tracked
     steps_done: int
+    best_step: int | None = None  # the step of the drafter written to ``out`` (None: no evaluation)
+    stopped_early: bool = False  # patience ran out
+
+
+BEST_DIR = "best"
+
+
+def _copy_dir(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` by hard links where possible (checkpoints of out/best cost no space;
+    files are never modified in place, only replaced)."""
+
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dst, copy_function=link)
 
 
 def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
-          log: Callable[[str], None] = print) -> TrainResult:
+          log: Callable[[str], None] = print,
+          validate: Callable[[Eagle3Drafter], dict[str, float]] | None = None) -> TrainResult:
     """Train a drafter per ``cfg`` into ``cfg.out`` (an eyas-format drafter at the end).
 
     ``stop_after`` ends the process-local run early after that many steps (as a crash would),
     leaving the checkpoints for a resume; tests use it.
+
+    Evaluations (every ``eval_every`` and ``save_every`` steps, and at the end) measure the
+    held-out metrics, with and without repetition loops, and call ``validate(drafter)`` (rank 0
+    only; its figures are broadcast, recorded in metrics.jsonl and the contract). The best
+    evaluation -- by validate's "tau" when it returns one, else by the simulated accept length --
+    is kept in ``out/best`` (eyas format); with ``cfg.patience`` the run stops once that many
+    evaluations in a row did not improve on it. The drafter written to ``out`` is the best one
+    (its contract's metrics.step says which step; ``last_step`` the last one trained).
+
+    A training step reads nothing back from the device (counts stay on it; throughput is
+    measured with events read at log steps): only log, evaluation and checkpoint steps sync.
     """
-    from eyas.interop import save_drafter
+    from eyas.interop import load_drafter, save_drafter
 
     device = resolve_device(cfg.device)  # under torchrun: cuda:LOCAL_RANK
     d = init_distributed(device.type)
@@ -229,6 +328,10 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         p.requires_grad_(False)
     samples, spec, offline, sys_mode = load_samples(cfg, target, force)
     train_idx, val_idx = split_indices(len(samples), cfg)
+    order = make_order(train_idx, sample_lengths(samples, train_idx) if cfg.tokens_per_batch else None,
+                       cfg.batch_size, cfg.tokens_per_batch, cfg.seed)
+    # Loop bodies of the held-out samples, found once (host work, never inside a step).
+    outside_loops = {i: keep_outside_loops(samples[i]) for i in val_idx}
 
     # Draft vocabulary from the training split only (never the held-out samples), over the config's
     # vocabulary (DrafterConfig.for_target sizes t2d by it).
@@ -256,93 +359,178 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     elif d.main:
         contract.fingerprint = online_fingerprint(batches, samples, train_idx[:64], spec, target.hidden_size)
 
-    total_steps = cfg.steps if cfg.steps is not None else math.ceil(
-        cfg.epochs * len(train_idx) / (cfg.batch_size * d.world))  # type: ignore[operator]
+    total_steps = cfg.steps if cfg.steps is not None else order.steps_for(cfg.epochs, d.world)  # type: ignore[arg-type]
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    # fused on CUDA: one kernel for the whole update, its step counters on the device (no host reads)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                            fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
 
-    # Resume from the newest complete checkpoint: weights, optimizer, scheduler, RNG, data position.
+    # Resume from the newest complete checkpoint: weights, optimizer, scheduler, RNG, data position,
+    # the best evaluation so far (and out/best as it was at that checkpoint).
     start = 0
+    best = Best()
     ckpts = checkpoint_dirs(out)
     if ckpts:
-        from eyas.interop import load_drafter
-
         latest = ckpts[-1]
         loaded, _ = load_drafter(latest, target=target)  # the embedding comes from the target
         drafter.load_state_dict(loaded.state_dict())
-        start = load_train_state(latest, opt, sched)["step"]
+        meta = load_train_state(latest, opt, sched)
+        start = meta["step"]
+        if meta.get("best"):
+            best = Best(**meta["best"])
         if d.main:
+            shutil.rmtree(out / (BEST_DIR + ".tmp"), ignore_errors=True)
+            if (latest / BEST_DIR).is_dir():  # out/best may hold a later step of the crashed run
+                _copy_dir(latest / BEST_DIR, out / (BEST_DIR + ".tmp"))
+                commit_dir(out / (BEST_DIR + ".tmp"), out / BEST_DIR)
+            elif (out / BEST_DIR).exists():
+                shutil.rmtree(out / BEST_DIR)
             log(f"resumed from {latest} at step {start}")
 
     metrics_path = out / METRICS_FILE
     if d.main and start == 0 and metrics_path.exists():
         metrics_path.unlink()
+    elif d.main and metrics_path.exists():  # rows the crashed run wrote after the checkpoint come again
+        kept = [x for x in metrics_path.read_text().splitlines() if x.strip() and json.loads(x).get("step", 0) <= start]
+        atomic_write_text(metrics_path, "".join(x + "\n" for x in kept))
 
     def record(row: dict[str, Any]) -> None:
         if d.main:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    def checkpoint(step: int, final: bool) -> None:
-        """Evaluate (on every rank: it is collective), then rank 0 writes an eyas-format drafter
-        with the metrics in its contract; intermediate ones also get the resumable train state."""
-        val = evaluate(drafter, batches, samples, val_idx, cfg, d) if val_idx else None
-        if val is not None:
-            record({"kind": "val", "step": step, **val.model_dump()})
+    def contract_with(row: dict[str, Any] | None, step: int, **extra: Any) -> Any:
+        figures = {k: v for k, v in (row or {}).items() if k not in ("kind", "step")}
+        return contract.model_copy(update={"metrics": ValidationMetrics(step=step, **figures, **extra)})
+
+    def evaluation(step: int) -> dict[str, Any]:
+        """Evaluate (collective: every rank), record, track the best (rank 0 writes out/best)."""
+        row: dict[str, Any] = {"kind": "val", "step": step}
+        if val_idx:
+            row.update(evaluate(drafter, batches, samples, val_idx, cfg, d, outside_loops).model_dump())
+        if validate is not None:
+            figures: list[Any] = [None]
+            if d.main:
+                drafter.eval()
+                figures[0] = {k: float(v) for k, v in validate(drafter).items()}
+                drafter.train()
+            if d.world > 1:
+                dist.broadcast_object_list(figures, src=0)
+            row.update(figures[0])
+        record(row)
+        improved = best.update(step, row)
+        if d.main and "simulated_accept_length" in row:
+            nl = row.get("simulated_accept_length" + NO_LOOPS)
+            log(f"step {step}: held-out simulated accept length {row['simulated_accept_length']:.3f}"
+                + (f" ({nl:.3f} outside loops)" if nl is not None else "")
+                + (f", tau {row['tau']:.3f}" if row.get("tau") is not None else "")
+                + (" (best)" if improved else f" (best {best.score:.3f} at step {best.step})"))
+        if improved and d.main:
+            tmp = out / (BEST_DIR + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_drafter(drafter, contract_with(row, step), tmp)
+            commit_dir(tmp, out / BEST_DIR)
+        return row
+
+    def save_checkpoint(step: int, row: dict[str, Any] | None) -> None:
+        """Rank 0 writes an eyas-format drafter with the metrics in its contract, the resumable
+        train state (sharded) and a hard-linked copy of out/best, under a temporary name."""
         if not d.main:
-            return
-        c = contract.model_copy(update={"metrics": (val or ValidationMetrics()).model_copy(update={"step": step})})
-        if final:
-            save_drafter(drafter, c, out)
-            atomic_write_text(out / "train_config.json", cfg.model_dump_json(indent=2))
             return
         final_dir = out / "checkpoints" / f"step-{step:07d}"
         tmp = final_dir.with_name(final_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash mid-write
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        save_drafter(drafter, c, tmp)
-        save_train_state(tmp, step, opt, sched, {"total_steps": total_steps})
+        save_drafter(drafter, contract_with(row, step), tmp)
+        save_train_state(tmp, step, opt, sched, {"total_steps": total_steps, "best": asdict(best)})
         (tmp / "train_config.json").write_text(cfg.model_dump_json(indent=2))
+        if (out / BEST_DIR).is_dir():
+            _copy_dir(out / BEST_DIR, tmp / BEST_DIR)
         commit_dir(tmp, final_dir)
 
     bar = tqdm(range(start, total_steps), initial=start, total=total_steps, disable=not d.main, desc="train",
                dynamic_ncols=True)
     window = Tally(cfg.ttt_steps)
-    t0, tokens = time.perf_counter(), 0
+    timer = PhaseTimer(device)
+    # Plan the first epoch now; a later epoch is planned at its first step, on the host from CPU
+    # tensors (a seeded randperm: no device involved).
+    order.step(start, d.rank, d.world)
+    done, stopped_early, last_eval = start, False, None
     for step in bar:
-        batch: Batch = batches.make([samples[i] for i in step_samples(train_idx, step, cfg, d)])
+        t_start = timer.mark()
+        rows = order.step(step, d.rank, d.world)
+        batch: Batch = batches.make([samples[i] for i in rows], order.pad_multiple)
+        t_mid = timer.mark()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
             r = ttt_forward(drafter, batch.input_ids, batch.features, batch.labels, batch.loss_mask,
                             cfg.ttt_steps, cfg.ttt_decay)
         opt.zero_grad(set_to_none=True)
         r.loss.backward()
-        if d.world > 1:  # data parallel: average gradients over ranks
-            for p in params:
-                dist.all_reduce(p.grad)
-                p.grad /= d.world
+        if d.world > 1:  # data parallel: average gradients over ranks, one all-reduce for all of them
+            grads = [p.grad for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= d.world
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         sched.step()
         window.add(r)
-        tokens += batch.num_tokens * d.world
+        timer.step(t_start, t_mid, timer.mark(), batch.num_tokens, batch.padded_tokens)
         done = step + 1
         if done % cfg.log_every == 0 or done == total_steps:
+            w = timer.read()
             s = window.summary()
-            tok_s = tokens / (time.perf_counter() - t0)
-            record({"kind": "train", "step": done, "loss": r.loss.item(), "lr": sched.get_last_lr()[0],
-                    "grad_norm": float(grad_norm), "tokens_per_s": round(tok_s, 1), **s.model_dump()})
-            bar.set_postfix(loss=f"{r.loss.item():.3f}", acc0=f"{s.accuracy_per_position[0]:.3f}",
-                            tok_s=f"{tok_s:.0f}")
+            figures = w.row()
+            if d.world > 1:  # real tokens of every rank (batches differ in size with buckets)
+                t = torch.tensor([w.tokens, w.padded_tokens], dtype=torch.float64, device=device)
+                dist.all_reduce(t)
+                tokens_all, padded_all = t.tolist()
+                figures = Window(w.wall_s, w.target_s, w.drafter_s, int(tokens_all), int(padded_all)).row()
+            loss = r.loss.item()
+            record({"kind": "train", "step": done, "loss": loss, "lr": sched.get_last_lr()[0],
+                    "grad_norm": float(grad_norm), **figures, **s.model_dump()})
+            bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{s.accuracy_per_position[0]:.3f}",
+                            tok_s=f"{figures['tokens_per_s']:.0f}", tgt=f"{figures['target_share']:.0%}",
+                            dft=f"{figures['drafter_share']:.0%}")
             window = Tally(cfg.ttt_steps)
+        evaluates = val_idx or validate is not None
+        t_other = time.perf_counter()
+        if done < total_steps and evaluates and (done % cfg.eval_every == 0 or done % cfg.save_every == 0):
+            last_eval = evaluation(done)
+            if cfg.patience is not None and best.evals_since >= cfg.patience:
+                stopped_early = True
+                if d.main:
+                    log(f"step {done}: no improvement for {best.evals_since} evaluations (patience "
+                        f"{cfg.patience}); stopping, best at step {best.step}")
+                bar.close()
+                break
         if done < total_steps and done % cfg.save_every == 0:
-            checkpoint(done, final=False)
-        elif done < total_steps and done % cfg.eval_every == 0 and val_idx:
-            record({"kind": "val", "step": done, **evaluate(drafter, batches, samples, val_idx, cfg, d).model_dump()})
+            save_checkpoint(done, last_eval if last_eval is not None and last_eval["step"] == done else None)
+        timer.exclude(time.perf_counter() - t_other)
         if stop_after is not None and done - start >= stop_after:
-            return TrainResult(out, drafter, done)
-    checkpoint(total_steps, final=True)
+            return TrainResult(out, drafter, done, best.step)
+
+    # The end: a last evaluation (unless the early stop just made one), then the best drafter to out.
+    if (val_idx or validate is not None) and not (last_eval is not None and last_eval["step"] == done):
+        last_eval = evaluation(done)
+    if best.step is not None and best.step != done:
+        if d.world > 1:
+            dist.barrier()  # rank 0 wrote out/best
+        loaded, _ = load_drafter(out / BEST_DIR, target=target)
+        drafter.load_state_dict(loaded.state_dict())
     if d.main:
+        extra = {"last_step": done, "selected_by": best.key} if best.step is not None else {}
+        final_row = best.row if best.step is not None else last_eval
+        save_drafter(drafter, contract_with(final_row, best.step if best.step is not None else done, **extra), out)
+        atomic_write_text(out / "train_config.json", cfg.model_dump_json(indent=2))
         plot_metrics(metrics_path, out / "training.png")
+        if best.step is not None:
+            log(f"the drafter in {out} is the best evaluation: step {best.step} of {done} "
+                f"({best.key} {best.score:.3f}); out/{BEST_DIR} holds the same")
         log(f"wrote {out} (metrics {metrics_path}, plot {out / 'training.png'})")
-    return TrainResult(out, drafter, total_steps)
+    return TrainResult(out, drafter, done, best.step, stopped_early)
