@@ -220,44 +220,32 @@ def import_cmd(
 
 
 def _engine_tau(cfg: Any, prompts: str, limit: int, max_new_tokens: int, tree: str) -> Callable[[Any], dict[str, float]]:
-    """The training loop's ``validate`` hook: the engine's tau (greedy, HF target) over the first
-    ``limit`` prompts of ``prompts`` -- accepted tokens per speculative round, pooled over all
-    rounds of all prompts -- with a copy of the drafter in training in the serving dtype (the
-    engine never holds the training weights). Prompts are read and the tree parsed now; the target
-    for serving is loaded at the first evaluation, with the capture boundaries training uses."""
-    import copy
-
+    """The training loop's ``validate`` hook: :class:`eyas.bench.validate.TauProbe` (the engine's
+    greedy tau, pooled over the rounds of the first ``limit`` prompts of ``prompts``) on a copy of
+    the drafter in training. Prompts are read and the tree parsed now, so a typo fails before
+    training starts; the serving target is loaded at the first evaluation, with the capture
+    boundaries training uses."""
     from eyas.bench import load_prompts
-    from eyas.data.render import render_prompt
-    from eyas.engine import TreeSpec, build_target, speculative_generate
+    from eyas.bench.validate import TauProbe
+    from eyas.engine import TreeSpec
 
     convs = _run(load_prompts, prompts, limit)
     spec_tree = _run(TreeSpec.parse, tree)
-    state: dict[str, Any] = {}
+    probe: list[TauProbe] = []  # built on first use
 
     def validate(drafter: Any) -> dict[str, float]:
-        import torch
-
         from eyas.convention import CaptureSpec
         from eyas.data.shards import ShardDataset, is_shard_dir
         from eyas.targets import load_target
 
-        if not state:
+        if not probe:
             loaded = load_target(cfg.target, dtype="auto", device=cfg.device)
             boundaries = (ShardDataset(cfg.data).contract.capture.boundaries if is_shard_dir(cfg.data)
                           else cfg.boundaries)
             spec = CaptureSpec.create(loaded.num_blocks, boundaries)
-            state.update(loaded=loaded, tgt=build_target(loaded.model, spec, "hf"))
-        loaded, tgt = state["loaded"], state["tgt"]
-        d = copy.deepcopy(drafter).to(loaded.device, dtype=loaded.dtype).eval()
-        lengths: list[int] = []
-        with torch.no_grad():
-            for c in convs:
-                ids = render_prompt(c, loaded.tokenizer).to(tgt.device)[None]
-                r = speculative_generate(tgt, d, ids, tree=spec_tree, max_new_tokens=max_new_tokens,
-                                         eos_token_ids=loaded.eos_ids)
-                lengths += r.stats.accept_lengths
-        return {"tau": sum(lengths) / len(lengths) if lengths else 1.0, "validate_prompts": float(len(convs))}
+            probe.append(TauProbe.from_conversations(loaded.model, loaded.tokenizer, spec, convs, loaded.eos_ids,
+                                                     tree=spec_tree, max_new_tokens=max_new_tokens))
+        return {**probe[0](drafter), "validate_prompts": float(len(convs))}
 
     return validate
 
