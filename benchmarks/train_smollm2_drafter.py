@@ -384,8 +384,8 @@ def run(a: argparse.Namespace) -> int:
                   "--eval-every", str(a.eval_every), "--save-every", str(a.eval_every), "--patience", str(a.patience),
                   "--seed", str(a.seed), "--device", a.device]
     if a.val_prompts and Path(a.val_prompts).exists():
-        train_args += ["--val-prompts", str(a.val_prompts), "--val-max-new-tokens", str(a.val_max_new_tokens),
-                       "--val-tree", a.val_tree]
+        train_args += ["--validate-prompts", str(a.val_prompts), "--validate-limit", str(a.val_limit),
+                       "--validate-tokens", str(a.val_max_new_tokens), "--validate-tree", a.val_tree]
     code, train_wall, _ = run_cli(train_args, deadline - a.final_overhead_s, "train")
     rows = metrics_rows(train_dir)
     trained = [r for r in rows if r.get("kind") == "train"]
@@ -472,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--ttt-steps", type=int, default=7)
     r.add_argument("--eval-every", type=int, default=150)
     r.add_argument("--patience", type=int, default=4)
-    r.add_argument("--val-max-new-tokens", type=int, default=96)
+    r.add_argument("--val-limit", type=int, default=12, help="validation prompts the tau probe answers")
+    r.add_argument("--val-max-new-tokens", type=int, default=64)
     r.add_argument("--val-tree", default="6,10,60")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--resume", action="store_true", help="keep WORK/train and let eyas train resume it")

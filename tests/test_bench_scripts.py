@@ -1,6 +1,6 @@
 """The GPU benchmark scripts in benchmarks/ run end to end on a CPU with a toy target: the report of
 spec_gpu.py holds every decoder, set and temperature, and greedy speculative output equals plain;
-train_smollm2_drafter.py mixes prompts and plans a run from a calibration."""
+train_smollm2_drafter.py mixes prompts, regenerates, trains and keeps the best drafter."""
 
 from __future__ import annotations
 
@@ -78,23 +78,33 @@ def test_spec_gpu_budget_keeps_partial_results(toy_drafter, tmp_path):
     assert (out / "results.md").exists()
 
 
-def test_train_script_mixes_prompts_and_plans_a_run(toy_drafter, tmp_path, capsys):
+def test_train_script_mixes_prompts_then_regenerates_trains_and_keeps_the_best(toy_drafter, tmp_path):
     target, _ = toy_drafter
     train = load_script("train_smollm2_drafter")
     prompts = tmp_path / "prompts.jsonl"
-    assert train.main(["prepare", "--shared", str(DATA), "--out", str(prompts)]) == 0
+    assert train.main(["prepare", "--shared", str(DATA), "--out", str(prompts), "--val-prompts", "3"]) == 0
     rows = [json.loads(x) for x in prompts.read_text().splitlines()]
+    val = [json.loads(x) for x in (tmp_path / "val_prompts.jsonl").read_text().splitlines()]
     assert len(rows) > 50 and len({r["id"] for r in rows}) == len(rows)
+    assert len(val) == 3 and not {v["id"] for v in val} & {r["id"] for r in rows}  # held out
     assert all(r["messages"][-1]["role"] == "user" for r in rows)
+    assert any(len([m for m in r["messages"] if m["role"] == "user"]) == 2 for r in rows)  # follow-up turns
     sources = json.loads((tmp_path / "prompts.sources.json").read_text())
     assert sources["prompts"] == len(rows) and "gsm8k/train.jsonl" in sources["sources"]
 
-    code = train.main(["run", "--target", str(target), "--prompts", str(prompts), "--work", str(tmp_path / "work"),
-                       "--device", "cpu", "--dry-run", "--budget-s", "300", "--regen-batch", "4",
-                       "--max-new-tokens", "8", "--train-batch", "2", "--max-length", "128", "--draft-vocab", "256",
-                       "--calib-gen-steps", "2", "--calib-train-steps", "1"])
+    work = tmp_path / "work"
+    code = train.main(["run", "--target", str(target), "--prompts", str(prompts), "--val-prompts",
+                       str(tmp_path / "val_prompts.jsonl"), "--work", str(work), "--device", "cpu",
+                       "--budget-s", "600", "--limit", "8", "--regen-batch", "4", "--max-new-tokens", "8",
+                       "--cache", "dynamic", "--epochs", "2", "--tokens-per-batch", "512", "--max-length", "128",
+                       "--draft-vocab", "256", "--eval-every", "2", "--patience", "2", "--val-limit", "2",
+                       "--val-max-new-tokens", "4", "--val-tree", "2", "--min-train-s", "0", "--no-copy-to-out"])
     assert code == 0
-    plan = json.loads(capsys.readouterr().out.split("dry run: stopping before regenerate", 1)[1])
-    cal = plan["calibration"]
-    assert cal["regen_step_s"] > 0 and cal["train_step_s"] > 0 and cal["train_batch"] == 2
-    assert 4 <= plan["regenerate"]["limit"] <= len(rows)
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["regenerate"]["exit"] == 0 and summary["regenerate"]["conversations"] == 8
+    assert summary["train"]["exit"] == 0 and summary["train"]["steps_done"] > 0
+    assert summary["train"]["evaluations"] and all(e["tau"] is not None for e in summary["train"]["evaluations"])
+    assert summary["drafter_from"] == "final" and (work / "drafter" / "eyas.json").exists()
+    files = summary["drafter_bf16"]["files"]
+    assert "model.safetensors.index.json" in files and all(
+        (work / "drafter_bf16" / f).stat().st_size <= 15 * 2**20 for f in files)

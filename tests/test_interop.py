@@ -790,3 +790,31 @@ def test_an_unknown_ids_convention_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"ids_convention: expected one of \['specforge', 'sglang', "
                                               r"'sglang-legacy'\], found 'eagle'"):
         view_engines(tmp_path / "sf", 32, ids_convention="eagle")
+
+
+def test_a_drafter_larger_than_the_file_limit_is_written_in_shards_and_read_back(tmp_path) -> None:
+    """save_drafter(max_file_bytes=...): shards of at most that size with an index, identical tensors
+    on reading; saving again small removes the shards (no stale weight file for an engine to load)."""
+    import json
+
+    from eyas.drafter.build import new_drafter
+    from eyas.interop import load_drafter, save_drafter
+    from tests.support.tiny import tiny_model
+
+    model = tiny_model("llama", 8)
+    drafter, contract = new_drafter(model, None, None, 64)
+    out = tmp_path / "d"
+    total = sum(v.numel() * v.element_size() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight")
+    limit = total // 2 + 65536 + 1024
+    save_drafter(drafter, contract, out, max_file_bytes=limit)
+    shards = sorted(p for p in out.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 2 and not (out / "model.safetensors").exists()
+    assert all(p.stat().st_size <= limit for p in shards)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [p.name for p in shards]
+    back, _ = load_drafter(out, target=model)
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    save_drafter(drafter, contract, out)  # small again: one file, the shards and index gone
+    assert (out / "model.safetensors").exists() and not list(out.glob("model-*")) \
+        and not (out / "model.safetensors.index.json").exists()

@@ -6,6 +6,7 @@ Nothing here knows about layer ids; that is each format module's job.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from pydantic import ValidationError
 
-from eyas.io import atomic_write, read_json_object
+from eyas.io import atomic_write, atomic_write_text, read_json_object
 from eyas.drafter.config import DrafterConfig
 from eyas.errors import EyasError
 
@@ -53,8 +54,58 @@ def atomic_save_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
     atomic_write(path, lambda tmp: save_file(flat, tmp, metadata={"format": "pt"}))
 
 
+SHARD_PATTERN = "model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def _own_shard(name: str) -> bool:
+    """A shard name :func:`atomic_save_sharded` writes (model-00001-of-00003.safetensors)."""
+    parts = name.removesuffix(".safetensors").split("-")
+    return (name.endswith(".safetensors") and len(parts) == 4 and parts[0] == "model" and parts[2] == "of"
+            and parts[1].isdigit() and parts[3].isdigit())
+
+
+def atomic_save_sharded(out: Path, tensors: dict[str, Tensor], max_file_bytes: int | None) -> list[str]:
+    """Write ``tensors`` into ``out`` as ``model.safetensors``, or, when they exceed
+    ``max_file_bytes`` (minus room for headers), as shards of at most that size plus
+    ``model.safetensors.index.json`` (the Hugging Face layout every engine reads). Each file is
+    written atomically; the index last, so a reader never follows it to a missing shard. The
+    other layout's files left by an earlier save in ``out`` are removed afterwards. -> the files."""
+    flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    size = {k: v.numel() * v.element_size() for k, v in flat.items()}
+    limit = None if max_file_bytes is None else max_file_bytes - 65536  # room for the JSON header
+    if limit is None or sum(size.values()) <= limit:
+        atomic_save_tensors(out / WEIGHTS, flat)
+        for p in out.iterdir():
+            if _own_shard(p.name) or p.name == WEIGHTS_INDEX:
+                p.unlink()
+        return [WEIGHTS]
+    too_big = sorted(k for k, b in size.items() if b > limit)
+    if too_big:
+        raise CheckpointError(f"{out}: tensors {too_big} are larger than the {max_file_bytes} bytes a file may hold; "
+                              f"expected every tensor to fit in one file")
+    shards: list[dict[str, Tensor]] = [{}]
+    used = 0
+    for k in sorted(flat, key=lambda k: (-size[k], k)):  # largest first: fewer, fuller files
+        if used + size[k] > limit and shards[-1]:
+            shards.append({})
+            used = 0
+        shards[-1][k] = flat[k]
+        used += size[k]
+    names = [SHARD_PATTERN.format(i=i + 1, n=len(shards)) for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        atomic_write(out / name, lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}))
+    index = {"metadata": {"total_size": sum(size.values())},
+             "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+    atomic_write_text(out / WEIGHTS_INDEX, json.dumps(index, indent=2))
+    for p in out.iterdir():
+        if p.name == WEIGHTS or (_own_shard(p.name) and p.name not in names):
+            p.unlink()
+    return [*names, WEIGHTS_INDEX]
+
+
 def prepare_out_dir(out_dir: str | os.PathLike) -> Path:
-    """Create ``out_dir``; refuse one that holds weight files other than the one we overwrite.
+    """Create ``out_dir``; refuse one that holds weight files other than the ones we overwrite
+    (``model.safetensors``, or the shards and index of an earlier eyas save in the same directory).
 
     Engines load every ``*.safetensors`` of a directory (vLLM) or follow an index file: a stale
     shard next to our ``model.safetensors`` would be loaded too, silently.
@@ -63,10 +114,11 @@ def prepare_out_dir(out_dir: str | os.PathLike) -> Path:
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out}: expected a directory to write the drafter to, found a file")
     out.mkdir(parents=True, exist_ok=True)
+    ours = (out / EYAS_JSON).exists()  # an earlier eyas save: its shards are replaced, not stale
     stale = sorted(
         p.name
         for p in out.iterdir()
-        if p.name != WEIGHTS
+        if p.name != WEIGHTS and not (ours and (p.name == WEIGHTS_INDEX or _own_shard(p.name)))
         and (p.suffix in (".safetensors", ".bin", ".pt", ".pth") or p.name.endswith(".index.json"))
     )
     if stale:

@@ -50,7 +50,7 @@ from eyas.interop.common import (
     EYAS_JSON,
     WEIGHTS,
     CheckpointError,
-    atomic_save_tensors,
+    atomic_save_sharded,
     check_tensors,
     pickle_only_error,
     prepare_out_dir,
@@ -445,9 +445,11 @@ def write_checkpoint(
     speculative_tokens: int = 3,
     verifier: str | None = None,
     boundaries_assumed: str | None = None,
+    max_file_bytes: int | None = None,
 ) -> WrittenCheckpoint:
     """Write a drafter directory in ``layout`` ("eyas", "sglang" or "speculators"), ``eyas.json``
-    included; ``sglang_rule`` (default: the current one) is the SGLang id rule nested ids are
+    included (weights in shards of at most ``max_file_bytes`` when given and needed); ``sglang_rule``
+    (default: the current one) is the SGLang id rule nested ids are
     written for; ``verifier`` the target model a speculators config names (default: from the
     contract, see :meth:`~eyas.interop.servers.vllm.VLLMServer.write_config`);
     ``boundaries_assumed`` (why) is recorded in ``eyas.json`` when the boundaries are an assumption
@@ -496,7 +498,7 @@ def write_checkpoint(
     out = prepare_out_dir(out_dir)
     # Each file is replaced atomically; the three together are not (an interrupted overwrite can
     # mix generations, which the checks on load against eyas.json report).
-    atomic_save_tensors(out / WEIGHTS, file_tensors)
+    atomic_save_sharded(out, file_tensors, max_file_bytes)
     atomic_write_json(out / CONFIG_JSON, config)
     atomic_write_json(out / EYAS_JSON, eyas_json)
     return WrittenCheckpoint(out, written.ids_written, written.rule, written.notes)
@@ -548,14 +550,17 @@ def new_contract(ckpt: Checkpoint, target: LoadedTarget) -> Contract:
 
 
 def save_drafter(
-    drafter: Eagle3Drafter, contract: Contract, out_dir: str | Path, include_embeddings: bool = False
+    drafter: Eagle3Drafter, contract: Contract, out_dir: str | Path, include_embeddings: bool = False,
+    max_file_bytes: int | None = None,
 ) -> Path:
-    """Write ``drafter`` and its ``contract`` as an eyas directory (SGLang-loadable) and return it."""
+    """Write ``drafter`` and its ``contract`` as an eyas directory (SGLang-loadable) and return it;
+    with ``max_file_bytes``, weights larger than that go into shards with an index."""
     tensors = {
         k: v for k, v in drafter.state_dict().items() if include_embeddings or k != EMBEDDING
     }
     write_checkpoint(
-        out_dir, drafter.config, tensors, contract.capture.boundaries, contract.target.num_blocks, contract
+        out_dir, drafter.config, tensors, contract.capture.boundaries, contract.target.num_blocks, contract,
+        max_file_bytes=max_file_bytes,
     )
     return Path(out_dir)
 

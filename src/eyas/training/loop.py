@@ -38,7 +38,7 @@ from eyas.drafter.model import Eagle3Drafter
 from eyas.training.batches import Batch, OfflineBatches, OnlineBatches, pad_right
 from eyas.training.config import TrainConfig, split_indices
 from eyas.training.order import FixedOrder, budget_batches, make_order
-from eyas.training.state import checkpoint_dirs, commit_dir, load_train_state, save_train_state
+from eyas.training.state import SHARD_BYTES, checkpoint_dirs, commit_dir, load_train_state, save_train_state
 from eyas.drafter.ttt import Tally, ttt_forward
 from eyas.training.timing import PhaseTimer, Window
 from eyas.training.vocab import build_draft_vocab, count_targets
@@ -429,7 +429,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         if improved and d.main:
             tmp = out / (BEST_DIR + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            save_drafter(drafter, contract_with(row, step), tmp)
+            save_drafter(drafter, contract_with(row, step), tmp, max_file_bytes=SHARD_BYTES)
             commit_dir(tmp, out / BEST_DIR)
         return row
 
@@ -442,7 +442,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         tmp = final_dir.with_name(final_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash mid-write
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        save_drafter(drafter, contract_with(row, step), tmp)
+        save_drafter(drafter, contract_with(row, step), tmp, max_file_bytes=SHARD_BYTES)
         save_train_state(tmp, step, opt, sched, {"total_steps": total_steps, "best": asdict(best)})
         (tmp / "train_config.json").write_text(cfg.model_dump_json(indent=2))
         if (out / BEST_DIR).is_dir():
@@ -526,7 +526,8 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     if d.main:
         extra = {"last_step": done, "selected_by": best.key} if best.step is not None else {}
         final_row = best.row if best.step is not None else last_eval
-        save_drafter(drafter, contract_with(final_row, best.step if best.step is not None else done, **extra), out)
+        save_drafter(drafter, contract_with(final_row, best.step if best.step is not None else done, **extra), out,
+                     max_file_bytes=SHARD_BYTES)
         atomic_write_text(out / "train_config.json", cfg.model_dump_json(indent=2))
         plot_metrics(metrics_path, out / "training.png")
         if best.step is not None:
