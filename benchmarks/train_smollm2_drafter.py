@@ -307,9 +307,10 @@ def before(a: argparse.Namespace, work: Path, prompts: Path, deadline: float) ->
     res: dict[str, Any] = {"src": str(src)}
     code, wall, text = run_cli(
         ["regenerate", "--target", a.target, "--prompts", str(prompts), "--out", str(d / "answers.jsonl"),
-         "--limit", str(a.before_prompts), "--max-new-tokens", str(a.max_new_tokens), "--batch-size", "256",
+         "--limit", str(a.before_prompts), "--max-new-tokens", str(a.max_new_tokens),
+         "--batch-size", str(min(256, a.before_prompts)),
          "--max-prompt-tokens", str(a.max_prompt_tokens), "--device", a.device, "--json"],
-        min(deadline, time.time() + a.before_budget_s / 2), "before-regenerate", src)
+        min(deadline, time.time() + 0.6 * a.before_budget_s), "before-regenerate", src)
     rep = last_json(text) or {}
     res["regenerate"] = {"exit": code, "wall_s": round(wall, 1), "new_tokens": rep.get("new_tokens"),
                          "tokens_per_s": rep.get("tokens_per_s"), "conversations": count_lines(d / "answers.jsonl")}
@@ -450,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--device", default="cuda")
     r.add_argument("--budget-s", type=float, default=540.0, help="the whole pipeline")
     r.add_argument("--before-src", default=None, help="src/ of the old commit: measure its throughput first")
-    r.add_argument("--before-prompts", type=int, default=512)
+    r.add_argument("--before-prompts", type=int, default=128, help="one batch: the old code cannot report a partial run")
     r.add_argument("--before-steps", type=int, default=40)
     r.add_argument("--before-budget-s", type=float, default=150.0)
     r.add_argument("--regen-budget-s", type=float, default=200.0)

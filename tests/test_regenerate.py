@@ -144,6 +144,24 @@ def test_resume_after_crash_is_byte_identical(tmp_path, tok, target, temperature
     assert out.read_bytes() == ref.read_bytes()
 
 
+def test_an_interrupt_stops_after_whole_chunks_reports_what_it_did_and_resumes(tmp_path, tok, target):
+    """SIGINT (KeyboardInterrupt) mid-run: the summary says interrupted, with this run's tokens and
+    counts; the file holds whole chunks only, and a rerun completes it byte-identically."""
+    ref = tmp_path / "ref.jsonl"
+    regenerate(target, tok, prompts(), opts(ref))
+
+    def interrupt(chunk_index, records):
+        if chunk_index == 0:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "out.jsonl"
+    s = regenerate(target, tok, prompts(), opts(out), on_chunk_written=interrupt)
+    assert s.interrupted and s.written == 3 == len(lines(out)) and s.new_tokens > 0
+    s = regenerate(target, tok, prompts(), opts(out))
+    assert not s.interrupted and (s.skipped, s.written) == (3, 4)
+    assert out.read_bytes() == ref.read_bytes()
+
+
 def test_resume_of_a_partly_written_chunk_keeps_order_and_adds_no_duplicates(tmp_path, tok, target):
     ref = tmp_path / "ref.jsonl"
     regenerate(target, tok, prompts(), opts(ref))

@@ -115,6 +115,8 @@ def regenerate_cmd(
               "read": read.counts, "total_wall_s": round(time.perf_counter() - t0, 3)}
     if json_out:
         _print_json(report)
+        if s.interrupted:
+            raise typer.Exit(130)
         return
     temps = ", ".join(f"{t:g}" for t in s.temperatures)
     console.print(_table(f"regenerated answers -> {s.out_path}", [
@@ -126,7 +128,10 @@ def regenerate_cmd(
         ("tokens", f"{s.new_tokens} new, {s.prompt_tokens} prompt"),
         ("speed", f"{s.tokens_per_s:.1f} new tokens/s over {s.wall_s:.1f} s ({s.cache} cache)"),
         *([("failed", s.skipped_path)] if s.skipped_path else []),
+        *([("interrupted", "stopped early: rerun the same command to resume")] if s.interrupted else []),
     ]))
+    if s.interrupted:
+        raise typer.Exit(130)
 
 
 def capture_cmd(

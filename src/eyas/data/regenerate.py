@@ -275,6 +275,7 @@ class RegenerateSummary(Throughput):
     cache: str = ""  # the KV cache used: "dynamic" | "static" | "static, compiled"
     wall_s: float = 0.0
     skipped_path: str | None = None
+    interrupted: bool = False  # stopped by SIGINT between or inside units; rerun to resume
 
     @property
     def rated_tokens(self) -> int:
@@ -637,6 +638,10 @@ def _generate(model: Any, tokenizer: Any, todo: list[_Unit], options: Regenerate
                 bar.set_postfix(tok_s=f"{summary.new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
                 if on_chunk_written is not None:
                     on_chunk_written(unit.chunk, new_records)
+    except KeyboardInterrupt:
+        # Ctrl-C or a scheduler's SIGINT: every unit written so far is complete on disk (a rerun
+        # resumes after it); stop here and let the caller report what this run did.
+        summary.interrupted = True
     finally:
         bar.close()
 

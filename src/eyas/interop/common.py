@@ -55,6 +55,7 @@ def atomic_save_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
 
 
 SHARD_PATTERN = "model-{i:05d}-of-{n:05d}.safetensors"
+SPLIT_KEY = "eyas_split_by_rows"  # index metadata: tensor name -> the names of its row blocks, in order
 
 
 def _own_shard(name: str) -> bool:
@@ -79,10 +80,25 @@ def atomic_save_sharded(out: Path, tensors: dict[str, Tensor], max_file_bytes: i
             if _own_shard(p.name) or p.name == WEIGHTS_INDEX:
                 p.unlink()
         return [WEIGHTS]
-    too_big = sorted(k for k, b in size.items() if b > limit)
-    if too_big:
-        raise CheckpointError(f"{out}: tensors {too_big} are larger than the {max_file_bytes} bytes a file may hold; "
-                              f"expected every tensor to fit in one file")
+    # A tensor larger than a file (a float32 lm_head over a large draft vocabulary) is cut into
+    # blocks of rows, stored as NAME.rows0, NAME.rows1, ... and listed under the index's metadata;
+    # read_tensors joins them back (torch.cat over dim 0, bit for bit). Only eyas reads such a
+    # directory: engines get bf16 exports, where no tensor of a drafter this size needs cutting.
+    split: dict[str, list[str]] = {}
+    for k in sorted(k for k, b in size.items() if b > limit):
+        t = flat.pop(k)
+        row_bytes = max(1, t[0].numel() * t.element_size()) if t.dim() else size[k]
+        rows = max(1, limit // row_bytes)
+        if t.dim() == 0 or row_bytes > limit:
+            raise CheckpointError(f"{out}: tensor {k!r} has rows of {row_bytes} bytes, more than the "
+                                  f"{max_file_bytes} bytes a file may hold; expected it to split by rows")
+        split[k] = []
+        for j, a in enumerate(range(0, t.shape[0], rows)):
+            name = f"{k}.rows{j}"
+            flat[name] = t[a : a + rows].clone()
+            size[name] = flat[name].numel() * flat[name].element_size()
+            split[k].append(name)
+        del size[k]
     shards: list[dict[str, Tensor]] = [{}]
     used = 0
     for k in sorted(flat, key=lambda k: (-size[k], k)):  # largest first: fewer, fuller files
@@ -94,8 +110,10 @@ def atomic_save_sharded(out: Path, tensors: dict[str, Tensor], max_file_bytes: i
     names = [SHARD_PATTERN.format(i=i + 1, n=len(shards)) for i in range(len(shards))]
     for name, shard in zip(names, shards):
         atomic_write(out / name, lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}))
-    index = {"metadata": {"total_size": sum(size.values())},
-             "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+    metadata: dict[str, Any] = {"total_size": sum(size.values())}
+    if split:
+        metadata[SPLIT_KEY] = split
+    index = {"metadata": metadata, "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
     atomic_write_text(out / WEIGHTS_INDEX, json.dumps(index, indent=2))
     for p in out.iterdir():
         if p.name == WEIGHTS or (_own_shard(p.name) and p.name not in names):
@@ -185,6 +203,14 @@ def read_tensors(directory: Path) -> tuple[dict[str, Tensor], str]:
             if not shard_path.exists():
                 raise CheckpointError(f"{index}: names shard {shard}, which is missing from {directory}")
             tensors.update(_load_safetensors(shard_path))
+        metadata = read_json(index).get("metadata") or {}
+        for name, parts in (metadata.get(SPLIT_KEY) or {}).items():
+            missing = [p for p in parts if p not in tensors]
+            if missing:
+                raise CheckpointError(f"{index}: tensor {name!r} is split into {parts}; blocks {missing} are missing")
+            import torch
+
+            tensors[name] = torch.cat([tensors.pop(p) for p in parts], dim=0)
         return tensors, str(index)
     others = sorted(p.name for p in directory.glob("*.safetensors"))
     if len(others) == 1:
