@@ -49,6 +49,22 @@ def test_bench_reports_tau_speeds_and_identity(toy_drafter, tmp_path):
 
 
 @pytest.mark.integration
+def test_bench_without_hf_leaves_its_figures_out(toy_drafter, tmp_path):
+    target, draft = toy_drafter
+    r = runner.invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--prompts", "mt_bench",
+                            "--limit", "1", "--max-new-tokens", "8", "--tree", "2", "--device", "cpu", "--no-hf",
+                            "--png", str(tmp_path / "b.png"), "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    s = json.loads(r.stdout)["sets"][0]
+    assert s["tokens_per_s"]["hf"] == 0 and s["speedup_vs_hf"] is None and s["identical_to_hf"] is None
+    assert s["identical_to_plain"] is True and s["speedup_vs_plain"] is not None
+    r = runner.invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--prompts", "mt_bench",
+                            "--limit", "1", "--max-new-tokens", "8", "--tree", "2", "--device", "cpu", "--no-hf",
+                            "--png", str(tmp_path / "b.png")])
+    assert r.exit_code == 0 and "x hf" in r.output
+
+
+@pytest.mark.integration
 def test_generate_prints_text_and_statistics(toy_drafter):
     target, draft = toy_drafter
     r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",

@@ -21,8 +21,8 @@ def bench_table(summaries: Sequence[dict[str, Any]]) -> Table:
         ident = s["identical_to_plain"]
         t.add_row(
             s["set"], str(s["prompts"]), f"{s['tau']:.2f}",
-            *(f"{m[k]:.1f}" for k in ("speculative", "plain", "hf")),
-            f"{s['speedup_vs_plain'] or 0:.2f}", f"{s['speedup_vs_hf'] or 0:.2f}",
+            *(f"{m[k]:.1f}" if m[k] else "-" for k in ("speculative", "plain", "hf")),  # "-": not run (--no-hf)
+            *("-" if x is None else f"{x:.2f}" for x in (s["speedup_vs_plain"], s["speedup_vs_hf"])),
             "n/a" if ident is None else ("[green]yes[/]" if ident else "[bold red]NO[/]"),
         )
     return t

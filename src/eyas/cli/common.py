@@ -18,6 +18,8 @@ from eyas.interop import servers  # the registry only: no torch
 console = Console()
 err = Console(stderr=True)
 
+DRAFT_HELP = ("an eyas drafter directory; 'default' (or no --draft) with --target smollm2: the drafter shipped "
+              "with eyas")
 TARGET_HELP = "'smollm2' (the embedded default), a local model directory, a .gguf file or a HF id"
 TARGET_IMPL_HELP = ("auto (the fast Llama-family target with CUDA graphs on a GPU where it applies, else "
                     "the Hugging Face one) | fast | hf")  # eyas generate / bench / trace --target-impl

@@ -23,11 +23,13 @@ from eyas.cli.common import (
 from eyas.cli.common import fail as _fail
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
+from eyas.interop.embedded import resolve_draft
 
 
 def doctor_cmd(
     target: str = typer.Option(..., help=TARGET_HELP),
-    draft: Path = typer.Option(..., help="the drafter directory as it is served (eyas, SGLang or speculators format)"),
+    draft: Optional[str] = typer.Option(None, help="the drafter directory as it is served (eyas, SGLang or speculators "
+                                             "format); 'default' or none with --target smollm2: the one shipped with eyas"),
     data: Optional[str] = typer.Option(
         None, help="the training shards (replay on the stored hidden states) or a conversations file; "
                    "default: the data in the drafter's train_config.json, else built-in prompts"),
@@ -43,6 +45,7 @@ def doctor_cmd(
     """Check that a drafter sees, as ENGINE serves it, the hidden states it was trained on; name the fix."""
     from eyas.doctor import render, run_doctor
 
+    draft = _run(resolve_draft, draft, target)
     if not draft.exists():
         _fail(f"--draft {draft}: no such directory")
     log = (lambda m: err.print(f"[dim]doctor: {m}[/]", highlight=False))
@@ -58,7 +61,8 @@ def doctor_cmd(
 
 def trace_cmd(
     target: str = typer.Option(..., help=TARGET_HELP),
-    draft: Path = typer.Option(..., help="the drafter directory as it is served (eyas, SGLang or speculators format)"),
+    draft: Optional[str] = typer.Option(None, help="the drafter directory as it is served (eyas, SGLang or speculators "
+                                             "format); 'default' or none with --target smollm2: the one shipped with eyas"),
     prompt: str = typer.Option(..., help="the user message to answer with the trace on"),
     out: Path = typer.Option(..., help="the JSONL file of junction records (a header line, the records, the summary)"),
     max_new_tokens: int = typer.Option(64, min=1),
@@ -77,6 +81,7 @@ def trace_cmd(
     from eyas.doctor.trace import render_trace, run_trace
     from eyas.engine import TreeSpec
 
+    draft = _run(resolve_draft, draft, target)
     if not draft.exists():
         _fail(f"--draft {draft}: no such directory")
     spec_tree = _run(TreeSpec.parse, tree)

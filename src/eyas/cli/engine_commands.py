@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
-from eyas.cli.common import TARGET_HELP, TARGET_IMPL_HELP, console, err
+from eyas.cli.common import DRAFT_HELP, TARGET_HELP, TARGET_IMPL_HELP, console, err
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
+
+from eyas.interop.embedded import resolve_draft
 
 if TYPE_CHECKING:
     from eyas.targets import LoadedTarget
@@ -65,7 +67,7 @@ def auto_tree(tgt: Any, drafter: Any, calibration: list[Any], contract: Any, eos
 
 def generate_cmd(
     target: str = typer.Option(..., help=TARGET_HELP),
-    draft: Path = typer.Option(..., help="an eyas drafter directory"),
+    draft: Optional[str] = typer.Option(None, help=DRAFT_HELP),
     prompt: str = typer.Option(..., help="the user message"),
     system: Optional[str] = typer.Option(None, help="a system message (default: the template's own)"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
@@ -86,7 +88,8 @@ def generate_cmd(
     from eyas.engine import SamplingParams, TreeSpec, speculative_generate
 
     sampling = _run(SamplingParams, temperature, top_p, top_k)  # checked before anything loads
-    loaded, drafter, tgt, contract = load_for_serving(target, draft, device, force, target_impl)
+    draft = str(_run(resolve_draft, draft, target))
+    loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl)
     tokenizer = loaded.tokenizer
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = render_prompt(messages, tokenizer).to(tgt.device)[None]
@@ -125,7 +128,7 @@ def generate_cmd(
 
 def bench_cmd(
     target: str = typer.Option(..., help=TARGET_HELP),
-    draft: Path = typer.Option(..., help="an eyas drafter directory"),
+    draft: Optional[str] = typer.Option(None, help=DRAFT_HELP),
     prompts: list[str] = typer.Option(..., help="mt_bench|humaneval|gsm8k|alpaca|sum|qa or a prompt file; repeatable"),
     limit: Optional[int] = typer.Option(None, help="prompts per set"),
     max_new_tokens: int = typer.Option(256),
@@ -137,6 +140,7 @@ def bench_cmd(
     png: Optional[Path] = typer.Option(None, help="accept-length histogram (default: next to --out or ./bench.png)"),
     out: Optional[Path] = typer.Option(None, help="also write the JSON report here"),
     force: bool = typer.Option(False),
+    hf: bool = typer.Option(True, "--hf/--no-hf", help="also time Hugging Face `generate` (slow on a CPU)"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Speculative vs plain decoding vs HF `generate` on the same prompts, in one process."""
@@ -149,7 +153,8 @@ def bench_cmd(
     from eyas.tune import CALIBRATION_PROMPTS
 
     sampling = _run(SamplingParams, temperature)  # checked before anything loads
-    loaded, drafter, tgt, contract = load_for_serving(target, draft, device, force, target_impl)
+    draft = str(_run(resolve_draft, draft, target))
+    loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl)
     tokenizer = loaded.tokenizer
     err.print(f"[dim]target implementation: {tgt.implementation}[/]")
     sets = [(name, _run(load_prompts, name, limit)) for name in prompts]
@@ -164,7 +169,7 @@ def bench_cmd(
     summaries = []
     for name, convs in sets:
         result = bench_set(Path(name).stem, convs, loaded, tgt, drafter, spec_tree, sampling,
-                           max_new_tokens, seed=seed, progress=not json_out)
+                           max_new_tokens, seed=seed, progress=not json_out, compare_hf=hf)
         summaries.append(result.summary())
     png = png or (out.with_suffix(".png") if out else Path("bench.png"))
     plot_accept_lengths(summaries, png)

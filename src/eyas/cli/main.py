@@ -102,7 +102,8 @@ def new(
 
 @app.command()
 def info(
-    path: Path = typer.Argument(..., help="a drafter directory (eyas, SGLang/SpecForge/EAGLE or speculators)"),
+    path: Path = typer.Argument(..., help="a drafter directory (eyas, SGLang/SpecForge/EAGLE or speculators); "
+                                          "'default': the one shipped for --target smollm2"),
     target: Optional[str] = typer.Option(
         None, help=TARGET_HELP + "; its number of decoder blocks, when the directory does not say"),
     num_target_blocks: Optional[int] = typer.Option(
@@ -111,8 +112,9 @@ def info(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """The drafter's contract, and which physical boundaries each engine will capture for it."""
-    from eyas.interop import view_engines
+    from eyas.interop import resolve_draft, view_engines
 
+    path = _run(resolve_draft, path, target or "smollm2") if str(path) == "default" else path
     if target:
         from eyas.targets import load_target
 
@@ -155,7 +157,7 @@ def info(
 
 @app.command("export")
 def export_cmd(
-    path: Path = typer.Argument(..., help="an eyas drafter directory"),
+    path: Path = typer.Argument(..., help="an eyas drafter directory; 'default': the one shipped for smollm2"),
     to: ExportChoice = typer.Option(..., "--to", help="target engine format"),
     out: Path = typer.Option(..., help="directory to write"),
     sglang_rule: SGLangRuleChoice = typer.Option(SGLANG_RULE_DEFAULT, help=SGLANG_RULE_HELP),
@@ -168,8 +170,9 @@ def export_cmd(
     """Write the drafter in SGLang or speculators/vLLM format, with layer ids in that engine's convention."""
     import warnings
 
-    from eyas.interop import export_drafter
+    from eyas.interop import export_drafter, resolve_draft
 
+    path = _run(resolve_draft, path, "smollm2") if str(path) == "default" else path
     with warnings.catch_warnings(record=True) as caught:  # each said once, as a warning line
         warnings.simplefilter("always")
         report = _run(export_drafter, path, to.value, out, sglang_rule=sglang_rule.value, verifier=verifier)

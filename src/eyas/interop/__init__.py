@@ -21,6 +21,7 @@ _EXPORTS = {
     "served_config": "eyas.interop.engines", "view_engines": "eyas.interop.engines",
     "ExportReport": "eyas.interop.convert", "export_drafter": "eyas.interop.convert",
     "import_drafter": "eyas.interop.convert",
+    "embedded_drafter": "eyas.interop.embedded", "resolve_draft": "eyas.interop.embedded",
     "build_drafter": "eyas.interop.eyas_format", "load_drafter": "eyas.interop.eyas_format",
     "read_contract": "eyas.interop.eyas_format", "save_drafter": "eyas.interop.eyas_format",
 }
