@@ -124,15 +124,19 @@ def test_a_fast_round_synchronises_the_device_once(llama_and_drafter, sampling):
     session = start(fast, prompt, drafter, tree=tree, sampling=sampling, max_new_tokens=40,
                     generator=torch.Generator(device=CUDA).manual_seed(0), timing="off")
     counts = []
-    while not session.done:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
+    # Switched on once, outside the rounds: the switch itself is reported as a synchronising call
+    # (from set_sync_debug_mode, the first time), which is not the engine's.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode("warn")
+    try:
+        while not session.done:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 step(session)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
-        counts.append(len(syncs))
-        assert len(syncs) <= 1, (counts, syncs)
-    assert counts
+            syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+            counts.append(len(syncs))
+            assert len(syncs) <= 1, (counts, syncs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert counts and max(counts) == 1  # the verdict's transfer is seen: the mode was on
