@@ -116,9 +116,13 @@ class Crash(RuntimeError):
 
 
 def _crash_after(k: int):
+    """Crash after the (k+1)-th unit written (units are visited in a seeded order of chunks)."""
+    written = []
+
     def hook(chunk_index, _records):
-        if chunk_index == k:
-            raise Crash(f"simulated crash after chunk {k}")
+        written.append(chunk_index)
+        if len(written) == k + 1:
+            raise Crash(f"simulated crash after {k + 1} units (chunks {written})")
     return hook
 
 
@@ -266,7 +270,14 @@ def test_chunks_are_cut_from_conversations_sorted_by_first_prompt_length(tmp_pat
     first = [render_prompt([m for m in c.messages if m["role"] == "system"][:1] +
                            [next(m for m in c.messages if m["role"] == "user")], tok).numel() for c in convs]
     expected = [f"p{i}" for i in sorted(range(7), key=first.__getitem__)]  # stable: ties keep input order
-    assert [r["id"] for r in lines(out)] == expected and expected != [f"p{i}" for i in range(7)]
+    assert expected != [f"p{i}" for i in range(7)]
+    # chunks are cut from the sorted order; they are visited (and written) in a seeded order, each
+    # chunk's lines together and in sorted order
+    got = [r["id"] for r in lines(out)]
+    B = KW["batch_size"]
+    chunks = [expected[i:i + B] for i in range(0, 7, B)]
+    assert sorted(got, key=expected.index) == expected
+    assert all(got[got.index(c[0]):got.index(c[0]) + len(c)] == c for c in chunks)
     assert all(r["provenance"]["generation"]["sort_by_length"] is True for r in lines(out))
     # The order is a function of the input: a shuffled copy of the same conversations gives the same
     # chunks only up to ties, so the same input gives the same file.
@@ -352,7 +363,8 @@ def test_a_file_from_before_loops_resumes_only_as_it_was_written(tmp_path, tok, 
 
 def test_each_conversation_is_answered_once_per_temperature(tmp_path, tok, target):
     out = tmp_path / "o.jsonl"
-    s = regenerate(target, tok, prompts(5), opts(out, temperatures=[0, 0.8], seed=1))
+    # input order (sort_by_length=False): the check of the unit order below reads chunk 0 first
+    s = regenerate(target, tok, prompts(5), opts(out, temperatures=[0, 0.8], seed=1, sort_by_length=False))
     recs = lines(out)
     ids = [r["id"] for r in recs]
     assert sorted(ids) == sorted([f"p{i}" for i in range(5)] + [f"p{i}@t0.8" for i in range(5)])
@@ -364,17 +376,17 @@ def test_each_conversation_is_answered_once_per_temperature(tmp_path, tok, targe
     assert ["@t" in i for i in ids[:6]] == [False] * 3 + [True] * 3
     # The greedy answers are those of a greedy-only run.
     greedy = tmp_path / "greedy.jsonl"
-    regenerate(target, tok, prompts(5), opts(greedy))
+    regenerate(target, tok, prompts(5), opts(greedy, sort_by_length=False))
     assert [r for r in recs if "@t" not in r["id"]] == lines(greedy)
     # Another sampling temperature samples with another seed.
     other = tmp_path / "other.jsonl"
-    regenerate(target, tok, prompts(5), opts(other, temperatures=[0.8, 1.0], seed=1))
+    regenerate(target, tok, prompts(5), opts(other, temperatures=[0.8, 1.0], seed=1, sort_by_length=False))
     by_id = {r["id"]: r["messages"] for r in lines(other)}
     assert all(by_id[r["id"]] == r["messages"] for r in recs if r["id"].endswith("@t0.8"))
 
 
 def test_resume_with_several_temperatures_is_byte_identical_and_checks_each_temperature(tmp_path, tok, target):
-    kw = dict(temperatures=[0.0, 1.0], seed=3)
+    kw = dict(temperatures=[0.0, 1.0], seed=3, sort_by_length=False)  # chunks in input order: sizes 3, 3, 1
     ref = tmp_path / "ref.jsonl"
     regenerate(target, tok, prompts(), opts(ref, **kw))
     out = tmp_path / "out.jsonl"
@@ -394,9 +406,9 @@ def test_resume_with_several_temperatures_is_byte_identical_and_checks_each_temp
     assert out.read_bytes() == ref.read_bytes()
     with pytest.raises(RegenerateError, match=r"out.jsonl: .*temperature 1; expected one of this run's "
                                               r"temperatures \(0\)"):
-        regenerate(target, tok, prompts(), opts(out))
+        regenerate(target, tok, prompts(), opts(out, sort_by_length=False))
     with pytest.raises(RegenerateError, match=r"at temperature 1 \(top_p: file has 1.0, now 0.5\)"):
-        regenerate(target, tok, prompts(), opts(out, temperatures=[0.0, 1.0], seed=3, top_p=0.5))
+        regenerate(target, tok, prompts(), opts(out, **(kw | {"top_p": 0.5})))
 
 
 def test_temperature_options_are_checked(tmp_path):

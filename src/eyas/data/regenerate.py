@@ -22,7 +22,9 @@ prompt, so that a batch pads little. The order is a function of the input, the t
 options alone.
 
 Resumable. The ordered conversations are cut into fixed chunks of ``batch_size`` by position. The
-unit of work is (chunk, temperature), in chunk order and then temperature order: each unit is
+unit of work is (chunk, temperature), in chunk order and then temperature order (with
+``sort_by_length``, the chunks are visited in an order shuffled with ``seed``, so that a run
+stopped early holds prompts of every length, not only the shortest): each unit is
 generated as one batch and its lines are appended, flushed and fsynced together. On start the
 existing file is read, a torn last line (crash mid-write) is cut off, and every unit whose answer
 ids are all present is skipped. A unit that is partly present is generated again *with its original
@@ -59,6 +61,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -588,8 +591,11 @@ def regenerate(
     summary.conversations, summary.temperatures = len(items), temperatures
     summary.total = len(items) * len(temperatures)
     files = _OutputFiles.resume(options.out_path, generations)
-    units = [_Unit(k, t, items[i:i + options.batch_size])
-             for k, i in enumerate(range(0, len(items), options.batch_size)) for t in temperatures]
+    starts = list(range(0, len(items), options.batch_size))
+    order = list(range(len(starts)))
+    if options.sort_by_length:  # chunks of similar length, visited in a seeded order (see the docstring)
+        random.Random(options.seed).shuffle(order)
+    units = [_Unit(k, t, items[starts[k]:starts[k] + options.batch_size]) for k in order for t in temperatures]
     todo = [u for u in units if not all(files.holds(a) for a in u.ids())]
     summary.skipped = sum(1 for u in units for a in u.ids() if files.holds(a))
     kv = None
