@@ -375,6 +375,28 @@ def test_another_checkpoint_of_the_same_shape(world):
 
 
 @pytest.mark.integration
+def test_a_shortfall_on_other_data_than_training_is_not_called_a_mismatch(world):
+    """Replay below the recorded accuracy fails on the training data itself, but on conversations
+    the run did not train on (train_config.json names other data) it is a note: other text is
+    predicted less well, and the capture is judged by live against replay on the same tokens."""
+    def inflate(d: Path) -> None:  # as if training had recorded a far higher accuracy
+        meta = json.loads((d / "eyas.json").read_text())
+        acc = meta["contract"]["metrics"]["accuracy_per_position"]
+        meta["contract"]["metrics"]["accuracy_per_position"] = [0.99] + acc[1:]
+        (d / "eyas.json").write_text(json.dumps(meta))
+
+    d = served_copy(world, "base", "inflated")
+    inflate(d)
+    on_training_data = doctor(world, d, data="shards")
+    assert not on_training_data.healthy and "replay_short" in codes(on_training_data, "replay")
+    on_other_data = doctor(world, d, data="convs")  # base trained on the shards; train_config names them
+    replay = on_other_data.stages["replay"].findings
+    assert "replay_short" not in codes(on_other_data, "replay")
+    assert any(f.code == "replay_other_data" and "not a failure" in f.message for f in replay)
+    assert on_other_data.healthy, on_other_data.cause
+
+
+@pytest.mark.integration
 def test_a_changed_middle_block_is_named_as_a_warning_when_acceptance_holds(world):
     """Block 4's MLP output scaled by 1%: the embedding and final norm (the old fingerprint) are the
     same, the per-block sample names block 4, and the verdict rests on the measured acceptance."""

@@ -67,6 +67,9 @@ class SampleSet:
     path: str | None
     selection: str
     held_out: bool = False
+    # The run's train_config.json names other training data than these samples: accuracy here is
+    # measured on another distribution, so the accuracy recorded at training is no reference for it.
+    other_data: bool = False
     manifest_contract: Contract | None = None  # shards: the manifest's contract
     stored_boundaries: list[int] | None = None
     stored_dtype: str | None = None
@@ -78,7 +81,8 @@ class SampleSet:
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "path": self.path, "samples": len(self.samples), "tokens": self.num_tokens,
-                "selection": self.selection, "held_out": self.held_out, "stored_boundaries": self.stored_boundaries,
+                "selection": self.selection, "held_out": self.held_out, "other_data": self.other_data,
+                "stored_boundaries": self.stored_boundaries,
                 "stored_dtype": self.stored_dtype, "notes": self.notes}
 
 
@@ -89,6 +93,11 @@ def evenly(indices: Sequence[int], n: int) -> list[int]:
     if len(idx) <= n:
         return idx
     return [idx[round(i * (len(idx) - 1) / (n - 1))] for i in range(n)] if n > 1 else idx[:1]
+
+
+def _other_data(train_config: Any, path: str) -> bool:
+    """The training run's config names its data, and it is not ``path``."""
+    return train_config is not None and bool(train_config.data) and not _same_path(train_config.data, path)
 
 
 def _same_path(a: str | Path | None, b: str | Path | None) -> bool:
@@ -139,7 +148,7 @@ def _from_shards(path: str, train_config: Any, n: int, max_length: int) -> Sampl
         samples.append(_truncate(Sample(str(item["id"]), item["input_ids"].long(), item["loss_mask"].long(),
                                         item["features"].float(), item["last_hidden"]), max_length))
     params = ds.manifest.get("params", {})
-    return SampleSet(samples, "shards", str(path), selection, held_out, ds.contract,
+    return SampleSet(samples, "shards", str(path), selection, held_out, _other_data(train_config, path), ds.contract,
                      list(ds.contract.capture.boundaries), params.get("dtype", ds.contract.capture.dtype))
 
 
@@ -220,7 +229,7 @@ def _from_conversations(path: str, model: Any, tokenizer: Any, train_config: Any
         samples += [_truncate(s, max_length) for s in _answered(model, tokenizer, to_answer, max_new_tokens)]
         notes.append(f"{len(to_answer)} conversations without an assistant turn were answered by the target (greedy)")
     selection = f"evenly spaced conversations of {len(convs)}" + (f", {len(picked)} of them" if len(picked) < len(convs) else "")
-    return SampleSet(samples, "conversations", str(path), selection, False, notes=notes)
+    return SampleSet(samples, "conversations", str(path), selection, False, _other_data(train_config, path), notes=notes)
 
 
 def _generated(model: Any, tokenizer: Any, n: int, mode: str, max_new_tokens: int) -> SampleSet:
