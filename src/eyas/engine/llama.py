@@ -22,7 +22,8 @@ attention's order). ``tests/test_engine_llama.py`` holds the logits and the feat
 Every step runs through one walk, ``_step``: B new tokens write their keys/values at cache slots
 cache_len .. cache_len+B-1 and attend the first ``keys`` cache entries under a bool mask. Exact
 shapes (the default) use B = T and keys = cache_len + T, eagerly. Fixed shapes pad B to a bucket (1,
-8, 16, 32, 64) and attend the whole capacity, so the step's shapes never depend on cache_len (nor its
+8, 16, 32, 64, 128: a tree of up to 127 drafted tokens verifies in a graph) and attend the whole
+capacity, so the step's shapes never depend on cache_len (nor its
 inputs' addresses: each bucket has its own input buffers). On a GPU the three functions are then
 compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (inductor fuses each block's norms,
 rope, cache writes, softmax and SiLU into a few kernels; all blocks have the same shapes, so one
@@ -226,7 +227,7 @@ class LlamaTarget(Target):
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
                  default_capacity: int = 4096, fixed_shapes: bool = False, cuda_graphs: bool = False,
-                 buckets: Sequence[int] = (1, 8, 16, 32, 64), compile: bool | None = None) -> None:
+                 buckets: Sequence[int] = (1, 8, 16, 32, 64, 128), compile: bool | None = None) -> None:
         why_not = supports(model)
         if why_not is not None:
             raise UnsupportedTarget(f"LlamaTarget: {why_not}; use the Hugging Face target (HFTarget)")
