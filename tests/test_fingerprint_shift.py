@@ -102,6 +102,27 @@ def test_boundaries_the_statistics_cannot_tell_apart_are_reported_not_matched():
 
 
 @pytest.mark.unit
+def test_fed_the_recorded_boundary_a_lean_within_noise_is_a_warning():
+    """The shipped SmolLM2 drafter: fingerprint recorded in bf16 on a GPU, checked in float32 on a
+    CPU; slot 1 is fed boundary 15 as recorded, its statistics lean within noise to 14. The record
+    stands (a warning); the same lean with a served boundary other than the record fails (above)."""
+    live = live_target(flat=(6, 7))
+    reference = training(live, [3, 6, 9], scale=0.99)
+    reference[1] = fp(7, reference[1].rms_mean, tuple(reference[1].channel_means))  # recorded: trained on 7
+    m = match_slot(live[7], reference[1], live)
+    assert m.shifted and m.shift_within_noise and (m.looks_like, m.trained_matches) == (7, 6)
+    st = compare_fingerprints(reference, "the contract", [3, 7, 9], live, L, "eyas")
+    assert st.status == "warn" and not [f for f in st.findings if f.level == "fail"]
+    warn = next(f for f in st.findings if f.code == "slot_shift_within_noise")
+    assert warn.field == "slot 1" and "the boundary training recorded" in warn.message
+    assert st.result.slots[1].indistinct and not st.result.slots[1].off
+    assert verdict(_with(st), None, None, L).healthy
+    # served away from the record (7 for a recorded 6), the same lean fails
+    st2 = compare_fingerprints(training(live, [3, 6, 9], scale=0.99), "the contract", [3, 7, 9], live, L, "SGLang")
+    assert st2.status == "fail" and any(f.code == "slot_shifted" for f in st2.findings)
+
+
+@pytest.mark.unit
 def test_separation_margin():
     assert separable(0.01, 0.021) and not separable(0.01, 0.0199) and not separable(0.0, 0.0)
     assert separable(0.0, 1e-9)  # an exact match: any gap tells the boundaries apart

@@ -21,7 +21,10 @@ The thresholds alone miss a one-block shift at depth (neighbouring boundaries di
 they allow), so resemblance decides too (:func:`match_slot`):
 
 - a slot **shifted**: the boundary it looks like is not the one its training statistics are
-  nearest to. It fails, with both distances of each side (a slot off the thresholds fails too);
+  nearest to. It fails, with both distances of each side (a slot off the thresholds fails too),
+  except when it is fed exactly the boundary training recorded and the two boundaries are within
+  the noise of the match: then the record stands and the stage warns (statistics recorded in
+  bf16 on a GPU and checked in float32 on a CPU differ by that much);
 - otherwise a slot whose training statistics cannot tell their nearest boundary from the
   runner-up is **indistinct**: the runner-up is not farther by more than
   ``SEPARATION_MARGIN`` times the nearest one's own distance, the noise of the comparison
@@ -189,6 +192,8 @@ class FingerprintSlot:
     trained_matches_name: str
     tokens_observed: int
     tokens_trained: int
+    # fed the recorded boundary, leaning within noise towards a neighbour: warned, not failed
+    shift_within_noise_of_record: bool = False
 
     @property
     def rms_z(self) -> float:
@@ -200,12 +205,14 @@ class FingerprintSlot:
 
     @property
     def indistinct(self) -> bool:
-        return self.match.indistinct
+        """The fingerprint cannot confirm the slot (a warning): indistinct, or a shift within noise
+        while fed the boundary training recorded."""
+        return self.match.indistinct or self.shift_within_noise_of_record
 
     @property
     def off(self) -> bool:
-        """Off the thresholds, or shifted: the slot fails the stage."""
-        return self.comparison.off or self.match.shifted
+        """Off the thresholds, or shifted (beyond noise, or away from the record): the slot fails the stage."""
+        return self.comparison.off or (self.match.shifted and not self.shift_within_noise_of_record)
 
     def to_dict(self) -> dict[str, Any]:
         c = self.comparison
@@ -260,7 +267,8 @@ def compare_fingerprints(reference: Sequence[SlotFingerprint] | None, reference_
             rms_trained=ref.rms_mean, rms_std_trained=ref.rms_std, comparison=cmp, match=m,
             looks_like=slot_label(looks, L), looks_like_name=boundary_name(looks, L),
             trained_matches=slot_label(should, L), trained_matches_name=boundary_name(should, L),
-            tokens_observed=obs.num_tokens, tokens_trained=ref.num_tokens))
+            tokens_observed=obs.num_tokens, tokens_trained=ref.num_tokens,
+            shift_within_noise_of_record=m.shift_within_noise and b == ref.boundary))
         if cmp.off:
             st.add(FAIL, "slot_off",
                    f"slot {i} is off: per-token RMS {obs.rms_mean:.4g} against {ref.rms_mean:.4g} at training "
@@ -270,6 +278,14 @@ def compare_fingerprints(reference: Sequence[SlotFingerprint] | None, reference_
                    + (f" (distance {m.d_trained_match:.3g}; {m.d_trained_looks:.3g} from {boundary_name(looks, L)})"
                       if m.shifted else ""),
                    field=f"slot {i}", expected=ref.boundary, found=slot_label(looks, L))
+        elif slots[-1].shift_within_noise_of_record:
+            # Fed exactly the boundary training recorded, and the statistics only lean, within their
+            # noise, towards a neighbour (statistics recorded in bf16 on a GPU, checked in float32 on
+            # a CPU, differ by this much): the record stands, the fingerprint does not confirm it.
+            st.add(WARN, "slot_shift_within_noise",
+                   f"slot {i} is fed {boundary_name(b, L)}, the boundary training recorded for it; "
+                   f"{shift_text(i, m, L)}: the fingerprint cannot confirm slot {i}, the measured accuracy decides",
+                   field=f"slot {i}", expected=slot_label(should, L), found=slot_label(looks, L))
         elif m.shifted:
             st.add(FAIL, "slot_shifted",
                    f"slot {i} is fed another boundary than its training statistics match, inside the z and ratio "
