@@ -362,20 +362,21 @@ def test_cli_healthy_drafter_matches_its_fingerprint(world, tmp_path):
 
 
 def test_cli_traces_the_fast_target_to_the_same_records(world, tmp_path):
-    """--target-impl picks the engine's target (auto is the Hugging Face one on the CPU); the fast
-    target is traced to the same records and verdict, and the header and report say which ran."""
+    """--target-impl picks the engine's target (auto: the fast one wherever it applies, the CPU
+    included); the fast target is traced to the same records and verdict as the Hugging Face one,
+    and the header and report say which ran."""
     runs = {}
-    for impl in ("auto", "fast"):
+    for impl in ("hf", "auto"):
         res = trace_cli(world, world["base"], tmp_path / f"{impl}.jsonl", "--json", "--tree", "3,2,6",
                         "--target-impl", impl)
         assert res.exit_code == 0, res.output
         runs[impl] = (json.loads(res.stdout), read_jsonl(tmp_path / f"{impl}.jsonl"))
-    (auto, auto_lines), (fast, fast_lines) = runs["auto"], runs["fast"]
-    assert auto["target_impl"] == auto_lines[0]["header"]["target_impl"] == "hf"
+    (hf, hf_lines), (fast, fast_lines) = runs["hf"], runs["auto"]
+    assert hf["target_impl"] == hf_lines[0]["header"]["target_impl"] == "hf"
     assert fast["target_impl"] == fast_lines[0]["header"]["target_impl"] == "fast"
-    assert fast["healthy"] and fast["generation"]["text"] == auto["generation"]["text"]
-    records_close(auto_lines[1:-1], fast_lines[1:-1])
-    assert [r["verdict"] for r in fast["summary"]["slots"]] == [r["verdict"] for r in auto["summary"]["slots"]]
+    assert fast["healthy"] and fast["generation"]["text"] == hf["generation"]["text"]
+    records_close(hf_lines[1:-1], fast_lines[1:-1])
+    assert [r["verdict"] for r in fast["summary"]["slots"]] == [r["verdict"] for r in hf["summary"]["slots"]]
     res = trace_cli(world, world["base"], tmp_path / "x.jsonl", "--target-impl", "turbo")
     assert res.exit_code == 2 and "--target-impl" in res.output
 

@@ -21,8 +21,8 @@ err = Console(stderr=True)
 DRAFT_HELP = ("an eyas drafter directory; 'default' (or no --draft) with --target smollm2: the drafter shipped "
               "with eyas")
 TARGET_HELP = "'smollm2' (the embedded default), a local model directory, a .gguf file or a HF id"
-TARGET_IMPL_HELP = ("auto (the fast Llama-family target with CUDA graphs on a GPU where it applies, else "
-                    "the Hugging Face one) | fast | hf")  # eyas generate / bench / trace --target-impl
+TARGET_IMPL_HELP = ("auto (the fast Llama-family target where it applies: with CUDA graphs on a GPU, eager on "
+                    "a CPU; else the Hugging Face one) | fast | hf")  # eyas generate / bench / trace --target-impl
 
 
 def _choice(name: str, values: list[str]) -> type[Enum]:

@@ -484,7 +484,9 @@ def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "aut
     - ``fast``: :class:`LlamaTarget` (fixed shapes, compiled, CUDA graphs on a GPU; refused, with the
       reason, for an architecture it does not implement);
     - ``hf``: :class:`~eyas.engine.target.HFTarget`, any causal LM;
-    - ``auto``: ``fast`` on a GPU where it applies (that is where graphs pay), else ``hf``.
+    - ``auto``: ``fast`` wherever it applies (on a GPU with CUDA graphs; on a CPU eagerly, where
+      its static cache still beats the Hugging Face model: SmolLM2 in float32 on 2 cores, 22.6
+      against 20.0 tok/s plain and 20.0 against 17.6 speculative), else ``hf``.
     The returned target's ``implementation`` says which one runs.
     """
     from eyas.engine.target import HFTarget
@@ -493,6 +495,6 @@ def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "aut
     if impl not in TARGET_IMPLEMENTATIONS:
         raise UnsupportedTarget(f"--target-impl: expected one of {list(TARGET_IMPLEMENTATIONS)}, found {implementation!r}")
     on_gpu = next(model.parameters()).device.type == "cuda"
-    if impl == "hf" or (impl == "auto" and (not on_gpu or supports(model) is not None)):
+    if impl == "hf" or (impl == "auto" and supports(model) is not None):
         return HFTarget(model, spec)
     return LlamaTarget(model, spec, cuda_graphs=on_gpu)
