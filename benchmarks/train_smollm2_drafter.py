@@ -314,7 +314,7 @@ def before(a: argparse.Namespace, work: Path, prompts: Path, deadline: float) ->
     rep = last_json(text) or {}
     res["regenerate"] = {"exit": code, "wall_s": round(wall, 1), "new_tokens": rep.get("new_tokens"),
                          "tokens_per_s": rep.get("tokens_per_s"), "conversations": count_lines(d / "answers.jsonl")}
-    if count_lines(d / "answers.jsonl") >= 32:
+    if count_lines(d / "answers.jsonl") >= min(32, a.before_prompts):  # enough to time a few steps on
         code, wall, _ = run_cli(
             ["train", "--target", a.target, "--data", str(d / "answers.jsonl"), "--out", str(d / "train"),
              "--steps", str(a.before_steps), "--batch-size", "16", "--max-length", str(a.max_length),

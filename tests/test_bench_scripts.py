@@ -98,9 +98,14 @@ def test_train_script_mixes_prompts_then_regenerates_trains_and_keeps_the_best(t
                        "--budget-s", "600", "--limit", "8", "--regen-batch", "4", "--max-new-tokens", "8",
                        "--cache", "dynamic", "--epochs", "2", "--tokens-per-batch", "512", "--max-length", "128",
                        "--draft-vocab", "256", "--eval-every", "2", "--patience", "2", "--val-limit", "2",
-                       "--val-max-new-tokens", "4", "--val-tree", "2", "--min-train-s", "0", "--no-copy-to-out"])
+                       "--val-max-new-tokens", "4", "--val-tree", "2", "--min-train-s", "0", "--no-copy-to-out",
+                       "--before-src", str(BENCHMARKS.parent / "src"), "--before-prompts", "4", "--before-steps", "2"])
     assert code == 0
     summary = json.loads((work / "summary.json").read_text())
+    before = summary["before"]  # the "old code" stage (here today's src), with the flags old code takes
+    assert before["regenerate"]["exit"] == 0 and before["regenerate"]["conversations"] == 4
+    assert before["regenerate"]["tokens_per_s"] > 0
+    assert before["train"]["exit"] == 0 and before["train"]["steps"] == 2 and before["train"]["tokens_per_s"] > 0
     assert summary["regenerate"]["exit"] == 0 and summary["regenerate"]["conversations"] == 8
     assert summary["train"]["exit"] == 0 and summary["train"]["steps_done"] > 0
     assert summary["train"]["evaluations"] and all(e["tau"] is not None for e in summary["train"]["evaluations"])
