@@ -53,8 +53,8 @@ sys.path.insert(0, "benchmarks")
 import train_smollm2_drafter as t
 print(t.transport_copy(p.Path("benchmarks/out/smollm2/drafter"), p.Path("/tmp/drafter/bf16")))
 EOF
-    cp /tmp/drafter/bf16/model-0*.safetensors "$OUT/"
-    (cd /tmp/drafter/bf16 && tar cf "$OUT/drafter_meta.tar" --exclude='model-0*' .)
+    cp /tmp/drafter/bf16/*.safetensors "$OUT/"
+    (cd /tmp/drafter/bf16 && tar cf "$OUT/drafter_meta.tar" --exclude='*.safetensors' .)
     cp "$WORK/summary.json" "$OUT/train_summary.json"
     tr '\r' '\n' < "$LOG" | grep -av "it/s\]$\|s/it\]$" > "$OUT/run.log"
     ls -la "$OUT"

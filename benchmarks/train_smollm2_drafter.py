@@ -97,7 +97,6 @@ def prepare(shared: Path, out: Path, seed: int, no_sharegpt: bool, max_chars: in
     ``follow_up_share`` of them (seeded) get a second user turn from FOLLOW_UPS. The first
     ``val_prompts`` of the shuffled mix are held out (first turn only) into ``val_prompts.jsonl``
     next to ``out``: training measures the engine's tau on them and never trains on them."""
-    sys.path.insert(0, str(REPO / "src"))
     from eyas.data.conversations import read_conversations
 
     rng = random.Random(seed)
@@ -237,46 +236,23 @@ def copy_drafter(src: Path, dest: Path) -> None:
 def transport_copy(src: Path, dest: Path, max_mib: float = 15.0) -> list[str]:
     """A bf16 copy of the drafter in ``src`` whose every file is under ``max_mib`` (the device tool
     returns at most 8 files of 16 MiB from $OUT): config.json, eyas.json, and the weights as
-    safetensors shards with a ``model.safetensors.index.json`` (eyas reads the index). Serving runs
-    the drafter in the target's dtype, bf16 on a GPU, so the copy serves exactly what the original
-    does there. Returns the files written."""
+    safetensors shards with an index, written by eyas' own sharding (the layout eyas and the engines
+    read). Serving runs the drafter in the target's dtype, bf16 on a GPU, so the copy serves exactly
+    what the original does there. Returns the files written."""
     import torch
-    from safetensors.torch import load_file, save_file
 
-    tensors: dict[str, Any] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
-    limit = int(max_mib * 2**20) - 65536  # room for the header
-    too_big = [k for k, v in tensors.items() if v.numel() * v.element_size() > limit]
-    if too_big:
-        raise ValueError(f"tensors {too_big} exceed {max_mib} MiB even in bf16: use a smaller --draft-vocab")
-    shards: list[dict[str, Any]] = [{}]
-    size = 0
-    for k in sorted(tensors, key=lambda k: -tensors[k].numel() * tensors[k].element_size()):
-        b = tensors[k].numel() * tensors[k].element_size()
-        if size + b > limit and shards[-1]:
-            shards.append({})
-            size = 0
-        shards[-1][k] = tensors[k]
-        size += b
+    from eyas.interop.common import atomic_save_sharded, read_tensors
+
+    tensors, _ = read_tensors(src)
+    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in tensors.items()}
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for name, shard in zip(names, shards):
-        save_file(shard, str(dest / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    total = sum(v.numel() * v.element_size() for v in tensors.values())
-    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                   "weight_map": weight_map}, indent=2))
-    kept = ["config.json", "eyas.json", "model.safetensors.index.json", *names]
+    kept = atomic_save_sharded(dest, tensors, int(max_mib * 2**20))
     for f in ("config.json", "eyas.json", "metrics.jsonl", "training.png", "train_config.json"):
         if (src / f).exists():
             shutil.copy2(src / f, dest / f)
-            if f not in kept:
-                kept.append(f)
+            kept.append(f)
     return kept
 
 
@@ -432,6 +408,7 @@ def run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(REPO / "src"))  # prepare and the bf16 copy use eyas in this process
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="mix first-turn training prompts into benchmarks/data/ (here, CPU)")

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support import DATA
 
@@ -111,5 +112,16 @@ def test_train_script_mixes_prompts_then_regenerates_trains_and_keeps_the_best(t
     assert summary["train"]["evaluations"] and all(e["tau"] is not None for e in summary["train"]["evaluations"])
     assert summary["drafter_from"] == "final" and (work / "drafter" / "eyas.json").exists()
     files = summary["drafter_bf16"]["files"]
-    assert "model.safetensors.index.json" in files and all(
-        (work / "drafter_bf16" / f).stat().st_size <= 15 * 2**20 for f in files)
+    assert {"config.json", "eyas.json"} <= set(files)
+    assert all((work / "drafter_bf16" / f).stat().st_size <= 15 * 2**20 for f in files)
+    from eyas.interop import load_drafter
+    from eyas.targets import load_target
+
+    loaded = load_target(str(target))
+    small, _ = load_drafter(work / "drafter_bf16", target=loaded)
+    full, _ = load_drafter(work / "drafter", target=loaded)
+    for k, v in full.state_dict().items():  # the same weights, rounded to bf16 (the embedding: the target's)
+        if k == "embed_tokens.weight":
+            continue
+        w = small.state_dict()[k]
+        assert torch.equal(w.float(), v.to(torch.bfloat16).float()) if v.is_floating_point() else torch.equal(w, v), k

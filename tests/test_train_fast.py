@@ -19,7 +19,7 @@ from eyas.drafter.ttt import Tally, TargetLabels, ttt_forward
 from eyas.training.config import TrainConfig
 from eyas.training.order import PAD_MULTIPLE, BucketOrder, FixedOrder
 from eyas.training.state import load_sharded, load_train_state, save_sharded, save_train_state
-from tests.support.toy import make_toy_conversations, make_toy_target
+from tests.support.toy import make_toy_conversations, make_toy_target, toy_train_config
 
 READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
 
@@ -200,12 +200,7 @@ def toy(tmp_path_factory):
 
 
 def _cfg(toy, out, **kw) -> TrainConfig:
-    target, data = toy
-    base = dict(target=str(target), data=str(data), out=str(out), batch_size=4, draft_vocab_size=1024, lr=3e-3,
-                warmup_steps=5, ttt_steps=3, val_fraction=0.2, max_val_samples=8, log_every=1000,
-                eval_every=1000, save_every=1000, device="cpu")
-    base.update(kw)
-    return TrainConfig(**base)
+    return toy_train_config(toy, out, **(dict(batch_size=4, warmup_steps=5, max_val_samples=8, log_every=1000) | kw))
 
 
 @pytest.mark.integration
@@ -262,7 +257,8 @@ def test_patience_stops_early_and_the_best_drafter_is_written(toy, tmp_path):
     taus = iter([1.5, 2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 1.4])
     seen: list[int] = []
 
-    def validate(drafter):
+    def validate(drafter, model):
+        assert model is not None and not any(p.requires_grad for p in model.parameters())  # training's target
         seen.append(1)
         return {"tau": next(taus), "prompts": 3}
 

@@ -15,10 +15,11 @@ import torch
 
 import eyas
 from eyas.training.config import TrainConfig
-from eyas.training.loop import lr_lambda, step_samples, Dist, train
+from eyas.training.loop import lr_lambda, train
+from eyas.training.order import FixedOrder
 from eyas.drafter.ttt import accept_length, ttt_mask
 from eyas.training.vocab import build_draft_vocab, count_targets
-from tests.support.toy import make_toy_conversations, make_toy_target
+from tests.support.toy import make_toy_conversations, make_toy_target, toy_train_config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,15 +93,13 @@ def test_config_requires_exactly_one_of_steps_and_epochs():
 
 @pytest.mark.unit
 def test_data_position_is_a_function_of_the_step_and_ranks_partition_the_batch():
-    cfg = TrainConfig(data="x", steps=10, batch_size=3)
     train_idx = list(range(10))
-    one = [step_samples(train_idx, s, cfg, Dist()) for s in range(4)]
-    assert one == [step_samples(train_idx, s, cfg, Dist()) for s in range(4)]
+    one = [FixedOrder(train_idx, 3, seed=0).step(s) for s in range(4)]
+    assert one == [FixedOrder(train_idx, 3, seed=0).step(s) for s in range(4)]  # a fresh order: the same
     seen = [i for s in one[:3] for i in s] + one[3][:1]  # 10 samples = one epoch
     assert sorted(seen) == train_idx
-    r0 = step_samples(train_idx, 1, cfg, Dist(0, 2))
-    r1 = step_samples(train_idx, 1, cfg, Dist(1, 2))
-    assert len(r0) == len(r1) == 3
+    r0, r1 = (FixedOrder(train_idx, 3, seed=0).step(0, rank, 2) for rank in (0, 1))  # within epoch 0
+    assert len(r0) == len(r1) == 3 and not set(r0) & set(r1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,12 +116,7 @@ def toy(tmp_path_factory):
 
 
 def _cfg(toy, out, **kw) -> TrainConfig:
-    target, data = toy
-    base = dict(target=str(target), data=str(data), out=str(out), batch_size=8, draft_vocab_size=1024, lr=3e-3,
-                warmup_steps=10, ttt_steps=3, val_fraction=0.2, max_val_samples=16, log_every=5,
-                eval_every=1000, save_every=1000, device="cpu")
-    base.update(kw)
-    return TrainConfig(**base)
+    return toy_train_config(toy, out, **(dict(batch_size=8, warmup_steps=10, max_val_samples=16, log_every=5) | kw))
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:

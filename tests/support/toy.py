@@ -70,3 +70,14 @@ def make_toy_conversations(target_dir: Path, out: Path, n: int = 48, answer_toke
             rows.append({"messages": m + [{"role": "assistant", "content": answer}]})
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
+
+
+def toy_train_config(toy: tuple[Path, Path], out: Path, **kw):
+    """A short CPU training run on ``toy`` (target directory, conversations): the defaults the
+    training tests share, then ``kw`` (which may replace any of them, ``data`` included)."""
+    from eyas.training.config import TrainConfig
+
+    target, data = toy
+    base = dict(target=str(target), data=str(data), out=str(out), draft_vocab_size=1024, lr=3e-3, ttt_steps=3,
+                val_fraction=0.2, eval_every=1000, save_every=1000, device="cpu")
+    return TrainConfig(**(base | kw))

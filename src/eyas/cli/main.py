@@ -222,12 +222,12 @@ def import_cmd(
     console.print(engine_table(view))
 
 
-def _engine_tau(cfg: Any, prompts: str, limit: int, max_new_tokens: int, tree: str) -> Callable[[Any], dict[str, float]]:
+def _engine_tau(cfg: Any, prompts: str, limit: int, max_new_tokens: int, tree: str) -> Callable[[Any, Any], dict[str, float]]:
     """The training loop's ``validate`` hook: :class:`eyas.bench.validate.TauProbe` (the engine's
     greedy tau, pooled over the rounds of the first ``limit`` prompts of ``prompts``) on a copy of
-    the drafter in training. Prompts are read and the tree parsed now, so a typo fails before
-    training starts; the serving target is loaded at the first evaluation, with the capture
-    boundaries training uses."""
+    the drafter in training, served on the target model training already holds (no second copy).
+    Prompts are read and the tree parsed now, so a typo fails before training starts; the probe is
+    built at the first evaluation, with the capture boundaries training uses."""
     from eyas.bench import load_prompts
     from eyas.bench.validate import TauProbe
     from eyas.engine import TreeSpec
@@ -236,17 +236,18 @@ def _engine_tau(cfg: Any, prompts: str, limit: int, max_new_tokens: int, tree: s
     spec_tree = _run(TreeSpec.parse, tree)
     probe: list[TauProbe] = []  # built on first use
 
-    def validate(drafter: Any) -> dict[str, float]:
+    def validate(drafter: Any, model: Any) -> dict[str, float]:
         from eyas.convention import CaptureSpec
         from eyas.data.shards import ShardDataset, is_shard_dir
-        from eyas.targets import load_target
+        from eyas.targets import load_tokenizer
+        from eyas.targets.structure import eos_token_ids, num_blocks
 
         if not probe:
-            loaded = load_target(cfg.target, dtype="auto", device=cfg.device)
+            tokenizer = load_tokenizer(cfg.target)
             boundaries = (ShardDataset(cfg.data).contract.capture.boundaries if is_shard_dir(cfg.data)
                           else cfg.boundaries)
-            spec = CaptureSpec.create(loaded.num_blocks, boundaries)
-            probe.append(TauProbe.from_conversations(loaded.model, loaded.tokenizer, spec, convs, loaded.eos_ids,
+            spec = CaptureSpec.create(num_blocks(model), boundaries)
+            probe.append(TauProbe.from_conversations(model, tokenizer, spec, convs, eos_token_ids(model, tokenizer),
                                                      tree=spec_tree, max_new_tokens=max_new_tokens))
         return {**probe[0](drafter), "validate_prompts": float(len(convs))}
 

@@ -37,7 +37,7 @@ from eyas.drafter.config import NORM_FLAGS
 from eyas.drafter.model import Eagle3Drafter
 from eyas.training.batches import Batch, OfflineBatches, OnlineBatches, pad_right
 from eyas.training.config import TrainConfig, split_indices
-from eyas.training.order import FixedOrder, budget_batches, make_order
+from eyas.training.order import budget_batches, make_order
 from eyas.training.state import SHARD_BYTES, checkpoint_dirs, commit_dir, load_train_state, save_train_state
 from eyas.drafter.ttt import Tally, ttt_forward
 from eyas.training.timing import PhaseTimer, Window
@@ -82,13 +82,6 @@ def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     return f
-
-
-def step_samples(train_idx: Sequence[int], step: int, cfg: TrainConfig, d: Dist) -> list[int]:
-    """The sample indices of this rank at ``step`` with fixed-size batches: the data position is a
-    function of the step alone (eyas.training.order). The loop keeps one order object, which
-    computes each epoch's permutation once."""
-    return FixedOrder(train_idx, cfg.batch_size, cfg.seed).step(step, d.rank, d.world)
 
 
 def sample_lengths(samples: Any, indices: Sequence[int]) -> list[int]:
@@ -294,18 +287,20 @@ def _copy_dir(src: Path, dst: Path) -> None:
 
 def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
           log: Callable[[str], None] = print,
-          validate: Callable[[Eagle3Drafter], dict[str, float]] | None = None) -> TrainResult:
+          validate: Callable[[Eagle3Drafter, Any], dict[str, float]] | None = None) -> TrainResult:
     """Train a drafter per ``cfg`` into ``cfg.out`` (an eyas-format drafter at the end).
 
     ``stop_after`` ends the process-local run early after that many steps (as a crash would),
     leaving the checkpoints for a resume; tests use it.
 
     Evaluations (every ``eval_every`` and ``save_every`` steps, and at the end) measure the
-    held-out metrics, with and without repetition loops, and call ``validate(drafter)`` (rank 0
+    held-out metrics, with and without repetition loops, and call ``validate(drafter, model)`` (rank 0
     only; its figures are broadcast, recorded in metrics.jsonl and the contract). The best
     evaluation -- by validate's "tau" when it returns one, else by the simulated accept length --
     is kept in ``out/best`` (eyas format); with ``cfg.patience`` the run stops once that many
-    evaluations in a row did not improve on it. The drafter written to ``out`` is the best one
+    evaluations in a row did not improve on it. ``model`` is the frozen target training holds (a
+    probe serves a copy of the drafter on it; its capture hooks exist only inside each forward).
+    The drafter written to ``out`` is the best one
     (its contract's metrics.step says which step; ``last_step`` the last one trained).
 
     A training step reads nothing back from the device (counts stay on it; throughput is
@@ -413,7 +408,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
             figures: list[Any] = [None]
             if d.main:
                 drafter.eval()
-                figures[0] = {k: float(v) for k, v in validate(drafter).items()}
+                figures[0] = {k: float(v) for k, v in validate(drafter, model).items()}
                 drafter.train()
             if d.world > 1:
                 dist.broadcast_object_list(figures, src=0)
