@@ -694,6 +694,8 @@ class Bench:
             self.error("build_target", e)
             self.note(f"--target-impl {a.target_impl} failed; using auto")
             self.target = build_target(loaded.model, spec, "auto")
+        if hasattr(self.target, "warmup"):  # every bucket compiled and captured now, never inside a timed round
+            self.target_warmup_s = self.target.warmup()
         self.eos = list(loaded.eos_ids)
         self.context = int(getattr(self.target, "max_length", 0) or 2**31 - 1)
         self.pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else self.eos[0]
@@ -712,7 +714,7 @@ class Bench:
             "engine_kwargs": a.engine_kwargs,
             "engine_api": {"speculative_generate": str(inspect.signature(speculative_generate)),
                            "plain_generate": str(inspect.signature(plain_generate))},
-            "eos_ids": self.eos, "pad_id": self.pad,
+            "eos_ids": self.eos, "pad_id": self.pad, "target_warmup_s": round(getattr(self, "target_warmup_s", 0.0), 2),
         }
         # Prompts: first turn, rendered with the chat template.
         self.prompts: dict[str, list[torch.Tensor]] = {}
@@ -741,10 +743,11 @@ class Bench:
         for c in a.chains:
             spec = TreeSpec.chain(int(c))
             cands.append((f"{spec.depth},1,{spec.depth}", spec, "chain"))
+        top = max(getattr(self.target, "buckets", ()) or (0,))
         for label, spec, _ in cands:
-            if spec.total_tokens + 1 > 64:
+            if getattr(self.target, "cuda_graphs", False) and spec.total_tokens + 1 > top:
                 self.note(f"tree {label}: {spec.total_tokens + 1} verified tokens exceed the largest CUDA-graph "
-                          f"bucket (64) of the fast target: its verification runs eagerly")
+                          f"bucket ({top}) of the fast target: its verification runs eagerly")
         greedy = self.SamplingParams(0.0)
         decs = {label: Decoder(label, eyas_spec(self.target, self.drafter, spec, self.eos, a.max_new_tokens,
                                                 a.engine_kwargs), label) for label, spec, _ in cands}

@@ -179,7 +179,7 @@ def run_cli(args: list[str], deadline: float, name: str, src: Path = REPO / "src
             if time.time() > deadline and not killed:
                 log(f"{name}: deadline reached, stopping it (pid {proc.pid}); what it wrote so far is kept")
                 killed = True
-                for sig, wait in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+                for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
                     try:
                         os.killpg(proc.pid, sig)
                     except ProcessLookupError:
@@ -213,6 +213,30 @@ def count_lines(path: Path) -> int:
         return 0
     with path.open("rb") as f:
         return sum(1 for line in f if line.strip())
+
+
+def answers_written(path: Path) -> dict[str, Any]:
+    """What a regenerated answers file holds, read from its records' provenance: conversations,
+    answered turns, new tokens as kept (after loop cuts) and finish reasons. It survives a run
+    that was killed before it could print its summary."""
+    out: dict[str, Any] = {"conversations": 0, "turns": 0, "kept_new_tokens": 0,
+                           "finish": {"eos": 0, "length": 0, "loop": 0}}
+    if not path.exists():
+        return out
+    with path.open() as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                prov = json.loads(line).get("provenance") or {}
+            except json.JSONDecodeError:  # a torn last line of a killed run
+                continue
+            out["conversations"] += 1
+            out["turns"] += len(prov.get("new_tokens") or [])
+            out["kept_new_tokens"] += sum(prov.get("new_tokens") or [])
+            for reason in prov.get("finish_reasons") or []:
+                out["finish"][reason] = out["finish"].get(reason, 0) + 1
+    return out
 
 
 def metrics_rows(train_dir: Path) -> list[dict[str, Any]]:
@@ -340,9 +364,15 @@ def run(a: argparse.Namespace) -> int:
     code, regen_wall, text = run_cli(regen_args, regen_deadline, "regenerate")
     rep = last_json(text) or {}
     n_answers = count_lines(answers)
+    # From the file too: a run killed at its deadline may print no summary (the H200 run of
+    # 2026-12-01 did not within SIGINT's grace), but its records say what it wrote. The rate over
+    # the whole wall time (model load and compilation included) is a lower bound of the run's own.
+    written = answers_written(answers)
+    written["kept_new_tokens_per_wall_s"] = round(written["kept_new_tokens"] / max(regen_wall, 1e-9), 1)
     summary["regenerate"] = {"exit": code, "wall_s": round(regen_wall, 1), "conversations": n_answers,
                              **{k: rep.get(k) for k in ("new_tokens", "tokens_per_s", "finish", "loops_cut",
-                                                         "loops_dropped", "wall_s")}}
+                                                         "loops_dropped", "wall_s")},
+                             "from_file": written}
     log(f"regenerate: {n_answers} conversations in {answers}")
     save_summary()
     if n_answers < 8:

@@ -108,6 +108,10 @@ def test_train_script_mixes_prompts_then_regenerates_trains_and_keeps_the_best(t
     assert before["regenerate"]["tokens_per_s"] > 0
     assert before["train"]["exit"] == 0 and before["train"]["steps"] == 2 and before["train"]["tokens_per_s"] > 0
     assert summary["regenerate"]["exit"] == 0 and summary["regenerate"]["conversations"] == 8
+    from_file = summary["regenerate"]["from_file"]  # what the answers file says, without the child's summary
+    assert from_file["conversations"] == 8 and from_file["turns"] >= 8
+    assert from_file["kept_new_tokens"] == summary["regenerate"]["new_tokens"]  # no loops cut at 8 tokens
+    assert sum(from_file["finish"].values()) == from_file["turns"]
     assert summary["train"]["exit"] == 0 and summary["train"]["steps_done"] > 0
     assert summary["train"]["evaluations"] and all(e["tau"] is not None for e in summary["train"]["evaluations"])
     assert summary["drafter_from"] == "final" and (work / "drafter" / "eyas.json").exists()
@@ -125,3 +129,15 @@ def test_train_script_mixes_prompts_then_regenerates_trains_and_keeps_the_best(t
             continue
         w = small.state_dict()[k]
         assert torch.equal(w.float(), v.to(torch.bfloat16).float()) if v.is_floating_point() else torch.equal(w, v), k
+
+
+def test_answers_written_reads_a_killed_runs_file(tmp_path):
+    """A regeneration killed mid-write leaves whole records and maybe a torn last line: the count
+    comes from the records' provenance and skips the torn line."""
+    train = load_script("train_smollm2_drafter")
+    f = tmp_path / "answers.jsonl"
+    rec = lambda i, toks, fin: json.dumps({"id": str(i), "messages": [], "provenance": {"new_tokens": toks, "finish_reasons": fin}})
+    f.write_text(rec(0, [10, 5], ["eos", "loop"]) + "\n" + rec(1, [256], ["length"]) + "\n" + '{"id": "2", "mess')
+    got = train.answers_written(f)
+    assert got == {"conversations": 2, "turns": 3, "kept_new_tokens": 271, "finish": {"eos": 1, "length": 1, "loop": 1}}
+    assert train.answers_written(tmp_path / "missing.jsonl")["conversations"] == 0
