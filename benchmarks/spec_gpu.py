@@ -694,6 +694,8 @@ class Bench:
             self.error("build_target", e)
             self.note(f"--target-impl {a.target_impl} failed; using auto")
             self.target = build_target(loaded.model, spec, "auto")
+        if a.drafter_compile != "auto":  # the engine compiles the drafter's steps where it graphs them
+            self.target.compile_drafter = a.drafter_compile == "on"
         if hasattr(self.target, "warmup"):  # every bucket compiled and captured now, never inside a timed round
             self.target_warmup_s = self.target.warmup()
         self.eos = list(loaded.eos_ids)
@@ -715,6 +717,7 @@ class Bench:
             "engine_api": {"speculative_generate": str(inspect.signature(speculative_generate)),
                            "plain_generate": str(inspect.signature(plain_generate))},
             "eos_ids": self.eos, "pad_id": self.pad, "target_warmup_s": round(getattr(self, "target_warmup_s", 0.0), 2),
+            "drafter_compile": a.drafter_compile,
         }
         # Prompts: first turn, rendered with the chat template.
         self.prompts: dict[str, list[torch.Tensor]] = {}
@@ -1080,6 +1083,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-hf-fullgraph", dest="hf_fullgraph", action="store_false",
                     help="compile with fullgraph=False at once (default: True, then False if it fails)")
     ap.add_argument("--hf-compile-cpu", action="store_true", help="compile the HF decoder on a CPU too (testing)")
+    ap.add_argument("--drafter-compile", default="auto", choices=["auto", "on", "off"],
+                    help="the drafter's fixed-shape steps compiled (inductor) before graph capture: auto = "
+                         "where the engine graphs them (a GPU); off = eager kernels inside the graphs (before)")
     ap.add_argument("--skip", default="", help="decoders to leave out: spec_tree,spec_chain,eyas_plain,hf_compiled,hf_eager")
     ap.add_argument("--profile-rounds", type=int, default=1, help="speculative rounds (plain steps) profiled")
     ap.add_argument("--profile-skip", type=int, default=3, help="rounds before the profiled ones")

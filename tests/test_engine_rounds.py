@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.engine import SamplingParams, TreeSpec, speculative_generate
+from eyas.engine import SamplingParams, TreeSpec, plain_generate, speculative_generate
 from eyas.engine.llama import LlamaTarget
 from eyas.engine.speculative import SessionError, start, step
 from tests.support.tiny import SPEC4, random_prompts
@@ -154,3 +154,43 @@ def test_a_request_the_engine_cannot_serve_is_a_one_line_cli_error(toy_drafter):
                                  "--max-new-tokens", "4", "--temperature", "-0.5", "--device", "cpu"])
     assert r.exit_code != 0 and (r.exception is None or isinstance(r.exception, SystemExit))
     assert "temperature: expected >= 0, found -0.5" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("tree", [TreeSpec.chain(4), TreeSpec(4, 4, 16)], ids=str)
+def test_a_compiled_drafter_drafts_what_the_eager_one_does(llama, trained_drafter, tree):
+    """The drafter's fixed-shape steps compiled (graphs.CompiledOrEager; on the CPU with the
+    "aot_eager" backend: dynamo's full-graph tracing of the step, cache writes included, without a
+    C compiler) serve the same greedy output as plain decoding and as the eager drafter, token for
+    token in float32, and both compiled steps ran compiled (no fallback)."""
+    prompts = random_prompts(2, 128, seed=5)
+    results = {}
+    for mode in (False, "aot_eager"):
+        target = LlamaTarget(llama, SPEC4, max_length=128, fixed_shapes=True)
+        target.compile_drafter = mode
+        results[mode] = [speculative_generate(target, trained_drafter, p, tree=tree, max_new_tokens=24).tokens
+                         for p in prompts]
+        if mode:
+            from eyas.engine.speculative import _rounds
+
+            (_, state), = _rounds(target).draft_states.values()
+            assert state.compiled is not None and all(c.error is None and c.compiled is not None and c.seconds > 0
+                                                      for c in state.compiled.values())
+    plain = [plain_generate(LlamaTarget(llama, SPEC4, max_length=128), p, max_new_tokens=24).tokens for p in prompts]
+    assert results["aot_eager"] == results[False] == plain
+
+
+@pytest.mark.unit
+def test_a_step_whose_compilation_fails_runs_eagerly_with_a_warning():
+    from eyas.engine.graphs import CompiledOrEager
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no C compiler here")
+
+    step = CompiledOrEager(lambda x: (x * 2 + 1,), backend=broken_backend, name="toy step")
+    x = torch.arange(4.0)
+    with pytest.warns(UserWarning, match="(?s)torch.compile of toy step failed .*no C compiler here.*runs eagerly"):
+        (y,) = step(x)
+    assert torch.equal(y, x * 2 + 1) and step.compiled is None and "no C compiler here" in step.error
+    (y,) = step(x)  # eagerly from then on, without another warning
+    assert torch.equal(y, x * 2 + 1)

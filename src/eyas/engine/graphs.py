@@ -16,8 +16,9 @@ the same results, only slower.
 
 from __future__ import annotations
 
+import time
 import warnings
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import Tensor
@@ -78,3 +79,47 @@ def capture(run: Callable[[], T], pool: object, warmups: int = 2,
     with torch.cuda.graph(graph, pool=pool):
         out = run()
     return graph, out
+
+
+class CompiledOrEager:
+    """``fn`` compiled with ``torch.compile(backend=backend, fullgraph=True, dynamic=False)``, one
+    compilation per input shape at its first call (do that first call outside a CUDA-graph capture:
+    :func:`capture`'s warm-ups do). Inductor fuses a drafter step's norms, rope, cache writes,
+    softmax and SiLU into a few kernels, so a captured draft replays a third of the kernels.
+
+    A compiler that fails (no C compiler for Triton, an inductor bug) is reported once, with a
+    warning and ``error``, and ``fn`` runs eagerly from then on: the same results, only slower. An
+    error of ``fn`` itself then raises again, eagerly. ``seconds`` is the time of the calls that
+    compiled (first calls per shape)."""
+
+    def __init__(self, fn: Callable[..., Any], backend: str | Callable[..., Any] = "inductor", name: str = "") -> None:
+        import torch._dynamo.config as dynamo_config
+
+        # one code object, a compilation per shape (trees of several top-k, prompts' buckets): the
+        # default limit (8) would fall back to eager silently
+        for key, least in (("recompile_limit", 64), ("cache_size_limit", 64)):
+            if isinstance(getattr(dynamo_config, key, None), int):
+                setattr(dynamo_config, key, max(getattr(dynamo_config, key), least))
+        self.eager, self.name = fn, name or getattr(fn, "__qualname__", "step")
+        self.compiled: Callable[..., Any] | None = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+        self.error: str | None = None
+        self.seconds = 0.0
+        self._seen: set[tuple] = set()
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is None:
+            return self.eager(*args)
+        key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        first = key not in self._seen
+        t0 = time.perf_counter()
+        try:
+            out = self.compiled(*args)
+        except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager function
+            self.error = f"{type(e).__name__}: {e}"
+            warnings.warn(f"torch.compile of {self.name} failed ({self.error[:500]}); it runs eagerly", stacklevel=2)
+            self.compiled = None
+            return self.eager(*args)
+        if first:
+            self._seen.add(key)
+            self.seconds += time.perf_counter() - t0
+        return out

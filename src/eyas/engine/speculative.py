@@ -173,7 +173,8 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
     holds the committed entries, one round's scratch and the padding of a fixed-shape re-read,
     rounded up to a power of two (at least 256), so requests of similar lengths share one state
     (fixed-shape steps attend the whole cache: it must not be much longer than needed). Its shapes
-    follow the target's: fixed (and graphed) when the target's are."""
+    follow the target's: fixed (and graphed) when the target's are, and compiled with them unless the
+    target says otherwise (an optional ``compile_drafter`` attribute: False, True or a backend)."""
     states = _rounds(target).draft_states
     key = (id(drafter), tree)
     need = max_len + tree.scratch_slots + tree.depth + 1
@@ -181,7 +182,8 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
         states[key] = (drafter, DraftState(drafter, max(256, 1 << (need - 1).bit_length()),
                                            fixed_shapes=getattr(target, "fixed_shapes", False),
                                            cuda_graphs=getattr(target, "cuda_graphs", False),
-                                           extend_bucket=tree.depth + 1))
+                                           extend_bucket=tree.depth + 1,
+                                           compile=getattr(target, "compile_drafter", None)))
     state = states[key][1]
     state.reset()
     return state

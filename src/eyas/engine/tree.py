@@ -36,13 +36,14 @@ The greedy draft is one function of tensors, captured as one CUDA graph per (spe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from eyas.drafter.model import Eagle3Drafter
-from eyas.engine.graphs import StepGraphs
+from eyas.engine.graphs import CompiledOrEager, StepGraphs
 from eyas.engine.sampling import SamplingParams, gumbel_top_k, probabilities
 from eyas.errors import EyasError
 
@@ -183,11 +184,17 @@ class DraftState:
     back to the host until acceptance has decided."""
 
     def __init__(self, drafter: Eagle3Drafter, max_len: int, fixed_shapes: bool = False,
-                 cuda_graphs: bool = False, extend_bucket: int = 0) -> None:
+                 cuda_graphs: bool = False, extend_bucket: int = 0, compile: bool | str | Callable | None = None) -> None:
         """max_len: cache slots (committed entries + one round's scratch). Fixed shapes: ``extend``
         of n <= extend_bucket tokens runs padded to extend_bucket (the re-read after a round), so
         with ``cuda_graphs`` (on a GPU) both of the drafter's round steps are captured once per
-        shape and replayed (``graphs.StepGraphs``)."""
+        shape and replayed (``graphs.StepGraphs``).
+
+        compile: the drafter's fixed-shape steps (the re-read and each level's expansion) compiled
+        (``graphs.CompiledOrEager``) before they are captured: None = with inductor where CUDA graphs
+        are on, False = never, True = inductor, a string = that torch.compile backend (the CPU
+        tests use "aot_eager": the same tracing, no C compiler). A prompt's extend (any length)
+        stays eager."""
         self.drafter = drafter
         self.device = drafter.fc.weight.device
         self.dtype = drafter.fc.weight.dtype
@@ -204,7 +211,13 @@ class DraftState:
         graphs = cuda_graphs and self.device.type == "cuda"
         # from target features (extend) and from fed-back states (expansion): two steps, two graph sets
         self._eager = {True: self._step_fn(True), False: self._step_fn(False)}
-        self._steps = {k: StepGraphs(fn) for k, fn in self._eager.items()} if graphs else self._eager
+        backend = ("inductor" if graphs else None) if compile is None else (
+            "inductor" if compile is True else (compile or None))
+        self.compiled = {k: CompiledOrEager(fn, backend, f"drafter step (from_target={k})")
+                         for k, fn in self._eager.items()} if backend and self.extend_bucket else None
+        fixed = self.compiled or self._eager  # the fixed-shape steps: compiled where asked
+        self._steps = {k: StepGraphs(fn) for k, fn in fixed.items()} if graphs else fixed
+        self._expand = fixed[False]  # each level's expansion (inside the captured greedy draft)
         self.graphs = graphs
         self._drafts: dict[tuple[TreeSpec, int], object] = {}  # greedy drafts, per (spec, depth)
 
@@ -331,7 +344,7 @@ class DraftState:
             scratch += r
             # the parent's visibility (committed + its ancestors), plus the node itself
             rows = rows[parent_row] | (self.positions[None] == slots[:, None])  # [r', max_len]
-            logits, hidden = self._eager[False](cand_tokens[-1][order][None], hidden[parent_row][None],
+            logits, hidden = self._expand(cand_tokens[-1][order][None], hidden[parent_row][None],
                                                 (m - 1 + d).expand(1, r), slots, rows[None, None])
             logits, hidden = logits[0], hidden[0]
             score, number = level_scores[order], first + order
