@@ -85,6 +85,9 @@ def test_regenerate_writes_every_conversation_turn_by_turn(tmp_path, tok, target
         assert all(1 <= n <= 6 for n in p["new_tokens"])
     assert s.new_tokens == sum(sum(r["provenance"]["new_tokens"]) for r in recs)
     assert sum(s.finish.values()) == 9
+    # one generate call per (chunk, turn); each decodes as many steps as its longest answer
+    assert s.generate_calls >= 2 and 0 < s.generate_s <= s.wall_s
+    assert max(max(r["provenance"]["new_tokens"]) for r in recs) <= s.decode_steps <= 6 * s.generate_calls
     # The output reads back as conversations (openai format) with their provenance.
     back = read_conversations(out, on_error="raise")
     assert len(back) == 7 and back.conversations[0].provenance["target"] == "tiny"

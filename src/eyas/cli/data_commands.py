@@ -126,7 +126,8 @@ def regenerate_cmd(
         ("finish", f"answers: {s.finish['eos']} eos, {s.finish['length']} length, {s.finish['loop']} loop"),
         ("loops", f"{s.loops_cut} answers cut, {s.loops_dropped} conversations dropped (--loops {options.loops})"),
         ("tokens", f"{s.new_tokens} new, {s.prompt_tokens} prompt"),
-        ("speed", f"{s.tokens_per_s:.1f} new tokens/s over {s.wall_s:.1f} s ({s.cache} cache)"),
+        ("speed", f"{s.tokens_per_s:.1f} new tokens/s over {s.wall_s:.1f} s ({s.cache} cache); "
+                  f"{s.generate_s:.1f} s inside generate: {s.generate_calls} calls, {s.decode_steps} decoding steps"),
         *([("failed", s.skipped_path)] if s.skipped_path else []),
         *([("interrupted", "stopped early: rerun the same command to resume")] if s.interrupted else []),
     ]))

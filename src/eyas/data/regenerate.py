@@ -276,6 +276,12 @@ class RegenerateSummary(Throughput):
     loops_cut: int = 0  # answers cut after a loop's first copy (loops="cut")
     loops_dropped: int = 0  # conversations dropped for a loop in one of their answers (loops="drop")
     cache: str = ""  # the KV cache used: "dynamic" | "static" | "static, compiled"
+    # Where the time goes: inside generate (prefill + decoding, compilation at the first call) vs the
+    # rest (rendering, loop search, decoding text, writing); a call decodes as many steps as its
+    # longest answer, every row of the batch at each step.
+    generate_s: float = 0.0
+    generate_calls: int = 0
+    decode_steps: int = 0  # summed over calls: the longest answer of each call (+1 for its eos)
     wall_s: float = 0.0
     skipped_path: str | None = None
     interrupted: bool = False  # stopped by SIGINT between or inside units; rerun to resume
@@ -716,7 +722,11 @@ def _answer_unit(model: Any, tokenizer: Any, unit: _Unit, options: RegenerateOpt
             prompts.append(ids)
         if not active:
             break
+        t_generate = time.perf_counter()
         answers = _generate_batch(model, tokenizer, prompts, gen_config, eos_ids, kv)
+        summary.generate_s += time.perf_counter() - t_generate
+        summary.generate_calls += 1
+        summary.decode_steps += max(len(a) + (f == "eos") for a, f in answers)
         cuts = _find_loops([a for a, _ in answers], options.loops)
         for d, ids, (ans, finish), (kept, loop) in zip(active, prompts, answers, cuts):
             summary.new_tokens += len(ans) + (finish == "eos")
