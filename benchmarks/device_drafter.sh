@@ -12,6 +12,12 @@
 #   wait [S]     wait up to S seconds (default 540) for the run to end, print the log's last lines
 #   collect      the drafter (bf16 shards + a tar of its small files), the summary and the logs into $OUT
 #   bench [ARGS] benchmarks/spec_gpu.py on MT-bench with the drafter, results into $OUT/spec (COMMIT=sha)
+#   part         keep the GGUF parts carried in this call (a three-part split, .device/g3/smol.p0..p2, for
+#                calls whose work tree is larger: carry p0 with setup, p1 with `part`, p2 with `measure`)
+#   measure      join the GGUF, then in order of importance, each result into $OUT as it is done (a
+#                call cut by the time limit still returns what finished): MT-bench with the shipped
+#                drafter compiled (spec_on.tar), eyas serve under load (serve.json), regeneration of 1,024
+#                prompts with its summary (regen.json), MT-bench with the drafter's steps eager (spec_off.tar)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -19,6 +25,18 @@ WORK=benchmarks/out/smollm2
 LOG=/tmp/drafter/run.log
 export PYTHONPATH=src:/tmp/deps TOKENIZERS_PARALLELISM=false TQDM_MININTERVAL=30
 mkdir -p /tmp/drafter
+
+keep_parts() {  # the GGUF parts carried in this call, kept in /tmp for the next calls
+  for f in .device/gguf/smol.part0* .device/g3/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done; true
+}
+
+join_gguf() {  # /tmp/smol.gguf from the parts kept (two-part or three-part split), sha256 checked
+  if [ ! -f /tmp/smol.gguf ]; then
+    if [ -f /tmp/smol.p0 ]; then cat /tmp/smol.p0 /tmp/smol.p1 /tmp/smol.p2 > /tmp/smol.gguf
+    else cat /tmp/smol.part00 /tmp/smol.part01 > /tmp/smol.gguf; fi
+  fi
+  echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
+}
 
 wait_run() {
   local limit=${1:-540} t=0
@@ -30,14 +48,14 @@ wait_run() {
 case "${1:-}" in
   setup)
     pip install -q --no-index --no-deps --target /tmp/deps .device/wheels/*.whl 2>&1 | grep -v "root user" || true
-    cp .device/gguf/smol.part00 /tmp/
+    keep_parts
     if [ -f .device/old_src.tar.gz ]; then mkdir -p /tmp/old && tar xzf .device/old_src.tar.gz -C /tmp/old; fi
     python -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
     ;;
   start)
     shift
-    cat /tmp/smol.part00 .device/gguf/smol.part01 > /tmp/smol.gguf
-    echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
+    keep_parts
+    join_gguf
     rm -f /tmp/drafter/DONE
     setsid nohup bash -c "python benchmarks/train_smollm2_drafter.py run --target /tmp/smol.gguf --no-copy-to-out $* \
       > $LOG 2>&1; echo \"exit \$?\" > /tmp/drafter/DONE" > /dev/null 2>&1 &
@@ -66,8 +84,35 @@ EOF
       --sets mt_bench --prompts-per-set 24 --temperatures 0 --trees 6,10,60 8,8,48 6,16,80 --chains 4 6 \
       --select-prompts 6 --budget-s 390 "$@"
     ;;
+  part)
+    keep_parts
+    ls -la /tmp/smol.p* /tmp/smol.part* 2>/dev/null || true
+    ;;
+  measure)
+    keep_parts
+    join_gguf
+    D=src/eyas/interop/embedded/smollm2-135m-instruct
+    C=${COMMIT:?set COMMIT to the commit whose tree was sent}
+    timeout 230 python benchmarks/spec_gpu.py --target /tmp/smol.gguf --draft $D --out-dir /tmp/spec_on --commit "$C" \
+      --sets mt_bench --prompts-per-set 24 --temperatures 0 --trees 8,8,48 6,16,80 6,10,60 --chains 4 6 \
+      --select-prompts 4 --budget-s 180 > "$OUT/measure.log" 2>&1 || echo "spec_on exit $?" >> "$OUT/measure.log"
+    (cd /tmp && tar cf "$OUT/spec_on.tar" spec_on) || true
+    timeout 100 python benchmarks/serve_load.py --target /tmp/smol.gguf --draft $D --tree 8,8,48 \
+      --clients 1,4,16 --requests 2 --max-tokens 64 --json > "$OUT/serve.json" 2>> "$OUT/measure.log" \
+      || echo "serve exit $?" >> "$OUT/measure.log"
+    timeout 110 python -m eyas.cli.main regenerate --target /tmp/smol.gguf --prompts benchmarks/data/train_prompts.jsonl \
+      --out /tmp/regen/answers.jsonl --limit 1024 --max-new-tokens 256 --batch-size 512 --temperatures 0 \
+      --max-prompt-tokens 768 --max-turns 2 --loops cut --cache auto --device cuda --json > "$OUT/regen.json" 2>> "$OUT/measure.log" \
+      || echo "regen exit $?" >> "$OUT/measure.log"
+    timeout 80 python benchmarks/spec_gpu.py --target /tmp/smol.gguf --draft $D --out-dir /tmp/spec_off --commit "$C" \
+      --sets mt_bench --prompts-per-set 8 --temperatures 0 --trees 8,8,48 --chains 4 --select-prompts 1 \
+      --skip hf_compiled,hf_eager --drafter-compile off --no-profile --budget-s 60 >> "$OUT/measure.log" 2>&1 \
+      || echo "spec_off exit $?" >> "$OUT/measure.log"
+    (cd /tmp && tar cf "$OUT/spec_off.tar" spec_off) || true
+    ls -la "$OUT"
+    ;;
   *)
-    sed -n 2,16p "$0"
+    sed -n 2,22p "$0"
     exit 2
     ;;
 esac

@@ -344,8 +344,11 @@ class DraftState:
             scratch += r
             # the parent's visibility (committed + its ancestors), plus the node itself
             rows = rows[parent_row] | (self.positions[None] == slots[:, None])  # [r', max_len]
-            logits, hidden = self._expand(cand_tokens[-1][order][None], hidden[parent_row][None],
-                                                (m - 1 + d).expand(1, r), slots, rows[None, None])
+            # greedy: K rows at every level, the compiled step; sampling's last levels may expand
+            # fewer (the cap), shapes a compiler would meet mid-serving: eager there
+            expand = self._expand if greedy else self._eager[False]
+            logits, hidden = expand(cand_tokens[-1][order][None], hidden[parent_row][None],
+                                    (m - 1 + d).expand(1, r), slots, rows[None, None])
             logits, hidden = logits[0], hidden[0]
             score, number = level_scores[order], first + order
 
