@@ -100,9 +100,9 @@ def watch_cmd(
         else:
             style = {"ok": "green", "low": "yellow", "broken": "bold red"}.get(v.status, "dim")
             console.print(f"[{style}]{v.status.upper()}[/] {check.engine} ({check.window}): {v.message}",
-                          highlight=False)
+                          highlight=False, soft_wrap=True)  # one line per check: grep- and log-friendly
             if v.alert:
-                console.print(f"run: {v.doctor_command}", highlight=False, markup=False)
+                console.print(f"run: {v.doctor_command}", highlight=False, markup=False, soft_wrap=True)
     raise typer.Exit(1 if last is not None and last.verdict.alert else 0)
 
 

@@ -32,6 +32,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from eyas.data.render import render_prompt
 from eyas.engine import SamplingParams
+from eyas.engine.speculative import STOP_CANCELLED
 from eyas.engine.stats import STOP_EOS, STOP_STRING
 from eyas.serve.metrics import ServeMetrics
 from eyas.serve.protocol import APIError, ChatRequest, CompletionRequest, TextStream, parse
@@ -63,6 +64,7 @@ class ServeState:
                                  window=options.watch_window, min_rounds=options.watch_min_rounds,
                                  on_verdict=self.metrics.verdict)
         self.worker = DecodeWorker(served, max_queue=options.max_queue, on_round=self._round, on_done=self._done)
+        self.worker.on_cancelled_early = lambda job: self.metrics.cancelled.inc()
         self.draining = False
         self.created = int(time.time())
 
@@ -75,6 +77,8 @@ class ServeState:
         ttft = first - job.enqueued if first is not None else None
         tpot = (last - first) / (n - 1) if first is not None and last is not None and n > 1 else None
         self.metrics.finished(result.stats.prompt_tokens, n, ttft, tpot)
+        if result.stats.stop_reason == STOP_CANCELLED:
+            self.metrics.cancelled.inc()
         self.watchdog.check()
 
     def begin_drain(self) -> None:

@@ -5,6 +5,7 @@ Names (counters carry ``_total`` in the exposition):
 
     eyas_requests_total{endpoint,status}           HTTP requests answered, by path and status code
     eyas_prompt_tokens_total, eyas_generation_tokens_total
+    eyas_requests_cancelled_total                  requests whose client went away before the end (work freed)
     eyas_time_to_first_token_seconds               histogram: arrival (queue wait included) -> first token
     eyas_time_per_output_token_seconds             histogram: (last token - first token) / (tokens - 1)
     eyas_spec_decode_num_drafts_total              speculative rounds (vLLM's "drafts")
@@ -42,6 +43,8 @@ class ServeMetrics:
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("eyas_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("eyas_generation_tokens", "Tokens generated.", registry=r)
+        self.cancelled = Counter("eyas_requests_cancelled", "Requests whose client went away before the end.",
+                                 registry=r)
         self.ttft = Histogram("eyas_time_to_first_token_seconds", "Arrival (queue wait included) to first token.",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("eyas_time_per_output_token_seconds", "Time per output token after the first.",

@@ -78,6 +78,7 @@ class DecodeWorker:
                  on_done: Callable[[Job, Any, float | None, float | None], None] | None = None) -> None:
         self.served, self.max_queue = served, max_queue
         self.on_round, self.on_done = on_round, on_done
+        self.on_cancelled_early: Callable[[Job], None] | None = None
         self.queue: queue.Queue[Any] = queue.Queue()
         self.running: Job | None = None
         self.waiting = 0
@@ -118,8 +119,10 @@ class DecodeWorker:
 
     def _run(self, job: Job) -> None:
         sv = self.served
-        if job.cancelled.is_set():
+        if job.cancelled.is_set():  # the client left while it waited: nothing was computed
             job.emit(Event("done", error="cancelled", time=time.perf_counter()))
+            if self.on_cancelled_early is not None:
+                self.on_cancelled_early(job)
             return
         job.started = time.perf_counter()
         tok = sv.tokenizer
