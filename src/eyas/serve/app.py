@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from sse_starlette.sse import EventSourceResponse
 
 from eyas.data.render import render_prompt
 from eyas.engine import SamplingParams
@@ -108,29 +107,56 @@ def spec_stats(result: Any, job: Job) -> dict[str, Any]:
             "queue_s": round((job.started or job.enqueued) - job.enqueued, 4)}
 
 
+class Guard:
+    """Pure ASGI middleware (it never buffers a streamed response): a POST while draining gets 503, a
+    POST whose Content-Length is over the limit gets 413 before its body is read, and every answer
+    is counted in ``eyas_requests_total`` by path and status."""
+
+    def __init__(self, app: Any, state: ServeState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, state = scope["path"], self.state
+
+        async def counted(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                state.metrics.requests.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        refusal = None
+        if scope["method"] == "POST":
+            length = dict(scope["headers"]).get(b"content-length", b"")
+            if state.draining:
+                refusal = APIError(503, "shutting_down", "the server is shutting down: no new requests are accepted")
+            elif length.isdigit() and int(length) > state.options.max_body_bytes:
+                refusal = APIError(413, "body_too_large", f"the request body has {int(length)} bytes, more than the "
+                                   f"{state.options.max_body_bytes} this server accepts")
+        if refusal is not None:
+            await _error(refusal)(scope, receive, counted)
+        else:
+            await self.app(scope, receive, counted)
+
+
+async def sse(events: AsyncIterator[dict[str, str]]) -> AsyncIterator[bytes]:
+    """Server-sent events framing: ``data: <payload>`` and a blank line per event.
+
+    Written here rather than taken from sse-starlette: that package patches uvicorn's exit handler
+    process-wide and ends every open stream when a server shuts down, which would cut the in-flight
+    requests a graceful shutdown lets finish (and, in one process, every later server's streams).
+    Starlette's StreamingResponse cancels the generator when the client disconnects, which is what
+    frees the work."""
+    async for event in events:
+        yield f"data: {event['data']}\n\n".encode()
+
+
 def build_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="eyas serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.eyas = state
+    app.add_middleware(Guard, state=state)
     sv = state.served
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        path = request.url.path
-        if request.method == "POST":
-            if state.draining:
-                response: Response = _error(APIError(503, "shutting_down", "the server is shutting down: no new "
-                                                     "requests are accepted"))
-            else:
-                length = request.headers.get("content-length")
-                if length is not None and length.isdigit() and int(length) > state.options.max_body_bytes:
-                    response = _error(APIError(413, "body_too_large", f"the request body has {length} bytes, more "
-                                               f"than the {state.options.max_body_bytes} this server accepts"))
-                else:
-                    response = await call_next(request)
-        else:
-            response = await call_next(request)
-        state.metrics.requests.labels(path, str(response.status_code)).inc()
-        return response
 
     async def body_of(request: Request) -> Any:
         raw = await request.body()
@@ -176,7 +202,9 @@ def build_app(state: ServeState) -> FastAPI:
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.stream:
-            return EventSourceResponse(stream(job, events, req, rid, created, kind, len(prompt)), ping=15)
+            return StreamingResponse(sse(stream(job, events, req, rid, created, kind, len(prompt))),
+                                     media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
         return await whole(request, job, events, req, rid, created, kind, len(prompt))
 
     async def whole(request: Request, job: Job, events: asyncio.Queue[Event], req: Any, rid: str, created: int,
