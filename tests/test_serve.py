@@ -307,3 +307,27 @@ def test_draining_refuses_new_requests_and_finishes_the_running_one(served, pair
         except urllib.error.HTTPError as e:
             assert e.code == 503 and json.loads(e.read())["status"] == "draining"
     assert not t.thread.is_alive() and not t.state.worker.thread.is_alive()
+
+
+def test_the_load_script_reports_every_level_and_stays_on_127_0_0_1(server, capsys):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("bench_script_serve_load", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    rc = mod.main(["--url", server.url, "--clients", "1,3", "--requests", "2", "--max-tokens", "5", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [lv["clients"] for lv in report["levels"]] == [1, 3]
+    for lv in report["levels"]:
+        assert lv["errors"] == [] and lv["requests"] == 2 * lv["clients"]
+        assert lv["completion_tokens"] == 5 * lv["requests"]  # the toy never stops early
+        assert 0 < lv["ttft_p50_s"] <= lv["ttft_p99_s"] and 0 < lv["tpot_p50_s"] <= lv["tpot_p99_s"]
+        assert lv["throughput_tok_s"] == pytest.approx(lv["completion_tokens"] / lv["wall_s"], rel=0.01)
+    with pytest.raises(SystemExit):
+        mod.main(["--url", "http://10.0.0.1:8000"])
+    assert "only a server on 127.0.0.1" in capsys.readouterr().err
+    assert mod.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and mod.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
