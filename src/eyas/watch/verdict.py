@@ -31,8 +31,8 @@ training counts every token position once, serving counts rounds, and a round th
 covers many tokens, so rounds over-sample the hard places. Measured on this project's CPU (the shipped
 SmolLM2 drafter, chain of 5, 8 MT-bench and GSM8K prompts, 64 tokens each): healthy, a_0 = 0.41
 against p_0 = 0.63 (ratio 0.65) and accept length 1.73 against 2.74 (ratio 0.42); the same drafter with
-its eyas.json boundaries shifted to [0, 2, 15] (the embeddings counted as a layer), a_0 = 0.016
-(ratio 0.026) and accept length 1.02 (ratio 0.009). In public reports a wrong capture looks the same:
+its eyas.json boundaries shifted to [0, 2, 15] (the embeddings counted as a layer; 4 MT-bench prompts),
+a_0 = 0.016 (ratio 0.026) and accept length 1.02 (ratio 0.009). In public reports a wrong capture looks the same:
 vLLM PR #50170, a head that fell back to the default layers, went from accept length 2.77 to 1.04.
 So a wrong capture takes the first position to a few percent of the prediction while a healthy
 drafter out of its domain loses a third; one half (one quarter for the compounded accept length)
