@@ -289,23 +289,29 @@ def test_mismatched_pair_refuses_to_start_with_the_fix_and_force_starts_and_the_
             assert json.loads(resp.read())["watchdog"]["status"] == "broken"
 
 
-def test_draining_refuses_new_requests_and_finishes_the_running_one(served, pair):
+def test_draining_refuses_new_requests_and_a_shutdown_finishes_the_running_one(served, pair, reference):
     with ServerThread(served, OPTIONS) as t:
         c = OpenAI(base_url=t.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        stream = c.chat.completions.create(model="toy", messages=chat(pair[3][4]), temperature=0, max_tokens=TOKENS,
-                                           stream=True)
-        first = next(iter(stream))  # in flight
-        t.state.begin_drain()
+        q, n = pair[3][4], 150  # long enough to be decoding still when the shutdown comes
+        stream = c.chat.completions.create(model="toy", messages=chat(q), temperature=0, max_tokens=n, stream=True)
+        chunks = iter(stream)
+        first = next(chunks)  # in flight
+        t.state.begin_drain()  # what SIGTERM does first
         status, err = post(t.url + "/v1/chat/completions",
                            json.dumps({"model": "toy", "messages": chat("hi"), "max_tokens": 2}).encode())
         assert (status, err["error"]["code"]) == (503, "shutting_down")
-        rest = [ch for ch in stream]
-        assert first.choices[0].delta.role == "assistant" and rest[-1].choices[0].finish_reason == "length"
         try:
             urllib.request.urlopen(t.url + "/health")
             raise AssertionError("health answered 200 while draining")
         except urllib.error.HTTPError as e:
             assert e.code == 503 and json.loads(e.read())["status"] == "draining"
+        assert t.state.worker.running is not None  # still decoding
+        t.server.handle_exit(15, None)  # SIGTERM: uvicorn stops listening, the open stream goes on
+        rest = list(chunks)
+        text = "".join(ch.choices[0].delta.content or "" for ch in [first, *rest] if ch.choices)
+        assert first.choices[0].delta.role == "assistant" and rest[-1].choices[0].finish_reason == "length"
+        assert text == text_of(served, reference(render_prompt(chat(q), served.tokenizer).tolist(), n))
+        t.thread.join(30)
     assert not t.thread.is_alive() and not t.state.worker.thread.is_alive()
 
 
