@@ -232,6 +232,7 @@ def test_models_health_and_metrics_counters_move_by_the_right_amounts(server, se
     predicted = served.prediction.acceptance
     assert after[("eyas_spec_predicted_acceptance", (("position", "0"),))] == pytest.approx(predicted[0])
     assert after[("eyas_spec_acceptance_alert", ())] == 0  # the healthy pair never alerts
+    assert server.state.watchdog.verdict.status in ("ok", "low"), server.state.watchdog.verdict.message  # judged
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_work(server, served):
@@ -287,6 +288,13 @@ def test_mismatched_pair_refuses_to_start_with_the_fix_and_force_starts_and_the_
                    for m in warned), warned
         with urllib.request.urlopen(t.url + "/health") as resp:
             assert json.loads(resp.read())["watchdog"]["status"] == "broken"
+        # eyas watch reads eyas serve's /metrics as it reads vLLM's, and says the same
+        w = CliRunner().invoke(app, ["watch", "--metrics", t.url + "/metrics", "--draft", str(broken), "--target",
+                                     str(target), "--min-rounds", "16", "--json"])
+        assert w.exit_code == 1, w.output
+        watched = json.loads(w.stdout)
+        assert watched["engine"] == "eyas" and watched["status"] == "broken"
+        assert watched["doctor_command"] == v.doctor_command
 
 
 def test_draining_refuses_new_requests_and_a_shutdown_finishes_the_running_one(served, pair, reference):
