@@ -251,6 +251,19 @@ def test_a_client_that_leaves_mid_stream_frees_its_work(server, served):
         time.sleep(0.05)
     assert metrics(server)[("eyas_requests_cancelled_total", ())] == before + 1
     assert server.state.worker.running is None
+    # the same for a client that waits for a whole (non-streamed) answer and leaves
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body.replace('"stream": true', '"stream": false'),
+                 {"content-type": "application/json"})
+    deadline = time.time() + 10
+    while server.state.worker.running is None and time.time() < deadline:
+        time.sleep(0.01)
+    conn.sock.close()
+    conn.close()
+    deadline = time.time() + 20
+    while metrics(server).get(("eyas_requests_cancelled_total", ()), 0.0) == before + 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert metrics(server)[("eyas_requests_cancelled_total", ())] == before + 2
 
 
 def test_mismatched_pair_refuses_to_start_with_the_fix_and_force_starts_and_the_watchdog_fires(pair, caplog):

@@ -210,13 +210,18 @@ def build_app(state: ServeState) -> FastAPI:
     async def whole(request: Request, job: Job, events: asyncio.Queue[Event], req: Any, rid: str, created: int,
                     kind: str, n_prompt: int) -> Response:
         text = TextStream(sv.tokenizer, req.stops())
+        checked = time.perf_counter()
         while True:
             try:
                 ev = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                ev = None
+            if time.perf_counter() - checked >= DISCONNECT_POLL_S:  # tokens or not, look at the client
+                checked = time.perf_counter()
                 if await request.is_disconnected():
                     job.cancel()
                     return Response(status_code=499)
+            if ev is None:
                 continue
             if ev.kind == "tokens":
                 text.ids += ev.tokens
