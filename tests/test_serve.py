@@ -358,3 +358,18 @@ def test_the_load_script_reports_every_level_and_stays_on_127_0_0_1(server, caps
         mod.main(["--url", "http://10.0.0.1:8000"])
     assert "only a server on 127.0.0.1" in capsys.readouterr().err
     assert mod.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and mod.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+
+
+def test_tree_auto_picks_a_tree_on_this_hardware_and_serves_it_losslessly(pair):
+    _, target, drafter, questions = pair
+    auto = load_served(str(target), str(drafter), tree="auto", model_name="toy")
+    own = build_target(auto.loaded.model, CaptureSpec(auto.target.spec.boundaries, auto.loaded.num_blocks), "auto")
+    ids = render_prompt(chat(questions[5]), auto.tokenizer).tolist()
+    want = speculative_generate(own, auto.drafter, ids, tree=auto.tree, max_new_tokens=TOKENS,
+                                eos_token_ids=auto.loaded.eos_ids).tokens
+    with ServerThread(auto, OPTIONS) as t:
+        with urllib.request.urlopen(t.url + "/health") as r:
+            assert json.loads(r.read())["tree"] == [auto.tree.depth, auto.tree.top_k, auto.tree.total_tokens]
+        c = OpenAI(base_url=t.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        got = c.chat.completions.create(model="toy", messages=chat(questions[5]), temperature=0, max_tokens=TOKENS)
+    assert got.choices[0].message.content == text_of(auto, want)

@@ -25,7 +25,8 @@ def serve_cmd(
     draft: Optional[str] = typer.Option(None, help=DRAFT_HELP),
     host: str = typer.Option("127.0.0.1", help="the address to listen on"),
     port: int = typer.Option(8000, min=0, max=65535),
-    tree: str = typer.Option("5", help="DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24) or DEPTH for a chain"),
+    tree: str = typer.Option("5", help="DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24), DEPTH for a chain, or "
+                                        "'auto' (timed on this hardware, calibrated on MT-bench prompts, as eyas bench)"),
     force: bool = typer.Option(False, help="start even when the start-up checks fail (/health and /metrics say so)"),
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
@@ -59,7 +60,8 @@ def serve_cmd(
     options = ServeOptions(max_body_bytes=max_body_bytes, max_queue=max_queue, default_max_tokens=max_tokens,
                            watch_window=watch_window, watch_min_rounds=watch_min_rounds)
     server = make_server(served, host, port, options, graceful_timeout=graceful_timeout)
-    err.print(f"eyas serve: {served.model_name} on http://{host}:{port}/v1 (tree {tree}, "
+    t = served.tree
+    err.print(f"eyas serve: {served.model_name} on http://{host}:{port}/v1 (tree {t.depth},{t.top_k},{t.total_tokens}, "
               f"target {served.target.implementation}, drafter {served.draft_path})", highlight=False)
     serve_forever(server)
 

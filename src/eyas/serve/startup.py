@@ -128,7 +128,8 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", force: bool 
                 log: Callable[[str], None] = lambda m: None) -> Served:
     """Load and check the pair (see the module docstring); raises :class:`RefusedError` on a mismatch
     without ``force``, and eyas' own errors (a missing directory, a bad ``--tree``) as they are."""
-    spec_tree = TreeSpec.parse(tree)
+    auto = tree.strip().lower() == "auto"
+    spec_tree = None if auto else TreeSpec.parse(tree)
     draft_path = resolve_draft(draft, target)
     if not draft_path.is_dir():
         raise FileNotFoundError(f"--draft {draft_path}: no such directory")
@@ -152,11 +153,29 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", force: bool 
     if getattr(engine_target, "cuda_graphs", False):
         log("compiling the fast target's steps and capturing CUDA graphs")
         engine_target.warmup()
+    if spec_tree is None:  # --tree auto: timed on this hardware, calibrated on the first MT-bench prompts
+        spec_tree = auto_tree(engine_target, drafter, loaded, contract, log)
     recorded = read_contract(draft_path)
     prediction = prediction_from_metrics(recorded.metrics if recorded is not None else None,
                                          f"{draft_path}/eyas.json contract.metrics")
     name = model_name or (target if not Path(target).exists() else Path(target).name)
     return Served(loaded, drafter, engine_target, spec_tree, draft_path, target, name, pf, prediction)
+
+
+def auto_tree(target: Any, drafter: Any, loaded: LoadedTarget, contract: Any, log: Callable[[str], None]) -> TreeSpec:
+    """``--tree auto`` as ``eyas bench`` does it (:func:`eyas.tune.tune_tree`): the target's
+    verification and the drafter timed on this hardware, acceptance from a greedy calibration on the
+    first MT-bench prompts shipped with eyas; the tree with the best predicted speedup."""
+    from eyas.bench import load_prompts
+    from eyas.data.render import render_prompt
+    from eyas.tune import CALIBRATION_PROMPTS, tune_tree
+
+    calibration = [render_prompt(c, loaded.tokenizer).tolist() for c in load_prompts("mt_bench", CALIBRATION_PROMPTS)]
+    log("--tree auto: timing the target's verification and the drafter, calibrating on "
+        f"{len(calibration)} MT-bench prompts")
+    choice = tune_tree(target, drafter, calibration, contract, eos_token_ids=list(loaded.eos_ids))
+    log(choice.reason)
+    return choice.spec
 
 
 def generator_for(device: torch.device, seed: int) -> torch.Generator:
