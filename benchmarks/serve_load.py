@@ -158,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         from eyas.serve import ServeOptions, ServerThread, load_served
 
         t0 = time.perf_counter()
-        served = load_served(a.target, a.draft, tree=a.tree)
+        served = load_served(a.target, a.draft, tree=a.tree, log=lambda m: print(f"serve: {m}", file=sys.stderr))
         server = ServerThread(served, ServeOptions(max_queue=MAX_CLIENTS * MAX_REQUESTS)).start()
         host, port, model = "127.0.0.1", server.port, served.model_name
+        t = served.tree
         setup = {"target": a.target, "draft": str(served.draft_path), "tree": a.tree,
+                 "tree_served": [t.depth, t.top_k, t.total_tokens],
                  "target_impl": served.target.implementation, "device": str(served.target.device),
                  "load_s": round(time.perf_counter() - t0, 1)}
     try:
