@@ -353,7 +353,8 @@ def test_the_load_script_reports_every_level_and_stays_on_127_0_0_1(server, caps
         assert lv["errors"] == [] and lv["requests"] == 2 * lv["clients"]
         assert lv["completion_tokens"] == 5 * lv["requests"]  # the toy never stops early
         assert 0 < lv["ttft_p50_s"] <= lv["ttft_p99_s"] and 0 < lv["tpot_p50_s"] <= lv["tpot_p99_s"]
-        assert lv["throughput_tok_s"] == pytest.approx(lv["completion_tokens"] / lv["wall_s"], rel=0.01)
+        # (wall_s is rounded to the millisecond: a few percent on a toy level that lasts tens of ms)
+        assert lv["throughput_tok_s"] == pytest.approx(lv["completion_tokens"] / lv["wall_s"], rel=0.05)
     with pytest.raises(SystemExit):
         mod.main(["--url", "http://10.0.0.1:8000"])
     assert "only a server on 127.0.0.1" in capsys.readouterr().err

@@ -40,6 +40,7 @@ from eyas.serve.watchdog import Watchdog
 from eyas.serve.worker import DecodeWorker, Event, Job, QueueFull
 
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 DISCONNECT_POLL_S = 0.25
 
 
@@ -110,7 +111,7 @@ def spec_stats(result: Any, job: Job) -> dict[str, Any]:
 class Guard:
     """Pure ASGI middleware (it never buffers a streamed response): a POST while draining gets 503, a
     POST whose Content-Length is over the limit gets 413 before its body is read, and every answer
-    is counted in ``eyas_requests_total`` by path and status."""
+    is counted in ``eyas_requests_total`` by path (the served routes, else "other") and status."""
 
     def __init__(self, app: Any, state: ServeState) -> None:
         self.app, self.state = app, state
@@ -119,7 +120,8 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path, state = scope["path"], self.state
+        state = self.state
+        path = scope["path"] if scope["path"] in ROUTES else "other"  # bounded label values
 
         async def counted(message: dict) -> None:
             if message["type"] == "http.response.start":
