@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import statistics
+import os
 import sys
 import threading
 import time
@@ -166,13 +166,16 @@ def main(argv: list[str] | None = None) -> int:
                  "tree_served": [t.depth, t.top_k, t.total_tokens],
                  "target_impl": served.target.implementation, "device": str(served.target.device),
                  "load_s": round(time.perf_counter() - t0, 1)}
+    load_before = os.getloadavg()  # the machine may be shared: say how busy it was
     try:
         one_request(host, port, model, prompts[0], 4, a.timeout)  # warm-up, not counted
         rows = [run_level(host, port, model, prompts, c, a.requests, a.max_tokens, a.timeout) for c in levels]
     finally:
         if server is not None:
             server.stop()
-    report = {**setup, "requests_per_client": a.requests, "max_tokens": a.max_tokens, "levels": rows}
+    report = {**setup, "requests_per_client": a.requests, "max_tokens": a.max_tokens,
+              "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+              "cpu_count": os.cpu_count(), "levels": rows}
     if a.json:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:
