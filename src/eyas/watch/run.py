@@ -80,7 +80,8 @@ class Watcher:
         self.source, self.engine, self.depth, self.min_rounds, self.read = source, engine, depth, min_rounds, read
         self.draft, self.prediction = drafter_prediction(draft, target)
         contract = read_contract(self.draft)
-        self.target = target or (contract.target.source if contract is not None else None)
+        shipped = draft is None or str(draft) == "default"  # the drafter shipped for smollm2
+        self.target = target or ("smollm2" if shipped else contract.target.source if contract is not None else None)
         self.previous: SpecCounters | None = None
 
     def check(self) -> WatchCheck:
