@@ -12,7 +12,8 @@ end before starting the next. Invariants:
 - each job's events arrive in order on its own channel (``emit``): ``tokens`` (the tokens a round
   committed), then exactly one ``done`` (the result, or the error);
 - a cancelled job (the client went away) is skipped if still queued, and if decoding, the session
-  is cancelled between two rounds: at most one round of work is spent after the disconnect;
+  is cancelled between two rounds: at most one round of work is spent after the cancel (a streamed
+  request is cancelled as soon as Starlette sees the disconnect, a non-streamed one within 0.25 s);
 - :meth:`DecodeWorker.stop` lets every queued job finish, then ends the thread (graceful shutdown).
 
 Batched verification of several requests in one forward is not done: see the README (Serving).
