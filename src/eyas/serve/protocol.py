@@ -88,6 +88,7 @@ class CompletionRequest(_Sampling):
 
 
 ROLES = ("system", "user", "assistant")
+_TAGS = {"str", "int", "float", "bool"}
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:
@@ -98,7 +99,8 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         req = model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(x) for x in err["loc"])
+        # the field's path, without pydantic's union-member tags (``str``, ``list[TextPart]``, ...)
+        param = ".".join(str(x) for x in err["loc"] if not (isinstance(x, str) and (x in _TAGS or "[" in x)))
         kind = err["type"]
         code = "invalid_type" if kind.endswith("_type") or kind in ("missing", "union_tag_invalid") else "invalid_value"
         if kind == "missing":
