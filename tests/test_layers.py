@@ -13,7 +13,9 @@ floor or above):
     7  training, engine             the training loop; the serving runtime
     8  tune                         --tree auto
     9  doctor, bench                diagnosis; benchmarks
-    10 cli                          the eyas command
+    10 watch                        the acceptance verdict; reading SGLang's and vLLM's metrics
+    11 serve                        the OpenAI-compatible server (engine, doctor's static stage, watch's verdict)
+    12 cli                          the eyas command
 
 The check reads the import statements of every module (lazy imports inside functions included), so
 an upward arrow fails here before it becomes a cycle. It also refuses imports of another module's
@@ -42,7 +44,9 @@ FLOORS: dict[str, int] = {
     "training": 7, "engine": 7,
     "tune": 8,
     "doctor": 9, "bench": 9,
-    "cli": 10,
+    "watch": 10,
+    "serve": 11,
+    "cli": 12,
 }
 SRC = Path(eyas.__file__).resolve().parent
 

@@ -17,8 +17,8 @@ them against the same training fingerprint:
 """
 
 from eyas.doctor.report import DoctorReport, plot_png, render
-from eyas.doctor.run import run_doctor
+from eyas.doctor.run import run_doctor, static_check
 from eyas.doctor.trace import TraceError, TraceReport, Tracer, TraceSummary, render_trace, run_trace
 
-__all__ = ["DoctorReport", "TraceError", "TraceReport", "TraceSummary", "Tracer", "plot_png", "render",
+__all__ = ["DoctorReport", "TraceError", "static_check", "TraceReport", "TraceSummary", "Tracer", "plot_png", "render",
            "render_trace", "run_doctor", "run_trace"]

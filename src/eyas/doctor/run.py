@@ -30,7 +30,7 @@ from eyas.doctor.static import static_stage
 from eyas.doctor.verdict import verdict
 from eyas.errors import EyasError
 from eyas.interop import read_as, read_drafter_dir, servers
-from eyas.targets import target_for
+from eyas.targets import LoadedTarget, target_for
 from eyas.targets.structure import find_embedding
 
 StageFunction = Callable[[DoctorContext], Stage]
@@ -77,6 +77,24 @@ def run_doctor(
                     ids_convention)
     finally:
         torch.set_num_threads(before)
+
+
+def static_check(loaded: LoadedTarget, draft: str | Path, engine: str = "eyas", sglang_rule: str | None = None,
+                 ids_convention: str | None = None, log: Callable[[str], None] | None = None) -> Stage:
+    """The static stage alone (nothing runs on the target): the directory as ``engine`` reads it,
+    against training and against the already loaded target. What ``eyas serve`` checks at start-up;
+    a failed stage carries each finding with its field, expected and found values and the edit or
+    the words that fix it."""
+    spec = servers.get(engine)
+    version = spec.rule(sglang_rule)
+    ctx = DoctorContext(
+        options=DoctorOptions(draft=draft, device=str(loaded.device)), engine=EngineChoice(spec.name, version,
+                                                                                           spec.label(version)),
+        loaded=loaded, target=TargetFacts.of(loaded), embedding=find_embedding(loaded.model).weight,
+        say=log or (lambda m: None))
+    if _open_directory(ctx, ids_convention):
+        ctx.load_data(None, "the static stage only: no samples")
+    return (ctx.blocked("static") or static_stage(ctx)).settle()
 
 
 def cpu_threads(device: str) -> int | None:

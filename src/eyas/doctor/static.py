@@ -30,7 +30,7 @@ from eyas.contract.contract import (
 from eyas.doctor.common import FAIL, INFO, NORM_FLAGS, OK, WARN, Edit, Stage, boundary_name
 from eyas.doctor.samples import SampleSet
 from eyas.interop import servers
-from eyas.interop.common import CONFIG_JSON
+from eyas.interop.common import CONFIG_JSON, EYAS_JSON
 from eyas.interop.directory import DrafterDir
 from eyas.interop.engines import boundary_edits, read_as
 from eyas.interop.servers import EngineReading, flag_edit
@@ -313,7 +313,41 @@ def _check_contract(st: Stage, dd: DrafterDir, identity: TargetIdentity, tokeniz
                f"chat template and special tokens)")
     if max(dd.boundaries) > c.target.num_blocks:
         st.add(FAIL, "boundaries_range", f"trained boundaries {dd.boundaries} exceed the target's {c.target.num_blocks} blocks")
+    _check_fingerprint_boundaries(st, dd, c)
     return drift
+
+
+def shift_name(recorded: list[int], measured: list[int]) -> str | None:
+    """How ``recorded`` boundaries relate to ``measured`` ones, in the words of the classic mistakes."""
+    if len(recorded) != len(measured):
+        return None
+    if recorded == [0] + measured[:-1]:
+        return "the embeddings (boundary 0) prepended as a slot, the last slot dropped"
+    if recorded == [0] + measured[1:]:
+        return "the embeddings (boundary 0) in place of slot 0"
+    for d in (1, -1):
+        if recorded == [b + d for b in measured]:
+            return f"every boundary {'one block late' if d > 0 else 'one block early'} (the other layer-id convention)"
+    return None
+
+
+def _check_fingerprint_boundaries(st: Stage, dd: DrafterDir, c: Contract) -> None:
+    """The training fingerprint is measured on the captured training data, slot by slot, each with
+    the boundary it was captured at: it is the one record of what the drafter was trained on that an
+    edit of the boundaries in eyas.json does not move. Recorded boundaries that disagree with it
+    serve the drafter other hidden states than it was trained on."""
+    if not c.fingerprint:
+        return
+    measured = [f.boundary for f in c.fingerprint]
+    recorded = list(dd.boundaries)
+    if measured == recorded:
+        return
+    how = shift_name(recorded, measured)
+    st.add(FAIL, "fingerprint_boundaries",
+           f"{EYAS_JSON} records boundaries {recorded}, but its training fingerprint was measured at boundaries "
+           f"{measured}: the drafter was trained on {measured}" + (f"; the recorded ones are {how}" if how else ""),
+           field="boundaries", expected=measured, found=recorded,
+           edits=[Edit(EYAS_JSON, "boundaries", measured), Edit(EYAS_JSON, "contract.capture.boundaries", measured)])
 
 
 def _check_data(st: Stage, dd: DrafterDir, samples: SampleSet | None) -> None:

@@ -1,0 +1,113 @@
+"""`eyas serve` (an OpenAI-compatible server that refuses a mismatched pair) and `eyas watch` (the
+acceptance of a running SGLang / vLLM / eyas server against the drafter's training prediction).
+
+    eyas serve --target smollm2 [--draft default] [--host 127.0.0.1] [--port 8000] [--tree 5] [--force]
+    eyas watch --metrics http://127.0.0.1:8000/metrics --draft runs/d-vllm [--every 30] [--json]
+
+Exit codes: serve 1 when the start-up checks refuse the pair, 2 for unusable input; watch 0 when
+the (last) verdict is not "broken", 1 when it is, 2 for unusable input.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import typer
+
+from eyas.cli.common import DRAFT_HELP, TARGET_HELP, TARGET_IMPL_HELP, console, err
+from eyas.cli.common import print_json as _print_json
+from eyas.cli.common import run as _run
+
+
+def serve_cmd(
+    target: str = typer.Option(..., help=TARGET_HELP),
+    draft: Optional[str] = typer.Option(None, help=DRAFT_HELP),
+    host: str = typer.Option("127.0.0.1", help="the address to listen on"),
+    port: int = typer.Option(8000, min=0, max=65535),
+    tree: str = typer.Option("5", help="DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24), DEPTH for a chain, or "
+                                        "'auto' (timed on this hardware, calibrated on MT-bench prompts, as eyas bench)"),
+    force: bool = typer.Option(False, help="start even when the start-up checks fail (/health and /metrics say so)"),
+    device: str = typer.Option("auto"),
+    target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
+    served_model_name: Optional[str] = typer.Option(None, help="the model id clients send (default: --target)"),
+    max_tokens: int = typer.Option(256, min=1, help="new tokens when a request does not say (capped by the context)"),
+    max_body_bytes: int = typer.Option(1 << 20, min=1024, help="larger request bodies get 413"),
+    max_queue: int = typer.Option(256, min=1, help="requests waiting beyond this get 503"),
+    watch_window: int = typer.Option(512, min=1, help="the watchdog's sliding window, in speculative rounds"),
+    watch_min_rounds: int = typer.Option(64, min=1, help="rounds in the window before the watchdog judges"),
+    graceful_timeout: float = typer.Option(60.0, help="seconds in-flight requests get to finish at shutdown"),
+) -> None:
+    """Serve TARGET with its drafter through the OpenAI API (chat and completions, streaming or not)."""
+    from eyas.serve import RefusedError, ServeOptions, load_served, make_server, serve_forever
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    log = (lambda m: err.print(f"[dim]serve: {m}[/]", highlight=False))
+    try:
+        served = _run(load_served, target, draft, tree=tree, force=force, device=device, target_impl=target_impl,
+                      model_name=served_model_name, log=log)
+    except RefusedError as e:
+        err.print(str(e), highlight=False, markup=False)
+        raise typer.Exit(1) from None
+    pf = served.preflight
+    if pf.forced:
+        err.print(f"[bold yellow]--force: serving despite {len(pf.failures)} failed check(s)[/] "
+                  "(reported in /health and eyas_preflight_forced in /metrics):", highlight=False)
+        for p in pf.failures:
+            err.print(f"  {p}", highlight=False, markup=False)
+    for p in pf.warnings:
+        err.print(f"[yellow]warning:[/] {p.message}", highlight=False)
+    options = ServeOptions(max_body_bytes=max_body_bytes, max_queue=max_queue, default_max_tokens=max_tokens,
+                           watch_window=watch_window, watch_min_rounds=watch_min_rounds)
+    server = make_server(served, host, port, options, graceful_timeout=graceful_timeout)
+    t = served.tree
+    err.print(f"eyas serve: {served.model_name} on http://{host}:{port}/v1 (tree {t.depth},{t.top_k},{t.total_tokens}, "
+              f"target {served.target.implementation}, drafter {served.draft_path})", highlight=False)
+    serve_forever(server)
+
+
+def watch_cmd(
+    metrics: str = typer.Option(..., help="the engine's metrics: an http(s) URL, a file:// URL or a file"),
+    draft: Optional[str] = typer.Option(None, help="the drafter directory the engine serves (its eyas.json holds the "
+                                                   "training prediction); 'default': the one shipped for smollm2"),
+    target: Optional[str] = typer.Option(None, help="the target, for the doctor command printed (default: eyas.json's)"),
+    engine: Optional[str] = typer.Option(None, help="vllm | sglang | eyas (default: whichever metrics are there)"),
+    depth: Optional[int] = typer.Option(None, min=1, help="drafts per round served (SGLang: --speculative-num-steps); "
+                                                          "default: vLLM's positions, else every trained one"),
+    every: Optional[float] = typer.Option(None, min=0.1, help="check every N seconds (default: once)"),
+    count: Optional[int] = typer.Option(None, min=1, help="with --every: stop after this many checks"),
+    min_rounds: int = typer.Option(64, min=1, help="rounds needed for a verdict"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Compare a running SGLang or vLLM server's speculative acceptance with the drafter's training prediction."""
+    from eyas.watch import Watcher
+
+    w = _run(Watcher, metrics, draft, target=target, engine=engine, depth=depth, min_rounds=min_rounds)
+    from eyas.cli.common import fail
+    from eyas.errors import EyasError
+
+    last = None
+    checks = w.checks(every, count)
+    while True:
+        try:
+            check = next(checks)
+        except StopIteration:
+            break
+        except EyasError as e:  # a scrape that failed mid-watch
+            fail(str(e))
+        last = check
+        v = check.verdict
+        if json_out:
+            _print_json(check.to_dict())
+        else:
+            style = {"ok": "green", "low": "yellow", "broken": "bold red"}.get(v.status, "dim")
+            console.print(f"[{style}]{v.status.upper()}[/] {check.engine} ({check.window}): {v.message}",
+                          highlight=False, soft_wrap=True)  # one line per check: grep- and log-friendly
+            if v.alert:
+                console.print(f"run: {v.doctor_command}", highlight=False, markup=False, soft_wrap=True)
+    raise typer.Exit(1 if last is not None and last.verdict.alert else 0)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve_cmd)
+    app.command("watch")(watch_cmd)

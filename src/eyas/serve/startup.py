@@ -1,0 +1,182 @@
+"""Start-up of ``eyas serve``: load the pair, check it, and refuse a mismatch before a port opens.
+
+Order (each step only when the previous passed, or with ``--force``):
+
+1. load the target (``eyas.targets.load_target``: float32 on a CPU, bf16 on a GPU);
+2. the doctor's static stage on the pair (:func:`eyas.doctor.run.static_check`, engine ``eyas``):
+   the directory as eyas reads it against training (boundaries, the training fingerprint's
+   boundaries, norm flags, shapes, vocabularies) and the contract against the live target (weights
+   fingerprint, shape, chat template, special tokens);
+3. the contract check of the loader (``eyas.interop.load_drafter``), which raises on a mismatch;
+4. the engine's target (``eyas.engine.build_target``) and, on a GPU, its warm-up.
+
+A failed check refuses to start: :class:`Preflight` lists every failed field with the expected and
+found value and the fix (a config edit, or the words of one), and the CLI exits 1. With ``--force``
+the server starts anyway; ``forced`` and the failures stay visible in ``/health`` and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from eyas.contract import ContractError
+from eyas.doctor.common import FAIL, WARN, edits_text
+from eyas.doctor.run import static_check
+from eyas.engine import TreeSpec, build_target
+from eyas.interop import load_drafter, read_contract, resolve_draft
+from eyas.targets import LoadedTarget, load_target
+from eyas.watch.verdict import Prediction, prediction_from_metrics
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One failed (or warned) check, as /health and the refusal print it."""
+
+    level: str  # fail | warn
+    code: str
+    message: str
+    fix: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"level": self.level, "code": self.code, "message": self.message, "fix": self.fix}
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}" + (f"\n    fix: {self.fix}" if self.fix else "")
+
+
+@dataclass
+class Preflight:
+    """What the start-up checks found, and whether the server was forced past failures."""
+
+    problems: list[Problem] = field(default_factory=list)
+    forced: bool = False
+
+    @property
+    def failures(self) -> list[Problem]:
+        return [p for p in self.problems if p.level == FAIL]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.level == WARN]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def refusal(self, target: str, draft: str) -> str:
+        lines = [f"eyas serve: refusing to serve {draft} with {target}: {len(self.failures)} mismatch(es) between "
+                 f"the drafter and the target, which would serve it hidden states other than it was trained on:"]
+        lines += [f"  {p}" for p in self.failures]
+        lines.append(f"Diagnose: eyas doctor --target {target} --draft {draft}. Start anyway with --force "
+                     f"(/health and /metrics then say so).")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "forced": self.forced, "failures": [p.to_dict() for p in self.failures],
+                "warnings": [p.to_dict() for p in self.warnings]}
+
+
+class RefusedError(Exception):
+    """The pair failed the start-up checks and ``force`` was not given; ``str`` is the refusal."""
+
+    def __init__(self, preflight: Preflight, text: str) -> None:
+        super().__init__(text)
+        self.preflight = preflight
+
+
+@dataclass
+class Served:
+    """Everything the server serves with, loaded and checked."""
+
+    loaded: LoadedTarget
+    drafter: Any  # Eagle3Drafter
+    target: Any  # the engine's Target
+    tree: TreeSpec
+    draft_path: Path
+    target_name: str
+    model_name: str
+    preflight: Preflight
+    prediction: Prediction | None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    @property
+    def max_length(self) -> int:
+        return int(self.target.max_length)
+
+
+def check_pair(loaded: LoadedTarget, draft_path: Path, log: Callable[[str], None] | None = None) -> Preflight:
+    """The doctor's static stage on the pair (every failure and warning, with its fix)."""
+    stage = static_check(loaded, draft_path, log=log)
+    pf = Preflight()
+    for f in stage.findings:
+        if f.level not in (FAIL, WARN):
+            continue
+        fix = f.fix or (edits_text(f.edits, str(draft_path)) if f.edits else None)
+        pf.problems.append(Problem(f.level, f.code, f.message, fix))
+    return pf
+
+
+def load_served(target: str, draft: str | None, *, tree: str = "5", force: bool = False, device: str = "auto",
+                target_impl: str = "auto", model_name: str | None = None,
+                log: Callable[[str], None] = lambda m: None) -> Served:
+    """Load and check the pair (see the module docstring); raises :class:`RefusedError` on a mismatch
+    without ``force``, and eyas' own errors (a missing directory, a bad ``--tree``) as they are."""
+    auto = tree.strip().lower() == "auto"
+    spec_tree = None if auto else TreeSpec.parse(tree)
+    draft_path = resolve_draft(draft, target)
+    if not draft_path.is_dir():
+        raise FileNotFoundError(f"--draft {draft_path}: no such directory")
+    log(f"loading the target {target}")
+    loaded = load_target(target, dtype="auto", device=device)
+    log(f"checking {draft_path} against it (the doctor's static stage)")
+    pf = check_pair(loaded, draft_path, log)
+    if not pf.ok and not force:
+        raise RefusedError(pf, pf.refusal(target, str(draft_path)))
+    try:
+        drafter, contract = load_drafter(draft_path, target=loaded, tokenizer=loaded.tokenizer, force=force)
+    except ContractError as e:  # a mismatch the static stage did not name
+        pf.problems.append(Problem(FAIL, "contract", str(e), "serve the drafter with the target it was trained for"))
+        raise RefusedError(pf, pf.refusal(target, str(draft_path))) from e
+    pf.forced = force and not pf.ok
+    drafter = drafter.to(loaded.device, dtype=loaded.dtype).eval()
+    from eyas.convention import CaptureSpec
+
+    engine_target = build_target(loaded.model, CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks),
+                                 target_impl)
+    if getattr(engine_target, "cuda_graphs", False):
+        log("compiling the fast target's steps and capturing CUDA graphs")
+        engine_target.warmup()
+    if spec_tree is None:  # --tree auto: timed on this hardware, calibrated on the first MT-bench prompts
+        spec_tree = auto_tree(engine_target, drafter, loaded, contract, log)
+    recorded = read_contract(draft_path)
+    prediction = prediction_from_metrics(recorded.metrics if recorded is not None else None,
+                                         f"{draft_path}/eyas.json contract.metrics")
+    name = model_name or (target if not Path(target).exists() else Path(target).name)
+    return Served(loaded, drafter, engine_target, spec_tree, draft_path, target, name, pf, prediction)
+
+
+def auto_tree(target: Any, drafter: Any, loaded: LoadedTarget, contract: Any, log: Callable[[str], None]) -> TreeSpec:
+    """``--tree auto`` as ``eyas bench`` does it (:func:`eyas.tune.tune_tree`): the target's
+    verification and the drafter timed on this hardware, acceptance from a greedy calibration on the
+    first MT-bench prompts shipped with eyas; the tree with the best predicted speedup."""
+    from eyas.bench import load_prompts
+    from eyas.data.render import render_prompt
+    from eyas.tune import CALIBRATION_PROMPTS, tune_tree
+
+    calibration = [render_prompt(c, loaded.tokenizer).tolist() for c in load_prompts("mt_bench", CALIBRATION_PROMPTS)]
+    log("--tree auto: timing the target's verification and the drafter, calibrating on "
+        f"{len(calibration)} MT-bench prompts")
+    choice = tune_tree(target, drafter, calibration, contract, eos_token_ids=list(loaded.eos_ids))
+    log(choice.reason)
+    return choice.spec
+
+
+def generator_for(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)

@@ -1,0 +1,158 @@
+"""The decode worker: one thread, one FIFO queue, one request decoding at a time.
+
+Scheduling, and why. Each request is an engine :class:`~eyas.engine.Session`, advanced by
+:func:`~eyas.engine.step`. The target's KV cache holds one session at a time (the session that last
+prefilled it; a step on another raises ``SessionError``), so interleaving sessions round-robin would
+re-prefill the whole sequence at every switch: a prefill per switch for nothing. The worker
+therefore takes requests in arrival order (FIFO: nobody is overtaken) and steps one session to its
+end before starting the next. Invariants:
+
+- only the worker thread touches the target, the drafter and the sessions: request handlers only
+  enqueue a :class:`Job` and read the events it sends back, so state never mixes between requests;
+- each job's events arrive in order on its own channel (``emit``): ``tokens`` (the tokens a round
+  committed), then exactly one ``done`` (the result, or the error);
+- a cancelled job (the client went away) is skipped if still queued, and if decoding, the session
+  is cancelled between two rounds: at most one round of work is spent after the cancel (a streamed
+  request is cancelled as soon as Starlette sees the disconnect, a non-streamed one within 0.25 s);
+- :meth:`DecodeWorker.stop` lets every queued job finish, then ends the thread (graceful shutdown).
+
+Batched verification of several requests in one forward is not done: see the README (Serving).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from eyas.engine import SamplingParams, start, step
+from eyas.serve.startup import Served, generator_for
+
+
+@dataclass
+class Event:
+    kind: str  # tokens | done
+    tokens: list[int] = field(default_factory=list)
+    result: Any = None  # GenerationResult on done
+    error: str | None = None
+    time: float = 0.0
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop: list[str]
+    seed: int
+    emit: Callable[[Event], None]  # thread-safe: called from the worker thread
+    id: str = ""
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    enqueued: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class QueueFull(Exception):
+    pass
+
+
+_STOP = object()
+
+
+class DecodeWorker:
+    """Decodes jobs one at a time in arrival order on its own thread (see the module docstring).
+
+    ``on_round(depth, accepted, emitted)`` sees every speculative round of every request, and
+    ``on_done(job, result, first_token_time, last_token_time)`` every finished one (the metrics and
+    the watchdog)."""
+
+    def __init__(self, served: Served, *, max_queue: int = 256,
+                 on_round: Callable[[int, int, int], None] | None = None,
+                 on_done: Callable[[Job, Any, float | None, float | None], None] | None = None) -> None:
+        self.served, self.max_queue = served, max_queue
+        self.on_round, self.on_done = on_round, on_done
+        self.on_cancelled_early: Callable[[Job], None] | None = None
+        self.queue: queue.Queue[Any] = queue.Queue()
+        self.running: Job | None = None
+        self.waiting = 0
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.thread = threading.Thread(target=self._loop, name="eyas-decode", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> Job:
+        with self._lock:
+            if self.waiting >= self.max_queue:
+                raise QueueFull(f"{self.waiting} requests are waiting (the queue holds {self.max_queue})")
+            self.waiting += 1
+        job.id = job.id or f"req-{next(self._ids)}"
+        self.queue.put(job)
+        return job
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish every queued job, then end the thread."""
+        self.queue.put(_STOP)
+        self.thread.join(timeout)
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            job = self.queue.get()
+            if job is _STOP:
+                return
+            with self._lock:
+                self.waiting -= 1
+            self.running = job
+            try:
+                self._run(job)
+            except Exception as e:  # noqa: BLE001 - a request's failure must not end the worker
+                job.emit(Event("done", error=f"{type(e).__name__}: {e}", time=time.perf_counter()))
+            finally:
+                self.running = None
+
+    def _run(self, job: Job) -> None:
+        sv = self.served
+        if job.cancelled.is_set():  # the client left while it waited: nothing was computed
+            job.emit(Event("done", error="cancelled", time=time.perf_counter()))
+            if self.on_cancelled_early is not None:
+                self.on_cancelled_early(job)
+            return
+        job.started = time.perf_counter()
+        tok = sv.tokenizer
+        s = start(sv.target, job.prompt, sv.drafter, tree=sv.tree, sampling=job.sampling,
+                  max_new_tokens=job.max_new_tokens, eos_token_ids=sv.loaded.eos_ids, stop_strings=job.stop,
+                  decode=tok.decode if job.stop else None, generator=generator_for(sv.target.device, job.seed),
+                  timing="off")
+        first = last = None
+        if s.out.tokens:
+            first = last = time.perf_counter()
+            job.emit(Event("tokens", list(s.out.tokens), time=first))
+        stats = s.stats
+        while not s.done:
+            if job.cancelled.is_set():
+                s.cancel()
+                break
+            acc_before, drafted_before = list(stats.accepted_at_depth), list(stats.drafted_at_depth)
+            tokens = step(s)
+            if self.on_round is not None and len(stats.accept_lengths) > 0:
+                depth = sum(1 for i, d in enumerate(stats.drafted_at_depth)
+                            if d > (drafted_before[i] if i < len(drafted_before) else 0))
+                accepted = sum(1 for i, a in enumerate(stats.accepted_at_depth)
+                               if a > (acc_before[i] if i < len(acc_before) else 0))
+                self.on_round(depth, accepted, stats.accept_lengths[-1])
+            if tokens:
+                last = time.perf_counter()
+                first = first or last
+                job.emit(Event("tokens", tokens, time=last))
+        result = s.result()
+        if self.on_done is not None:
+            self.on_done(job, result, first, last)
+        job.emit(Event("done", result=result, time=time.perf_counter()))
