@@ -100,7 +100,7 @@ EOF
     timeout 100 python benchmarks/serve_load.py --target /tmp/smol.gguf --draft $D --tree 8,8,48 \
       --clients 1,4,16 --requests 2 --max-tokens 64 --json > "$OUT/serve.json" 2>> "$OUT/measure.log" \
       || echo "serve exit $?" >> "$OUT/measure.log"
-    timeout 110 python -m eyas.cli.main regenerate --target /tmp/smol.gguf --prompts benchmarks/data/train_prompts.jsonl \
+    timeout 110 python -m eyas.cli.main regenerate --target /tmp/smol.gguf --prompts benchmarks/data/regen_1024.jsonl \
       --out /tmp/regen/answers.jsonl --limit 1024 --max-new-tokens 256 --batch-size 512 --temperatures 0 \
       --max-prompt-tokens 768 --max-turns 2 --loops cut --cache auto --device cuda --json > "$OUT/regen.json" 2>> "$OUT/measure.log" \
       || echo "regen exit $?" >> "$OUT/measure.log"
