@@ -194,3 +194,21 @@ def test_a_step_whose_compilation_fails_runs_eagerly_with_a_warning():
     assert torch.equal(y, x * 2 + 1) and step.compiled is None and "no C compiler here" in step.error
     (y,) = step(x)  # eagerly from then on, without another warning
     assert torch.equal(y, x * 2 + 1)
+
+
+@pytest.mark.integration
+def test_one_drafter_state_serves_short_and_long_requests_on_fixed_shapes(llama, trained_drafter):
+    """On a fixed-shape target the drafter's state is sized for the target's whole context at the
+    first request, so a later, longer request reuses it (its compiled and captured steps) instead
+    of building, compiling and capturing a larger one mid-request."""
+    from eyas.engine.speculative import _rounds
+
+    target = LlamaTarget(llama, SPEC4, max_length=1024, fixed_shapes=True)
+    tree = TreeSpec(4, 4, 16)
+    short, long = random_prompts(1, 128, seed=3, lengths=(8, 8))[0], random_prompts(1, 128, seed=4, lengths=(600, 600))[0]
+    speculative_generate(target, trained_drafter, short, tree=tree, max_new_tokens=8)
+    (_, first), = _rounds(target).draft_states.values()
+    assert first.max_len >= 1024 + tree.scratch_slots + tree.depth + 1
+    speculative_generate(target, trained_drafter, long, tree=tree, max_new_tokens=8)
+    (_, second), = _rounds(target).draft_states.values()
+    assert second is first

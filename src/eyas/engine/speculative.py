@@ -171,13 +171,20 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
     One per (target, drafter, tree), reused by the target's sessions (one at a time, like the
     target's cache), so the drafter's CUDA graphs are captured once, not per request. Its cache
     holds the committed entries, one round's scratch and the padding of a fixed-shape re-read,
-    rounded up to a power of two (at least 256), so requests of similar lengths share one state
-    (fixed-shape steps attend the whole cache: it must not be much longer than needed). Its shapes
+    rounded up to a power of two (at least 256), so requests of similar lengths share one state.
+    On a target with fixed shapes it is sized for the target's whole context at once, so its
+    compiled and captured steps are made once per (drafter, tree), never inside a later request. Its shapes
     follow the target's: fixed (and graphed) when the target's are, and compiled with them unless the
     target says otherwise (an optional ``compile_drafter`` attribute: False, True or a backend)."""
     states = _rounds(target).draft_states
     key = (id(drafter), tree)
     need = max_len + tree.scratch_slots + tree.depth + 1
+    capacity = getattr(target, "max_length", None)
+    if getattr(target, "fixed_shapes", False) and capacity:
+        # One state for every request the target can hold: a new state would compile and capture
+        # the drafter's steps again (seconds, inside a request). A draft step attends the whole
+        # cache under its mask, which for one drafter layer costs little even at the full context.
+        need = max(need, int(capacity) + tree.scratch_slots + tree.depth + 1)
     if key not in states or states[key][0] is not drafter or states[key][1].max_len < need:
         states[key] = (drafter, DraftState(drafter, max(256, 1 << (need - 1).bit_length()),
                                            fixed_shapes=getattr(target, "fixed_shapes", False),
