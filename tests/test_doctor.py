@@ -318,6 +318,110 @@ def test_a_third_party_directory_is_judged_by_its_training_shards(world, tmp_pat
 
 
 # ---------------------------------------------------------------------------------------------
+# No contract, no ids: the conversations decide
+# ---------------------------------------------------------------------------------------------
+
+
+def stripped(world, src, name: str) -> Path:
+    """A copy of a drafter directory with nothing that records its boundaries: no eyas.json, no
+    train_config.json, no eyas_* keys and no layer ids in config.json (a third-party SGLang checkpoint)."""
+    dst = world["root"] / name
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("best", "checkpoints", "*.png", "metrics.jsonl",
+                                                            "eyas.json", "train_config.json"))
+    cfg = json.loads((dst / "config.json").read_text())
+    for key in [k for k in cfg if k.startswith("eyas_") or k == "eagle_aux_hidden_state_layer_ids"]:
+        del cfg[key]
+    cfg.pop("eagle_config", None)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    assert not (dst / "eyas.json").exists()
+    return dst
+
+
+@pytest.mark.integration
+def test_without_contract_or_ids_the_conversations_find_the_trained_boundaries(world):
+    """The drafter trained on [0, 6, 9] (embedding first), stripped of everything that records it:
+    the engines capture the default [2, 6, 9]. Given only the conversations, its live accuracy picks
+    [0, 6, 9] by a clear margin; the verdict rests on that (SGLang's default is wrong for it)."""
+    d = stripped(world, world["emb"], "emb-stripped")
+    r = doctor(world, d, "sglang", "pr25454", data="convs")
+    assert r.draft.trained_boundaries == EMB_TRAINED
+    static = {f.code: f for f in r.stages["static"].findings}
+    assert "boundaries_assumed" not in static and static["boundaries_inferred"].level == "info"
+    assert "inferred from live accuracy" in static["boundaries_inferred"].message
+    inference = r.stages.static.result.trained.inference
+    assert inference.decided == EMB_TRAINED and inference.candidates[0].boundaries == EMB_TRAINED
+    assert inference.lead > inference.lead_needed > 0
+    assert f"{inference.candidates[0].log_likelihood:.3f}" in static["boundaries_inferred"].message  # the figures
+    assert r.stages.static.result.trained.boundaries_source.startswith("live accuracy on conversations")
+    # decided, the verdict is a verdict: SGLang feeds the default [2, 6, 9], the fix writes [0, 6, 9]
+    assert r.status == "unhealthy" and r.unverified is None
+    assert "trained on [0, 6, 9]" in r.cause and "eagle_aux_hidden_state_layer_ids: [0, 6, 9]" in r.fix
+    assert r.stages.search.result.winner.boundaries == "[0, 6, 9]"
+    assert r.to_dict()["static"]["trained"]["inference"]["decided"] == EMB_TRAINED
+
+    # the drafter trained on the default, stripped: the default is found, and it is healthy
+    d = stripped(world, world["base"], "base-stripped")
+    r = doctor(world, d, "sglang", "pr25454", data="convs")
+    assert r.status == "healthy" and r.exit_code == 0, (r.unverified, r.problems)
+    assert r.stages.static.result.trained.inference.decided == TRAINED
+    assert "boundaries_inferred" in {f.code for f in r.stages["static"].findings}
+
+
+@pytest.mark.integration
+def test_without_contract_or_ids_an_untrained_drafter_leaves_the_boundaries_undecided(world):
+    """A drafter that reads no boundary set as trained (untrained, with the trained drafter's draft
+    vocabulary so that enough tokens count): the doctor says it cannot decide and why, with the
+    figures of the top two, and the verdict stays unverified."""
+    from safetensors.torch import load_file
+
+    from eyas.drafter.build import new_drafter
+    from eyas.interop import save_drafter
+
+    drafter, contract = new_drafter(world["model"], world["tok"], [3, 6, 9], draft_vocab_size=512)
+    d2t = load_file(str(world["base"] / "model.safetensors"))["d2t"]
+    drafter.set_vocab_map(torch.arange(d2t.shape[0]) + d2t.long())
+    d = stripped(world, save_drafter(drafter, contract, world["root"] / "untrained"), "untrained-stripped")
+    r = doctor(world, d, "sglang", "pr25454", data="convs")
+    assert r.status == "unverified" and r.exit_code == 3
+    inference = r.stages.static.result.trained.inference
+    assert inference.decided is None and inference.candidates[0].tokens >= 100
+    assumed = next(f for f in r.stages["static"].findings if f.code == "boundaries_assumed")
+    assert "cannot decide" in assumed.message and "predicts the target's next token poorly" in assumed.message
+    assert f"accuracy {inference.candidates[0].accuracy:.3f}" in assumed.message
+    assert "cannot decide" in r.unverified
+
+
+@pytest.mark.unit
+def test_the_margin_rule_needs_a_lead_beyond_noise_enough_tokens_and_a_reading_drafter():
+    from eyas.doctor.infer import INFER_MIN_TOKENS, ScoredSet, candidate_sets, decide
+
+    def scored(bs, lp, right):
+        lp, right = torch.tensor(lp, dtype=torch.float64), torch.tensor(right, dtype=torch.float64)
+        return ScoredSet(bs, str(bs), float(lp.mean()), float(right.mean()), lp.numel(), lp)
+
+    n = 400
+    g = torch.Generator().manual_seed(0)
+    base = (-3 + torch.randn(n, generator=g)).tolist()
+    right = [1.0] * (n // 2) + [0.0] * (n - n // 2)
+    clear = [scored([2, 6, 9], base, right), scored([2, 6, 10], [x - 0.1 for x in base], right)]
+    best, lead, need, why = decide(clear)
+    assert best is not None and best.boundaries == [2, 6, 9] and lead == pytest.approx(0.1) and need == 0.01
+    noisy = [scored([2, 6, 9], base, right),
+             scored([2, 6, 10], [x - 0.1 + float(e) for x, e in zip(base, torch.randn(n, generator=g) * 3)], right)]
+    best, lead, need, why = decide(noisy)
+    assert best is None and lead < need and why.startswith("no clear winner") and "[2, 6, 10]" in why
+    few = [scored(s.boundaries, s.lp[: INFER_MIN_TOKENS - 1].tolist(), right[: INFER_MIN_TOKENS - 1]) for s in clear]
+    assert decide(few)[0] is None and "tokens counted" in decide(few)[3]
+    dead = [scored(s.boundaries, s.lp.tolist(), [0.0] * n) for s in clear]
+    assert decide(dead)[0] is None and "poorly" in decide(dead)[3]
+    # candidates: the bases first, then their one-block shifts; never out of range, never repeated
+    sets = [bs for bs, _ in candidate_sets([([2, 6, 9], "default"), ([0, 6, 9], "emb"), (None, "x")], 3, L)]
+    assert sets[:2] == [[2, 6, 9], [0, 6, 9]] and [3, 7, 10] in sets and [2, 6, 10] in sets and [1, 6, 9] in sets
+    assert len(sets) == len({tuple(s) for s in sets}) and all(0 <= b <= L for s in sets for b in s)
+
+
+# ---------------------------------------------------------------------------------------------
 # Norm flags
 # ---------------------------------------------------------------------------------------------
 

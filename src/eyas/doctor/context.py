@@ -17,7 +17,11 @@ Invariants the stages rely on:
 - the live target runs once (:meth:`DoctorContext.live_capture`, on the first measuring stage's
   request): boundaries 0..L+1 of every sample, their fingerprint statistics, and the labels;
 - one drafter is built per set of norm flags (:class:`DrafterCache`): replay, live and every
-  search candidate with the same flags share it.
+  search candidate with the same flags share it;
+- boundaries that nothing recorded settles (assumed, and no training shards of the drafter's slot
+  count) are decided from live accuracy before any stage runs (:meth:`DoctorContext.settle_assumed`,
+  :mod:`eyas.doctor.infer`): decided, ``trained`` is the winner and ``trained_note`` says so with
+  the figures; undecided, they stay assumed and ``inference.why`` says why.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from eyas.contract.contract import SlotFingerprint, ValidationMetrics
 from eyas.doctor.capture import LiveCapture, capture_all
 from eyas.doctor.common import FAIL, STAGES, DoctorStages, Finding, Stage
 from eyas.doctor.evaluate import Accuracy, accuracy
+from eyas.doctor.infer import BoundaryInference, infer_boundaries
 from eyas.interop import DrafterDir, build_drafter
 from eyas.interop.servers import EngineReading
 from eyas.doctor.samples import SampleSet
@@ -163,8 +168,11 @@ class DoctorContext:
     # -- the data (load_data) -------------------------------------------------------------------------
     samples: SampleSet | None = None
     trained: list[int] = field(default_factory=list)  # the boundaries the drafter was trained on
-    trained_note: str | None = None  # set when they come from the training shards, not the directory
+    trained_note: str | None = None  # set when they come from the training shards or live accuracy, not the directory
     blocker: Blocker | None = None
+    # assumed boundaries, decided (or not) from live accuracy (settle_assumed); None when not tried
+    inference: BoundaryInference | None = None
+    capture_also: set[int] = field(default_factory=set)  # more boundaries the live capture keeps
     # -- the live target (live_capture) ---------------------------------------------------------------
     capture: LiveCapture | None = None
     reference: list[SlotFingerprint] | None = None  # the training fingerprint, one per trained slot
@@ -208,6 +216,29 @@ class DoctorContext:
             why = data_error or "no samples"
             self.blocker = Blocker("replay", why, Finding(FAIL, "data", why), "no samples to evaluate on")
 
+    @property
+    def boundaries_unsettled(self) -> bool:
+        """The trained boundaries are an assumption that nothing recorded here settles (no eyas.json
+        boundaries, ids the conventions read differently, no training shards of the slot count)."""
+        return bool(self.drafter_dir is not None and self.drafter_dir.meta.boundaries_assumed
+                    and self.trained_note is None)
+
+    def settle_assumed(self) -> None:
+        """Decide unsettled boundaries from the drafter's live accuracy on the samples
+        (:func:`eyas.doctor.infer.infer_boundaries`); a clear winner becomes the trained boundaries."""
+        if not self.boundaries_unsettled or self.blocker is not None or self.samples is None:
+            return
+        inf = infer_boundaries(self)
+        self.inference = inf
+        if inf.decided is None or self.loaded.misfits(self.dd.trained.target_hidden_size, self.dd.trained.vocab_size,
+                                                      inf.decided):
+            return
+        self.trained = list(inf.decided)
+        self.trained_note = (f"no recorded boundaries ({self.dd.meta.boundaries_assumed}); inferred from live "
+                             f"accuracy on {inf.data}: {inf.why}")
+        if self.capture is not None:
+            self._set_reference(self.capture)
+
     def blocked(self, name: str) -> Stage | None:
         """The stage ``name`` as the blocker leaves it (failed or skipped); None when it may run."""
         b = self.blocker
@@ -232,15 +263,22 @@ class DoctorContext:
         ref, ref_source = reference_fingerprint(dd, sset, self.trained)
         self.say(f"capturing boundaries 0..{L} of the target on {len(sset.samples)} samples")
         near = set(self.trained) | set(self.served.boundaries or [])
-        keep = near | {b + d for b in near for d in (-1, 1)} | {0, L - 3, L - 1, L, L + 1}
+        keep = near | {b + d for b in near for d in (-1, 1)} | {0, L - 3, L - 1, L, L + 1} | self.capture_also
         cap = capture_all(self.model, sset.samples, capture_dtype(dd, sset), ref[0].channels if ref else None,
                           keep=keep)
+        self.capture = cap
+        self._set_reference(cap)
+        return cap
+
+    def _set_reference(self, cap: LiveCapture) -> None:
+        """The training fingerprint of the trained slots; without one recorded, the live target's
+        trained boundaries on these samples."""
+        ref, ref_source = reference_fingerprint(self.dd, self.sample_set, self.trained)
         if ref is None:
             ref = [cap.stats[b] for b in self.trained]
             ref_source = ("no training fingerprint recorded: the live target's trained boundaries on these samples "
                           "(catches a wrong capture, not a wrong target)")
-        self.capture, self.reference, self.reference_source = cap, ref, ref_source
-        return cap
+        self.reference, self.reference_source = ref, ref_source
 
     def live_accuracy(self, slots: Sequence[int], flags: dict[str, bool], steps: int) -> Accuracy:
         """The drafter built with norm ``flags``, fed the live capture's boundaries ``slots`` (in

@@ -28,6 +28,7 @@ from eyas.contract.contract import (
     tokenisation_of,
 )
 from eyas.doctor.common import FAIL, INFO, NORM_FLAGS, OK, WARN, Edit, Stage, boundary_name
+from eyas.doctor.infer import BoundaryInference
 from eyas.doctor.samples import SampleSet
 from eyas.interop import servers
 from eyas.interop.common import CONFIG_JSON
@@ -62,10 +63,12 @@ class TrainedView:
     boundaries_source: str
     flags: dict[str, bool]
     flags_source: str
+    inference: BoundaryInference | None = None  # assumed boundaries, decided (or not) from live accuracy
 
     def to_dict(self) -> dict[str, Any]:
+        inf = {"inference": self.inference.to_dict()} if self.inference is not None else {}
         return {"boundaries": self.boundaries, "boundaries_source": self.boundaries_source, "flags": self.flags,
-                "flags_source": self.flags_source}
+                "flags_source": self.flags_source, **inf}
 
 
 @dataclass
@@ -340,8 +343,8 @@ def _check_data(st: Stage, dd: DrafterDir, samples: SampleSet | None) -> None:
 
 def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
     """The directory as the engine reads it, against the trained boundaries (``ctx.trained``: the
-    directory's own, or its training shards' when it has no contract, which ``ctx.trained_note``
-    says), the trained flags, the shapes, the contract and the data, without running anything."""
+    directory's own, or its training shards' when it has no contract, or those the drafter's live
+    accuracy decided when nothing recorded them, which ``ctx.trained_note`` says), the trained flags, the shapes, the contract and the data, without running anything."""
     dd, reading, tokenizer, samples = ctx.dd, ctx.served, ctx.tokenizer, ctx.samples
     # (third-party ids whose conventions disagree, none named: the trained boundaries are assumed,
     # which a warning says unless the training shards settle them)
@@ -350,14 +353,21 @@ def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
     st: Stage[StaticResult] = Stage("static")
     for p in dd.problems:
         st.add(WARN, "checkpoint", p)
-    if trained_note:
+    inference = ctx.inference
+    inferred = inference is not None and inference.decided is not None and trained == inference.decided
+    if inferred:
+        assert inference is not None
+        st.add(INFO, "boundaries_inferred", trained_note or "", field="boundaries", found=trained)
+    elif trained_note:
         st.add(INFO, "trained_from_shards", trained_note)
     elif dd.meta.boundaries_assumed:  # nothing here settles what the ids meant: never call them verified
+        tried = (f"; the drafter's live accuracy on {inference.data} cannot decide between the candidate boundary "
+                 f"sets: {inference.why}" if inference is not None else "")
         st.add(WARN, "boundaries_assumed", f"the trained boundaries {trained} are assumed, not recorded: "
-               f"{dd.meta.boundaries_assumed}; what settles it: the training shards (--data) or an eyas.json "
-               f"(a conversations file does not: without the training statistics or accuracy there is no "
-               f"reference to hold each candidate boundary set against)")
-    source = "the training shards" if trained_note else dd.meta.boundaries_source
+               f"{dd.meta.boundaries_assumed}{tried}; what settles it: the training shards (--data), an eyas.json, "
+               f"or conversations (--data) on which the drafter's live accuracy clearly prefers one boundary set")
+    source = (f"live accuracy on {inference.data}" if inferred and inference is not None
+              else "the training shards" if trained_note else dd.meta.boundaries_source)
     _check_boundaries(st, dd, reading, L, trained, source)
     _check_flags(st, dd, reading)
     _check_shapes(st, dd, reading, H, V)
@@ -367,7 +377,8 @@ def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
     for spec, rule in servers.readings():
         o = read_as(spec.name, dd, L, rule)
         captures[o.label] = o.boundaries if o.loadable else f"cannot load: {o.why_not}"
-    st.result = StaticResult(engine=reading, trained=TrainedView(trained, source, dd.trained_flags, dd.trained_source),
+    st.result = StaticResult(engine=reading, trained=TrainedView(trained, source, dd.trained_flags, dd.trained_source,
+                                                                 inference),
                              captures=captures, layout=dd.layout, format=dd.meta.format, system_prompt_drift=drift)
     fails = st.failures()
     return st.settle(f"{len(fails)} problem(s): " + "; ".join(f.code for f in fails) if fails
