@@ -445,6 +445,43 @@ def test_norm_before_fc_missing_still_serves_right_in_eyas_with_a_warning(world)
     assert any("does not state norm_before_fc" in w for w in r.warnings)
 
 
+def _as_converted(world, tmp_path, norm_before_residual: bool) -> Path:
+    """The base drafter (trained with norm_before_residual false) as speculators' converter writes
+    it: speculators format, its top-level ids kept, no eyas.json or eyas_* keys, speculators_version,
+    and norm_before_residual from the converter's option."""
+    from eyas.interop import export_drafter
+
+    d = tmp_path / f"converted-{norm_before_residual}"
+    export_drafter(world["base"], "vllm", d)
+    (d / "eyas.json").unlink()
+    cfg = json.loads((d / "config.json").read_text())
+    for key in [k for k in cfg if k.startswith("eyas_")]:
+        del cfg[key]
+    cfg.update(speculators_version="0.9.0", norm_before_residual=norm_before_residual)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.integration
+def test_a_norm_flag_the_converter_chose_is_settled_by_live_accuracy(world, tmp_path):
+    """norm_before_residual in a converted directory is the converter's choice, not a record: the
+    doctor measures the drafter with it as written and toggled. Written wrong (true for a drafter
+    trained with false), the measured value is the trained one and vLLM's reading fails with the
+    edit; written right, the measurement confirms it."""
+    r = doctor(world, _as_converted(world, tmp_path, True), "vllm", data="convs")
+    assert not r.healthy and "flag:norm_before_residual" in codes(r, "static")
+    fi = r.stages.static.result.trained.flag_inferences["norm_before_residual"]
+    assert fi.written is True and fi.decided is False
+    assert r.stages.static.result.trained.flags["norm_before_residual"] is False
+    assert "norm_before_residual=false inferred from live accuracy" in r.cause
+    assert r.fix.endswith('set "norm_before_residual": false')
+    r = doctor(world, _as_converted(world, tmp_path, False), "vllm", data="convs")
+    assert r.healthy, (r.cause, r.problems)
+    confirmed = [f for f in r.stages["static"].findings if f.code == "flag_confirmed:norm_before_residual"]
+    assert len(confirmed) == 1 and "confirms it" in confirmed[0].message
+    assert not [f for f in r.stages["static"].findings if f.code.startswith("flag_assumed")]
+
+
 @pytest.mark.integration
 def test_vllm_reads_an_absent_norm_before_residual_as_true(world, tmp_path):
     from eyas.interop import export_drafter

@@ -36,7 +36,7 @@ from eyas.contract.contract import SlotFingerprint, ValidationMetrics
 from eyas.doctor.capture import LiveCapture, capture_all
 from eyas.doctor.common import FAIL, STAGES, DoctorStages, Finding, Stage
 from eyas.doctor.evaluate import Accuracy, accuracy
-from eyas.doctor.infer import BoundaryInference, infer_boundaries
+from eyas.doctor.infer import BoundaryInference, FlagInference, data_text, infer_boundaries, infer_flag
 from eyas.interop import DrafterDir, build_drafter
 from eyas.interop.servers import EngineReading
 from eyas.doctor.samples import SampleSet
@@ -173,6 +173,7 @@ class DoctorContext:
     # assumed boundaries, decided (or not) from live accuracy (settle_assumed); None when not tried
     inference: BoundaryInference | None = None
     capture_also: set[int] = field(default_factory=set)  # more boundaries the live capture keeps
+    flag_inferences: dict[str, FlagInference] = field(default_factory=dict)  # assumed norm flags, decided or not
     # -- the live target (live_capture) ---------------------------------------------------------------
     capture: LiveCapture | None = None
     reference: list[SlotFingerprint] | None = None  # the training fingerprint, one per trained slot
@@ -225,8 +226,24 @@ class DoctorContext:
 
     def settle_assumed(self) -> None:
         """Decide unsettled boundaries from the drafter's live accuracy on the samples
-        (:func:`eyas.doctor.infer.infer_boundaries`); a clear winner becomes the trained boundaries."""
-        if not self.boundaries_unsettled or self.blocker is not None or self.samples is None:
+        (:func:`eyas.doctor.infer.infer_boundaries`); a clear winner becomes the trained boundaries.
+        Then each norm flag the directory states without evidence (``meta.flags_assumed``) on the
+        trained boundaries (:func:`eyas.doctor.infer.infer_flag`): a clear winner other than the
+        written value becomes the trained flag (``dd.trained``, its source saying so)."""
+        if self.blocker is not None or self.samples is None:
+            return
+        self._settle_boundaries()
+        dd = self.dd
+        for flag in dd.meta.flags_assumed:
+            fi = infer_flag(self, flag, self.trained)
+            self.flag_inferences[flag] = fi
+            if fi.decided is not None and fi.decided != fi.written:
+                dd.trained = dd.trained.model_copy(update={flag: fi.decided})
+                dd.trained_source += (f"; {flag}={str(fi.decided).lower()} inferred from live accuracy on "
+                                      f"{data_text(self.sample_set)}: {fi.why}")
+
+    def _settle_boundaries(self) -> None:
+        if not self.boundaries_unsettled:
             return
         inf = infer_boundaries(self)
         self.inference = inf

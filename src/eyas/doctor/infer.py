@@ -35,6 +35,11 @@ errors rather than 2 or 3.) Otherwise the doctor says it cannot decide, with the
 an untrained drafter predicts nothing with any candidate, and two sets the drafter barely tells
 apart stay undecided rather than guessed. Invariant: a decided set is one of the candidates, and
 every candidate was measured on the same tokens with the same drafter.
+
+The same rule settles a norm flag that config.json states but nothing says is the trained one (the
+flag speculators' converter writes from its own option, :func:`eyas.interop.speculators.converter_flags`):
+the drafter built with the flag as written and toggled, both fed the trained boundaries, scored
+alike at position 0 (:func:`infer_flag`; ``norm_before_residual`` acts at position 0).
 """
 
 from __future__ import annotations
@@ -132,7 +137,8 @@ def decide(scored: Sequence[ScoredSet]) -> tuple[ScoredSet | None, float | None,
     head = (f"{best.boundaries} ({best.label}) gives the target's next token a mean log-likelihood of "
             f"{best.log_likelihood:.3f} at draft position 0 (accuracy {best.accuracy:.3f})")
     if n < INFER_MIN_TOKENS:
-        return None, None, None, f"only {n} tokens counted (at least {INFER_MIN_TOKENS} are needed): {head}"
+        return None, None, None, f"only {n} tokens counted (at least {INFER_MIN_TOKENS} are needed)" + (
+            f": {head}" if n else " (no answer token is in the draft vocabulary)")
     if best.accuracy < INFER_MIN_ACCURACY:
         return None, None, None, (f"the drafter predicts the target's next token poorly with every candidate set "
                                   f"(best: {head}; a drafter that read one set as trained reaches at least "
@@ -193,6 +199,13 @@ def position0(drafter: Eagle3Drafter, samples: Sequence[Sample], features: Calla
     return torch.cat(lps), torch.cat(rights)
 
 
+def data_text(sset: Any) -> str:
+    """What the samples are, for a sentence (``... on <data_text>``)."""
+    if sset.source == "generated":
+        return "the target's greedy answers to the built-in prompts"
+    return f"{sset.source} {sset.path or ''}".strip()
+
+
 def infer_boundaries(ctx: DoctorContext) -> BoundaryInference:
     """Score every candidate set on the live capture (one target pass; the drafter's position 0
     only, per candidate) and decide by the margin rule. Reads the directory, its engine reading and the samples from ``ctx``; the
@@ -218,7 +231,7 @@ def infer_boundaries(ctx: DoctorContext) -> BoundaryInference:
     sets = candidate_sets(bases, S, L)
     ctx.capture_also.update(b for bs, _ in sets for b in bs)
     sset = ctx.sample_set
-    data = f"{sset.source} {sset.path or ''}".strip()
+    data = data_text(sset)
     ctx.say(f"deciding the trained boundaries from live accuracy ({len(sets)} candidate sets)")
     cap = ctx.live_capture()
     drafter = ctx.drafter_cache.get(dd.trained_flags)
@@ -231,3 +244,43 @@ def infer_boundaries(ctx: DoctorContext) -> BoundaryInference:
     best, lead, need, why = decide(scored)
     scored.sort(key=lambda s: -s.log_likelihood)
     return BoundaryInference(scored, best.boundaries if best is not None else None, lead, need, why, data)
+
+
+@dataclass
+class FlagInference:
+    """A norm flag config.json states without evidence that it is the trained one, decided (or
+    not) by the drafter's live prediction with the flag as written against it toggled."""
+
+    flag: str
+    written: bool
+    decided: bool | None  # None: cannot decide
+    why: str
+    candidates: list[ScoredSet] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"flag": self.flag, "written": self.written, "decided": self.decided, "why": self.why,
+                "candidates": [c.to_dict() for c in self.candidates]}
+
+
+def infer_flag(ctx: DoctorContext, flag: str, boundaries: Sequence[int]) -> FlagInference:
+    """Score the drafter with ``flag`` as the directory states it and toggled, fed ``boundaries``
+    (the trained ones) of the live capture, at position 0; decide by the margin rule."""
+    dd = ctx.dd
+    written = dd.trained_flags
+    cap = ctx.live_capture()
+    bs = [int(b) for b in boundaries]
+    scored = []
+    for value in (bool(written[flag]), not written[flag]):
+        flags = dict(written, **{flag: value})
+        label = f"{flag}={str(value).lower()}" + (" (as written)" if value == written[flag] else "")
+        lp, right = position0(ctx.drafter_cache.get(flags), ctx.sample_set.samples,
+                              lambda i: cap.features(i, bs), cap.argmax)
+        n = int(lp.numel())
+        scored.append(ScoredSet(bs, label, float(lp.double().mean()) if n else -math.inf,
+                                float(right.double().mean()) if n else 0.0, n, lp))
+    best, _, _, why = decide(scored)
+    decided = None if best is None else (bool(written[flag]) if best is scored[0] else not written[flag])
+    why = why.replace(f"{bs} ({scored[0].label})", scored[0].label).replace(f"{bs} ({scored[1].label})",
+                                                                            scored[1].label)
+    scored.sort(key=lambda s: -s.log_likelihood)
+    return FlagInference(flag, bool(written[flag]), decided, why, scored)

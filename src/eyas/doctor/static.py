@@ -28,7 +28,7 @@ from eyas.contract.contract import (
     tokenisation_of,
 )
 from eyas.doctor.common import FAIL, INFO, NORM_FLAGS, OK, WARN, Edit, Stage, boundary_name
-from eyas.doctor.infer import BoundaryInference
+from eyas.doctor.infer import BoundaryInference, FlagInference
 from eyas.doctor.samples import SampleSet
 from eyas.interop import servers
 from eyas.interop.common import CONFIG_JSON
@@ -64,9 +64,12 @@ class TrainedView:
     flags: dict[str, bool]
     flags_source: str
     inference: BoundaryInference | None = None  # assumed boundaries, decided (or not) from live accuracy
+    flag_inferences: dict[str, FlagInference] | None = None  # assumed norm flags, decided (or not) likewise
 
     def to_dict(self) -> dict[str, Any]:
         inf = {"inference": self.inference.to_dict()} if self.inference is not None else {}
+        if self.flag_inferences:
+            inf["flag_inferences"] = {k: v.to_dict() for k, v in self.flag_inferences.items()}
         return {"boundaries": self.boundaries, "boundaries_source": self.boundaries_source, "flags": self.flags,
                 "flags_source": self.flags_source, **inf}
 
@@ -171,7 +174,10 @@ def _check_boundaries(st: Stage, dd: DrafterDir, r: EngineReading, L: int, train
                    edits=boundary_edits(dd, o, trained, L)[0] if agnostic is not None else [])
 
 
-def _check_flags(st: Stage, dd: DrafterDir, r: EngineReading) -> None:
+def _check_flags(st: Stage, dd: DrafterDir, r: EngineReading, inferred: dict[str, FlagInference]) -> None:
+    """Each norm flag the engine builds with against the trained one (``dd.trained``: eyas.json, else
+    config.json and the weights, with any flag the drafter's live prediction settled otherwise,
+    ``inferred``); flags a converter chose are confirmed, or warned about as assumed."""
     if not r.flags:
         return
     for flag in NORM_FLAGS:
@@ -195,9 +201,26 @@ def _check_flags(st: Stage, dd: DrafterDir, r: EngineReading) -> None:
                    f"config.json does not state {flag}: {r.label} reads {str(served).lower()}, as trained, but loaders "
                    f"disagree on absent flags (vLLM's speculators loader reads an absent norm_before_residual as true); "
                    f"write it explicitly", field=flag, expected=trained, found=None, edits=[flag_edit(flag, trained)])
+    for flag, why in dd.meta.flags_assumed.items():
+        fi = inferred.get(flag)
+        written = bool(dd.config.get(flag, False)) if flag in dd.config else r.flags[flag]
+        if fi is not None and fi.decided is not None and fi.decided == written:
+            st.add(INFO, f"flag_confirmed:{flag}", f"{flag}={str(written).lower()} as config.json says, though a "
+                   f"converter chose it ({why}); the drafter's live prediction confirms it: {fi.why}",
+                   field=flag, expected=written, found=written)
+        elif fi is None or fi.decided is None:
+            tried = (f"; the drafter's live prediction cannot decide: {fi.why}" if fi is not None
+                     else "; give the doctor conversations (--data) to measure it")
+            st.add(WARN, f"flag_assumed:{flag}", f"{flag}={str(written).lower()} is assumed, not known to be the "
+                   f"trained value: {why}{tried}", field=flag, expected=None, found=written,
+                   fix=f"if the drafter was trained with {flag}={str(not written).lower()}, set \"{flag}\": "
+                       f"{str(not written).lower()} in {dd.path / CONFIG_JSON}")
+        # decided otherwise: dd.trained holds the measured value, and the comparison above fails on it
+    unsettled = [f for f in dd.meta.flags_assumed if inferred.get(f) is None or inferred[f].decided is None]
     if all(r.flags[f] == getattr(dd.trained, f) for f in NORM_FLAGS):
         st.add(OK, "flags", f"{r.label} builds the drafter with the trained norm flags "
-               + ", ".join(f"{f}={str(r.flags[f]).lower()}" for f in NORM_FLAGS))
+               + ", ".join(f"{f}={str(r.flags[f]).lower()}" for f in NORM_FLAGS)
+               + (f" ({', '.join(unsettled)} as assumed above)" if unsettled else ""))
 
 
 def _check_shapes(st: Stage, dd: DrafterDir, r: EngineReading, H: int, V: int) -> None:
@@ -369,7 +392,7 @@ def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
     source = (f"live accuracy on {inference.data}" if inferred and inference is not None
               else "the training shards" if trained_note else dd.meta.boundaries_source)
     _check_boundaries(st, dd, reading, L, trained, source)
-    _check_flags(st, dd, reading)
+    _check_flags(st, dd, reading, ctx.flag_inferences)
     _check_shapes(st, dd, reading, H, V)
     drift = _check_contract(st, dd, ctx.loaded.identity, tokenizer, samples)  # weights hashed once per run
     _check_data(st, dd, samples)
@@ -378,7 +401,7 @@ def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
         o = read_as(spec.name, dd, L, rule)
         captures[o.label] = o.boundaries if o.loadable else f"cannot load: {o.why_not}"
     st.result = StaticResult(engine=reading, trained=TrainedView(trained, source, dd.trained_flags, dd.trained_source,
-                                                                 inference),
+                                                                 inference, dict(ctx.flag_inferences)),
                              captures=captures, layout=dd.layout, format=dd.meta.format, system_prompt_drift=drift)
     fails = st.failures()
     return st.settle(f"{len(fails)} problem(s): " + "; ".join(f.code for f in fails) if fails
