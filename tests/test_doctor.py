@@ -560,6 +560,34 @@ def test_a_changed_middle_block_is_named_as_a_warning_when_acceptance_holds(worl
 
 
 @pytest.mark.integration
+def test_a_changed_embedding_and_final_norm_are_named_as_a_warning_when_acceptance_holds(world):
+    """The embedding and the final norm scaled by 1% (the weights fingerprint changes, every block is
+    the same): a modified copy of the training target, named in a warning, and the verdict rests on the
+    measured acceptance; another seed (every part differs) stays target_mismatch
+    (test_another_checkpoint_of_the_same_shape)."""
+    from transformers import AutoModelForCausalLM
+
+    changed = world["root"] / "target-emb-norm"
+    if not changed.exists():
+        shutil.copytree(world["target"], changed)
+        model = AutoModelForCausalLM.from_pretrained(changed, dtype=torch.float32)
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(1.01)
+            model.model.norm.weight.mul_(1.01)
+        model.save_pretrained(changed)
+    r = doctor(world, world["base"], "vllm", target=changed)
+    static = r.stages["static"].findings
+    warn = [f for f in static if f.code == "target_changed"]
+    assert len(warn) == 1 and warn[0].level == "warn" and warn[0].field == "target.weights"
+    assert warn[0].found == "the embedding and the final norm differ"
+    assert "2 of its 15 parts" in warn[0].message and "not another model" in warn[0].message
+    assert "target_mismatch" not in codes(r, "static")
+    assert r.healthy, (r.cause, r.problems)
+    assert r.stages.live.result.accuracy.accuracy_per_position[0] == pytest.approx(
+        r.stages.replay.result.training.accuracy_per_position[0], abs=0.05)
+
+
+@pytest.mark.integration
 def test_chat_template_without_the_training_system_prompt(world):
     tmpl = world["root"] / "target-no-system"
     if not tmpl.exists():

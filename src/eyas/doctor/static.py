@@ -22,6 +22,7 @@ from eyas.contract.contract import (
     ADVISORY_FIELDS,
     Contract,
     TargetIdentity,
+    changed_count,
     changed_parts,
     compare,
     describe_changes,
@@ -302,12 +303,19 @@ def _check_contract(st: Stage, dd: DrafterDir, identity: TargetIdentity, tokeniz
         st.add(FAIL, "target_mismatch", f"{m}: the target is {what}{named}, not the one the drafter was trained for",
                field=m.field, expected=m.expected, found=m.found, fix=_retrain_fix(c))
     if weights_mm and not target_mm:
-        # Same embedding and final norm, other weights behind them (a merged LoRA, a fine-tune that froze
-        # the embeddings): the drafter may still read the target well, so measured acceptance decides.
+        # The recorded target with some parts changed (a merged LoRA, a fine-tune that froze the embeddings,
+        # a retouched embedding or final norm: at most half of the parts, contract.modified_copy): the
+        # drafter may still read the target well, so measured acceptance decides.
         m = weights_mm[0]
+        counts = changed_count(c.target, identity)
+        share = f"{counts[0]} of its {counts[1]} parts" if counts else "some parts"
+        same_fp = identity.fingerprint == c.target.fingerprint
+        behind = (f"the embedding and final norm match, fingerprint {c.target.fingerprint}" if same_fp else
+                  f"weights fingerprint {identity.fingerprint}, recorded {c.target.fingerprint}: the embedding "
+                  f"or final norm changed, but {share} is a modified copy of the recorded target, not another model")
         st.add(WARN, "target_changed", f"the target's weights differ from those the drafter was trained for: "
-               f"{m.found} (the embedding and final norm match, fingerprint {c.target.fingerprint}); the verdict "
-               f"rests on the measured acceptance", field=m.field, expected=m.expected, found=m.found)
+               f"{m.found} ({share}; {behind}); the verdict rests on the measured acceptance",
+               field=m.field, expected=m.expected, found=m.found)
     elif c.target.weights is None and not target_mm:
         st.add(INFO, "target_blocks_unrecorded", "the contract records no per-block weights sample (an eyas.json "
                "written before it): only the embedding and the final norm are compared")
