@@ -211,6 +211,7 @@ def test_embedding_served_as_first_slot_and_last_slot_dropped(world, tmp_path):
     search = r.stages.search.result
     assert search.winner.boundaries == "[2, 6, 9]"
     assert search.winner_accuracy.accuracy_per_position[0] == pytest.approx(replay[0], abs=0.02)
+
     assert (tmp_path / "doctor.png").stat().st_size > 1000
     json.dumps(r.to_dict())  # the whole report is JSON
 
@@ -659,6 +660,39 @@ def test_search_candidates_cover_the_plausible_protocols():
     # the trained protocol comes first when it is known
     first = candidates([1, 5, 8], flags, L, TRAINED, dict(flags, norm_before_fc=True), None)[0]
     assert first.kind == "trained" and first.slots == (2, 6, 9) and dict(first.flags)["norm_before_fc"]
+
+
+@pytest.mark.integration
+def test_the_full_search_screens_hopeless_candidates_on_a_few_samples(world, monkeypatch):
+    """Without the trained protocol to decide it at once, the search scores every candidate: those
+    hopeless on 4 of the 16 samples are ruled out there, and the outcome (which candidates restore,
+    the winner) is the one scoring every candidate on every sample gives."""
+    import eyas.doctor.search as search
+
+    every = search.candidates
+    monkeypatch.setattr(search, "candidates", lambda *a: [p for p in every(*a) if p.kind != "trained"])
+    d = served_copy(world, "base", "screened", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 6]))
+    screened = doctor(world, d, "vllm").stages.search.result
+    monkeypatch.setattr(search, "SCREEN_SAMPLES", 1000)  # no screening
+    full = doctor(world, d, "vllm").stages.search.result
+    out = [c for c in screened.candidates if c.screened_out_on is not None]
+    assert out and all(c.screened_out_on == 4 and not c.restores for c in out)
+    assert not any(c.screened_out_on for c in full.candidates)
+    assert {c.protocol.key() for c in screened.candidates if c.restores} == \
+        {c.protocol.key() for c in full.candidates if c.restores}
+    assert screened.winner.protocol.key() == full.winner.protocol.key()
+    assert screened.winner.screened_out_on is None and screened.winner.score == full.winner.score
+
+
+@pytest.mark.unit
+def test_search_screening_rules_out_only_what_noise_cannot_save():
+    from eyas.doctor.search import hopeless
+
+    # the replay scores 0.5: restoring needs 0.45 (short_by: 3 points or 10 %)
+    assert hopeless(0.10, 200, 0.5)  # far below, even 3 standard errors up (0.10 + 0.064)
+    assert not hopeless(0.40, 200, 0.5)  # 0.40 + 3 x 0.035 reaches 0.45: scored on every sample
+    assert hopeless(0.40, 5000, 0.5)  # with many tokens the same shortfall is certain
+    assert not hopeless(0.47, 200, 0.5)  # restoring already
 
 
 @pytest.mark.unit

@@ -297,20 +297,24 @@ class DoctorContext:
                           "(catches a wrong capture, not a wrong target)")
         self.reference, self.reference_source = ref, ref_source
 
-    def live_accuracy(self, slots: Sequence[int], flags: dict[str, bool], steps: int) -> Accuracy:
+    def live_accuracy(self, slots: Sequence[int], flags: dict[str, bool], steps: int,
+                      subset: Sequence[int] | None = None) -> Accuracy:
         """The drafter built with norm ``flags``, fed the live capture's boundaries ``slots`` (in
-        order) and the live target's labels, over ``steps`` draft positions.
+        order) and the live target's labels, over ``steps`` draft positions; on every sample, or
+        on the samples ``subset`` (indices, the search's screening).
 
-        Measured once per (slots, flags): replay on live features, live and the search ask for
-        the same protocol on the same capture, and a shorter ask is the first positions of a
+        Measured once per (slots, flags, subset): replay on live features, live and the search ask
+        for the same protocol on the same capture, and a shorter ask is the first positions of a
         longer run (:meth:`Accuracy.first`); a longer ask than measured runs again."""
         bs = tuple(int(b) for b in slots)
-        key = (bs, tuple(sorted(flags.items())))
+        which = tuple(subset) if subset is not None else None
+        key = (bs, tuple(sorted(flags.items())), which)
         got = self.live_accuracies.get(key)
         if got is None or len(got.accuracy_per_position) < steps:
             cap = self.live_capture()
-            got = accuracy(self.drafter_cache.get(flags), self.sample_set.samples, lambda i: cap.features(i, bs),
-                           cap.argmax, steps)
+            idx = list(which) if which is not None else list(range(len(self.sample_set.samples)))
+            got = accuracy(self.drafter_cache.get(flags), [self.sample_set.samples[i] for i in idx],
+                           lambda j: cap.features(idx[j], bs), [cap.argmax[i] for i in idx], steps)
             self.live_accuracies[key] = got
         return got.first(steps)
 

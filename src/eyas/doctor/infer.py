@@ -34,7 +34,9 @@ a few hundred tokens, but it lowers the likelihood of nearly all of them). With 
 errors rather than 2 or 3.) Otherwise the doctor says it cannot decide, with the top two figures:
 an untrained drafter predicts nothing with any candidate, and two sets the drafter barely tells
 apart stay undecided rather than guessed. Invariant: a decided set is one of the candidates, and
-every candidate was measured on the same tokens with the same drafter.
+every candidate was measured on the same tokens with the same drafter. Candidates far behind on a
+few samples are ruled out there (``SCREEN_SIGMAS``: twice the decision's standard errors), so the
+decision is among the rest, each measured on every sample.
 
 The same rule settles a norm flag that config.json states but nothing says is the trained one (the
 flag speculators' converter writes from its own option, :func:`eyas.interop.speculators.converter_flags`):
@@ -45,14 +47,15 @@ alike at position 0 (:func:`infer_flag`; ``norm_before_residual`` acts at positi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eyas.doctor.samples import Sample
+from eyas.doctor.common import SCREEN_SAMPLES
+from eyas.doctor.samples import Sample, evenly
 from eyas.drafter.model import ConcatKVCache, Eagle3Drafter
 from eyas.drafter.ttt import shift_left, ttt_mask
 from eyas.training.batches import pad_right
@@ -64,6 +67,10 @@ INFER_MIN_TOKENS = 100  # fewer counted tokens cannot separate two candidates
 INFER_MIN_ACCURACY = 0.10  # below this at position 0 with its best set, the drafter reads no set as trained
 INFER_MIN_LEAD = 0.01  # nats of mean log-likelihood per token: a smaller lead is no evidence...
 INFER_SIGMAS = 4.0  # ...nor one within 4 standard errors of the paired difference
+# Screening: with at least 2 x SCREEN_SAMPLES samples every candidate is scored on SCREEN_SAMPLES
+# evenly spaced ones first; one that the best there leads by more than SCREEN_SIGMAS standard errors
+# (and INFER_MIN_LEAD) is ruled out, the others are scored on every sample and decided by the rule.
+SCREEN_SIGMAS = 8.0
 
 
 @dataclass(frozen=True)
@@ -76,10 +83,11 @@ class ScoredSet:
     accuracy: float  # position 0
     tokens: int
     lp: Tensor | None = None  # [tokens] per-token lp, for the paired comparison (not reported)
+    screened_out_on: int | None = None  # ruled out on this many samples (figures measured on them only)
 
     def to_dict(self) -> dict[str, Any]:
         return {"boundaries": self.boundaries, "label": self.label, "log_likelihood": self.log_likelihood,
-                "accuracy": self.accuracy, "tokens": self.tokens}
+                "accuracy": self.accuracy, "tokens": self.tokens, "screened_out_on": self.screened_out_on}
 
 
 @dataclass
@@ -159,11 +167,8 @@ def decide(scored: Sequence[ScoredSet]) -> tuple[ScoredSet | None, float | None,
 def paired_lead(best: ScoredSet, other: ScoredSet) -> tuple[float, float]:
     """``best``'s mean lead in per-token log-likelihood over ``other`` on the same tokens, and the
     lead the rule needs: max(INFER_MIN_LEAD, INFER_SIGMAS x the standard error of the mean)."""
-    if best.lp is None or other.lp is None or best.lp.numel() != other.lp.numel() or best.lp.numel() == 0:
-        return best.log_likelihood - other.log_likelihood, math.inf
-    d = (best.lp - other.lp).double()
-    se = float(d.std()) / math.sqrt(d.numel()) if d.numel() > 1 else math.inf
-    return float(d.mean()), max(INFER_MIN_LEAD, INFER_SIGMAS * se)
+    lead, se = _lead_and_se(best, other)
+    return lead, max(INFER_MIN_LEAD, INFER_SIGMAS * se)
 
 
 @torch.inference_mode()
@@ -187,15 +192,16 @@ def position0(drafter: Eagle3Drafter, samples: Sequence[Sample], features: Calla
         feats = pad_right([features(i) for i in idx]).to(device)
         argmax = pad_right([labels[i] for i in idx]).to(device)
         T = ids.shape[1]
-        out = drafter(shift_left(ids, 1), feats, torch.arange(T, device=device).expand(len(idx), T),
-                      cache=ConcatKVCache(), mask=ttt_mask(T, 0, device), from_target=True)
         target = shift_left(argmax, 1)
         draft_id = to_draft[target]
         counted = shift_left(mask, 2).bool() & (draft_id >= 0)
-        logp = F.log_softmax(out.logits.float(), dim=-1).gather(-1, draft_id.clamp(min=0)[..., None])[..., 0]
-        right = drafter.draft_to_target(out.logits.argmax(-1)) == target
-        lps.append(logp[counted].cpu())
-        rights.append(right[counted].cpu())
+        out = drafter(shift_left(ids, 1), feats, torch.arange(T, device=device).expand(len(idx), T),
+                      cache=ConcatKVCache(), mask=ttt_mask(T, 0, device), from_target=True,
+                      logits_at=counted)  # [N, Vd]: the lm_head only where a token counts
+        logp = F.log_softmax(out.logits.float(), dim=-1).gather(-1, draft_id[counted][:, None])[:, 0]
+        right = drafter.draft_to_target(out.logits.argmax(-1)) == target[counted]
+        lps.append(logp.cpu())
+        rights.append(right.cpu())
     return torch.cat(lps), torch.cat(rights)
 
 
@@ -235,15 +241,45 @@ def infer_boundaries(ctx: DoctorContext) -> BoundaryInference:
     ctx.say(f"deciding the trained boundaries from live accuracy ({len(sets)} candidate sets)")
     cap = ctx.live_capture()
     drafter = ctx.drafter_cache.get(dd.trained_flags)
-    scored = []
-    for bs, label in sets:
-        lp, right = position0(drafter, sset.samples, lambda i, bs=bs: cap.features(i, bs), cap.argmax)
+
+    def score(bs: list[int], label: str, idx: list[int]) -> ScoredSet:
+        lp, right = position0(drafter, [sset.samples[i] for i in idx], lambda j: cap.features(idx[j], bs),
+                              [cap.argmax[i] for i in idx])
         n = int(lp.numel())
-        scored.append(ScoredSet(bs, label, float(lp.double().mean()) if n else -math.inf,
-                                float(right.double().mean()) if n else 0.0, n, lp))
+        return ScoredSet(bs, label, float(lp.double().mean()) if n else -math.inf,
+                         float(right.double().mean()) if n else 0.0, n, lp)
+
+    everything = list(range(len(sset.samples)))
+    ruled_out: list[ScoredSet] = []
+    if len(everything) >= 2 * SCREEN_SAMPLES:
+        screen = evenly(everything, SCREEN_SAMPLES)
+        first = [score(bs, label, screen) for bs, label in sets]
+        top = max(first, key=lambda s: s.log_likelihood)
+        kept = []
+        for (bs, label), s in zip(sets, first):
+            lead, se = _lead_and_se(top, s)
+            if s is not top and lead > max(INFER_MIN_LEAD, SCREEN_SIGMAS * se):
+                ruled_out.append(replace(s, screened_out_on=len(screen), lp=None))
+            else:
+                kept.append((bs, label))
+        sets = kept
+    scored = [score(bs, label, everything) for bs, label in sets]
     best, lead, need, why = decide(scored)
+    if ruled_out:
+        why += (f"; {len(ruled_out)} other candidate sets were ruled out on {SCREEN_SAMPLES} samples (the best "
+                f"there led each by more than {SCREEN_SIGMAS:g} standard errors)")
     scored.sort(key=lambda s: -s.log_likelihood)
-    return BoundaryInference(scored, best.boundaries if best is not None else None, lead, need, why, data)
+    ruled_out.sort(key=lambda s: -s.log_likelihood)
+    return BoundaryInference(scored + ruled_out, best.boundaries if best is not None else None, lead, need, why,
+                             data)
+
+
+def _lead_and_se(best: ScoredSet, other: ScoredSet) -> tuple[float, float]:
+    """``best``'s mean per-token lead in log-likelihood over ``other`` (paired) and its standard error."""
+    if best.lp is None or other.lp is None or best.lp.numel() != other.lp.numel() or best.lp.numel() < 2:
+        return best.log_likelihood - other.log_likelihood, math.inf
+    d = (best.lp - other.lp).double()
+    return float(d.mean()), float(d.std()) / math.sqrt(d.numel())
 
 
 @dataclass
