@@ -416,6 +416,7 @@ def test_the_margin_rule_needs_a_lead_beyond_noise_enough_tokens_and_a_reading_d
     assert decide(few)[0] is None and "tokens counted" in decide(few)[3]
     dead = [scored(s.boundaries, s.lp.tolist(), [0.0] * n) for s in clear]
     assert decide(dead)[0] is None and "poorly" in decide(dead)[3]
+    assert decide(clear[:1])[0] is None and "nothing tells it apart" in decide(clear[:1])[3]  # no runner-up
     # candidates: the bases first, then their one-block shifts; never out of range, never repeated
     sets = [bs for bs, _ in candidate_sets([([2, 6, 9], "default"), ([0, 6, 9], "emb"), (None, "x")], 3, L)]
     assert sets[:2] == [[2, 6, 9], [0, 6, 9]] and [3, 7, 10] in sets and [2, 6, 10] in sets and [1, 6, 9] in sets

@@ -103,8 +103,8 @@ class BoundaryInference:
     data: str = ""  # what the accuracy was measured on
 
     def to_dict(self) -> dict[str, Any]:
-        return {"decided": self.decided, "lead": self.lead, "lead_needed": self.lead_needed, "why": self.why, "data": self.data,
-                "candidates": [c.to_dict() for c in self.candidates]}
+        return {"decided": self.decided, "lead": self.lead, "lead_needed": self.lead_needed, "why": self.why,
+                "data": self.data, "candidates": [c.to_dict() for c in self.candidates]}
 
 
 def candidate_sets(bases: Sequence[tuple[Sequence[int] | None, str]], num_slots: int,
@@ -151,8 +151,8 @@ def decide(scored: Sequence[ScoredSet]) -> tuple[ScoredSet | None, float | None,
         return None, None, None, (f"the drafter predicts the target's next token poorly with every candidate set "
                                   f"(best: {head}; a drafter that read one set as trained reaches at least "
                                   f"{INFER_MIN_ACCURACY:g})")
-    if len(ranked) == 1:
-        return best, None, None, f"{head}; it is the only candidate that fits the drafter"
+    if len(ranked) == 1:  # nothing to hold it against: no evidence that it, rather than another, was trained on
+        return None, None, None, f"{head}; it is the only candidate that fits the drafter, so nothing tells it apart"
     second = ranked[1]
     lead, need = paired_lead(best, second)
     figures = (f"{head}, the runner-up {second.boundaries} ({second.label}) {second.log_likelihood:.3f} (accuracy "
@@ -214,8 +214,8 @@ def data_text(sset: Any) -> str:
 
 def infer_boundaries(ctx: DoctorContext) -> BoundaryInference:
     """Score every candidate set on the live capture (one target pass; the drafter's position 0
-    only, per candidate) and decide by the margin rule. Reads the directory, its engine reading and the samples from ``ctx``; the
-    live capture keeps every candidate's boundaries (``ctx.capture_also``)."""
+    only, per candidate) and decide by the margin rule. Reads the directory, its engine reading and
+    the samples from ``ctx``; the live capture keeps every candidate's boundaries (``ctx.capture_also``)."""
     from eyas.convention.boundaries import default_boundaries
 
     dd, L = ctx.dd, ctx.target.num_blocks

@@ -1,7 +1,8 @@
 """``eyas doctor``: every stage in order, none stopping the others.
 
     target facts -> the drafter directory and the engine's reading -> samples
-    -> (assumed boundaries: decided from live accuracy, eyas.doctor.infer) -> static -> replay -> live -> fingerprint -> search -> verdict -> report (JSON / rich / PNG)
+    -> (assumed boundaries or norm flags: decided from live accuracy, eyas.doctor.infer)
+    -> static -> replay -> live -> fingerprint -> search -> verdict -> report (JSON / rich / PNG)
 
 Each stage is a function of the :class:`~eyas.doctor.context.DoctorContext` that returns its typed
 stage; the one capture pass of the live target runs when replay first asks for it. A stage the

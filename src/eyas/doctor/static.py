@@ -375,7 +375,9 @@ def _check_data(st: Stage, dd: DrafterDir, samples: SampleSet | None) -> None:
 def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
     """The directory as the engine reads it, against the trained boundaries (``ctx.trained``: the
     directory's own, or its training shards' when it has no contract, or those the drafter's live
-    accuracy decided when nothing recorded them, which ``ctx.trained_note`` says), the trained flags, the shapes, the contract and the data, without running anything."""
+    accuracy decided when nothing recorded them, which ``ctx.trained_note`` says), the trained
+    flags, the shapes, the contract and the data, without running the drafter (the live accuracy
+    behind inferred boundaries or flags was measured before the stages, DoctorContext.settle_assumed)."""
     dd, reading, tokenizer, samples = ctx.dd, ctx.served, ctx.tokenizer, ctx.samples
     # (third-party ids whose conventions disagree, none named: the trained boundaries are assumed,
     # which a warning says unless the training shards settle them)
