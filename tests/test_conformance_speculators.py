@@ -250,3 +250,55 @@ def test_the_converter_given_the_ids_keeps_them_and_eyas_reads_them(converted, t
     assert config["eagle_aux_hidden_state_layer_ids"] == [3, 6, 9]
     ckpt = read_checkpoint(tmp_path / "with_ids")
     assert ckpt.boundaries == [3, 6, 9] and not ckpt.meta.boundaries_assumed
+
+
+@pytest.fixture(scope="module")
+def converted_nbr(speculators, tmp_path_factory):
+    """A drafter trained (as its contract says) with norm_before_residual true, exported for SGLang
+    by eyas and converted by speculators as its docs say (no --norm-before-residual)."""
+    from eyas.interop import export_drafter, save_drafter
+
+    root = tmp_path_factory.mktemp("convert_nbr")
+    target = _target(root, num_blocks=12)
+    drafter, contract = _drafter(target, [2, 6, 9], randomise=False, norm_before_residual=True)
+    sg = root / "sglang"
+    export_drafter(save_drafter(drafter, contract, root / "eyas"), "sglang", sg)
+    assert json.loads((sg / "config.json").read_text())["norm_before_residual"] is True
+    return target, sg, root / "converted", _convert(sg, target, root / "converted")
+
+
+def test_the_converter_rewrites_norm_before_residual_and_eyas_says_so(converted_nbr):
+    """speculators' converter writes norm_before_residual from its own option: true in the source,
+    false out. info, import (and the imported directory afterwards) and the doctor name the field,
+    what the converter wrote and the fix, instead of taking false as the trained value."""
+    from typer.testing import CliRunner
+
+    from eyas.cli.main import app
+    from eyas.doctor import run_doctor
+    from eyas.interop import view_engines
+
+    target, _, conv, config = converted_nbr
+    assert config["norm_before_residual"] is False  # what the pinned converter does
+    why = view_engines(conv, 12).flags_assumed["norm_before_residual"]
+    assert "norm_before_residual: false was written by speculators 0.9.0" in why
+    assert 'set "norm_before_residual": true in config.json' in why
+
+    imported = conv.parent / "imported"
+    for args in (["info", str(conv)], ["import", str(conv), "--out", str(imported), "--target", str(target)],
+                 ["info", str(imported)]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0, r.output
+        out = " ".join(r.output.split())
+        assert "norm_before_residual is ASSUMED" in out, (args, r.output)
+        assert "norm_before_residual: false was written by speculators" in out, (args, r.output)
+        assert 'set "norm_before_residual": true' in out, (args, r.output)
+    assert "norm_before_residual" in json.loads((imported / "eyas.json").read_text())["flags_assumed"]
+
+    report = run_doctor(str(target), conv, engine="vllm", samples=2, max_length=32)
+    found = {f.code: f for f in report.stages["static"].findings}
+    flag = found["flag_assumed:norm_before_residual"]
+    assert flag.level == "warn" and flag.field == "norm_before_residual" and flag.found is False
+    assert "was written by speculators" in flag.message and 'set "norm_before_residual": true' in flag.fix
+    assert report.status != "healthy"
+    # eyas's own export states the flag and records it: nothing is assumed there
+    assert view_engines(conv.parent / "eyas").flags_assumed == {}

@@ -211,6 +211,7 @@ def test_embedding_served_as_first_slot_and_last_slot_dropped(world, tmp_path):
     search = r.stages.search.result
     assert search.winner.boundaries == "[2, 6, 9]"
     assert search.winner_accuracy.accuracy_per_position[0] == pytest.approx(replay[0], abs=0.02)
+
     assert (tmp_path / "doctor.png").stat().st_size > 1000
     json.dumps(r.to_dict())  # the whole report is JSON
 
@@ -318,6 +319,111 @@ def test_a_third_party_directory_is_judged_by_its_training_shards(world, tmp_pat
 
 
 # ---------------------------------------------------------------------------------------------
+# No contract, no ids: the conversations decide
+# ---------------------------------------------------------------------------------------------
+
+
+def stripped(world, src, name: str) -> Path:
+    """A copy of a drafter directory with nothing that records its boundaries: no eyas.json, no
+    train_config.json, no eyas_* keys and no layer ids in config.json (a third-party SGLang checkpoint)."""
+    dst = world["root"] / name
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("best", "checkpoints", "*.png", "metrics.jsonl",
+                                                            "eyas.json", "train_config.json"))
+    cfg = json.loads((dst / "config.json").read_text())
+    for key in [k for k in cfg if k.startswith("eyas_") or k == "eagle_aux_hidden_state_layer_ids"]:
+        del cfg[key]
+    cfg.pop("eagle_config", None)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    assert not (dst / "eyas.json").exists()
+    return dst
+
+
+@pytest.mark.integration
+def test_without_contract_or_ids_the_conversations_find_the_trained_boundaries(world):
+    """The drafter trained on [0, 6, 9] (embedding first), stripped of everything that records it:
+    the engines capture the default [2, 6, 9]. Given only the conversations, its live accuracy picks
+    [0, 6, 9] by a clear margin; the verdict rests on that (SGLang's default is wrong for it)."""
+    d = stripped(world, world["emb"], "emb-stripped")
+    r = doctor(world, d, "sglang", "pr25454", data="convs")
+    assert r.draft.trained_boundaries == EMB_TRAINED
+    static = {f.code: f for f in r.stages["static"].findings}
+    assert "boundaries_assumed" not in static and static["boundaries_inferred"].level == "info"
+    assert "inferred from live accuracy" in static["boundaries_inferred"].message
+    inference = r.stages.static.result.trained.inference
+    assert inference.decided == EMB_TRAINED and inference.candidates[0].boundaries == EMB_TRAINED
+    assert inference.lead > inference.lead_needed > 0
+    assert f"{inference.candidates[0].log_likelihood:.3f}" in static["boundaries_inferred"].message  # the figures
+    assert r.stages.static.result.trained.boundaries_source.startswith("live accuracy on conversations")
+    # decided, the verdict is a verdict: SGLang feeds the default [2, 6, 9], the fix writes [0, 6, 9]
+    assert r.status == "unhealthy" and r.unverified is None
+    assert "trained on [0, 6, 9]" in r.cause and "eagle_aux_hidden_state_layer_ids: [0, 6, 9]" in r.fix
+    assert r.stages.search.result.winner.boundaries == "[0, 6, 9]"
+    assert r.to_dict()["static"]["trained"]["inference"]["decided"] == EMB_TRAINED
+
+    # the drafter trained on the default, stripped: the default is found, and it is healthy
+    d = stripped(world, world["base"], "base-stripped")
+    r = doctor(world, d, "sglang", "pr25454", data="convs")
+    assert r.status == "healthy" and r.exit_code == 0, (r.unverified, r.problems)
+    assert r.stages.static.result.trained.inference.decided == TRAINED
+    assert "boundaries_inferred" in {f.code for f in r.stages["static"].findings}
+
+
+@pytest.mark.integration
+def test_without_contract_or_ids_an_untrained_drafter_leaves_the_boundaries_undecided(world):
+    """A drafter that reads no boundary set as trained (untrained, with the trained drafter's draft
+    vocabulary so that enough tokens count): the doctor says it cannot decide and why, with the
+    figures of the top two, and the verdict stays unverified."""
+    from safetensors.torch import load_file
+
+    from eyas.drafter.build import new_drafter
+    from eyas.interop import save_drafter
+
+    drafter, contract = new_drafter(world["model"], world["tok"], [3, 6, 9], draft_vocab_size=512)
+    d2t = load_file(str(world["base"] / "model.safetensors"))["d2t"]
+    drafter.set_vocab_map(torch.arange(d2t.shape[0]) + d2t.long())
+    d = stripped(world, save_drafter(drafter, contract, world["root"] / "untrained"), "untrained-stripped")
+    r = doctor(world, d, "sglang", "pr25454", data="convs")
+    assert r.status == "unverified" and r.exit_code == 3
+    inference = r.stages.static.result.trained.inference
+    assert inference.decided is None and inference.candidates[0].tokens >= 100
+    assumed = next(f for f in r.stages["static"].findings if f.code == "boundaries_assumed")
+    assert "cannot decide" in assumed.message and "predicts the target's next token poorly" in assumed.message
+    assert f"accuracy {inference.candidates[0].accuracy:.3f}" in assumed.message
+    assert "cannot decide" in r.unverified
+
+
+@pytest.mark.unit
+def test_the_margin_rule_needs_a_lead_beyond_noise_enough_tokens_and_a_reading_drafter():
+    from eyas.doctor.infer import INFER_MIN_TOKENS, ScoredSet, candidate_sets, decide
+
+    def scored(bs, lp, right):
+        lp, right = torch.tensor(lp, dtype=torch.float64), torch.tensor(right, dtype=torch.float64)
+        return ScoredSet(bs, str(bs), float(lp.mean()), float(right.mean()), lp.numel(), lp)
+
+    n = 400
+    g = torch.Generator().manual_seed(0)
+    base = (-3 + torch.randn(n, generator=g)).tolist()
+    right = [1.0] * (n // 2) + [0.0] * (n - n // 2)
+    clear = [scored([2, 6, 9], base, right), scored([2, 6, 10], [x - 0.1 for x in base], right)]
+    best, lead, need, why = decide(clear)
+    assert best is not None and best.boundaries == [2, 6, 9] and lead == pytest.approx(0.1) and need == 0.01
+    noisy = [scored([2, 6, 9], base, right),
+             scored([2, 6, 10], [x - 0.1 + float(e) for x, e in zip(base, torch.randn(n, generator=g) * 3)], right)]
+    best, lead, need, why = decide(noisy)
+    assert best is None and lead < need and why.startswith("no clear winner") and "[2, 6, 10]" in why
+    few = [scored(s.boundaries, s.lp[: INFER_MIN_TOKENS - 1].tolist(), right[: INFER_MIN_TOKENS - 1]) for s in clear]
+    assert decide(few)[0] is None and "tokens counted" in decide(few)[3]
+    dead = [scored(s.boundaries, s.lp.tolist(), [0.0] * n) for s in clear]
+    assert decide(dead)[0] is None and "poorly" in decide(dead)[3]
+    assert decide(clear[:1])[0] is None and "nothing tells it apart" in decide(clear[:1])[3]  # no runner-up
+    # candidates: the bases first, then their one-block shifts; never out of range, never repeated
+    sets = [bs for bs, _ in candidate_sets([([2, 6, 9], "default"), ([0, 6, 9], "emb"), (None, "x")], 3, L)]
+    assert sets[:2] == [[2, 6, 9], [0, 6, 9]] and [3, 7, 10] in sets and [2, 6, 10] in sets and [1, 6, 9] in sets
+    assert len(sets) == len({tuple(s) for s in sets}) and all(0 <= b <= L for s in sets for b in s)
+
+
+# ---------------------------------------------------------------------------------------------
 # Norm flags
 # ---------------------------------------------------------------------------------------------
 
@@ -339,6 +445,43 @@ def test_norm_before_fc_missing_still_serves_right_in_eyas_with_a_warning(world)
     r = doctor(world, d, "eyas", data="convs")
     assert r.healthy  # eyas reads eyas.json
     assert any("does not state norm_before_fc" in w for w in r.warnings)
+
+
+def _as_converted(world, tmp_path, norm_before_residual: bool) -> Path:
+    """The base drafter (trained with norm_before_residual false) as speculators' converter writes
+    it: speculators format, its top-level ids kept, no eyas.json or eyas_* keys, speculators_version,
+    and norm_before_residual from the converter's option."""
+    from eyas.interop import export_drafter
+
+    d = tmp_path / f"converted-{norm_before_residual}"
+    export_drafter(world["base"], "vllm", d)
+    (d / "eyas.json").unlink()
+    cfg = json.loads((d / "config.json").read_text())
+    for key in [k for k in cfg if k.startswith("eyas_")]:
+        del cfg[key]
+    cfg.update(speculators_version="0.9.0", norm_before_residual=norm_before_residual)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.integration
+def test_a_norm_flag_the_converter_chose_is_settled_by_live_accuracy(world, tmp_path):
+    """norm_before_residual in a converted directory is the converter's choice, not a record: the
+    doctor measures the drafter with it as written and toggled. Written wrong (true for a drafter
+    trained with false), the measured value is the trained one and vLLM's reading fails with the
+    edit; written right, the measurement confirms it."""
+    r = doctor(world, _as_converted(world, tmp_path, True), "vllm", data="convs")
+    assert not r.healthy and "flag:norm_before_residual" in codes(r, "static")
+    fi = r.stages.static.result.trained.flag_inferences["norm_before_residual"]
+    assert fi.written is True and fi.decided is False
+    assert r.stages.static.result.trained.flags["norm_before_residual"] is False
+    assert "norm_before_residual=false inferred from live accuracy" in r.cause
+    assert r.fix.endswith('set "norm_before_residual": false')
+    r = doctor(world, _as_converted(world, tmp_path, False), "vllm", data="convs")
+    assert r.healthy, (r.cause, r.problems)
+    confirmed = [f for f in r.stages["static"].findings if f.code == "flag_confirmed:norm_before_residual"]
+    assert len(confirmed) == 1 and "confirms it" in confirmed[0].message
+    assert not [f for f in r.stages["static"].findings if f.code.startswith("flag_assumed")]
 
 
 @pytest.mark.integration
@@ -419,6 +562,34 @@ def test_a_changed_middle_block_is_named_as_a_warning_when_acceptance_holds(worl
 
 
 @pytest.mark.integration
+def test_a_changed_embedding_and_final_norm_are_named_as_a_warning_when_acceptance_holds(world):
+    """The embedding and the final norm scaled by 1% (the weights fingerprint changes, every block is
+    the same): a modified copy of the training target, named in a warning, and the verdict rests on the
+    measured acceptance; another seed (every part differs) stays target_mismatch
+    (test_another_checkpoint_of_the_same_shape)."""
+    from transformers import AutoModelForCausalLM
+
+    changed = world["root"] / "target-emb-norm"
+    if not changed.exists():
+        shutil.copytree(world["target"], changed)
+        model = AutoModelForCausalLM.from_pretrained(changed, dtype=torch.float32)
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(1.01)
+            model.model.norm.weight.mul_(1.01)
+        model.save_pretrained(changed)
+    r = doctor(world, world["base"], "vllm", target=changed)
+    static = r.stages["static"].findings
+    warn = [f for f in static if f.code == "target_changed"]
+    assert len(warn) == 1 and warn[0].level == "warn" and warn[0].field == "target.weights"
+    assert warn[0].found == "the embedding and the final norm differ"
+    assert "2 of its 15 parts" in warn[0].message and "not another model" in warn[0].message
+    assert "target_mismatch" not in codes(r, "static")
+    assert r.healthy, (r.cause, r.problems)
+    assert r.stages.live.result.accuracy.accuracy_per_position[0] == pytest.approx(
+        r.stages.replay.result.training.accuracy_per_position[0], abs=0.05)
+
+
+@pytest.mark.integration
 def test_chat_template_without_the_training_system_prompt(world):
     tmpl = world["root"] / "target-no-system"
     if not tmpl.exists():
@@ -490,6 +661,39 @@ def test_search_candidates_cover_the_plausible_protocols():
     # the trained protocol comes first when it is known
     first = candidates([1, 5, 8], flags, L, TRAINED, dict(flags, norm_before_fc=True), None)[0]
     assert first.kind == "trained" and first.slots == (2, 6, 9) and dict(first.flags)["norm_before_fc"]
+
+
+@pytest.mark.integration
+def test_the_full_search_screens_hopeless_candidates_on_a_few_samples(world, monkeypatch):
+    """Without the trained protocol to decide it at once, the search scores every candidate: those
+    hopeless on 4 of the 16 samples are ruled out there, and the outcome (which candidates restore,
+    the winner) is the one scoring every candidate on every sample gives."""
+    import eyas.doctor.search as search
+
+    every = search.candidates
+    monkeypatch.setattr(search, "candidates", lambda *a: [p for p in every(*a) if p.kind != "trained"])
+    d = served_copy(world, "base", "screened", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 6]))
+    screened = doctor(world, d, "vllm").stages.search.result
+    monkeypatch.setattr(search, "SCREEN_SAMPLES", 1000)  # no screening
+    full = doctor(world, d, "vllm").stages.search.result
+    out = [c for c in screened.candidates if c.screened_out_on is not None]
+    assert out and all(c.screened_out_on == 4 and not c.restores for c in out)
+    assert not any(c.screened_out_on for c in full.candidates)
+    assert {c.protocol.key() for c in screened.candidates if c.restores} == \
+        {c.protocol.key() for c in full.candidates if c.restores}
+    assert screened.winner.protocol.key() == full.winner.protocol.key()
+    assert screened.winner.screened_out_on is None and screened.winner.score == full.winner.score
+
+
+@pytest.mark.unit
+def test_search_screening_rules_out_only_what_noise_cannot_save():
+    from eyas.doctor.search import hopeless
+
+    # the replay scores 0.5: restoring needs 0.45 (short_by: 3 points or 10 %)
+    assert hopeless(0.10, 200, 0.5)  # far below, even 3 standard errors up (0.10 + 0.064)
+    assert not hopeless(0.40, 200, 0.5)  # 0.40 + 3 x 0.035 reaches 0.45: scored on every sample
+    assert hopeless(0.40, 5000, 0.5)  # with many tokens the same shortfall is certain
+    assert not hopeless(0.47, 200, 0.5)  # restoring already
 
 
 @pytest.mark.unit

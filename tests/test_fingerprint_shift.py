@@ -132,3 +132,33 @@ def _with(st) -> DoctorStages:
     stages = DoctorStages()
     stages.fingerprint = st
     return stages
+
+
+@pytest.mark.unit
+def test_trace_names_a_shifted_slot_with_the_fingerprint_stages_match():
+    """`eyas trace` holds each slot with the same resemblance: a slot fed boundary 2 whose training
+    statistics (recorded as boundary 2: the record itself is wrong) match boundary 3 is off, inside the
+    thresholds, and named with the distances; fed the recorded boundary within noise, it warns."""
+    from eyas.doctor.trace import slot_findings, slot_row
+
+    live = live_target()
+    reference = training(live, [3, 6, 9])
+    recorded_as_2 = fp(2, reference[0].rms_mean, tuple(reference[0].channel_means))
+    row = slot_row(0, 2, None, [2, 6, 9], live[2], recorded_as_2, live, L)
+    assert not row.boundary_mismatch and not row.comparison.off  # the old checks saw nothing
+    assert row.shifted and row.off and row.match.trained_matches == 3 and row.looks_like == 2
+    problems, warnings = slot_findings(row, L)
+    assert len(problems) == 1 and "inside the z and ratio thresholds" in problems[0]
+    assert "slot 0 looks like boundary 2 (output of block 1)" in problems[0]
+    assert "nearest boundary 3 (output of block 2)" in problems[0] and f"{row.match.d_trained_match:.3g}" in problems[0]
+    assert row.verdict.startswith("OFF: shifted") and row.to_dict()["shifted"] is True
+    # fed the boundary its statistics match: nothing to say
+    ok = slot_row(0, 3, None, [3, 6, 9], live[3], reference[0], live, L)
+    assert not ok.shifted and not ok.off and slot_findings(ok, L) == ([], [])
+    # fed the recorded boundary, leaning within noise towards a neighbour: a warning, not a problem
+    flat = live_target(flat=(6, 7))
+    ref7 = fp(7, flat[6].rms_mean * 0.99, tuple(flat[6].channel_means))  # recorded 7, statistics nearer 6
+    lean = slot_row(1, 7, None, [3, 7, 9], flat[7], ref7, flat, L)
+    assert lean.match.shifted and not lean.shifted and lean.shift_within_noise_of_record and not lean.off
+    problems, warnings = slot_findings(lean, L)
+    assert problems == [] and len(warnings) == 1 and "this request cannot confirm slot 1" in warnings[0]

@@ -147,6 +147,36 @@ def test_a_changed_middle_block_is_named_behind_an_identical_embedding():
 
 
 @pytest.mark.unit
+def test_a_changed_embedding_or_final_norm_is_a_modified_copy_not_another_model():
+    """The embedding or the final norm retouched (the fingerprint changes): at most half of the parts
+    differ, so the comparison names them under target.weights (advisory) instead of failing on the
+    fingerprint; beyond half of the parts, or another seed, it is another model."""
+    from eyas.targets import changed_count, modified_copy
+    from tests.support.tiny import tiny_model
+
+    base = target_identity(tiny_model(num_blocks=6))
+    model = tiny_model(num_blocks=6)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(1.01)
+        model.model.norm.weight.mul_(1.01)
+    retouched = target_identity(model)
+    assert retouched.fingerprint != base.fingerprint and modified_copy(base, retouched)
+    assert changed_count(base, retouched) == (2, 9)  # embedding, 6 blocks, final norm, lm_head
+    mm = eyas.contract.compare(_contract(base), _contract(retouched))
+    assert [(m.field, m.found) for m in mm] == [("target.weights", "the embedding and the final norm differ")]
+    assert "target.weights" in eyas.contract.contract.ADVISORY_FIELDS
+    # the embedding and 4 of the 6 blocks: 5 of 9 parts, more than half: another model
+    many = _perturbed([0, 1, 2, 3])
+    with torch.no_grad():
+        many.model.embed_tokens.weight.mul_(1.01)
+    other = target_identity(many)
+    assert changed_count(base, other) == (5, 9) and not modified_copy(base, other)
+    assert [m.field for m in eyas.contract.compare(_contract(base), _contract(other))] == ["target.fingerprint"]
+    # another shape is never a modified copy
+    assert not modified_copy(base, base.model_copy(update={"hidden_size": base.hidden_size * 2}))
+
+
+@pytest.mark.unit
 def test_identical_targets_compare_equal_in_fp32_and_bf16():
     from eyas.targets import changed_parts, weights_sample
     from tests.support.tiny import tiny_model

@@ -57,7 +57,8 @@ def engine_table(view: Any) -> Table:
 
 def assumed_lines(view: Any, asked: Any) -> list[str]:
     """What ``info`` and ``import`` say about third-party ids: each convention's reading where they
-    differ, and that the trained boundaries are assumed (or read by the named convention, ``asked``)."""
+    differ, and that the trained boundaries are assumed (or read by the named convention, ``asked``);
+    and each norm flag a converter chose rather than read (``flags_assumed``), with the fix."""
     from eyas.interop.servers.sglang import readings_text
 
     lines = []
@@ -71,6 +72,8 @@ def assumed_lines(view: Any, asked: Any) -> list[str]:
     elif asked is not None:
         lines.append(f"[yellow]--ids-convention {asked.value} not used: {view.boundaries_source} says the "
                      f"boundaries[/]")
+    for flag, why in getattr(view, "flags_assumed", {}).items():
+        lines.append(f"[bold yellow]{flag} is ASSUMED[/]: {why}")
     return lines
 
 

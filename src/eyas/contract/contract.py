@@ -16,10 +16,12 @@ from pydantic import BaseModel, ConfigDict, model_serializer
 
 from eyas import __version__
 # The target's identity lives with the targets (floor 2); the contract stores it and re-exports it.
-from eyas.targets.identity import (  # noqa: F401 (target_identity, weights_fingerprint: re-exported)
+from eyas.targets.identity import (  # noqa: F401 (target_identity, weights_fingerprint, changed_count: re-exported)
     TargetIdentity,
+    changed_count,
     changed_parts,
     describe_changes,
+    modified_copy,
     target_identity,
     weights_fingerprint,
 )
@@ -189,14 +191,20 @@ def _get(obj: Any, dotted: str) -> Any:
 def compare(expected: Contract, found: Contract, fields: Iterable[str] = CHECKED_FIELDS) -> list[Mismatch]:
     """Every field where ``found`` disagrees with ``expected``. A section missing on either side
     (e.g. no tokenisation recorded for a bare target, no ``target.weights`` in an older eyas.json)
-    is unknown, not a mismatch. ``target.weights`` is compared part by part, when the fingerprint
-    agrees: its mismatch names the parts that differ (``found`` e.g. "blocks 20 to 22 differ")."""
+    is unknown, not a mismatch. ``target.weights`` is compared part by part: its mismatch names
+    the parts that differ (``found`` e.g. "blocks 20 to 22 differ"). A target that is the recorded
+    one with some parts changed (:func:`~eyas.targets.identity.modified_copy`: at most half of the
+    parts differ) gets that mismatch alone, even when the embedding or final norm changed and so
+    the fingerprint; another model (more parts differ, or no per-part record) gets the fingerprint's."""
     out = []
+    modified = modified_copy(expected.target, found.target)
     for f in fields:
-        if f == "target.weights":  # only behind an equal fingerprint: else that binding mismatch says it
+        if f == "target.weights":  # behind an equal fingerprint, or a modified copy: else the fingerprint says it
             parts = changed_parts(expected.target, found.target)
-            if parts and expected.target.fingerprint == found.target.fingerprint:
+            if parts and (expected.target.fingerprint == found.target.fingerprint or modified):
                 out.append(Mismatch(f, "the same sampled weights", describe_changes(parts)))
+            continue
+        if f == "target.fingerprint" and modified:  # the embedding or final norm changed: target.weights names it
             continue
         e, v = _get(expected, f), _get(found, f)
         if e is _ABSENT or v is _ABSENT or e is None or v is None:
@@ -221,12 +229,13 @@ class ContractError(EyasError, ValueError):
 # decides where generation stops, not which hidden states the drafter sees (the chat template renders
 # the end-of-turn token itself and is checked by its sha256), and tokenizer readers disagree on it
 # across versions: transformers 5.17 reads SmolLM2's GGUF eos as '<|im_start|>', 5.24 as '<|im_end|>'.
-# Changed weights behind an unchanged embedding (a merged LoRA, a fine-tune with frozen embeddings)
-# may or may not move the hidden states the drafter reads: measured acceptance decides (eyas doctor).
+# Changed weights of the recorded target (a merged LoRA, a fine-tune with frozen embeddings, a retouched
+# embedding or final norm; at most half of its parts) may or may not move the hidden states the
+# drafter reads: measured acceptance decides (eyas doctor).
 ADVISORY_NOTES: dict[str, str] = {
     "tokenisation.eos_token": "generation stops at another token than in training; the drafter's inputs are unaffected",
-    "target.weights": "the target's weights differ from those recorded, behind the same embedding; `eyas doctor` "
-                      "measures whether the drafter's acceptance holds",
+    "target.weights": "some of the target's weights differ from those recorded (at most half of its parts); "
+                      "`eyas doctor` measures whether the drafter's acceptance holds",
 }
 ADVISORY_FIELDS: frozenset[str] = frozenset(ADVISORY_NOTES)
 

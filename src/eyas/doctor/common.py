@@ -52,6 +52,12 @@ SEPARATION_MARGIN = 1.0
 # Search: the first SEARCH_POSITIONS draft positions are scored (position 0 sees the target's
 # features, position 1 the drafter's own fed-back state: together they exercise every norm flag).
 SEARCH_POSITIONS = 2
+# Search screening: a candidate is first scored on SCREEN_SAMPLES evenly spaced samples (when there
+# are at least twice as many); it is ruled out, unscored on the rest, when even SCREEN_SIGMAS binomial
+# standard errors above its screening score it stays short of the replay (short_by). A candidate that
+# could restore is never ruled out by noise: SCREEN_SIGMAS = 3 leaves it about 1 chance in 700.
+SCREEN_SAMPLES = 4
+SCREEN_SIGMAS = 3.0
 
 FAIL, WARN, INFO, OK = "fail", "warn", "info", "ok"
 PASS, SKIPPED = "pass", "skipped"

@@ -17,7 +17,11 @@ Invariants the stages rely on:
 - the live target runs once (:meth:`DoctorContext.live_capture`, on the first measuring stage's
   request): boundaries 0..L+1 of every sample, their fingerprint statistics, and the labels;
 - one drafter is built per set of norm flags (:class:`DrafterCache`): replay, live and every
-  search candidate with the same flags share it.
+  search candidate with the same flags share it;
+- boundaries that nothing recorded settles (assumed, and no training shards of the drafter's slot
+  count) are decided from live accuracy before any stage runs (:meth:`DoctorContext.settle_assumed`,
+  :mod:`eyas.doctor.infer`): decided, ``trained`` is the winner and ``trained_note`` says so with
+  the figures; undecided, they stay assumed and ``inference.why`` says why.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from eyas.contract.contract import SlotFingerprint, ValidationMetrics
 from eyas.doctor.capture import LiveCapture, capture_all
 from eyas.doctor.common import FAIL, STAGES, DoctorStages, Finding, Stage
 from eyas.doctor.evaluate import Accuracy, accuracy
+from eyas.doctor.infer import BoundaryInference, FlagInference, data_text, infer_boundaries, infer_flag
 from eyas.interop import DrafterDir, build_drafter
 from eyas.interop.servers import EngineReading
 from eyas.doctor.samples import SampleSet
@@ -163,8 +168,12 @@ class DoctorContext:
     # -- the data (load_data) -------------------------------------------------------------------------
     samples: SampleSet | None = None
     trained: list[int] = field(default_factory=list)  # the boundaries the drafter was trained on
-    trained_note: str | None = None  # set when they come from the training shards, not the directory
+    trained_note: str | None = None  # set when they come from the training shards or live accuracy, not the directory
     blocker: Blocker | None = None
+    # assumed boundaries, decided (or not) from live accuracy (settle_assumed); None when not tried
+    inference: BoundaryInference | None = None
+    capture_also: set[int] = field(default_factory=set)  # more boundaries the live capture keeps
+    flag_inferences: dict[str, FlagInference] = field(default_factory=dict)  # assumed norm flags, decided or not
     # -- the live target (live_capture) ---------------------------------------------------------------
     capture: LiveCapture | None = None
     reference: list[SlotFingerprint] | None = None  # the training fingerprint, one per trained slot
@@ -208,6 +217,45 @@ class DoctorContext:
             why = data_error or "no samples"
             self.blocker = Blocker("replay", why, Finding(FAIL, "data", why), "no samples to evaluate on")
 
+    @property
+    def boundaries_unsettled(self) -> bool:
+        """The trained boundaries are an assumption that nothing recorded here settles (no eyas.json
+        boundaries, ids the conventions read differently, no training shards of the slot count)."""
+        return bool(self.drafter_dir is not None and self.drafter_dir.meta.boundaries_assumed
+                    and self.trained_note is None)
+
+    def settle_assumed(self) -> None:
+        """Decide unsettled boundaries from the drafter's live accuracy on the samples
+        (:func:`eyas.doctor.infer.infer_boundaries`); a clear winner becomes the trained boundaries.
+        Then each norm flag the directory states without evidence (``meta.flags_assumed``) on the
+        trained boundaries (:func:`eyas.doctor.infer.infer_flag`): a clear winner other than the
+        written value becomes the trained flag (``dd.trained``, its source saying so)."""
+        if self.blocker is not None or self.samples is None:
+            return
+        self._settle_boundaries()
+        dd = self.dd
+        for flag in dd.meta.flags_assumed:
+            fi = infer_flag(self, flag, self.trained)
+            self.flag_inferences[flag] = fi
+            if fi.decided is not None and fi.decided != fi.written:
+                dd.trained = dd.trained.model_copy(update={flag: fi.decided})
+                dd.trained_source += (f"; {flag}={str(fi.decided).lower()} inferred from live accuracy on "
+                                      f"{data_text(self.sample_set)}: {fi.why}")
+
+    def _settle_boundaries(self) -> None:
+        if not self.boundaries_unsettled:
+            return
+        inf = infer_boundaries(self)
+        self.inference = inf
+        if inf.decided is None or self.loaded.misfits(self.dd.trained.target_hidden_size, self.dd.trained.vocab_size,
+                                                      inf.decided):
+            return
+        self.trained = list(inf.decided)
+        self.trained_note = (f"no recorded boundaries ({self.dd.meta.boundaries_assumed}); inferred from live "
+                             f"accuracy on {inf.data}: {inf.why}")
+        if self.capture is not None:
+            self._set_reference(self.capture)
+
     def blocked(self, name: str) -> Stage | None:
         """The stage ``name`` as the blocker leaves it (failed or skipped); None when it may run."""
         b = self.blocker
@@ -232,30 +280,41 @@ class DoctorContext:
         ref, ref_source = reference_fingerprint(dd, sset, self.trained)
         self.say(f"capturing boundaries 0..{L} of the target on {len(sset.samples)} samples")
         near = set(self.trained) | set(self.served.boundaries or [])
-        keep = near | {b + d for b in near for d in (-1, 1)} | {0, L - 3, L - 1, L, L + 1}
+        keep = near | {b + d for b in near for d in (-1, 1)} | {0, L - 3, L - 1, L, L + 1} | self.capture_also
         cap = capture_all(self.model, sset.samples, capture_dtype(dd, sset), ref[0].channels if ref else None,
                           keep=keep)
+        self.capture = cap
+        self._set_reference(cap)
+        return cap
+
+    def _set_reference(self, cap: LiveCapture) -> None:
+        """The training fingerprint of the trained slots; without one recorded, the live target's
+        trained boundaries on these samples."""
+        ref, ref_source = reference_fingerprint(self.dd, self.sample_set, self.trained)
         if ref is None:
             ref = [cap.stats[b] for b in self.trained]
             ref_source = ("no training fingerprint recorded: the live target's trained boundaries on these samples "
                           "(catches a wrong capture, not a wrong target)")
-        self.capture, self.reference, self.reference_source = cap, ref, ref_source
-        return cap
+        self.reference, self.reference_source = ref, ref_source
 
-    def live_accuracy(self, slots: Sequence[int], flags: dict[str, bool], steps: int) -> Accuracy:
+    def live_accuracy(self, slots: Sequence[int], flags: dict[str, bool], steps: int,
+                      subset: Sequence[int] | None = None) -> Accuracy:
         """The drafter built with norm ``flags``, fed the live capture's boundaries ``slots`` (in
-        order) and the live target's labels, over ``steps`` draft positions.
+        order) and the live target's labels, over ``steps`` draft positions; on every sample, or
+        on the samples ``subset`` (indices, the search's screening).
 
-        Measured once per (slots, flags): replay on live features, live and the search ask for
-        the same protocol on the same capture, and a shorter ask is the first positions of a
+        Measured once per (slots, flags, subset): replay on live features, live and the search ask
+        for the same protocol on the same capture, and a shorter ask is the first positions of a
         longer run (:meth:`Accuracy.first`); a longer ask than measured runs again."""
         bs = tuple(int(b) for b in slots)
-        key = (bs, tuple(sorted(flags.items())))
+        which = tuple(subset) if subset is not None else None
+        key = (bs, tuple(sorted(flags.items())), which)
         got = self.live_accuracies.get(key)
         if got is None or len(got.accuracy_per_position) < steps:
             cap = self.live_capture()
-            got = accuracy(self.drafter_cache.get(flags), self.sample_set.samples, lambda i: cap.features(i, bs),
-                           cap.argmax, steps)
+            idx = list(which) if which is not None else list(range(len(self.sample_set.samples)))
+            got = accuracy(self.drafter_cache.get(flags), [self.sample_set.samples[i] for i in idx],
+                           lambda j: cap.features(idx[j], bs), [cap.argmax[i] for i in idx], steps)
             self.live_accuracies[key] = got
         return got.first(steps)
 

@@ -245,7 +245,8 @@ def render(report: DoctorReport, console: Any) -> None:
             for c in ("protocol", "boundaries", "score", "restores"):
                 t.add_column(c)
             for r in search.candidates[:8]:
-                t.add_row(e(r.protocol.label), e(r.boundaries), f"{r.score:.3f}", "[green]yes[/]" if r.restores else "no")
+                t.add_row(e(r.protocol.label), e(r.boundaries), f"{r.score:.3f}", "[green]yes[/]" if r.restores else
+                          f"no (ruled out on {r.screened_out_on} samples)" if r.screened_out_on else "no")
             console.print(t)
 
     if report.healthy:

@@ -1,6 +1,7 @@
 """``eyas doctor``: every stage in order, none stopping the others.
 
     target facts -> the drafter directory and the engine's reading -> samples
+    -> (assumed boundaries or norm flags: decided from live accuracy, eyas.doctor.infer)
     -> static -> replay -> live -> fingerprint -> search -> verdict -> report (JSON / rich / PNG)
 
 Each stage is a function of the :class:`~eyas.doctor.context.DoctorContext` that returns its typed
@@ -120,6 +121,7 @@ def _run(target: str | None, draft: str | Path, data: str | None, engine: str, s
         embedding=find_embedding(loaded.model).weight, say=log or (lambda m: None))
     if _open_directory(ctx, ids_convention):
         _load_data(ctx)
+        ctx.settle_assumed()  # boundaries nothing recorded settles: decided from live accuracy, or said why not
     for stage_name, stage in STAGE_FUNCTIONS:
         ctx.stages[stage_name] = ctx.blocked(stage_name) or stage(ctx)
     return _report(ctx, png, t0)

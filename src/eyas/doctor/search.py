@@ -15,7 +15,10 @@ plausible way the two sides can disagree is tried on the live capture of the sam
 
 Each candidate is scored by its mean accuracy over the first two draft positions (position 0
 reads the target's features, position 1 the drafter's fed-back state, so every flag shows); it
-restores when it is no further below the replay than a healthy live would be. The trained
+restores when it is no further below the replay than a healthy live would be. Candidates are
+screened first on a few samples (:class:`_Scorer`): one that cannot restore even allowing for
+the noise of so few tokens is ruled out there, so the worst case (nothing restores) costs about a
+quarter of scoring every candidate on every sample. The trained
 protocol wins when it restores, and then the search stops there (it is tried first; the other
 candidates could not change the winner); otherwise the best restoring candidate.
 
@@ -28,12 +31,15 @@ position is reused when it was already made.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from eyas.doctor.common import NORM_FLAGS, OK, SEARCH_POSITIONS, WARN, Stage, short_by, slots_text
+from eyas.doctor.common import (NORM_FLAGS, OK, SCREEN_SAMPLES, SCREEN_SIGMAS, SEARCH_POSITIONS, WARN, Stage, short_by,
+                               slots_text)
 from eyas.doctor.evaluate import Accuracy
 from eyas.doctor.fingerprint import nearest
+from eyas.doctor.samples import evenly
 
 if TYPE_CHECKING:
     from eyas.doctor.context import DoctorContext
@@ -116,11 +122,13 @@ class ScoredProtocol:
     score: float  # mean accuracy over the first positions_scored draft positions
     accuracy_per_position: list[float]  # those first positions
     restores: bool  # no further below the replay than a healthy live would be
+    screened_out_on: int | None = None  # ruled out on this many samples (score measured on them only)
 
     def to_dict(self) -> dict[str, Any]:
         p = self.protocol
         return {"label": p.label, "kind": p.kind, "boundaries": self.boundaries, "flags": p.flag_dict,
-                "score": self.score, "accuracy_per_position": self.accuracy_per_position, "restores": self.restores}
+                "score": self.score, "accuracy_per_position": self.accuracy_per_position, "restores": self.restores,
+                "screened_out_on": self.screened_out_on}
 
 
 @dataclass
@@ -141,21 +149,43 @@ class SearchResult:
         return d
 
 
+def hopeless(screen_score: float, tokens: int, reference: float) -> bool:
+    """Whether a candidate scoring ``screen_score`` over ``tokens`` screening tokens cannot restore
+    the ``reference``: even ``SCREEN_SIGMAS`` binomial standard errors higher it is short of it."""
+    se = math.sqrt(max(screen_score * (1 - screen_score), 1e-4) / max(tokens, 1))
+    return short_by(min(1.0, screen_score + SCREEN_SIGMAS * se), reference)
+
+
 class _Scorer:
     """Scores protocols on the live capture: the drafter built with the protocol's flags, fed the
-    protocol's slots of the same samples, over the first ``positions`` draft positions."""
+    protocol's slots of the same samples, over the first ``positions`` draft positions.
+
+    Screening: with at least 2 x SCREEN_SAMPLES samples, a candidate other than the trained one is
+    first scored on SCREEN_SAMPLES evenly spaced samples and, when :func:`hopeless`, ruled out
+    there (its row says on how many samples); the others are scored on every sample. Only a
+    candidate scored on every sample can restore."""
 
     def __init__(self, ctx: DoctorContext, positions: int, reference: float) -> None:
         self.ctx, self.positions, self.reference = ctx, positions, reference
         self.scored: list[ScoredProtocol] = []
+        n = len(ctx.sample_set.samples)
+        self.screen = tuple(evenly(range(n), SCREEN_SAMPLES)) if n >= 2 * SCREEN_SAMPLES else None
 
     def accuracy(self, p: Protocol, positions: int) -> Accuracy:
         return self.ctx.live_accuracy(p.slots, p.flag_dict, positions)  # the replay's run, for the trained protocol
 
     def run(self, p: Protocol) -> ScoredProtocol:
+        L = self.ctx.target.num_blocks
+        if self.screen is not None and p.kind != "trained":
+            a = self.ctx.live_accuracy(p.slots, p.flag_dict, self.positions, subset=self.screen)
+            score = a.score(self.positions)
+            if hopeless(score, a.tokens_counted, self.reference):
+                row = ScoredProtocol(p, slots_text(p.slots, L), score, a.accuracy_per_position, False, len(self.screen))
+                self.scored.append(row)
+                return row
         a = self.accuracy(p, self.positions)
         score = a.score(self.positions)
-        row = ScoredProtocol(p, slots_text(p.slots, self.ctx.target.num_blocks), score, a.accuracy_per_position,
+        row = ScoredProtocol(p, slots_text(p.slots, L), score, a.accuracy_per_position,
                              not short_by(score, self.reference))
         self.scored.append(row)
         return row

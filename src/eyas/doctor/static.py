@@ -22,12 +22,14 @@ from eyas.contract.contract import (
     ADVISORY_FIELDS,
     Contract,
     TargetIdentity,
+    changed_count,
     changed_parts,
     compare,
     describe_changes,
     tokenisation_of,
 )
 from eyas.doctor.common import FAIL, INFO, NORM_FLAGS, OK, WARN, Edit, Stage, boundary_name
+from eyas.doctor.infer import BoundaryInference, FlagInference
 from eyas.doctor.samples import SampleSet
 from eyas.interop import servers
 from eyas.interop.common import CONFIG_JSON, EYAS_JSON
@@ -62,10 +64,15 @@ class TrainedView:
     boundaries_source: str
     flags: dict[str, bool]
     flags_source: str
+    inference: BoundaryInference | None = None  # assumed boundaries, decided (or not) from live accuracy
+    flag_inferences: dict[str, FlagInference] | None = None  # assumed norm flags, decided (or not) likewise
 
     def to_dict(self) -> dict[str, Any]:
+        inf = {"inference": self.inference.to_dict()} if self.inference is not None else {}
+        if self.flag_inferences:
+            inf["flag_inferences"] = {k: v.to_dict() for k, v in self.flag_inferences.items()}
         return {"boundaries": self.boundaries, "boundaries_source": self.boundaries_source, "flags": self.flags,
-                "flags_source": self.flags_source}
+                "flags_source": self.flags_source, **inf}
 
 
 @dataclass
@@ -168,7 +175,10 @@ def _check_boundaries(st: Stage, dd: DrafterDir, r: EngineReading, L: int, train
                    edits=boundary_edits(dd, o, trained, L)[0] if agnostic is not None else [])
 
 
-def _check_flags(st: Stage, dd: DrafterDir, r: EngineReading) -> None:
+def _check_flags(st: Stage, dd: DrafterDir, r: EngineReading, inferred: dict[str, FlagInference]) -> None:
+    """Each norm flag the engine builds with against the trained one (``dd.trained``: eyas.json, else
+    config.json and the weights, with any flag the drafter's live prediction settled otherwise,
+    ``inferred``); flags a converter chose are confirmed, or warned about as assumed."""
     if not r.flags:
         return
     for flag in NORM_FLAGS:
@@ -192,9 +202,26 @@ def _check_flags(st: Stage, dd: DrafterDir, r: EngineReading) -> None:
                    f"config.json does not state {flag}: {r.label} reads {str(served).lower()}, as trained, but loaders "
                    f"disagree on absent flags (vLLM's speculators loader reads an absent norm_before_residual as true); "
                    f"write it explicitly", field=flag, expected=trained, found=None, edits=[flag_edit(flag, trained)])
+    for flag, why in dd.meta.flags_assumed.items():
+        fi = inferred.get(flag)
+        written = bool(dd.config.get(flag, False)) if flag in dd.config else r.flags[flag]
+        if fi is not None and fi.decided is not None and fi.decided == written:
+            st.add(INFO, f"flag_confirmed:{flag}", f"{flag}={str(written).lower()} as config.json says, though a "
+                   f"converter chose it ({why}); the drafter's live prediction confirms it: {fi.why}",
+                   field=flag, expected=written, found=written)
+        elif fi is None or fi.decided is None:
+            tried = (f"; the drafter's live prediction cannot decide: {fi.why}" if fi is not None
+                     else "; give the doctor conversations (--data) to measure it")
+            st.add(WARN, f"flag_assumed:{flag}", f"{flag}={str(written).lower()} is assumed, not known to be the "
+                   f"trained value: {why}{tried}", field=flag, expected=None, found=written,
+                   fix=f"if the drafter was trained with {flag}={str(not written).lower()}, set \"{flag}\": "
+                       f"{str(not written).lower()} in {dd.path / CONFIG_JSON}")
+        # decided otherwise: dd.trained holds the measured value, and the comparison above fails on it
+    unsettled = [f for f in dd.meta.flags_assumed if inferred.get(f) is None or inferred[f].decided is None]
     if all(r.flags[f] == getattr(dd.trained, f) for f in NORM_FLAGS):
         st.add(OK, "flags", f"{r.label} builds the drafter with the trained norm flags "
-               + ", ".join(f"{f}={str(r.flags[f]).lower()}" for f in NORM_FLAGS))
+               + ", ".join(f"{f}={str(r.flags[f]).lower()}" for f in NORM_FLAGS)
+               + (f" ({', '.join(unsettled)} as assumed above)" if unsettled else ""))
 
 
 def _check_shapes(st: Stage, dd: DrafterDir, r: EngineReading, H: int, V: int) -> None:
@@ -276,12 +303,19 @@ def _check_contract(st: Stage, dd: DrafterDir, identity: TargetIdentity, tokeniz
         st.add(FAIL, "target_mismatch", f"{m}: the target is {what}{named}, not the one the drafter was trained for",
                field=m.field, expected=m.expected, found=m.found, fix=_retrain_fix(c))
     if weights_mm and not target_mm:
-        # Same embedding and final norm, other weights behind them (a merged LoRA, a fine-tune that froze
-        # the embeddings): the drafter may still read the target well, so measured acceptance decides.
+        # The recorded target with some parts changed (a merged LoRA, a fine-tune that froze the embeddings,
+        # a retouched embedding or final norm: at most half of the parts, contract.modified_copy): the
+        # drafter may still read the target well, so measured acceptance decides.
         m = weights_mm[0]
+        counts = changed_count(c.target, identity)
+        share = f"{counts[0]} of its {counts[1]} parts" if counts else "some parts"
+        same_fp = identity.fingerprint == c.target.fingerprint
+        behind = (f"the embedding and final norm match, fingerprint {c.target.fingerprint}" if same_fp else
+                  f"weights fingerprint {identity.fingerprint}, recorded {c.target.fingerprint}: the embedding "
+                  f"or final norm changed, but {share} is a modified copy of the recorded target, not another model")
         st.add(WARN, "target_changed", f"the target's weights differ from those the drafter was trained for: "
-               f"{m.found} (the embedding and final norm match, fingerprint {c.target.fingerprint}); the verdict "
-               f"rests on the measured acceptance", field=m.field, expected=m.expected, found=m.found)
+               f"{m.found} ({share}; {behind}); the verdict rests on the measured acceptance",
+               field=m.field, expected=m.expected, found=m.found)
     elif c.target.weights is None and not target_mm:
         st.add(INFO, "target_blocks_unrecorded", "the contract records no per-block weights sample (an eyas.json "
                "written before it): only the embedding and the final norm are compared")
@@ -374,8 +408,10 @@ def _check_data(st: Stage, dd: DrafterDir, samples: SampleSet | None) -> None:
 
 def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
     """The directory as the engine reads it, against the trained boundaries (``ctx.trained``: the
-    directory's own, or its training shards' when it has no contract, which ``ctx.trained_note``
-    says), the trained flags, the shapes, the contract and the data, without running anything."""
+    directory's own, or its training shards' when it has no contract, or those the drafter's live
+    accuracy decided when nothing recorded them, which ``ctx.trained_note`` says), the trained
+    flags, the shapes, the contract and the data, without running the drafter (the live accuracy
+    behind inferred boundaries or flags was measured before the stages, DoctorContext.settle_assumed)."""
     dd, reading, tokenizer, samples = ctx.dd, ctx.served, ctx.tokenizer, ctx.samples
     # (third-party ids whose conventions disagree, none named: the trained boundaries are assumed,
     # which a warning says unless the training shards settle them)
@@ -384,16 +420,23 @@ def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
     st: Stage[StaticResult] = Stage("static")
     for p in dd.problems:
         st.add(WARN, "checkpoint", p)
-    if trained_note:
+    inference = ctx.inference
+    inferred = inference is not None and inference.decided is not None and trained == inference.decided
+    if inferred:
+        assert inference is not None
+        st.add(INFO, "boundaries_inferred", trained_note or "", field="boundaries", found=trained)
+    elif trained_note:
         st.add(INFO, "trained_from_shards", trained_note)
     elif dd.meta.boundaries_assumed:  # nothing here settles what the ids meant: never call them verified
+        tried = (f"; the drafter's live accuracy on {inference.data} cannot decide between the candidate boundary "
+                 f"sets: {inference.why}" if inference is not None else "")
         st.add(WARN, "boundaries_assumed", f"the trained boundaries {trained} are assumed, not recorded: "
-               f"{dd.meta.boundaries_assumed}; what settles it: the training shards (--data) or an eyas.json "
-               f"(a conversations file does not: without the training statistics or accuracy there is no "
-               f"reference to hold each candidate boundary set against)")
-    source = "the training shards" if trained_note else dd.meta.boundaries_source
+               f"{dd.meta.boundaries_assumed}{tried}; what settles it: the training shards (--data), an eyas.json, "
+               f"or conversations (--data) on which the drafter's live accuracy clearly prefers one boundary set")
+    source = (f"live accuracy on {inference.data}" if inferred and inference is not None
+              else "the training shards" if trained_note else dd.meta.boundaries_source)
     _check_boundaries(st, dd, reading, L, trained, source)
-    _check_flags(st, dd, reading)
+    _check_flags(st, dd, reading, ctx.flag_inferences)
     _check_shapes(st, dd, reading, H, V)
     drift = _check_contract(st, dd, ctx.loaded.identity, tokenizer, samples)  # weights hashed once per run
     _check_data(st, dd, samples)
@@ -401,7 +444,8 @@ def static_stage(ctx: DoctorContext) -> Stage[StaticResult]:
     for spec, rule in servers.readings():
         o = read_as(spec.name, dd, L, rule)
         captures[o.label] = o.boundaries if o.loadable else f"cannot load: {o.why_not}"
-    st.result = StaticResult(engine=reading, trained=TrainedView(trained, source, dd.trained_flags, dd.trained_source),
+    st.result = StaticResult(engine=reading, trained=TrainedView(trained, source, dd.trained_flags, dd.trained_source,
+                                                                 inference, dict(ctx.flag_inferences)),
                              captures=captures, layout=dd.layout, format=dd.meta.format, system_prompt_drift=drift)
     fails = st.failures()
     return st.settle(f"{len(fails)} problem(s): " + "; ".join(f.code for f in fails) if fails

@@ -35,8 +35,12 @@ first) against the training fingerprint with the doctor's comparison and thresho
 (:func:`eyas.doctor.fingerprint.compare_slot`), and names what each slot resembles with the
 doctor's resemblance (:func:`eyas.doctor.fingerprint.nearest` over every boundary of the live
 target on the same tokens). A slot is off when it is fed another boundary than it was trained on,
-when its RMS is off (|z| > 3 or a ratio outside [0.8, 1.25]), or when its channel means are off
-and it does not match its trained boundary of the live target either. One request is not the
+when its RMS is off (|z| > 3 or a ratio outside [0.8, 1.25]), when its channel means are off
+and it does not match its trained boundary of the live target either, or when it is **shifted**
+by the fingerprint stage's rule (:func:`eyas.doctor.fingerprint.match_slot`): it looks like
+another live boundary than the one its training statistics are nearest to, beyond the noise of
+the match or away from the boundary training recorded (a one-block shift at depth stays inside the
+thresholds); fed the recorded boundary and leaning within noise to a neighbour, it is a warning. One request is not the
 training data: its channel means move with its text (SmolLM2-135M, boundary 27, "Why is the sky
 blue?": a shift of 0.83 x RMS with the right capture), while the RMS scale hardly does; a channel
 shift of a slot that is what it should be is a warning.
@@ -62,7 +66,7 @@ from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract.contract import SlotFingerprint
 from eyas.doctor.common import NORM_FLAGS, boundary_name, jsonable, slot_label
 from eyas.doctor.context import TargetFacts
-from eyas.doctor.fingerprint import SlotComparison, compare_slot, nearest
+from eyas.doctor.fingerprint import SlotComparison, SlotMatch, compare_slot, match_slot, nearest, shift_text
 from eyas.engine.observe import RoundObserver
 from eyas.errors import EyasError
 
@@ -423,6 +427,26 @@ class SlotRow:
     trained_matches: int | str | None  # the live boundary the reference is nearest to (slot_label)
     trained_matches_name: str | None
     order_mismatch: bool  # a slot order was recovered and this chunk does not hold the captured boundary
+    # the fingerprint stage's resemblance (eyas.doctor.fingerprint.match_slot): observed and training
+    # statistics against every live boundary on the same tokens, with the distances; None without them
+    match: SlotMatch | None = None
+
+    @property
+    def shifted(self) -> bool:
+        """Fed another boundary than its training statistics match, beyond the noise of the match
+        or away from the boundary training recorded (the fingerprint stage's rule): off even inside
+        the z and ratio thresholds, where a one-block shift at depth stays."""
+        m = self.match
+        if m is None or not m.shifted:
+            return False
+        return not (m.shift_within_noise and self.reference is not None
+                    and self.served_boundary == self.reference.boundary)
+
+    @property
+    def shift_within_noise_of_record(self) -> bool:
+        """Fed the boundary training recorded, its statistics leaning within noise to a neighbour: a warning."""
+        m = self.match
+        return m is not None and m.shifted and not self.shifted
 
     @property
     def boundary_mismatch(self) -> bool:
@@ -459,7 +483,8 @@ class SlotRow:
 
     @property
     def off(self) -> bool:
-        return bool(self.rms_off) or self.channel_fails or self.boundary_mismatch or self.order_mismatch
+        return (bool(self.rms_off) or self.channel_fails or self.boundary_mismatch or self.order_mismatch
+                or self.shifted)
 
     @property
     def verdict(self) -> str:
@@ -472,6 +497,9 @@ class SlotRow:
             if self.fingerprint_off:
                 parts.append(f"looks like {self.looks_like_name}" if self.looks_like is not None
                              else "statistics off the training fingerprint")
+            if self.shifted and not self.fingerprint_off:
+                parts.append(f"shifted: looks like {self.looks_like_name}, its training statistics match "
+                             f"{self.trained_matches_name}")
             return "OFF: " + "; ".join(parts)
         if not self.tokens_observed:
             return "not checked (the drafter read nothing)"
@@ -492,6 +520,8 @@ class SlotRow:
                 "looks_like": self.looks_like, "looks_like_name": self.looks_like_name,
                 "trained_matches": self.trained_matches, "trained_matches_name": self.trained_matches_name,
                 "rms_off": self.rms_off, "channel_off": self.channel_off, "order_mismatch": self.order_mismatch,
+                "shifted": self.shifted, "shift_within_noise_of_record": self.shift_within_noise_of_record,
+                **({"match": self.match.to_dict()} if self.match is not None else {}),
                 "off": self.off, "verdict": self.verdict}
 
 
@@ -501,8 +531,12 @@ def slot_row(i: int, served: int, order: list[int | None] | None, trained: list[
     """Slot ``i``'s row; what it and its reference resemble is named from ``live`` (every boundary
     of the live target on the same tokens) when given."""
     L = num_blocks
-    looks = nearest(observed, live)[0] if live is not None and observed is not None else None
-    should = nearest(reference, live)[0] if live is not None and reference is not None else None
+    match = match_slot(observed, reference, live) if (live and observed is not None and reference is not None) \
+        else None
+    looks = (match.looks_like if match is not None else
+             nearest(observed, live)[0] if live is not None and observed is not None else None)
+    should = (match.trained_matches if match is not None else
+              nearest(reference, live)[0] if live is not None and reference is not None else None)
     observed_boundary = order[i] if order is not None and i < len(order) else None
     return SlotRow(
         slot=i, served_boundary=served, observed_boundary=observed_boundary,
@@ -512,12 +546,14 @@ def slot_row(i: int, served: int, order: list[int | None] | None, trained: list[
         looks_like=slot_label(looks, L) if looks is not None else None,
         looks_like_name=boundary_name(looks, L) if looks is not None else None,
         trained_matches=slot_label(should, L) if should is not None else None,
-        trained_matches_name=boundary_name(should, L) if should is not None else None)
+        trained_matches_name=boundary_name(should, L) if should is not None else None, match=match)
 
 
 def slot_findings(row: SlotRow, num_blocks: int) -> tuple[list[str], list[str]]:
     """(problems, warnings) of one slot: its statistics off (or only its channel means, on a slot
-    that is what it should be: a warning), and another boundary than trained."""
+    that is what it should be: a warning); inside the thresholds, shifted (a problem naming both
+    boundaries with the distances) or leaning within noise from its recorded boundary (a warning);
+    and another boundary than trained."""
     L, i = num_blocks, row.slot
     problems: list[str] = []
     warnings: list[str] = []
@@ -534,6 +570,14 @@ def slot_findings(row: SlotRow, num_blocks: int) -> tuple[list[str], list[str]]:
         warnings.append(f"slot {i}: channel means {c.channel_z:.2f} x RMS away from training on this "
                         f"request (its text, not the capture: the slot matches {row.looks_like_name}, "
                         f"the trained one, of the live target on the same tokens)")
+    statistics_off = c is not None and o is not None and r is not None and (row.rms_off or row.channel_fails)
+    if row.match is not None and row.shifted and not statistics_off:  # inside the thresholds: resemblance names it
+        problems.append(f"slot {i} is fed another boundary than its training statistics match, inside the z and "
+                        f"ratio thresholds: {shift_text(i, row.match, L)}")
+    if row.match is not None and row.shift_within_noise_of_record and not statistics_off and not row.channel_off:
+        # (a channel shift already says this request's text moved the statistics)
+        warnings.append(f"slot {i} is fed {boundary_name(row.served_boundary, L)}, the boundary training recorded "
+                        f"for it; {shift_text(i, row.match, L)}: this request cannot confirm slot {i}")
     if row.boundary_mismatch:
         assert row.trained_boundary is not None
         problems.append(f"slot {i} is fed {boundary_name(row.served_boundary, L)} but was trained on "

@@ -1,16 +1,17 @@
 """Stage 6, verdict: healthy, unverified or not healthy; the cause in one sentence, and the fix.
 
-Healthy means no stage failed (warnings are listed, they do not fail) and the trained boundaries
-are known. Unverified means nothing failed but the trained boundaries are an assumption that no
-evidence here settled (no eyas.json, no training shards; ids that mean different boundaries to
-different tools, or no ids at all): unknown is not healthy. Otherwise the cause is the
-most fundamental failure, in this order: the directory cannot be read or loaded by the engine; the
-target is not the one trained for; shapes and vocabularies do not fit; the engine captures other
-boundaries; it builds the drafter with other norm flags; the chat template differs; then what only
-the measurements show (a protocol the search found, replay short of training, live short of replay,
-a slot off its fingerprint or fed another boundary than its training statistics match). The fix is
-the set of config edits, in the chosen engine's convention, that every config-fixable failure needs
-(boundaries and flags together when both are wrong), or the fix in words when no edit can help.
+Healthy means no stage failed (warnings are listed, they do not fail) and the trained boundaries are
+known. Unverified means nothing failed but the trained boundaries are an assumption that no evidence
+here settled (no eyas.json, no training shards, no clear winner of the drafter's live accuracy on the
+samples; ids that mean different boundaries to different tools, or no ids at all): unknown is not
+healthy. Boundaries decided by live accuracy (:mod:`eyas.doctor.infer`) are known. Otherwise the cause
+is the most fundamental failure, in this order: the directory cannot be read or loaded by the engine;
+the target is not the one trained for; shapes and vocabularies do not fit; the engine captures other
+boundaries; it builds the drafter with other norm flags; the chat template differs; then what only the
+measurements show (a protocol the search found, replay short of training, live short of replay, a slot
+off its fingerprint or fed another boundary than its training statistics match). The fix is the set of
+config edits, in the chosen engine's convention, that every config-fixable failure needs (boundaries and
+flags together when both are wrong), or the fix in words when no edit can help.
 """
 
 from __future__ import annotations
@@ -106,9 +107,10 @@ def verdict(stages: DoctorStages, dd: DrafterDir | None, reading: EngineReading 
         if assumed is not None:
             out.healthy = False
             out.unverified = (f"{assumed.message}. Every check passed against those boundaries, but no evidence here "
-                              f"says the drafter was trained on them: give the doctor its training shards (--data) "
-                              f"or a directory with an eyas.json, or name the ids' convention (--ids-convention) if "
-                              f"you know it")
+                              f"says the drafter was trained on them: give the doctor its training shards (--data), "
+                              f"a directory with an eyas.json, or conversations (--data) on which the drafter's "
+                              f"live accuracy clearly prefers one boundary set, or name the ids' convention "
+                              f"(--ids-convention) if you know it")
         return out
     static_fails = sorted(stages.static.failures(), key=_rank)
     label = reading.label if reading is not None else "the engine"

@@ -181,7 +181,7 @@ class MidLayer(nn.Module):
 
 @dataclass
 class DraftOutput:
-    logits: Tensor  # [B, T, draft_vocab_size]
+    logits: Tensor  # [B, T, draft_vocab_size]; [N, draft_vocab_size] at the N positions of ``logits_at``
     hidden: Tensor  # [B, T, H]: the state to feed back (pre-norm unless norm_output)
 
 
@@ -258,6 +258,7 @@ class Eagle3Drafter(nn.Module):
         cache_slots: Tensor | None = None,  # [T] where this step's K/V go in a KVCache
         mask: Tensor | None = None,  # bool [B or 1, 1, T, T or max_len], True = may attend
         from_target: bool | None = None,  # None: decided by the width of `hidden`
+        logits_at: Tensor | None = None,  # bool [B, T]: the lm_head only there (evaluation that reads a few)
     ) -> DraftOutput:
         cfg = self.config
         if from_target is None:
@@ -281,7 +282,8 @@ class Eagle3Drafter(nn.Module):
         cos, sin = self.rope(position_ids, hidden.dtype)
         h = self.midlayer(embeds, hidden, cos, sin, mask, cache, cache_slots)
         normed = self.norm(h)
-        return DraftOutput(logits=self.lm_head(normed), hidden=normed if cfg.norm_output else h)
+        logits = self.lm_head(normed if logits_at is None else normed[logits_at])
+        return DraftOutput(logits=logits, hidden=normed if cfg.norm_output else h)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         cfg = self.config

@@ -75,11 +75,13 @@ def export_drafter(
     bs, L = ckpt.boundaries, ckpt.num_target_blocks
     written = write_checkpoint(
         out_dir, ckpt.config, ckpt.tensors, bs, L, ckpt.contract, spec.layout, sglang_rule, speculative_tokens,
-        verifier=verifier, boundaries_assumed=ckpt.meta.boundaries_assumed,
+        verifier=verifier, boundaries_assumed=ckpt.meta.boundaries_assumed, flags_assumed=ckpt.meta.flags_assumed,
     )
     notes: list[str] = list(written.notes)
     if ckpt.meta.boundaries_assumed:
         notes.append(f"the boundaries {bs} are assumed, not recorded: {ckpt.meta.boundaries_assumed}")
+    for flag, why in ckpt.meta.flags_assumed.items():
+        notes.append(f"{flag}={str(getattr(ckpt.config, flag)).lower()} is assumed: {why}")
     for note in written.notes:
         warnings.warn(note, stacklevel=2)
     check = spec.rule_check(bs, L if L is not None else max(bs), written.ids_written, written.sglang_rule)
@@ -153,7 +155,7 @@ def import_drafter(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".importing", dir=out.parent))
     try:
         write_checkpoint(tmp, ckpt.config, ckpt.tensors, ckpt.boundaries, L, contract, layout="eyas",
-                         boundaries_assumed=ckpt.meta.boundaries_assumed)
+                         boundaries_assumed=ckpt.meta.boundaries_assumed, flags_assumed=ckpt.meta.flags_assumed)
         read_checkpoint(tmp)  # every check, on the files as written
         view_engines(tmp, require_blocks=True)  # and every engine's reading of them
         if out.exists():  # each file replaced atomically, once all of them are known good

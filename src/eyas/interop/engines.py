@@ -88,6 +88,7 @@ class EngineView:
     boundaries_assumed: str | None = None  # why the trained boundaries are only assumed (None: the directory says)
     id_readings: dict[str, list[int] | str] = field(default_factory=dict)  # each convention's reading, where they differ
     ids_convention: str | None = None  # the convention third-party nested ids were read by, where several apply
+    flags_assumed: dict[str, str] = field(default_factory=dict)  # norm flags not known to be the trained ones -> why
 
     @property
     def engines(self) -> dict[str, list[int] | None]:
@@ -112,6 +113,7 @@ class EngineView:
             "boundaries_assumed_why": self.boundaries_assumed,
             "ids_convention": self.ids_convention,
             "id_readings": dict(self.id_readings),
+            "flags_assumed": dict(self.flags_assumed),
         }
 
 
@@ -140,4 +142,5 @@ def view_engines(path: str | Path, num_target_blocks: int | None = None,
         boundaries_source=meta.boundaries_source, num_target_blocks=L, ids=ids,
         readings=readings, contract=meta.contract, boundaries_assumed=meta.boundaries_assumed,
         id_readings=dict(meta.id_readings), ids_convention=meta.ids_convention,
+        flags_assumed=dict(meta.flags_assumed),
     )

@@ -87,6 +87,10 @@ class Meta:
     # why it cannot read them); empty otherwise
     id_readings: dict[str, list[int] | str] = field(default_factory=dict)
     ids_convention: str | None = None  # the convention third-party ids were read by, where several apply
+    # Norm flags config.json states that are not known to be the trained ones (a converter's own
+    # choice, speculators.converter_flags; or eyas.json's record of an import of such a directory):
+    # flag -> why; empty when the directory says
+    flags_assumed: dict[str, str] = field(default_factory=dict)
 
 
 def _directory(path: str | Path) -> Path:
@@ -208,7 +212,12 @@ def read_meta(
             raise CheckpointError(f"{source}: {e}") from None
 
     fmt = str(eyas.get("format", "eyas")) if eyas is not None else layout
-    return Meta(d, config, layout, fmt, eyas, drafter_config, contract, L, bs, source, assumed, readings, convention)
+    if eyas is not None:  # an import of a directory whose flags were assumed says so for good
+        flags_assumed = {str(k): str(v) for k, v in (eyas.get("flags_assumed") or {}).items()}
+    else:
+        flags_assumed = speculators.converter_flags(config, str(cfile)) if layout == "speculators" else {}
+    return Meta(d, config, layout, fmt, eyas, drafter_config, contract, L, bs, source, assumed, readings, convention,
+                flags_assumed)
 
 
 PASS_BLOCKS = "pass the target or its number of decoder blocks (CLI: --target T or --num-target-blocks N)"
@@ -446,6 +455,7 @@ def write_checkpoint(
     verifier: str | None = None,
     boundaries_assumed: str | None = None,
     max_file_bytes: int | None = None,
+    flags_assumed: dict[str, str] | None = None,
 ) -> WrittenCheckpoint:
     """Write a drafter directory in ``layout`` ("eyas", "sglang" or "speculators"), ``eyas.json``
     included (weights in shards of at most ``max_file_bytes`` when given and needed); ``sglang_rule``
@@ -453,7 +463,8 @@ def write_checkpoint(
     written for; ``verifier`` the target model a speculators config names (default: from the
     contract, see :meth:`~eyas.interop.servers.vllm.VLLMServer.write_config`);
     ``boundaries_assumed`` (why) is recorded in ``eyas.json`` when the boundaries are an assumption
-    (an import of ambiguous ids), so that every later reading still says so."""
+    (an import of ambiguous ids), so that every later reading still says so; ``flags_assumed``
+    (flag -> why) likewise for norm flags a converter chose (:attr:`Meta.flags_assumed`)."""
     if layout != "eyas" and layout not in LAYOUTS:
         raise CheckpointError(f"layout: expected 'eyas', 'sglang' or 'speculators', found {layout!r}")
     # config.json comes from the engine the layout is for (eyas writes SGLang's, eyas.json beside it)
@@ -495,6 +506,8 @@ def write_checkpoint(
         eyas_json["sglang_rule"] = written.rule
     if boundaries_assumed:
         eyas_json["boundaries_assumed"] = boundaries_assumed
+    if flags_assumed:
+        eyas_json["flags_assumed"] = dict(flags_assumed)
     out = prepare_out_dir(out_dir)
     # Each file is replaced atomically; the three together are not (an interrupted overwrite can
     # mix generations, which the checks on load against eyas.json report).

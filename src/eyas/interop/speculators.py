@@ -132,6 +132,28 @@ def verifier_num_blocks(config: dict[str, Any]) -> int | None:
     return int(n) if isinstance(n, int) else None
 
 
+CONVERTER_FLAG = "norm_before_residual"  # the flag `speculators convert` writes from its own option
+
+
+def converter_flags(config: dict[str, Any], where: str) -> dict[str, str]:
+    """Norm flags of a config.json that speculators wrote (``speculators_version``) without eyas's
+    record, which are what its converter chose rather than what the drafter was trained with:
+    flag -> why. The pinned converter (``speculators convert --algorithm eagle3``, 0.9.0) writes
+    ``norm_before_residual`` from its own ``--norm-before-residual`` option (default false) and
+    never reads the source checkpoint's value, so a drafter trained with it true comes out false;
+    the other flags it carries over (or they are proved by the weights)."""
+    version = config.get("speculators_version")
+    if not version or any(str(k).startswith("eyas_") for k in config):
+        return {}
+    value = bool(config.get(CONVERTER_FLAG, False))
+    return {CONVERTER_FLAG: (
+        f"{where}: {CONVERTER_FLAG}: {str(value).lower()} was written by speculators {version} "
+        f"(speculators_version), whose converter sets it from its own --norm-before-residual option (default "
+        f"false) and never reads the source checkpoint's value; if the drafter was trained with {CONVERTER_FLAG} "
+        f"{str(not value).lower()} (its source config.json says), vLLM builds it wrong: set \"{CONVERTER_FLAG}\": "
+        f"{str(not value).lower()} in config.json, or convert again with the option that writes it")}
+
+
 def config_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     """DrafterConfig fields except num_slots (which the fc weight decides) and the norm flags (which
     the serving engine's defaults complete); draft_vocab_size may be None (then the lm_head decides)."""

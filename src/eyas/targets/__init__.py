@@ -4,8 +4,10 @@
 from eyas.targets.identity import (
     TargetIdentity,
     WeightsSample,
+    changed_count,
     changed_parts,
     describe_changes,
+    modified_copy,
     target_identity,
     weights_fingerprint,
     weights_sample,
@@ -24,6 +26,6 @@ from eyas.targets.loading import (
 from eyas.targets.placement import PlacementError, resolve_device, resolve_dtype
 
 __all__ = ["EMBEDDED", "LoadedTarget", "PlacementError", "TargetIdentity", "TargetNotFound", "TargetSource",
-           "WeightsSample", "changed_parts", "describe_changes", "load_target", "load_tokenizer", "resolve_device",
-           "resolve_dtype", "resolve_target", "smollm2_gguf", "target_for", "target_identity", "weights_fingerprint",
-           "weights_sample"]
+           "WeightsSample", "changed_count", "changed_parts", "describe_changes", "load_target", "load_tokenizer",
+           "modified_copy", "resolve_device", "resolve_dtype", "resolve_target", "smollm2_gguf", "target_for",
+           "target_identity", "weights_fingerprint", "weights_sample"]

@@ -11,6 +11,12 @@ Two hashes of the weights are kept:
   else), each over a strided sample of every tensor in the part. It names what changed when the
   embedding did not, e.g. a merged LoRA or a fine-tune that froze the embeddings:
   :func:`changed_parts` and :func:`describe_changes` say "blocks 20 to 22 differ".
+
+A changed ``fingerprint`` alone does not make another model: a fine-tune that touched the embedding
+or the final norm changes it too. :func:`modified_copy` tells the two apart with the per-part
+record: the same model, modified, when the shapes agree and at most ``MAX_CHANGED_FRACTION`` of
+its parts (embedding, each block, final norm, lm_head, the rest) differ; another model when more
+do, or when either side has no per-part record (then the fingerprint is all there is).
 """
 
 from __future__ import annotations
@@ -172,6 +178,35 @@ def changed_parts(expected: TargetIdentity, found: TargetIdentity) -> list[str] 
     out += ["the lm_head"] if a.lm_head != b.lm_head else []
     out += ["other weights"] if a.other != b.other else []
     return out
+
+
+# At most this fraction of the parts may differ for a target to count as the recorded one, modified
+# (a merged LoRA, a fine-tune of some blocks, a retouched embedding or final norm); beyond it (another
+# seed, a full fine-tune, another model of the same shape) it is another checkpoint.
+MAX_CHANGED_FRACTION = 0.5
+
+
+def changed_count(expected: TargetIdentity, found: TargetIdentity) -> tuple[int, int] | None:
+    """(parts whose sampled weights differ, parts in all), each block one part; None when the
+    per-part records cannot be compared (see :func:`changed_parts`)."""
+    a, b = expected.weights, found.weights
+    if a is None or b is None or a.method != b.method or len(a.blocks) != len(b.blocks):
+        return None
+    pairs = [(a.embedding, b.embedding), *zip(a.blocks, b.blocks), (a.final_norm, b.final_norm),
+             (a.lm_head, b.lm_head), (a.other, b.other)]
+    pairs = [(x, y) for x, y in pairs if x is not None or y is not None]
+    return sum(x != y for x, y in pairs), len(pairs)
+
+
+def modified_copy(expected: TargetIdentity, found: TargetIdentity) -> bool:
+    """Whether ``found`` is the recorded target with some of its weights changed (the module
+    docstring): same architecture and shape, comparable per-part records, and at most
+    ``MAX_CHANGED_FRACTION`` of the parts differ (none differing counts too)."""
+    shape = ("architecture", "num_blocks", "hidden_size", "vocab_size")
+    if any(getattr(expected, f) != getattr(found, f) for f in shape):
+        return False
+    counts = changed_count(expected, found)
+    return counts is not None and counts[0] <= MAX_CHANGED_FRACTION * counts[1]
 
 
 def describe_changes(parts: list[str]) -> str:
