@@ -8,7 +8,8 @@ Order (each step only when the previous passed, or with ``--force``):
    boundaries, norm flags, shapes, vocabularies) and the contract against the live target (weights
    fingerprint, shape, chat template, special tokens);
 3. the contract check of the loader (``eyas.interop.load_drafter``), which raises on a mismatch;
-4. the engine's target (``eyas.engine.build_target``) and, on a GPU, its warm-up.
+4. the engine's target (``eyas.engine.build_target``) and, on a GPU, its warm-up and the
+   drafter's for the served tree (one short greedy generation).
 
 A failed check refuses to start: :class:`Preflight` lists every failed field with the expected and
 found value and the fix (a config edit, or the words of one), and the CLI exits 1. With ``--force``
@@ -155,6 +156,14 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", force: bool 
         engine_target.warmup()
     if spec_tree is None:  # --tree auto: timed on this hardware, calibrated on the first MT-bench prompts
         spec_tree = auto_tree(engine_target, drafter, loaded, contract, log)
+    if getattr(engine_target, "cuda_graphs", False):
+        # The drafter's steps for this tree are compiled and captured at their first greedy round:
+        # do it now, so that no request pays seconds for it.
+        from eyas.engine import speculative_generate
+
+        log(f"compiling the drafter's steps for tree {spec_tree.depth},{spec_tree.top_k},{spec_tree.total_tokens}")
+        speculative_generate(engine_target, drafter, loaded.tokenizer.encode("Hello"), tree=spec_tree,
+                             max_new_tokens=2 * spec_tree.depth + 2)
     recorded = read_contract(draft_path)
     prediction = prediction_from_metrics(recorded.metrics if recorded is not None else None,
                                          f"{draft_path}/eyas.json contract.metrics")
