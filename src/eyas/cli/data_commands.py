@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 from rich.table import Table
 
-from eyas.cli.common import TARGET_HELP, console, err
+from eyas.cli.common import TARGET_DEVICES_HELP, TARGET_HELP, console, err
 from eyas.cli.common import fail as _fail
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
@@ -27,12 +27,13 @@ if TYPE_CHECKING:
 SYSTEM_HELP = "'template_default' (the conversation's own, else the template's), 'none', or the prompt text"
 
 
-def _load(target: str, device: str, target_dtype: str) -> LoadedTarget:
-    """The LoadedTarget for ``--target``, ``--device`` and ``--target-dtype`` (rules in
-    eyas.targets.placement: under torchrun each process takes its own GPU)."""
+def _load(target: str, device: str, target_dtype: str, target_devices: str | None = None) -> LoadedTarget:
+    """The LoadedTarget for ``--target``, ``--device``, ``--target-dtype`` and ``--target-devices``
+    (rules in eyas.targets.placement and eyas.targets.split: under torchrun each process takes its
+    own GPU; a split target replaces --device)."""
     from eyas.targets import load_target
 
-    return _run(load_target, target, dtype=target_dtype, device=device)
+    return _run(load_target, target, dtype=target_dtype, device=device, target_devices=target_devices)
 
 
 def _read(path: Path) -> Any:
@@ -91,6 +92,7 @@ def regenerate_cmd(
     cache: str = typer.Option("auto", help="KV cache: static (compiled decode step on CUDA) | dynamic | "
                                            "auto (static on CUDA)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N"),
+    target_devices: Optional[str] = typer.Option(None, help=TARGET_DEVICES_HELP),
     target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
@@ -108,7 +110,7 @@ def regenerate_cmd(
                    max_prompt_tokens=max_prompt_tokens, max_turns=max_turns, loops=loops,
                    sort_by_length=sort_by_length, cache=cache, progress=not json_out)
     read = _read(prompts)
-    loaded = _load(target, device, target_dtype)
+    loaded = _load(target, device, target_dtype, target_devices)
     model, tokenizer, src = loaded.model, loaded.tokenizer, loaded.name
     s = _run(regenerate, model, tokenizer, read.conversations, options, source=str(src))
     report = {"command": "regenerate", "target": str(src), "prompts": str(prompts), **s.to_dict(),
@@ -147,6 +149,7 @@ def capture_cmd(
     shard_tokens: Optional[int] = typer.Option(None, help="also cap a shard at this many tokens"),
     system_prompt: str = typer.Option("template_default", help=SYSTEM_HELP),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N (torchrun: cuda:LOCAL_RANK)"),
+    target_devices: Optional[str] = typer.Option(None, help=TARGET_DEVICES_HELP),
     target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
@@ -163,7 +166,7 @@ def capture_cmd(
                    dtype=dtype, shard_size=shard_size, shard_tokens=shard_tokens, system_prompt=system_prompt,
                    source_data=str(data), progress=not json_out)
     read = _read(data)
-    loaded = _load(target, device, target_dtype)
+    loaded = _load(target, device, target_dtype, target_devices)
     model, tokenizer, src = loaded.model, loaded.tokenizer, loaded.name
     spec = _run(CaptureSpec.create, loaded.num_blocks, bs)
     s = _run(capture_shards, model, tokenizer, read.conversations, options, source=str(src))
