@@ -354,7 +354,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         contract.tokenisation.system_prompt = sys_mode  # type: ignore[assignment]
     drafter.to(device).train()
     draft_ids = drafter.draft_to_target(torch.arange(cfg.draft_vocab_size, device=device))
-    batches = (OfflineBatches(model, draft_ids, device) if offline
+    batches = (OfflineBatches(model, draft_ids, device, samples.last_hidden_normed) if offline
                else OnlineBatches(model, spec, draft_ids, device, torch.bfloat16 if use_bf16 else None))
     # The training fingerprint that doctor and trace hold live captures against.
     if offline:
