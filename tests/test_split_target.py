@@ -45,6 +45,12 @@ def test_the_split_puts_blocks_in_contiguous_runs_embedding_first_head_last(pair
     assert dmap[""] == torch.device("cpu")
     assert [dmap[f"model.layers.{i}"].type for i in range(4)] == ["cpu", "cpu", "meta", "meta"]
     assert dmap["model.norm"].type == "meta" and dmap["lm_head"].type == "meta"
+    # Placing moves each weight straight to its device (never the whole model to the first one).
+    placed = place_model(tiny_model("llama", num_blocks=4), dmap)
+    where = {n: p.device.type for n, p in placed.named_parameters()}
+    assert where["model.embed_tokens.weight"] == "cpu" and where["model.layers.1.mlp.up_proj.weight"] == "cpu"
+    assert where["model.layers.2.mlp.up_proj.weight"] == "meta" and where["lm_head.weight"] == "meta"
+    assert placed.model.rotary_emb.inv_freq.device.type == "cpu"
 
 
 def test_split_capture_equals_single_device_capture_bit_for_bit_in_float32(pair):
@@ -122,3 +128,22 @@ def test_load_target_and_the_cli_take_target_devices(tmp_path):
         result = CliRunner().invoke(app, [*command, "--target", str(target), "--target-devices", "cuda:9"])
         assert result.exit_code == 2, result.output
         assert "--target-devices" in result.output and "'cuda:9' is not available" in result.output
+
+
+def test_a_tied_lm_head_stays_with_the_embedding():
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.tiny import tiny_config
+
+    cfg = tiny_config("llama", num_blocks=4)
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    dmap = split_device_map(model, [torch.device("cpu"), torch.device("meta")])
+    assert dmap["lm_head"].type == "cpu" and dmap["model.norm"].type == "meta"
+    split = place_model(copy.deepcopy(model), split_device_map(model, CPU2))
+    assert split.lm_head.weight is split.model.embed_tokens.weight
+    ids = torch.randint(0, 128, (1, 11), generator=torch.Generator().manual_seed(2))
+    ref, got = _capture(model, ids), _capture(split, ids)
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0])) and torch.equal(ref[1], got[1])

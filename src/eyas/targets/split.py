@@ -218,17 +218,28 @@ def _return_to_caller(module: nn.Module) -> list[Any]:
             module.register_forward_hook(post, with_kwargs=True)]
 
 
+def _owner(name: str, device_map: Mapping[str, torch.device]) -> torch.device:
+    """The device of module ``name``: its own entry, else its nearest ancestor's, else (a module
+    no entry covers: only buffers, check_device_map has placed every parameter) the first device."""
+    while name not in device_map and name:
+        name = name.rpartition(".")[0]
+    return device_map[name] if name in device_map else next(iter(device_map.values()))
+
+
 def place_model(model: nn.Module, device_map: Mapping[str, torch.device]) -> nn.Module:
-    """Move every module named in ``device_map`` to its device (parents first, so a child's entry
-    wins), hook it so that its inputs follow it, and make the model, its final norm and lm_head
-    return their outputs on their caller's device. Returns ``model`` (placed in place); its
-    ``hf_device_map`` records the map."""
+    """Move each parameter and buffer straight to the device of its nearest entry in ``device_map``
+    (never the whole model to one device first: a target split because it does not fit one GPU
+    would not fit there either), hook every named module so that its inputs follow it, and make
+    the model, its final norm and lm_head return their outputs on their caller's device. Returns
+    ``model`` (placed in place); its ``hf_device_map`` records the map."""
     check_device_map(model, device_map)
     modules = dict(model.named_modules())
-    for name in sorted(device_map, key=lambda n: (n.count(".") + (n != ""), n)):
-        mod, dev = modules[name], device_map[name]
-        mod.to(dev)
-        mod.register_forward_pre_hook(_inputs_follow(dev), with_kwargs=True)
+    for name, mod in modules.items():
+        dev = _owner(name, device_map)
+        # this module's own parameters and buffers only; a tied weight stays one Parameter
+        mod._apply(lambda t, dev=dev: t.to(dev), recurse=False)
+    for name, dev in device_map.items():
+        modules[name].register_forward_pre_hook(_inputs_follow(dev), with_kwargs=True)
     _return_to_caller(model)
     _return_to_caller(find_final_norm(model))
     head = model.get_output_embeddings()
