@@ -84,6 +84,16 @@ def test_converted_shards_equal_eyas_own_capture(setup):
     assert torch.equal(la.argmax, lb.argmax) and torch.allclose(la.draft_logits, lb.draft_logits, atol=1e-5)
     fa, fb = ref.contract.fingerprint, got.contract.fingerprint
     assert [f.boundary for f in fa] == [f.boundary for f in fb]
+    # The doctor's replay labels too (lm_head only on the imported post-norm states).
+    from eyas.doctor.capture import stored_labels
+    from eyas.doctor.samples import Sample
+
+    def samples(ds):
+        return [Sample(str(x["id"]), x["input_ids"].long(), x["loss_mask"].long(), x["slots"].flatten(1).float(),
+                       x["last_hidden"]) for x in (ds[i] for i in range(len(ds)))]
+
+    assert all(torch.equal(a, b) for a, b in zip(stored_labels(loaded.model, samples(ref)),
+                                                 stored_labels(loaded.model, samples(got), normed=True)))
 
 
 def test_ambiguous_or_missing_layers_are_refused(setup):

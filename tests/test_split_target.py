@@ -17,7 +17,13 @@ from typer.testing import CliRunner
 
 from eyas.capture import BoundaryCapture
 from eyas.convention import CaptureSpec
-from eyas.targets import PlacementError, load_target, parse_target_devices, place_model, split_device_map
+from eyas.targets import (
+    PlacementError,
+    load_target,
+    parse_target_devices,
+    place_model,
+    split_device_map,
+)
 from eyas.targets.split import devices_of
 from tests.support.tiny import tiny_model
 
@@ -119,6 +125,8 @@ def test_load_target_and_the_cli_take_target_devices(tmp_path):
     assert split.model.hf_device_map["model.layers.2"] == "cpu" and split.device == torch.device("cpu")
     ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(1))
     assert all(torch.equal(a, b) for a, b in zip(_capture(one.model, ids)[0], _capture(split.model, ids)[0]))
+    auto = load_target(str(target), target_devices="auto")  # accelerate's placement: the CPU here
+    assert all(torch.equal(a, b) for a, b in zip(_capture(one.model, ids)[0], _capture(auto.model, ids)[0]))
 
     data = tmp_path / "c.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},

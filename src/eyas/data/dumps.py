@@ -35,18 +35,27 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract import CaptureContract, Contract, target_identity
+from eyas.data.shards import (
+    DTYPES,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    finalize_manifest,
+    progress_name,
+    shard_name,
+)
 from eyas.errors import EyasError
 from eyas.io import atomic_write_bytes, atomic_write_json, read_json_object
-from eyas.data.shards import DTYPES, FORMAT, FORMAT_VERSION, MANIFEST, finalize_manifest, progress_name, shard_name
 
 SPECFORGE = "specforge"
 FORMATS = (SPECFORGE,)

@@ -28,9 +28,10 @@ there).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -197,7 +198,7 @@ def _first_device(args: tuple, kwargs: dict) -> torch.device | None:
     return None
 
 
-def _inputs_follow(device: torch.device):  # noqa: ANN202 - a hook
+def _inputs_follow(device: torch.device):
     def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return _move(args, device), _move(kwargs, device)
     return hook
