@@ -4,8 +4,9 @@ For targets beyond one machine the capture runs in an engine that already spread
 many GPUs and hosts (SGLang, vLLM); eyas converts what it writes. One format is read so far:
 
 SpecForge offline dumps (``specforge``), written by SpecForge's ``scripts/prepare_hidden_states.py``
-(SGLang backend; ``scripts/prepare_hidden_states_hf.py`` writes the same files from transformers)
-run with ``--enable-aux-hidden-states``. Layout, as that script writes it::
+(the target inside SGLang) or ``scripts/prepare_hidden_states_hf.py`` (inside transformers: there
+``hidden_state`` is ``hidden_states[-1]`` and each captured layer ``hidden_states[id + 1]``, in the
+order the ids are given), run with ``--enable-aux-hidden-states``. Layout, as they write it::
 
     OUTPUT_PATH/rows_0-5000/data_0.ckpt       torch.save of one dict per sample:
     OUTPUT_PATH/rows_0-5000/data_1.ckpt         input_ids         [T]          token ids
@@ -16,9 +17,10 @@ run with ``--enable-aux-hidden-states``. Layout, as that script writes it::
                                                                                concatenated in layer order
 
 The files do not record which layers were captured: the script captures
-``--aux-hidden-states-layers`` (default ``[1, L//2-1, L-4]``), ids passed to SGLang's
-``set_eagle3_layers_to_capture``, which captures the input of layer id+1 (SpecForge's "output of
-block k" = eyas boundary k+1; SGLang since PR #25454 adds the 1 only when the first id is 1). So
+``--aux-hidden-states-layers`` (comma-separated; default ``[1, L//2-1, L-4]``), ids passed to
+SGLang's ``set_eagle3_layers_to_capture``, which adds 1 to each (the script's own comment says so),
+or read as ``hidden_states[id + 1]``: SpecForge's "output of block k" = eyas boundary k+1. (SGLang
+since PR #25454 adds the 1 to ids in a drafter's config only when the first id is 1.) So
 the converter takes the boundaries from the caller, who names them in eyas' convention or gives the
 ids with the convention that reads them (the CLI refuses ids whose readings differ without one).
 
