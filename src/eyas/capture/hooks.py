@@ -40,10 +40,15 @@ class BoundaryCapture(AbstractContextManager):
 
     ``detach`` (default True) stores detached tensors; ``include_last`` additionally records
     boundary L (last block output, pre-norm), read with ``cap.last_hidden()``, for training targets and tracing.
+
+    Every boundary is stored on ``device``: by default the device of the model's first parameter
+    (the embedding's). On one device that is where the blocks run (no copy); a target split across
+    devices (:mod:`eyas.targets.split`) has its later boundaries copied there, so the captures and
+    everything built from them live on one device whatever the split.
     """
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, include_last: bool = False,
-                 detach: bool = True) -> None:
+                 detach: bool = True, device: torch.device | None = None) -> None:
         blocks = find_decoder_blocks(model)
         if len(blocks) != spec.num_blocks:
             raise ArchitectureError(
@@ -54,9 +59,11 @@ class BoundaryCapture(AbstractContextManager):
         self.include_last, self.detach = include_last, detach
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._store: dict[int, Tensor] = {}
+        self.device = device if device is not None else next(model.parameters()).device
 
     def _keep(self, boundary: int, t: Tensor) -> None:
-        self._store[boundary] = t.detach() if self.detach else t
+        t = t.detach() if self.detach else t
+        self._store[boundary] = t if t.device == self.device else t.to(self.device)
 
     def __enter__(self) -> "BoundaryCapture":
         wanted = set(self.spec.boundaries) | ({self.spec.num_blocks} if self.include_last else set())

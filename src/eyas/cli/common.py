@@ -21,6 +21,9 @@ err = Console(stderr=True)
 DRAFT_HELP = ("an eyas drafter directory; 'default' (or no --draft) with --target smollm2: the drafter shipped "
               "with eyas")
 TARGET_HELP = "'smollm2' (the embedded default), a local model directory, a .gguf file or a HF id"
+TARGET_DEVICES_HELP = ("split the target over several devices, replacing --device: cuda:0,cuda:1 (blocks in "
+                       "contiguous runs; embedding on the first, final norm and lm_head on the last) | auto "
+                       "(accelerate's device_map='auto') | a .json device map {module: device}")
 TARGET_IMPL_HELP = ("auto (the fast Llama-family target where it applies: with CUDA graphs on a GPU, eager on "
                     "a CPU; else the Hugging Face one) | fast | hf")  # eyas generate / bench / trace --target-impl
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 from rich.table import Table
 
-from eyas.cli.common import TARGET_HELP, console, err
+from eyas.cli.common import TARGET_DEVICES_HELP, TARGET_HELP, IdsConventionChoice, console, err
 from eyas.cli.common import fail as _fail
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
@@ -27,12 +27,13 @@ if TYPE_CHECKING:
 SYSTEM_HELP = "'template_default' (the conversation's own, else the template's), 'none', or the prompt text"
 
 
-def _load(target: str, device: str, target_dtype: str) -> LoadedTarget:
-    """The LoadedTarget for ``--target``, ``--device`` and ``--target-dtype`` (rules in
-    eyas.targets.placement: under torchrun each process takes its own GPU)."""
+def _load(target: str, device: str, target_dtype: str, target_devices: str | None = None) -> LoadedTarget:
+    """The LoadedTarget for ``--target``, ``--device``, ``--target-dtype`` and ``--target-devices``
+    (rules in eyas.targets.placement and eyas.targets.split: under torchrun each process takes its
+    own GPU; a split target replaces --device)."""
     from eyas.targets import load_target
 
-    return _run(load_target, target, dtype=target_dtype, device=device)
+    return _run(load_target, target, dtype=target_dtype, device=device, target_devices=target_devices)
 
 
 def _read(path: Path) -> Any:
@@ -91,6 +92,7 @@ def regenerate_cmd(
     cache: str = typer.Option("auto", help="KV cache: static (compiled decode step on CUDA) | dynamic | "
                                            "auto (static on CUDA)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N"),
+    target_devices: Optional[str] = typer.Option(None, help=TARGET_DEVICES_HELP),
     target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
@@ -108,7 +110,7 @@ def regenerate_cmd(
                    max_prompt_tokens=max_prompt_tokens, max_turns=max_turns, loops=loops,
                    sort_by_length=sort_by_length, cache=cache, progress=not json_out)
     read = _read(prompts)
-    loaded = _load(target, device, target_dtype)
+    loaded = _load(target, device, target_dtype, target_devices)
     model, tokenizer, src = loaded.model, loaded.tokenizer, loaded.name
     s = _run(regenerate, model, tokenizer, read.conversations, options, source=str(src))
     report = {"command": "regenerate", "target": str(src), "prompts": str(prompts), **s.to_dict(),
@@ -147,6 +149,7 @@ def capture_cmd(
     shard_tokens: Optional[int] = typer.Option(None, help="also cap a shard at this many tokens"),
     system_prompt: str = typer.Option("template_default", help=SYSTEM_HELP),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N (torchrun: cuda:LOCAL_RANK)"),
+    target_devices: Optional[str] = typer.Option(None, help=TARGET_DEVICES_HELP),
     target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
@@ -163,7 +166,7 @@ def capture_cmd(
                    dtype=dtype, shard_size=shard_size, shard_tokens=shard_tokens, system_prompt=system_prompt,
                    source_data=str(data), progress=not json_out)
     read = _read(data)
-    loaded = _load(target, device, target_dtype)
+    loaded = _load(target, device, target_dtype, target_devices)
     model, tokenizer, src = loaded.model, loaded.tokenizer, loaded.name
     spec = _run(CaptureSpec.create, loaded.num_blocks, bs)
     s = _run(capture_shards, model, tokenizer, read.conversations, options, source=str(src))
@@ -186,7 +189,75 @@ def capture_cmd(
         err.print(f"[yellow]first template problem: {s.problems[0]}[/]", highlight=False)
 
 
+def _import_boundaries(boundaries: str | None, layer_ids: str | None, ids_convention: Any, num_blocks: int) -> list[int]:
+    """The dump's captured layers in eyas' convention, from ``--boundaries`` or from ``--layer-ids``
+    read by ``--ids-convention`` (required where the conventions read the ids differently)."""
+    from eyas.convention import parse_boundaries
+    from eyas.interop.servers.sglang import ids_readings
+
+    if (boundaries is None) == (layer_ids is None):
+        _fail("the dump does not record which layers it holds: pass exactly one of --boundaries (eyas: boundary b "
+              "= the input of block b, 0..L) or --layer-ids (as given to prepare_hidden_states.py "
+              f"--aux-hidden-states-layers; its default 1,L//2-1,L-4 is boundaries 2,{num_blocks // 2},"
+              f"{num_blocks - 3} for this target's L={num_blocks}); found "
+              + ("both" if boundaries is not None else "neither"))
+    if boundaries is not None:
+        return list(_run(parse_boundaries, boundaries))
+    ids = list(_run(parse_boundaries, layer_ids))
+    readings = ids_readings(ids, num_blocks)
+    if ids_convention is not None:
+        got = readings[ids_convention.value]
+        if isinstance(got, str):
+            _fail(f"--layer-ids {layer_ids} read by --ids-convention {ids_convention.value}: {got}")
+        return list(got)  # type: ignore[arg-type]
+    valid = {k: v for k, v in readings.items() if not isinstance(v, str)}
+    if len({tuple(v) for v in valid.values()}) == 1:  # every convention reads them alike
+        return list(next(iter(valid.values())))
+    _fail(f"--layer-ids {layer_ids}: the conventions read them differently ("
+          + "; ".join(f"{k}: {v}" for k, v in readings.items())
+          + "); name the one the dump was made with: --ids-convention specforge (output of block k = boundary "
+            "k+1) | sglang | sglang-legacy, or give --boundaries")
+    raise AssertionError  # unreachable: fail exits
+
+
+def import_hidden_states_cmd(
+    dump: Path = typer.Option(..., help="the dump directory: SpecForge prepare_hidden_states.py --output-path "
+                                        "(rows_*/data_<idx>.ckpt)"),
+    out: Path = typer.Option(..., help="shard directory to write (must not hold a capture)"),
+    target: str = typer.Option(..., help=TARGET_HELP + "; its identity goes into the contract (loaded on the CPU)"),
+    dump_format: str = typer.Option("specforge", "--format", help="the dump's format: specforge"),
+    boundaries: Optional[str] = typer.Option(None, help="the dump's layers in eyas' convention, ascending, e.g. 2,16,29"),
+    layer_ids: Optional[str] = typer.Option(None, help="or the ids given to the dumping tool, e.g. 1,15,28"),
+    ids_convention: Optional[IdsConventionChoice] = typer.Option(
+        None, help="with --layer-ids: how the tool read them: specforge (output of block k = boundary k+1) | sglang "
+                   "(SGLang since PR #25454: +1 only when the first id is 1) | sglang-legacy (+1); required when "
+                   "these readings differ"),
+    dtype: str = typer.Option("bfloat16", help="stored dtype: bfloat16 | float16 | float32"),
+    shard_size: int = typer.Option(256, help="samples per shard"),
+    json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
+) -> None:
+    """Convert hidden states dumped by another engine (SpecForge's offline capture through SGLang)
+    into eyas shards with the contract filled in; `eyas train --data OUT` trains on them."""
+    from eyas.data.dumps import FORMATS, import_specforge
+
+    if dump_format not in FORMATS:
+        _fail(f"--format: expected {' | '.join(FORMATS)}, found {dump_format!r}")
+    loaded = _load(target, "cpu", "float32")
+    bs = _import_boundaries(boundaries, layer_ids, ids_convention, loaded.num_blocks)
+    s = _run(import_specforge, dump, out, loaded.model, bs, source=loaded.name, dtype=dtype, shard_size=shard_size)
+    if json_out:
+        _print_json({"command": "import-hidden-states", "target": loaded.name, **s.to_dict()})
+        return
+    console.print(_table(f"imported hidden states -> {s.out_dir}", [
+        ("from", f"{dump} ({s.format})"), ("target", loaded.name),
+        ("boundaries", f"{s.boundaries} (eyas convention) + the final norm's output, {dtype}"),
+        ("samples", f"{s.samples} ({s.tokens} tokens, {s.loss_tokens} assistant)"),
+        ("shards", s.shards), ("manifest", s.manifest),
+    ]))
+
+
 def register(app: typer.Typer) -> None:
-    """Add `regenerate` and `capture` to the eyas app."""
+    """Add `regenerate`, `capture` and `import-hidden-states` to the eyas app."""
     app.command("regenerate")(regenerate_cmd)
     app.command("capture")(capture_cmd)
+    app.command("import-hidden-states")(import_hidden_states_cmd)

@@ -17,7 +17,7 @@ from typing import Optional
 import typer
 
 from eyas.cli.common import (
-    IDS_CONVENTION_HELP, SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_HELP, TARGET_IMPL_HELP, EngineChoice,
+    IDS_CONVENTION_HELP, SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_DEVICES_HELP, TARGET_HELP, TARGET_IMPL_HELP, EngineChoice,
     IdsConventionChoice, SGLangRuleChoice, console, err,
 )
 from eyas.cli.common import fail as _fail
@@ -39,6 +39,7 @@ def doctor_cmd(
     max_length: int = typer.Option(512, min=8, help="tokens per sample at most"),
     png: Optional[Path] = typer.Option(None, help="write a PNG of replay vs live accuracy per position"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
+    target_devices: Optional[str] = typer.Option(None, help=TARGET_DEVICES_HELP),
     ids_convention: Optional[IdsConventionChoice] = typer.Option(None, help=IDS_CONVENTION_HELP),
     json_out: bool = typer.Option(False, "--json", help="print the report as JSON"),
 ) -> None:
@@ -51,6 +52,7 @@ def doctor_cmd(
     log = (lambda m: err.print(f"[dim]doctor: {m}[/]", highlight=False))
     report = _run(run_doctor, target, str(draft), data=data, engine=engine.value, sglang_rule=sglang_rule.value,
                   samples=samples, max_length=max_length, png=png, device=device, log=log,
+                  target_devices=target_devices,
                   ids_convention=ids_convention.value if ids_convention else None)
     if json_out:
         _print_json(report.to_dict())

@@ -12,8 +12,8 @@ import typer
 from rich.table import Table
 
 from eyas.cli.common import (
-    IDS_CONVENTION_HELP, SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_HELP, ExportChoice, IdsConventionChoice,
-    SGLangRuleChoice, console, err, fail,
+    IDS_CONVENTION_HELP, SGLANG_RULE_DEFAULT, SGLANG_RULE_HELP, TARGET_DEVICES_HELP, TARGET_HELP, ExportChoice,
+    IdsConventionChoice, SGLangRuleChoice, console, err, fail,
 )
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
@@ -288,6 +288,8 @@ def train(
     validate_tree: str = typer.Option("5", help="--validate-prompts: the tree (" + "as --tree of `eyas generate`)"),
     seed: int = typer.Option(0),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    target_devices: Optional[str] = typer.Option(None, help="online training: " + TARGET_DEVICES_HELP
+                                                 + "; the drafter trains on the first"),
     norm_before_residual: bool = typer.Option(False, help="drafter variant: residual = hidden_norm(h) instead of h"),
     norm_before_fc: bool = typer.Option(False, help="drafter variant: one RMSNorm over the concatenated slots before fc"),
     fc_norm: bool = typer.Option(False, help="drafter variant: one RMSNorm per slot before the concatenation"),
@@ -305,7 +307,8 @@ def train(
         target=target, data=data, out=str(out), steps=steps, epochs=epochs,
         boundaries=_run(parse_boundaries, boundaries) if boundaries else None, draft_vocab_size=draft_vocab,
         batch_size=batch_size, tokens_per_batch=tokens_per_batch, max_length=max_length, lr=lr, ttt_steps=ttt_steps,
-        save_every=save_every, eval_every=eval_every, log_every=log_every, patience=patience, seed=seed, device=device, norm_before_residual=norm_before_residual,
+        save_every=save_every, eval_every=eval_every, log_every=log_every, patience=patience, seed=seed, device=device, target_devices=target_devices,
+        norm_before_residual=norm_before_residual,
         norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output,
     )
     log = (lambda m: err.print(m, highlight=False)) if json_out else (lambda m: console.print(m, highlight=False))

@@ -553,9 +553,11 @@ class _OutputFiles:
 
 
 def _use_static_cache(mode: CacheMode, model: Any) -> bool:
-    """``cache`` resolved for ``model``: auto is static on CUDA, dynamic elsewhere."""
+    """``cache`` resolved for ``model``: auto is static on CUDA, dynamic elsewhere (and for a target
+    split across devices, ``--target-devices``: one run-wide static cache would sit on one device)."""
     if mode == "auto":
-        return next(model.parameters()).device.type == "cuda"
+        split = len(set(dict(getattr(model, "hf_device_map", None) or {}).values())) > 1
+        return next(model.parameters()).device.type == "cuda" and not split
     return mode == "static"
 
 

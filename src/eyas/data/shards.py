@@ -20,6 +20,8 @@ One shard holds S samples of N tokens in total, concatenated (ragged), only real
     slots        dtype  [N, num_slots, H]   the captured boundaries, slot order = contract.capture.boundaries
     last_hidden  dtype  [N, H]              boundary L (last block output, BEFORE the final norm):
                                             final_norm + lm_head of the target give its logits at training time
+                                            (shards imported from a SpecForge dump, eyas.data.dumps, hold the
+                                            final norm's output instead: manifest layout.last_hidden_normed)
 
 The safetensors metadata key ``eyas`` holds JSON repeating format, rank, index, boundaries, dtype
 and the sample ids, so a shard describes itself without the manifest.
@@ -770,6 +772,8 @@ class ShardDataset(Dataset):
             self.shards: list[dict[str, Any]] = list(self.manifest["shards"])
             self.num_slots = int(self.manifest["layout"]["num_slots"])
             self.hidden_size = int(self.manifest["layout"]["hidden_size"])
+            # Shards imported from a SpecForge dump (eyas.data.dumps) store the final norm's output.
+            self.last_hidden_normed = bool(self.manifest["layout"].get("last_hidden_normed", False))
         except (KeyError, TypeError, ValueError) as e:
             raise ShardError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
         self.features = features

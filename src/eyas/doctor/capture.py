@@ -91,10 +91,12 @@ def capture_all(model: Any, samples: Sequence[Sample], dtype: str = "float32",
 
 
 @torch.no_grad()
-def stored_labels(model: Any, samples: Sequence[Sample]) -> list[Tensor]:
+def stored_labels(model: Any, samples: Sequence[Sample], normed: bool = False) -> list[Tensor]:
     """The target's argmax from stored boundary L (shards): its own final norm and lm_head, as
-    offline training computes its labels."""
-    norm, head = find_final_norm(model), model.get_output_embeddings()
+    offline training computes its labels (``normed``: the stored state is already the norm's output,
+    as in shards imported from SpecForge: lm_head only)."""
+    head = model.get_output_embeddings()
+    norm = (lambda h: h) if normed else find_final_norm(model)
     device = next(model.parameters()).device
     out = []
     for s in samples:

@@ -69,7 +69,7 @@ def replay_stage(ctx: DoctorContext) -> Stage[ReplayResult]:
     cap = ctx.live_capture()
     ctx.say("replay")
     sset = ctx.sample_set
-    stored = stored_labels(ctx.model, sset.samples) if sset.source == "shards" else None
+    stored = stored_labels(ctx.model, sset.samples, sset.last_hidden_normed) if sset.source == "shards" else None
     features, labels, how = replay_features(ctx.trained, sset, cap, cap.argmax, stored)
     if replays_stored(ctx.trained, sset, cap, stored):
         measured = accuracy(ctx.drafter_cache.get(ctx.dd.trained_flags), sset.samples, features, labels, ctx.steps)

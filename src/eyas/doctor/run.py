@@ -31,7 +31,7 @@ from eyas.doctor.static import static_stage
 from eyas.doctor.verdict import verdict
 from eyas.errors import EyasError
 from eyas.interop import read_as, read_drafter_dir, servers
-from eyas.targets import LoadedTarget, target_for
+from eyas.targets import LoadedTarget, load_target, target_for
 from eyas.targets.structure import find_embedding
 
 StageFunction = Callable[[DoctorContext], Stage]
@@ -57,6 +57,7 @@ def run_doctor(
     tokenizer: Any = None,
     log: Callable[[str], None] | None = None,
     ids_convention: str | None = None,
+    target_devices: str | None = None,
 ) -> DoctorReport:
     """Diagnose the drafter at ``draft`` against ``target`` as ``engine`` would serve it (an engine
     with several id rules, SGLang, following ``sglang_rule``; default: its current one).
@@ -66,7 +67,12 @@ def run_doctor(
     the drafter or the data is a finding in the report. ``ids_convention`` (specforge | sglang |
     sglang-legacy) says what a directory's third-party nested SGLang ids mean; without it, ids those
     conventions read differently give assumed boundaries, which the static stage warns about.
+    ``target_devices`` (``--target-devices``) splits the target over several devices (float32, as
+    on one device); the doctor then works on its first device.
     """
+    if target_devices and model is None and target is not None:
+        split = load_target(target, dtype=torch.float32, target_devices=target_devices)
+        model, tokenizer, device = split.model, split.tokenizer, str(split.device)
     threads = cpu_threads(device)
     if threads is None:
         return _run(target, draft, data, engine, sglang_rule, samples, max_length, png, device, model, tokenizer, log,

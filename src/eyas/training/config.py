@@ -54,6 +54,7 @@ class TrainConfig(BaseModel):
     save_every: int = 200
     seed: int = 0
     device: str = "auto"  # auto: cuda when available
+    target_devices: str | None = None  # --target-devices: the target split over these (eyas.targets.split)
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
 
     @model_validator(mode="after")

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from eyas.convention.boundaries import CaptureSpec
 from eyas.io import atomic_write_text
-from eyas.targets import LoadedTarget, load_target, resolve_device
+from eyas.targets import LoadedTarget, PlacementError, load_target, parse_target_devices, resolve_device
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract.contract import SlotFingerprint, ValidationMetrics
 from eyas.data.loops import loop_body_mask
@@ -308,7 +308,14 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     """
     from eyas.interop import load_drafter, save_drafter
 
-    device = resolve_device(cfg.device)  # under torchrun: cuda:LOCAL_RANK
+    split = parse_target_devices(cfg.target_devices)  # --target-devices: the drafter on its first device
+    if split is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise PlacementError(f"--target-devices {cfg.target_devices}: expected one process (a split target "
+                             f"is not supported under torchrun), found WORLD_SIZE={os.environ['WORLD_SIZE']}")
+    if split is None:
+        device = resolve_device(cfg.device)  # under torchrun: cuda:LOCAL_RANK
+    else:  # the target's first device (auto: cuda:0, where accelerate puts the embedding)
+        device = split.first or resolve_device("cuda:0" if torch.cuda.is_available() else "cpu")
     d = init_distributed(device.type)
     use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     out = Path(cfg.out)
@@ -317,7 +324,8 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         out.mkdir(parents=True, exist_ok=True)
 
     # Target and data. The target stays frozen; with bf16 the target runs in bf16 on GPU.
-    target = load_target(cfg.target, dtype=torch.bfloat16 if use_bf16 else torch.float32, device=device)
+    target = load_target(cfg.target, dtype=torch.bfloat16 if use_bf16 else torch.float32, device=device,
+                         target_devices=split)
     model, tokenizer = target.model, target.tokenizer
     for p in model.parameters():
         p.requires_grad_(False)
@@ -346,7 +354,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         contract.tokenisation.system_prompt = sys_mode  # type: ignore[assignment]
     drafter.to(device).train()
     draft_ids = drafter.draft_to_target(torch.arange(cfg.draft_vocab_size, device=device))
-    batches = (OfflineBatches(model, draft_ids, device) if offline
+    batches = (OfflineBatches(model, draft_ids, device, samples.last_hidden_normed) if offline
                else OnlineBatches(model, spec, draft_ids, device, torch.bfloat16 if use_bf16 else None))
     # The training fingerprint that doctor and trace hold live captures against.
     if offline:
