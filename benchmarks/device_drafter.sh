@@ -17,7 +17,11 @@
 #   measure      join the GGUF, then in order of importance, each result into $OUT as it is done (a
 #                call cut by the time limit still returns what finished): MT-bench with the shipped
 #                drafter compiled (spec_on.tar), eyas serve under load (serve.json), regeneration of 1,024
-#                prompts with its summary (regen.json), MT-bench with the drafter's steps eager (spec_off.tar)
+#                prompts with its summary (regen.json), MT-bench with the drafter's steps eager (spec_off.tar);
+#                carry benchmarks/data/regen_1024.jsonl (`head -1024 benchmarks/data/train_prompts.jsonl`):
+#                the tree with the shipped drafter (27 MB) and a third of the GGUF leave little room
+#
+# Split in three: `split -n 3 -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf .device/g3/smol.p` (git-ignored).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
