@@ -90,6 +90,20 @@ def test_resolve_dtype():
         resolve_device("gpu")
 
 
+@pytest.mark.unit
+def test_resolve_draft_dtype(monkeypatch):
+    from eyas.targets.placement import resolve_draft_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert resolve_draft_dtype("auto", torch.float32, "cpu") == torch.bfloat16  # native bf16: half the reads
+    assert resolve_draft_dtype("auto", torch.bfloat16, torch.device("cuda", 0)) == torch.bfloat16  # the target's
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert resolve_draft_dtype("auto", torch.float32, "cpu") == torch.float32  # emulated bf16 would be slower
+    assert resolve_draft_dtype("float32", torch.bfloat16, "cpu") == torch.float32
+    with pytest.raises(PlacementError, match=r"--draft-dtype: expected auto\|bfloat16\|float16\|float32, found 'int8'"):
+        resolve_draft_dtype("int8", torch.float32, "cpu")
+
+
 @pytest.mark.integration
 def test_load_target_returns_a_loaded_target(toy_drafter):
     target_dir, _ = toy_drafter

@@ -24,6 +24,9 @@ TARGET_HELP = "'smollm2' (the embedded default), a local model directory, a .ggu
 TARGET_DEVICES_HELP = ("split the target over several devices, replacing --device: cuda:0,cuda:1 (blocks in "
                        "contiguous runs; embedding on the first, final norm and lm_head on the last) | auto "
                        "(accelerate's device_map='auto') | a .json device map {module: device}")
+DRAFT_DTYPE_HELP = ("the drafter's dtype: auto (bfloat16 on a CPU with native bf16, which halves the drafter's "
+                    "cost; else the target's) | float32 | bfloat16 | float16. Lossless either way: the target "
+                    "verifies in its own dtype")
 TARGET_IMPL_HELP = ("auto (the fast Llama-family target where it applies: with CUDA graphs on a GPU, eager on "
                     "a CPU; else the Hugging Face one) | fast | hf")  # eyas generate / bench / trace --target-impl
 

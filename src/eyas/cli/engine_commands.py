@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
-from eyas.cli.common import DRAFT_HELP, TARGET_HELP, TARGET_IMPL_HELP, console, err
+from eyas.cli.common import DRAFT_DTYPE_HELP, DRAFT_HELP, TARGET_HELP, TARGET_IMPL_HELP, console, err
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
 
@@ -23,19 +23,21 @@ TREE_HELP = ("DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24), DEPTH for a 
 
 
 def load_for_serving(target: str, draft: Path, device: str, force: bool,
-                     target_impl: str = "auto") -> tuple[LoadedTarget, Any, Any, Any]:
+                     target_impl: str = "auto", draft_dtype: str = "auto") -> tuple[LoadedTarget, Any, Any, Any]:
     """(the loaded target, drafter, engine target, contract), the drafter checked against the target's
     contract. ``--device auto`` and the dtype follow eyas.targets.placement: bf16 on a GPU, float32 on
     the CPU (bf16 matmuls are slow there and greedy equality is exact in float32); ``target_impl``
-    picks the engine's target (:func:`eyas.engine.build_target`)."""
+    picks the engine's target (:func:`eyas.engine.build_target`); ``draft_dtype`` the drafter's
+    (:func:`eyas.targets.placement.resolve_draft_dtype`: bf16 on a CPU with native bf16)."""
     from eyas.convention import CaptureSpec
     from eyas.engine import build_target
     from eyas.interop import load_drafter
     from eyas.targets import load_target
+    from eyas.targets.placement import resolve_draft_dtype
 
     loaded = _run(load_target, target, dtype="auto", device=device)
     drafter, contract = _run(load_drafter, draft, target=loaded, tokenizer=loaded.tokenizer, force=force)
-    drafter = drafter.to(loaded.device, dtype=loaded.dtype).eval()
+    drafter = drafter.to(loaded.device, dtype=_run(resolve_draft_dtype, draft_dtype, loaded.dtype, loaded.device)).eval()
     spec = CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks)
     tgt = _run(build_target, loaded.model, spec, target_impl)
     if getattr(tgt, "cuda_graphs", False):  # compile and capture every bucket now, not mid-generation
@@ -78,6 +80,7 @@ def generate_cmd(
     seed: int = typer.Option(0),
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
+    draft_dtype: str = typer.Option("auto", help=DRAFT_DTYPE_HELP),
     force: bool = typer.Option(False, help="serve even when the contract does not match the target"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -89,7 +92,7 @@ def generate_cmd(
 
     sampling = _run(SamplingParams, temperature, top_p, top_k)  # checked before anything loads
     draft = str(_run(resolve_draft, draft, target))
-    loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl)
+    loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl, draft_dtype)
     tokenizer = loaded.tokenizer
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = render_prompt(messages, tokenizer).to(tgt.device)[None]
@@ -137,6 +140,7 @@ def bench_cmd(
     seed: int = typer.Option(0),
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
+    draft_dtype: str = typer.Option("auto", help=DRAFT_DTYPE_HELP),
     png: Optional[Path] = typer.Option(None, help="accept-length histogram (default: next to --out or ./bench.png)"),
     out: Optional[Path] = typer.Option(None, help="also write the JSON report here"),
     force: bool = typer.Option(False),
@@ -154,9 +158,9 @@ def bench_cmd(
 
     sampling = _run(SamplingParams, temperature)  # checked before anything loads
     draft = str(_run(resolve_draft, draft, target))
-    loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl)
+    loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl, draft_dtype)
     tokenizer = loaded.tokenizer
-    err.print(f"[dim]target implementation: {tgt.implementation}[/]")
+    err.print(f"[dim]target implementation: {tgt.implementation}; drafter in {str(drafter.fc.weight.dtype)[6:]}[/]")
     sets = [(name, _run(load_prompts, name, limit)) for name in prompts]
     choice = None
     if is_auto(tree):  # calibrated on the first prompts of the first set
