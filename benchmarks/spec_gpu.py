@@ -696,8 +696,8 @@ class Bench:
             self.target = build_target(loaded.model, spec, "auto")
         if a.drafter_compile != "auto":  # the engine compiles the drafter's steps where it graphs them
             self.target.compile_drafter = a.drafter_compile == "on"
-        if hasattr(self.target, "warmup"):  # every bucket compiled and captured now, never inside a timed round
-            self.target_warmup_s = self.target.warmup()
+        # every bucket compiled and captured now, never inside a timed round
+        self.target_warmup_s = self.target.warmup() if hasattr(self.target, "warmup") else 0.0
         self.eos = list(loaded.eos_ids)
         self.context = int(getattr(self.target, "max_length", 0) or 2**31 - 1)
         self.pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else self.eos[0]
@@ -716,7 +716,7 @@ class Bench:
             "engine_kwargs": a.engine_kwargs,
             "engine_api": {"speculative_generate": str(inspect.signature(speculative_generate)),
                            "plain_generate": str(inspect.signature(plain_generate))},
-            "eos_ids": self.eos, "pad_id": self.pad, "target_warmup_s": round(getattr(self, "target_warmup_s", 0.0), 2),
+            "eos_ids": self.eos, "pad_id": self.pad, "target_warmup_s": round(self.target_warmup_s, 2),
             "drafter_compile": a.drafter_compile,
         }
         # Prompts: first turn, rendered with the chat template.

@@ -218,24 +218,19 @@ def count_lines(path: Path) -> int:
 def answers_written(path: Path) -> dict[str, Any]:
     """What a regenerated answers file holds, read from its records' provenance: conversations,
     answered turns, new tokens as kept (after loop cuts) and finish reasons. It survives a run
-    that was killed before it could print its summary."""
+    that was killed before it could print its summary (eyas' own resumable reader cuts a torn last
+    line, as a resumed run would)."""
+    from eyas.data.regenerate import read_resumable_jsonl
+
     out: dict[str, Any] = {"conversations": 0, "turns": 0, "kept_new_tokens": 0,
                            "finish": {"eos": 0, "length": 0, "loop": 0}}
-    if not path.exists():
-        return out
-    with path.open() as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                prov = json.loads(line).get("provenance") or {}
-            except json.JSONDecodeError:  # a torn last line of a killed run
-                continue
-            out["conversations"] += 1
-            out["turns"] += len(prov.get("new_tokens") or [])
-            out["kept_new_tokens"] += sum(prov.get("new_tokens") or [])
-            for reason in prov.get("finish_reasons") or []:
-                out["finish"][reason] = out["finish"].get(reason, 0) + 1
+    for rec in read_resumable_jsonl(path):
+        prov = rec.get("provenance") or {}
+        out["conversations"] += 1
+        out["turns"] += len(prov.get("new_tokens") or [])
+        out["kept_new_tokens"] += sum(prov.get("new_tokens") or [])
+        for reason in prov.get("finish_reasons") or []:
+            out["finish"][reason] = out["finish"].get(reason, 0) + 1
     return out
 
 

@@ -23,6 +23,7 @@ from eyas.drafter.build import new_drafter
 from eyas.drafter.ttt import Tally, TargetLabels, ttt_forward
 from eyas.interop import save_drafter
 from eyas.targets import load_target
+from tests.support.tiny import train_drafter
 from tests.support.toy import gsm8k_questions, make_toy_target
 
 BLOCKS, HIDDEN = 8, 32
@@ -54,27 +55,7 @@ def _train(model, spec: CaptureSpec, seqs: list[torch.Tensor], lens: list[int], 
     decides the next, so a drafter that reads its own token would accept just as well from the
     wrong layers and a wrong capture would not show; a real LLM's drafter cannot do without the
     features, and this one cannot either (the zero embedding is saved with it)."""
-    drafter, _ = new_drafter(model, boundaries=spec.boundaries, draft_vocab_size=len(draft_ids))
-    drafter.set_vocab_map(draft_ids)
-    with torch.no_grad():
-        drafter.embed_tokens.weight.zero_()
-    vocab = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size))
-    batches = []
-    for seq, n in zip(seqs, lens):
-        with torch.no_grad(), BoundaryCapture(model, spec) as cap:
-            logits = model(seq).logits
-            features = cap.features()
-        mask = torch.ones_like(seq)
-        mask[:, :n] = 0
-        batches.append((seq, features, TargetLabels.from_logits(logits, vocab), mask))
-    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=lr)
-    for _ in range(steps):
-        for seq, features, labels, mask in batches:
-            loss = ttt_forward(drafter, seq, features, labels, mask, steps=TTT_STEPS).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return drafter.eval()
+    return train_drafter(model, spec, seqs, lens, steps, draft_ids=draft_ids, lr=lr, zero_embedding=True)
 
 
 def make_served_pair(root: Path, initializer_range: float = 0.06, steps: int = 12) -> tuple[Path, Path, list[str]]:

@@ -56,10 +56,12 @@ def random_prompts(n: int, vocab: int, seed: int, lengths=(1, 30)) -> list[list[
 
 
 def train_drafter(model, spec, sequences, prompt_len, steps: int, draft_ids: torch.Tensor | None = None,
-                  lr: float = 3e-3, seed: int = 0):
+                  lr: float = 3e-3, seed: int = 0, zero_embedding: bool = False):
     """A drafter trained with eyas's TTT step (3 steps deep) on ``sequences``: a [B, T] batch with
     one ``prompt_len``, or a list of [1, T_i] sequences with a list of prompt lengths (one optimizer
-    step per sequence). The loss counts the tokens after the prompt."""
+    step per sequence). The loss counts the tokens after the prompt. ``zero_embedding``: the
+    drafter's token embedding is zeroed first (and stays zero: it is not trained), so it predicts
+    from the target's features alone."""
     from eyas.capture import BoundaryCapture
     from eyas.drafter.build import new_drafter
     from eyas.drafter.ttt import TargetLabels, ttt_forward
@@ -70,6 +72,9 @@ def train_drafter(model, spec, sequences, prompt_len, steps: int, draft_ids: tor
                              draft_vocab_size=None if draft_ids is None else len(draft_ids))
     if draft_ids is not None:
         drafter.set_vocab_map(draft_ids)
+    if zero_embedding:
+        with torch.no_grad():
+            drafter.embed_tokens.weight.zero_()
     vocab = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size))
     batches = []
     for seq, n in zip(sequences, prompt_len):

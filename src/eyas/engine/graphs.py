@@ -81,6 +81,17 @@ def capture(run: Callable[[], T], pool: object, warmups: int = 2,
     return graph, out
 
 
+def raise_recompile_limits() -> None:
+    """One code object compiled per shape (the fast target's functions x buckets, the drafter's
+    steps x trees): torch's default limit (8) would fall back to eager silently, so raise it."""
+    import torch._dynamo.config as dynamo_config
+
+    for name, least in (("recompile_limit", 64), ("cache_size_limit", 64),
+                        ("accumulated_recompile_limit", 1024), ("accumulated_cache_size_limit", 1024)):
+        if isinstance(getattr(dynamo_config, name, None), int):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), least))
+
+
 class CompiledOrEager:
     """``fn`` compiled with ``torch.compile(backend=backend, fullgraph=True, dynamic=False)``, one
     compilation per input shape at its first call (do that first call outside a CUDA-graph capture:
@@ -93,13 +104,7 @@ class CompiledOrEager:
     compiled (first calls per shape)."""
 
     def __init__(self, fn: Callable[..., Any], backend: str | Callable[..., Any] = "inductor", name: str = "") -> None:
-        import torch._dynamo.config as dynamo_config
-
-        # one code object, a compilation per shape (trees of several top-k, prompts' buckets): the
-        # default limit (8) would fall back to eager silently
-        for key, least in (("recompile_limit", 64), ("cache_size_limit", 64)):
-            if isinstance(getattr(dynamo_config, key, None), int):
-                setattr(dynamo_config, key, max(getattr(dynamo_config, key), least))
+        raise_recompile_limits()
         self.eager, self.name = fn, name or getattr(fn, "__qualname__", "step")
         self.compiled: Callable[..., Any] | None = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
         self.error: str | None = None

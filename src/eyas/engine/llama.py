@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eyas.convention.boundaries import CaptureSpec
-from eyas.engine.graphs import capture
+from eyas.engine.graphs import capture, raise_recompile_limits
 from eyas.engine.target import Target
 from eyas.errors import EyasError
 from eyas.targets.structure import find_decoder_blocks, text_config
@@ -317,14 +317,9 @@ class LlamaTarget(Target):
                functools.partial(_head, eps=c["eps"]))
         if backend is None:
             return fns
-        import torch._dynamo.config as dynamo_config
-
         # The three functions x buckets (x capacities, per model) are separate compilations of one
-        # code object (functools.partial's); the default limit (8) would fall back to eager silently.
-        for name, least in (("recompile_limit", 64), ("cache_size_limit", 64),
-                            ("accumulated_recompile_limit", 1024), ("accumulated_cache_size_limit", 1024)):
-            if isinstance(getattr(dynamo_config, name, None), int):
-                setattr(dynamo_config, name, max(getattr(dynamo_config, name), least))
+        # code object (functools.partial's).
+        raise_recompile_limits()
         return tuple(torch.compile(f, backend=backend, fullgraph=True, dynamic=False) for f in fns)  # type: ignore[return-value]
 
     # -- cache --------------------------------------------------------------------------------
