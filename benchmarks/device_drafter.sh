@@ -14,6 +14,8 @@
 #   bench [ARGS] benchmarks/spec_gpu.py on MT-bench with the drafter, results into $OUT/spec (COMMIT=sha)
 #   part         keep the GGUF parts carried in this call (a three-part split, .device/g3/smol.p0..p2, for
 #                calls whose work tree is larger: carry p0 with setup, p1 with `part`, p2 with `measure`)
+#   spec [ARGS]  join the GGUF, then benchmarks/spec_gpu.py with the shipped drafter and ARGS, results and
+#                its log into $OUT (spec.tar, spec.log); carry the GGUF's last part (COMMIT=sha)
 #   measure      join the GGUF, then in order of importance, each result into $OUT as it is done (a
 #                call cut by the time limit still returns what finished): MT-bench with the shipped
 #                drafter compiled (spec_on.tar), eyas serve under load (serve.json), regeneration of 1,024
@@ -91,6 +93,16 @@ EOF
   part)
     keep_parts
     ls -la /tmp/smol.p* /tmp/smol.part* 2>/dev/null || true
+    ;;
+  spec)
+    shift
+    keep_parts
+    join_gguf
+    timeout 560 python benchmarks/spec_gpu.py --target /tmp/smol.gguf --draft src/eyas/interop/embedded/smollm2-135m-instruct \
+      --out-dir /tmp/spec --commit "${COMMIT:?set COMMIT to the commit whose tree was sent}" "$@" > "$OUT/spec.log" 2>&1 \
+      || echo "spec_gpu exit $?" >> "$OUT/spec.log"
+    (cd /tmp && tar cf "$OUT/spec.tar" spec) || true
+    tail -n 30 "$OUT/spec.log"
     ;;
   measure)
     keep_parts
