@@ -253,6 +253,29 @@ def test_kvcache_update_writes_slots():
     assert "k" not in c.state_dict()  # scratch space, never saved
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 2)])
+def test_cached_attention_equals_sdpa_with_repeated_heads(heads, kv_heads):
+    """The serving attention (grouped, over the whole static cache, float32 softmax) is SDPA over
+    the cache repeated per query head, under the same mask (rows with some masked slots, one row
+    seeing a single slot)."""
+    from eyas.drafter.model import cached_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, T, N, D = 2, 3, 11, 8
+    q = torch.randn(B, heads, T, D, generator=g)
+    k, v = torch.randn(B, kv_heads, N, D, generator=g), torch.randn(B, kv_heads, N, D, generator=g)
+    mask = torch.rand(B, 1, T, N, generator=g) < 0.6
+    mask[..., 0] = True
+    mask[0, 0, 1] = False
+    mask[0, 0, 1, 5] = True  # a row that sees one slot only
+    rep = heads // kv_heads
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask)
+    got = cached_attention(q, k, v, mask)
+    assert got.shape == (B, heads, T, D)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got[0, :, 1], v[0, :, 5].repeat_interleave(rep, 0), atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # variant flags
 # ---------------------------------------------------------------------------------------------
