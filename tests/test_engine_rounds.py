@@ -15,6 +15,7 @@ import torch
 
 from eyas.engine import SamplingParams, TreeSpec, plain_generate, speculative_generate
 from eyas.engine.llama import LlamaTarget
+from eyas.engine.observe import RoundObserver
 from eyas.engine.speculative import SessionError, start, step
 from tests.support.tiny import SPEC4, random_prompts
 
@@ -212,3 +213,43 @@ def test_one_drafter_state_serves_short_and_long_requests_on_fixed_shapes(llama,
     speculative_generate(target, trained_drafter, long, tree=tree, max_new_tokens=8)
     (_, second), = _rounds(target).draft_states.values()
     assert second is first
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("tree", [TreeSpec.chain(4), TreeSpec(4, 4, 16), TreeSpec(3, 8, None)], ids=str)
+def test_pipelined_rounds_equal_sequential_rounds(llama, trained_drafter, monkeypatch, tree):
+    """Greedy rounds on a fixed-shape target are pipelined (the next tree drafted before the host
+    reads the verdict); they commit exactly what the sequential rounds commit, round by round."""
+    import eyas.engine.speculative as spec
+
+    calls = {"pipelined": 0, "drafted_ahead": 0}
+    original = spec._pipelined_round
+
+    def counted(s):
+        calls["pipelined"] += 1
+        calls["drafted_ahead"] += s.next_tree is not None
+        return original(s)
+
+    monkeypatch.setattr(spec, "_pipelined_round", counted)
+    target = LlamaTarget(llama, SPEC4, fixed_shapes=True)
+    eos = llama.generation_config.eos_token_id
+    for prompt in random_prompts(4, 128, seed=3):
+        piped = speculative_generate(target, trained_drafter, prompt, tree=tree, max_new_tokens=40, eos_token_ids=[eos])
+        before = calls["pipelined"]
+        sequential = speculative_generate(target, trained_drafter, prompt, tree=tree, max_new_tokens=40,
+                                          eos_token_ids=[eos], observer=RoundObserver())
+        assert calls["pipelined"] == before  # an observer (reading features between phases) keeps rounds sequential
+        assert piped.tokens == sequential.tokens == plain_generate(target, prompt, max_new_tokens=40,
+                                                                   eos_token_ids=[eos]).tokens
+        assert piped.stats.accept_lengths == sequential.stats.accept_lengths
+    assert calls["pipelined"] > 0 and calls["drafted_ahead"] > 0
+
+
+@pytest.mark.unit
+def test_truncate_drops_entries_and_refuses_growing(llama):
+    target = LlamaTarget(llama, SPEC4, fixed_shapes=True)
+    target.prefill(torch.tensor([[5, 6, 7, 8]]), capture=False)
+    target.truncate(2)
+    assert target.cache_len == 2
+    with pytest.raises(IndexError, match=r"truncate: expected a length in 0\.\.2 \(the cache's\), found 3"):
+        target.truncate(3)

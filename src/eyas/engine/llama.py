@@ -335,6 +335,11 @@ class LlamaTarget(Target):
         self.keys[:, :, P:P + k] = self.keys[:, :, src]
         self.values[:, :, P:P + k] = self.values[:, :, src]
 
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._len:
+            raise IndexError(f"truncate: expected a length in 0..{self._len} (the cache's), found {length}")
+        self._len = self._committed = int(length)  # entries past it are never attended
+
     # -- forward ------------------------------------------------------------------------------
 
     @torch.no_grad()

@@ -16,6 +16,11 @@ A round stays on the device from drafting to acceptance and reads it back ONCE: 
 the path's tokens, the bonus token and the tree's depth, in one transfer (the host needs them to
 stream tokens and check stop conditions). A plain step reads back its one token.
 
+On a target with a static cache of fixed shapes, greedy rounds are pipelined
+(:func:`_pipelined_round`): keep, re-read and the next round's draft are queued before the host
+waits for that transfer, with shapes fixed by the tree's depth, so the device drafts while the
+host streams tokens; plain steps likewise feed each token before reading it (:func:`_plain_step`).
+
 A request is a :class:`Session` (the drafter's cache, the committed tokens, the output, the
 statistics); :func:`step` runs one round of it. :func:`speculative_generate` and
 :func:`plain_generate` start a session and step it to the end; a server steps sessions itself
@@ -28,7 +33,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -113,6 +118,9 @@ class Session:
         self.draft: DraftState | None = None
         self.last: Tensor | None = None  # long [1, 1]: x_m on the device (plain decoding feeds it back)
         self.positions = torch.arange(self.max_len, device=target.device)  # position ids, sliced per step
+        self.next_tree: DraftTree | None = None  # a pipelined round's draft of the next round
+        self.next_token: Tensor | None = None  # plain decoding: the token after s.last, computed ahead
+        self.readback = _Readback(target.device)
         self._finished = False
 
     @property
@@ -179,14 +187,17 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
     states = _rounds(target).draft_states
     key = (id(drafter), tree)
     need = max_len + tree.scratch_slots + tree.depth + 1
+    size = max(256, 1 << (need - 1).bit_length())
     capacity = getattr(target, "max_length", None)
     if getattr(target, "fixed_shapes", False) and capacity:
         # One state for every request the target can hold: a new state would compile and capture
         # the drafter's steps again (seconds, inside a request). A draft step attends the whole
-        # cache under its mask, which for one drafter layer costs little even at the full context.
+        # cache under its mask (one drafter layer: two small matmuls), so the size is the context
+        # rounded up to 256 slots, not to a power of two (4,096 + a round's slots, not 8,192).
         need = max(need, int(capacity) + tree.scratch_slots + tree.depth + 1)
+        size = -(-need // 256) * 256
     if key not in states or states[key][0] is not drafter or states[key][1].max_len < need:
-        states[key] = (drafter, DraftState(drafter, max(256, 1 << (need - 1).bit_length()),
+        states[key] = (drafter, DraftState(drafter, size,
                                            fixed_shapes=getattr(target, "fixed_shapes", False),
                                            cuda_graphs=getattr(target, "cuda_graphs", False),
                                            extend_bucket=tree.depth + 1,
@@ -256,10 +267,46 @@ def step(s: Session) -> list[int]:
     return tokens
 
 
+class _Readback:
+    """A round's one device-to-host transfer, started as soon as its value is queued: on a GPU the
+    copy goes into pinned memory behind the verdict and the host waits for that copy alone (an
+    event), not for the drafting queued after it. On the CPU it is a plain read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.event = torch.cuda.Event() if self.cuda else None
+        self.buffer: Tensor | None = None  # pinned host memory (GPU) or the tensor itself (CPU)
+
+    def start(self, x: Tensor) -> None:
+        if not self.cuda:
+            self.buffer = x
+            return
+        if self.buffer is None or self.buffer.shape != x.shape or self.buffer.dtype != x.dtype:
+            self.buffer = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        self.buffer.copy_(x, non_blocking=True)
+        self.event.record()  # type: ignore[union-attr]
+
+    def wait(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.buffer.tolist()  # type: ignore[union-attr]
+
+
+def _pipelines(s: Session, gamma: int) -> bool:
+    """Whether this round runs pipelined (:func:`_pipelined_round`): greedy, on a target with a
+    static cache of fixed shapes, drafting the tree's full depth, with no observer (which reads
+    each round's features on the host)."""
+    return (s.sampling.greedy and s.observer is None and gamma == s.tree.depth
+            and getattr(s.target, "fixed_shapes", False) and s.draft.extend_bucket == s.tree.depth + 1)
+
+
 def _speculative_round(s: Session) -> list[int]:
     target, draft, clock, m, r = s.target, s.draft, s.clock, s.m, s.stats.rounds  # r: this round's number
     # gamma: the deepest draft this round; a accepted drafts + the bonus must fit in max_len
     gamma = min(s.tree.depth, s.max_len - 2 - m)
+    if _pipelines(s, gamma):
+        return _pipelined_round(s)
+    s.next_tree = None
     with clock("draft"):
         t = draft.draft(s.tree, gamma, s.sampling, s.generator, target.vocab_size)  # t.tokens[0] = x_m
     with clock("verify"):
@@ -291,21 +338,84 @@ def _speculative_round(s: Session) -> list[int]:
     return accepted[:kept]
 
 
+def _pipelined_round(s: Session) -> list[int]:
+    """One greedy round in which the host never stands between the device's phases.
+
+    The round above reads the verdict, then commits on the host's word (keep a+1 entries,
+    re-read a+1 tokens, draft), so the device waits while the host reads, streams tokens and
+    launches the next steps. Here everything after verification is queued at once with shapes
+    fixed by the tree's depth D, whatever a turns out to be:
+
+        verify          logits, f after every node (one graph)
+        verdict         a, the path [D+1] (past a it repeats its last node), the bonus; the re-read's
+                        tokens x_{m+1} .. x_{m+a+1} and features f_m .. f_{m+a}, padded to D+1
+        read (start)    the verdict's copy to the host is queued here
+        keep            the target keeps the whole path: entries past m+a+1 are dropped below
+        re-read         the drafter reads n = a+1 entries (a device count; pads past it)
+        draft           the next round's tree, from committed length m + n (a device sum)
+        read (wait)     the host waits for the copy only; the device is still drafting
+
+    then the host truncates the target's cache to m+a+1 entries, advances the drafter's length by
+    a+1 and streams the tokens while the next tree is being drafted. Output is the same as the
+    round above token for token: the same verdict, the same entries kept and re-read. The next
+    tree is drafted only when its full depth fits (the round after this one is then pipelined
+    too); a session that ends this round drops it."""
+    target, draft, clock, m, D = s.target, s.draft, s.clock, s.m, s.tree.depth
+    t, s.next_tree = s.next_tree, None
+    if t is None:  # the session's first round, or the one after a round that could not draft ahead
+        with clock("draft"):
+            t = draft.draft(s.tree, D, s.sampling, s.generator, target.vocab_size)
+    with clock("verify"):
+        logits, f = target.forward(t.tokens[None], (m + t.depths)[None], t.mask)
+    with clock("bookkeeping"):
+        v, packed, tokens, features, n = _greedy_verdict(target, t, logits[0], f[0])
+        s.readback.start(packed)
+        target.keep(v.path)
+        length = torch.full((), m, dtype=torch.long, device=target.device)
+        draft.reread(tokens, features, n, length)
+    if m + 2 * (D + 1) < s.max_len - 1:  # next round: m' <= m + D + 1 and a full-depth draft fits
+        with clock("draft"):
+            s.next_tree = draft.draft(s.tree, D, s.sampling, s.generator, target.vocab_size, length=length + n)
+    with clock("bookkeeping"):
+        read = s.readback.wait()  # the round's one read of the device
+        a, path_tokens, bonus, tree_depth = read[0], read[1:2 + t.depth], read[2 + t.depth], read[3 + t.depth]
+        target.truncate(m + a + 1)
+        draft.advance(a + 1)
+        accepted = path_tokens[1:a + 1] + [bonus]  # x_{m+1} .. x_{m+a+1}
+        kept = s._emit(accepted)
+        s.stats.record_round(tree_depth, a, kept)
+    if s.done:
+        s.next_tree = None
+    else:
+        assert draft.length == target.cache_len == s.m, (draft.length, target.cache_len, s.m)
+    return accepted[:kept]
+
+
 def _pack(t: DraftTree, v: Verdict) -> Tensor:
     """What the host needs of a round, in one tensor (one transfer): a, the path's tokens
     [depth+1], the bonus token and the tree's depth."""
     return torch.cat([v.accepted[None], t.tokens[v.path], v.bonus[None], t.depths.max()[None]])
 
 
-def _greedy_verdict(target: Target, t: DraftTree, logits: Tensor) -> tuple[Verdict, Tensor]:
+def _greedy_verdict(target: Target, t: DraftTree, logits: Tensor, *features: Tensor) -> tuple[Any, ...]:
     """Greedy acceptance and its pack: a function of tensors whose shapes the tree fixes, so on a
     target with CUDA graphs it is captured once per (tree shape, depth) and replayed (its outputs
-    are the graph's, valid until the next round's replay). logits [N+1, V]."""
+    are the graph's, valid until the next round's replay). logits [N+1, V].
+
+    Returns (verdict, pack). Given the features f [N+1, S*H] too (the pipelined round), also the
+    drafter's re-read, padded to depth+1 entries: tokens [D+1] (x_{m+1} .. x_{m+a}, the bonus at
+    index a, then pads), features f[path] [D+1, S*H] and their count n = a+1 (long [])."""
     def verdict(tokens: Tensor, parents: Tensor, depths: Tensor, mask: Tensor, children: Tensor, valid: Tensor,
-                logits: Tensor) -> tuple[Tensor, ...]:
+                logits: Tensor, *f: Tensor) -> tuple[Tensor, ...]:
         tree = DraftTree(tokens, parents, depths, mask, children, valid, t.depth)
         v = accept_greedy(tree, logits)
-        return v.path, v.accepted, v.bonus, _pack(tree, v)
+        out = (v.path, v.accepted, v.bonus, _pack(tree, v))
+        if f:
+            following = torch.cat([tree.tokens[v.path[1:]], v.bonus[None]])  # [D+1]: x_{m+1} .. x_{m+a}, ...
+            index = torch.arange(following.shape[0], device=following.device)
+            following = torch.where(index == v.accepted, v.bonus, following)  # ... the bonus at a, pads after
+            out += (following, f[0][v.path], v.accepted + 1)
+        return out
 
     if getattr(target, "cuda_graphs", False):
         graphs = _rounds(target).verdicts  # per depth; StepGraphs keys the shapes
@@ -314,19 +424,40 @@ def _greedy_verdict(target: Target, t: DraftTree, logits: Tensor) -> tuple[Verdi
         run = graphs[t.depth]
     else:
         run = verdict
-    path, accepted, bonus, packed = run(t.tokens, t.parents, t.depths, t.mask, t.children, t.valid, logits)
-    return Verdict(path, accepted, bonus), packed
+    path, accepted, bonus, packed, *reread = run(t.tokens, t.parents, t.depths, t.mask, t.children, t.valid, logits,
+                                                 *features)
+    return (Verdict(path, accepted, bonus), packed, *reread)
+
+
+def _plain_forward(s: Session, token: Tensor, position: int) -> Tensor:
+    """Feed ``token`` [1, 1] at ``position``; the target's next token, long [1, 1] on the device."""
+    logits, _ = s.target.forward(token, s.positions[position:position + 1][None], capture=False)
+    return _choose(logits[0, -1], s.sampling, s.generator).view(1, 1)
 
 
 def _plain_step(s: Session) -> list[int]:
+    """One plain token, x_{m+1}, from feeding x_m (``s.last``) at position m.
+
+    On a fixed-shape target the step runs one token ahead: x_{m+1} is fed (at m+1) before the host
+    reads it, so the device computes x_{m+2} while the host streams x_{m+1}. Output and sampling
+    order are unchanged; a session that stops at x_{m+1} drops the entry fed ahead (truncate)."""
     target, clock, m = s.target, s.clock, s.m
-    with clock("verify"):
-        logits, _ = target.forward(s.last, s.positions[m:m + 1][None], capture=False)  # x_m at position m
+    if s.next_token is None:
+        with clock("verify"):
+            s.next_token = _plain_forward(s, s.last, m)  # x_m at position m -> x_{m+1}
+    s.last, s.next_token = s.next_token, None
     with clock("bookkeeping"):
-        s.last = _choose(logits[0, -1], s.sampling, s.generator).view(1, 1)
-        token = int(s.last)  # the step's one read
+        s.readback.start(s.last.view(1))
+    if getattr(target, "fixed_shapes", False) and m + 3 <= s.max_len:  # x_{m+1} at m+1 fits the sequence
+        with clock("verify"):
+            s.next_token = _plain_forward(s, s.last, m + 1)
+    with clock("bookkeeping"):
+        token = s.readback.wait()[0]  # the step's one read
         s.stats.rounds += 1
         kept = s._emit([token])
+    if s.done and s.next_token is not None:
+        s.next_token = None
+        target.truncate(target.cache_len - 1)
     return [token][:kept]
 
 

@@ -93,6 +93,13 @@ class Target(ABC):
         """Keep the committed prefix plus entries ``indices`` (0-based within the last forward's
         block, in this order); drop the rest of that block."""
 
+    def truncate(self, length: int) -> None:
+        """Drop the entries from ``length`` on (``length`` <= cache_len), after a ``keep`` that kept
+        more than the round accepted (a pipelined round keeps its whole padded path before the host
+        knows how much of it was accepted). Targets whose entries past cache_len are never
+        attended (a static cache) implement it; the pipelined round runs only on those."""
+        raise NotImplementedError(f"{type(self).__name__} cannot truncate its cache")
+
     def prefill(self, input_ids: Tensor, capture: bool = True) -> tuple[Tensor, Tensor | None]:
         """Reset, then run the prompt [1, n] causally at positions 0..n-1."""
         self.reset()

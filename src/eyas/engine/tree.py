@@ -220,6 +220,7 @@ class DraftState:
         self._expand = fixed[False]  # each level's expansion (inside the captured greedy draft)
         self.graphs = graphs
         self._drafts: dict[tuple[TreeSpec, int], object] = {}  # greedy drafts, per (spec, depth)
+        self._reread: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None  # the pipelined re-read
 
     def reset(self) -> None:
         """Empty the cache for a new request (stale entries are never attended; graphs stay)."""
@@ -261,18 +262,54 @@ class DraftState:
         self.length += n
 
     @torch.no_grad()
+    def reread(self, tokens: Tensor, features: Tensor, n: Tensor, length: Tensor) -> None:
+        """The re-read of a round's accepted tokens when only the device knows how many there are
+        (a pipelined round: the host reads the verdict while the drafter already works).
+
+        tokens long [B] and features [B, S*H_t] with B = ``extend_bucket`` (the tree's depth + 1);
+        n long [] (1 <= n <= B): entries length+i read (features[i], tokens[i]) for i < n, exactly
+        as ``extend``; rows i >= n are pads (they write the scratch slots past the new committed
+        end, which drafting overwrites before any query attends them, and attend only themselves).
+        length long []: the committed length (the host's ``self.length``, on the device).
+
+        The root becomes entry length+n-1's output; ``self.length`` does NOT move: the host adds n
+        with :meth:`advance` once it has read it. One function of device tensors with fixed shapes,
+        captured as one CUDA graph on a GPU."""
+        if self._reread is None:
+            self._reread = StepGraphs(self._reread_fn) if self.graphs else self._reread_fn
+        self.root_token, self.root_logits, self.root_hidden = self._reread(tokens, features.to(self.dtype), n, length)
+
+    def _reread_fn(self, tokens: Tensor, features: Tensor, n: Tensor, length: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B = tokens.shape[0]
+        rows = torch.arange(B, device=self.device)
+        slots = length + rows  # [B]
+        causal = self.positions[None] <= slots[:, None]  # [B, max_len]: committed entries and earlier rows
+        alone = self.positions[None] == slots[:, None]  # a pad sees itself only
+        mask = torch.where((rows < n)[:, None], causal, alone)
+        step = (self.compiled or self._eager)[True]  # inside this function's graph: not the extend's graph
+        logits, hidden = step(tokens[None], features[None], slots[None], slots, mask[None, None])
+        last = (n - 1).view(1)  # a [1] index: a 0-dim one would be read back to the host
+        return tokens.index_select(0, last), logits[0].index_select(0, last)[0], hidden[0].index_select(0, last)[0]
+
+    def advance(self, n: int) -> None:
+        """The host's side of :meth:`reread`: n entries were committed."""
+        self.length += n
+
+    @torch.no_grad()
     def draft(self, spec: TreeSpec, depth: int, sampling: SamplingParams,
-              generator: torch.Generator | None, vocab_size: int) -> DraftTree:
+              generator: torch.Generator | None, vocab_size: int, length: Tensor | None = None) -> DraftTree:
         """Draft a tree of at most ``depth`` (<= spec.depth) levels from the root (see
         :meth:`_grow`). vocab_size: the target's, for the proposals q. depth 0 gives the root alone.
 
         The committed length enters as a device tensor, so the whole greedy draft has shapes fixed
         by (spec, depth): with CUDA graphs it is captured once per (spec, depth) and replayed, one
-        launch for the round's drafting. Sampling draws from ``generator`` and runs eagerly."""
+        launch for the round's drafting. Sampling draws from ``generator`` and runs eagerly.
+        ``length`` (long [] on the device): the committed length to draft after, when the host does
+        not know it yet (a pipelined round, after :meth:`reread`); default ``self.length``."""
         K = min(spec.top_k, self.drafter.config.draft_vocab_size)
         if depth == 0:
             return DraftTree.from_parents(self.root_token, torch.full((1,), -1, device=self.device), 0, K)
-        m = torch.full((), self.length, dtype=torch.long, device=self.device)
+        m = torch.full((), self.length, dtype=torch.long, device=self.device) if length is None else length
         inputs = (m, self.root_token, self.root_logits, self.root_hidden)
         if sampling.greedy:
             key = (spec, depth)
