@@ -222,3 +222,97 @@ def test_the_compiled_cuda_graphed_target_equals_the_hf_model_on_a_gpu():
     _same(fast.forward(ids, torch.arange(15, 35, device="cuda")[None]),
           hf.forward(ids, torch.arange(15, 35, device="cuda")[None]))
     assert sorted(fast._graphs) == [1, 8, 16, 32]
+
+
+# -- fused projections ------------------------------------------------------------------------------
+
+
+def _storages(model) -> dict[int, int]:
+    """data pointer -> bytes of every distinct storage behind the model's parameters."""
+    return {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fuse_projections_makes_the_models_parameters_views_of_one_tensor_without_a_second_copy(kind):
+    from eyas.engine.llama import fuse_projections
+
+    model = tiny_model(kind, L)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = {n: p for n, p in model.named_parameters()}
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    logits = model(ids).logits
+    assert fuse_projections(model) is None
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert {n: p for n, p in model.named_parameters()} == params  # the same Parameter objects
+    for b in model.model.layers:
+        a, m = b.self_attn, b.mlp
+        groups = [(a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)]
+        for group in groups:
+            for name in ("weight", "bias") if group[0].bias is not None else ("weight",):  # Qwen2: q/k/v bias
+                parts = [getattr(x, name) for x in group]
+                storage = parts[0].untyped_storage()
+                assert all(p.untyped_storage().data_ptr() == storage.data_ptr() for p in parts)
+                assert storage.nbytes() == sum(p.numel() * p.element_size() for p in parts)  # exactly the rows
+                assert [p.storage_offset() for p in parts] == [sum(q.numel() for q in parts[:i]) for i in range(len(parts))]
+    # No weight held twice: the distinct storages add up to the parameters' bytes.
+    assert sum(_storages(model).values()) == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert torch.equal(model(ids).logits, logits)  # the Hugging Face model computes as before
+    ptrs = _storages(model)
+    assert fuse_projections(model) is None and _storages(model) == ptrs  # idempotent: nothing moved
+    fast = LlamaTarget(model, SPEC)  # fuses nothing again, multiplies by the model's own storage
+    assert fast.unfused_reason is None and _storages(model) == ptrs
+    w = fast.weights[0]
+    assert len(w.qkv) == 1 and w.qkv[0].shape == (4 * 16 + 2 * 2 * 16, 64) and w.gate_up[0].shape == (256, 64)
+    assert w.qkv[0].data_ptr() == model.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert (w.qkv_bias is not None) == (kind == "qwen2")
+
+
+@pytest.mark.unit
+def test_the_fused_model_still_trains_loads_and_saves_and_the_fast_target_follows_its_weights(tmp_path):
+    """Writes into the model's parameters (an optimizer step, load_state_dict) are writes into the
+    fused tensors the fast target multiplies by; save_pretrained writes the same tensors."""
+    from transformers import AutoModelForCausalLM
+
+    model, other = tiny_model("qwen2", L), tiny_model("qwen2", L, seed=1)
+    fast = LlamaTarget(model, SPEC, max_length=64)
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    model.train()
+    model(ids).logits.square().mean().backward()
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.weight.grad is not None and q.weight.grad.shape == q.weight.shape
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    model.eval().zero_grad()
+    _same(fast.prefill(ids), HFTarget(model, SPEC).prefill(ids))
+    model.load_state_dict(other.state_dict())
+    _same(fast.prefill(ids), HFTarget(other, SPEC).prefill(ids))
+    model.save_pretrained(tmp_path)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in other.state_dict().items())
+
+
+@pytest.mark.unit
+def test_projections_that_cannot_be_stacked_are_left_alone_with_the_reason_and_the_step_still_equals_the_model():
+    from transformers import AutoModelForCausalLM
+
+    from eyas.engine.llama import fuse_projections
+    from tests.support.tiny import tiny_config
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config("llama", L))
+    assert "meta device" in fuse_projections(meta)
+
+    class Quantized(torch.nn.Parameter):  # stands for a quantized weight (a tensor subclass)
+        pass
+
+    model = tiny_model("qwen2", L)
+    v = model.model.layers[L - 1].self_attn.v_proj
+    v.weight = Quantized(v.weight.detach().clone())
+    ptrs = _storages(model)
+    assert fuse_projections(model) == f"block {L - 1} q/k/v: its weight is a Quantized, not a plain nn.Parameter (quantized?)"
+    assert _storages(model) == ptrs  # all or nothing: block 0 was not fused either
+    with pytest.warns(UserWarning, match="not fused .*Quantized"):
+        fast = LlamaTarget(model, SPEC, max_length=64)
+    assert fast.unfused_reason.startswith(f"block {L - 1}") and len(fast.weights[0].qkv) == 3
+    _walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(0))  # separate GEMMs
