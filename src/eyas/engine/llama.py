@@ -32,32 +32,45 @@ quantized or other tensor subclasses) keeps its separate GEMMs, with the reason 
 
 Every step runs through one walk, ``_step``: B new tokens write their keys/values at cache slots
 cache_len .. cache_len+B-1 and attend the first ``keys`` cache entries under a bool mask. Exact
-shapes (the default) use B = T and keys = cache_len + T, eagerly. Fixed shapes pad B to a bucket (1,
-8, 16, 32, 64, 128: a tree of up to 127 drafted tokens verifies in a graph) and attend the whole
-capacity, so the step's shapes never depend on cache_len (nor its
-inputs' addresses: each bucket has its own input buffers). On a GPU the three functions are then
-compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (inductor fuses each block's norms,
-rope, cache writes, softmax and SiLU into a few kernels; all blocks have the same shapes, so one
-compilation per bucket serves every block) and each bucket's whole step is captured once as a CUDA
-graph and replayed (forward hooks would not survive a replay: the captured boundaries are an output
-of the step). On the CPU the same functions run eagerly, so the tests check the code the GPU
-compiles. Compilation happens at a bucket's first use, or up front with :meth:`LlamaTarget.warmup`;
-``compile_seconds`` says how long it took. A compiler that fails (e.g. no C compiler for Triton)
-leaves the same functions eager, with a warning and ``compile_error``.
+shapes (the default) use B = T and keys = cache_len + T, eagerly. Fixed shapes pad B to a token
+bucket (1, 8, 16, 32, 64, 128: a tree of up to 127 drafted tokens verifies in a graph) and the
+number of keys to a key bucket K: the smallest rung of the ladder ``key_buckets`` (default 512,
+1024, 2048, ... doubling, then the capacity C) that covers cache_len + B. Entries [cache_len + B,
+K) are masked like every entry past the block, so the result is the one over the whole capacity,
+but attention reads and softmaxes K keys rather than C: on SmolLM2 with C = 4096 a 300-token
+sequence attends 512 keys, not 4096 (QK and softmax were 7.6 and 3-10 us a block over all C). The
+step's shapes depend only on (B, K), both chosen from host ints (T and cache_len), never on a device
+value; each token bucket has its own input buffers, shared by its key buckets. Why these rungs:
+below 512 keys the attention kernels are launch-bound anyway, and doubling keeps the keys read
+within 2x of the keys in use with log2(C/512) + 1 rungs (4 for C = 4096).
 
-No device value is read on the host: the range check uses host ints (cache_len + T <= max_length;
-a step's positions are at most cache_len + T - 1), host tensors travel with non-blocking copies, and
-the mask is built on the device inside the step.
+On a GPU the three functions are then compiled with ``torch.compile(fullgraph=True,
+dynamic=False)`` (inductor fuses each block's norms, rope, cache writes, softmax and SiLU into a
+few kernels; all blocks have the same shapes, so one compilation per (B, K) serves every block:
+``_layer`` and ``_prologue`` compile once per (B, K), ``_head`` once per B) and each (B, K) step is
+captured once as a CUDA graph and replayed (forward hooks would not survive a replay: the captured
+boundaries are an output of the step). A graph for key bucket K reads entries [0, K) only, and a
+step runs the graph of its own K, so a captured graph stays valid as the cache grows. On the CPU
+the same functions run eagerly, so the tests check the code the GPU compiles. Compilation happens
+at a (B, K) pair's first use, or up front with :meth:`LlamaTarget.warmup` (default: every token
+bucket with the key buckets of a sequence of up to ``WARM_CONTEXT`` = 2048 tokens, a typical
+request; ``context=`` or ``keys=`` say otherwise); ``compile_seconds`` says how long it took. A
+compiler that fails (e.g. no C compiler for Triton) leaves the same functions eager, with a
+warning and ``compile_error``.
+
+No device value is read on the host: the range check and both buckets use host ints (cache_len + T
+<= max_length; a step's positions are at most cache_len + T - 1), host tensors travel with
+non-blocking copies, and the mask is built on the device inside the step.
 
 Shapes (batch 1, dropped inside the step): L blocks, H hidden, I the MLP's width, Hq query heads,
 Hkv key/value heads, G = Hq / Hkv, D head dim, C the cache's capacity (``max_length`` positions), V
-vocabulary.
+vocabulary, B the step's tokens (T, or its token bucket), K the keys it attends.
 
     qkv weight     [(Hq+2Hkv)*D, H]  rows: q (Hq*D), k (Hkv*D), v (Hkv*D); the model's q/k/v_proj.weight are views
     gate_up weight [2I, H]           rows: gate (I), up (I); the model's gate/up_proj.weight are views
     keys, values   [L, Hkv, C, D]    entry i = the token at position i (the cache is kept compact)
-    forward(T)     writes entries cache_len .. cache_len+B-1, attends [keys] entries with the mask
-                   [B, keys] = (every committed entry) ++ (tree_mask, or causal; a pad: itself)
+    forward(T)     writes entries cache_len .. cache_len+B-1, attends the first K entries with the mask
+                   [B, K] = (every committed entry) ++ (tree_mask, or causal; a pad: itself) ++ (none)
     keep(idx)      moves the kept entries of the last block to cache_len_before .. (+k) on the device
 
 Boundary capture follows the contract's convention (docs/conventions.md): boundary 0 is the input of
@@ -88,6 +101,23 @@ from eyas.targets.structure import find_decoder_blocks, text_config
 # model_type values whose decoder layer is the Llama layer (pre-norm, rotary, optional q/k bias,
 # optional per-head q/k norm) with full attention everywhere.
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+
+# The key buckets' ladder: SMALLEST_KEYS, doubling, then the capacity (see key_ladder).
+SMALLEST_KEYS = 512
+# What warmup() compiles by default: the key buckets of a sequence (prompt + new tokens) this long.
+WARM_CONTEXT = 2048
+
+
+def key_ladder(capacity: int, smallest: int = SMALLEST_KEYS) -> tuple[int, ...]:
+    """The default key buckets for a cache of ``capacity`` entries: ``smallest``, doubling while below
+    the capacity, then the capacity (e.g. 512, 1024, 2048, 4096 for 4096; just 64 for 64). Every
+    step that fits the cache has a rung: the capacity is the last."""
+    rungs, k = [], int(smallest)
+    while k < capacity:
+        rungs.append(k)
+        k *= 2
+    return (*rungs, int(capacity))
 
 
 class UnsupportedTarget(EyasError, ValueError):
@@ -344,13 +374,16 @@ class LlamaTarget(Target):
     why a model's projections could not be fused (the step then runs separate GEMMs, with a
     warning), None when they are. ``max_length`` is the cache's
     capacity; it defaults to the model's context, capped at ``default_capacity`` to keep the
-    preallocated cache small (2 x L x C x Hkv x D values). ``compile`` (default: with
+    preallocated cache small (2 x L x C x Hkv x D values). With fixed shapes a step's T tokens are
+    padded to the smallest of ``buckets`` that holds them and attend the first K cache entries, K
+    the smallest of ``key_buckets`` (default :func:`key_ladder`; the capacity is always added as
+    the last rung) that holds cache_len + the token bucket. ``compile`` (default: with
     ``cuda_graphs``) compiles the fixed-shape step with inductor; it applies on a GPU only."""
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
                  default_capacity: int = 4096, fixed_shapes: bool = False, cuda_graphs: bool = False,
                  buckets: Sequence[int] = (1, 8, 16, 32, 64, 128), compile: bool | None = None,
-                 fuse: bool = True) -> None:
+                 fuse: bool = True, key_buckets: Sequence[int] | None = None) -> None:
         why_not = supports(model)
         if why_not is not None:
             raise UnsupportedTarget(f"LlamaTarget: {why_not}; use the Hugging Face target (HFTarget)")
@@ -424,23 +457,26 @@ class LlamaTarget(Target):
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._slot_of = {b: i for i, b in enumerate(spec.boundaries)}
 
-        # Fixed shapes: a step of T <= max(buckets) tokens runs padded to the smallest bucket >= T and
-        # attends the cache's whole capacity under a mask, so its shapes never depend on cache_len;
-        # on a GPU its functions are compiled (compile) and each bucket's step is captured once as a
-        # CUDA graph and replayed (cuda_graphs).
+        # Fixed shapes: a step of T <= max(buckets) tokens runs padded to the smallest token bucket
+        # B >= T and attends the first K entries of the cache under a mask, K the smallest key bucket
+        # >= cache_len + B, so its shapes are one of a few (B, K) pairs; on a GPU its functions are
+        # compiled (compile) and each (B, K) step is captured once as a CUDA graph and replayed
+        # (cuda_graphs).
         on_gpu = self.device.type == "cuda"
         self.cuda_graphs = bool(cuda_graphs) and on_gpu
         self.compile = bool(cuda_graphs if compile is None else compile) and on_gpu
         self.fixed_shapes = bool(fixed_shapes or cuda_graphs or self.compile)
         self.buckets = tuple(sorted(int(b) for b in buckets))
+        ladder = key_ladder(self.max_length) if key_buckets is None else key_buckets
+        self.key_buckets = tuple(sorted({int(k) for k in ladder if 0 < int(k) < self.max_length} | {self.max_length}))
         self.implementation = "+".join(["fast"] + ["compile"] * self.compile + ["cuda-graphs"] * self.cuda_graphs)
         self._eager = self._functions(None)
         self._fixed = self._functions("inductor") if self.compile else self._eager
-        self._inputs: dict[int, _Inputs] = {}  # bucket -> its input buffers
-        self._ready: set[int] = set()  # buckets compiled / captured
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
+        self._inputs: dict[int, _Inputs] = {}  # token bucket B -> its input buffers (shared by its key buckets)
+        self._ready: set[tuple[int, int]] = set()  # (B, K) steps compiled / captured
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self.compile_seconds = 0.0  # time spent compiling and capturing buckets (at first use or in warmup)
+        self.compile_seconds = 0.0  # time spent compiling and capturing (B, K) steps (at first use or in warmup)
         self.compile_error: str | None = None  # why compilation failed, when it did (the step then runs eagerly)
         top = max(self.buckets)
         self._causal = torch.ones(top, top, dtype=torch.bool, device=self.device).tril_()
@@ -456,8 +492,9 @@ class LlamaTarget(Target):
                functools.partial(_head, eps=c["eps"]))
         if backend is None:
             return fns
-        # The three functions x buckets (x capacities, per model) are separate compilations of one
-        # code object (functools.partial's).
+        # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _head: per
+        # token bucket; per model) are separate compilations of one code object (functools.partial's):
+        # 6 token buckets x 4 key buckets = 24 of _layer for C = 4096.
         raise_recompile_limits()
         return tuple(torch.compile(f, backend=backend, fullgraph=True, dynamic=False) for f in fns)  # type: ignore[return-value]
 
@@ -483,9 +520,9 @@ class LlamaTarget(Target):
         # Host ints only: a step's positions are at most cache_len + T - 1 (a tree's deepest node).
         if self._len + T > self.max_length:
             raise ValueError(f"position {self._len + T - 1} is past the context ({self.max_length} positions)")
-        bucket = next((b for b in self.buckets if b >= T), None) if self.fixed_shapes else None
-        if bucket is not None and self._len + bucket <= self.max_length:
-            logits, features = self._fixed_step(bucket, input_ids, position_ids, tree_mask)
+        shape = self.step_shape(T)
+        if shape is not None:
+            logits, features = self._fixed_step(*shape, input_ids, position_ids, tree_mask)
         else:  # exact shapes: B = T new tokens against the cache_len + T entries in use, eagerly
             dev = self.device
             inputs = _Inputs(
@@ -518,6 +555,19 @@ class LlamaTarget(Target):
 
     # -- fixed shapes, compilation and CUDA graphs ------------------------------------------------
 
+    def _key_bucket(self, n: int) -> int:
+        """The smallest key bucket >= n (a host int; n <= max_length, the last rung)."""
+        return next(k for k in self.key_buckets if k >= n)
+
+    def step_shape(self, T: int) -> tuple[int, int] | None:
+        """(B, K) of a forward of T tokens at the current cache_len: the token bucket it is padded to
+        and the key bucket it attends; None where it runs exact shapes (not ``fixed_shapes``, T past
+        the largest bucket, or the pads' slots past the capacity). Host ints only."""
+        B = next((b for b in self.buckets if b >= T), None) if self.fixed_shapes else None
+        if B is None or self._len + B > self.max_length:
+            return None
+        return B, self._key_bucket(self._len + B)
+
     def _buffers(self, B: int) -> _Inputs:
         if B not in self._inputs:
             dev = self.device
@@ -540,45 +590,48 @@ class LlamaTarget(Target):
         buf.start.fill_(self._len)
         return buf
 
-    def _fixed_step(self, B: int, input_ids: Tensor, position_ids: Tensor,
+    def _fixed_step(self, B: int, K: int, input_ids: Tensor, position_ids: Tensor,
                     tree_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The step padded to bucket B over the whole capacity: run (compiled or eager), or its CUDA
-        graph replayed. Returns logits [1, T, V] and features [1, T, S*H]."""
+        """The step padded to token bucket B attending the first K cache entries (cache_len + B <= K):
+        run (compiled or eager), or its CUDA graph replayed. Returns logits [1, T, V] and features
+        [1, T, S*H]."""
         T = input_ids.shape[1]
         buf = self._load(B, input_ids, position_ids, tree_mask)
-        if B not in self._ready:
-            self._prepare(B)
+        if (B, K) not in self._ready:
+            self._prepare(B, K)
         if not self.cuda_graphs:
-            logits, features = self._step(buf, self.max_length, self._fixed)
+            logits, features = self._step(buf, K, self._fixed)
             return logits[None, :T], features[None, :T]
-        graph, (logits, features) = self._graphs[B]
+        graph, (logits, features) = self._graphs[B, K]
         graph.replay()
         # Cloned: the next replay overwrites the graph's outputs.
         return logits[None, :T].clone(), features[None, :T].clone()
 
-    def _prepare(self, B: int) -> None:
-        """Compile (first call of the compiled functions with this bucket's shapes) and capture bucket
-        B's step, on the inputs already in its buffers. The warm-up runs write keys/values only at
-        the step's own slots (entries not yet committed), which the step then overwrites."""
+    def _prepare(self, B: int, K: int) -> None:
+        """Compile (first call of the compiled functions with these shapes) and capture the step of
+        token bucket B over K keys, on the inputs already in B's buffers. The warm-up runs write
+        keys/values only at the step's own slots (entries not yet committed), which the step then
+        overwrites. The graph reads cache entries [0, K) only and is replayed only for steps with
+        cache_len + B <= K."""
         t0 = time.perf_counter()
         buf = self._buffers(B)
         if self.cuda_graphs:  # the warm-up (and compilation) runs off the capturing stream
-            self._graphs[B] = capture(lambda: self._step(buf, self.max_length, self._fixed), self._pool,
-                                      warm=lambda: self._warm_step(buf))
+            self._graphs[B, K] = capture(lambda: self._step(buf, K, self._fixed), self._pool,
+                                         warm=lambda: self._warm_step(buf, K))
             torch.cuda.synchronize(self.device)
         elif self.compile:
-            self._warm_step(buf)
+            self._warm_step(buf, K)
             torch.cuda.synchronize(self.device)
-        self._ready.add(B)
+        self._ready.add((B, K))
         self.compile_seconds += time.perf_counter() - t0
 
-    def _warm_step(self, buf: _Inputs) -> None:
+    def _warm_step(self, buf: _Inputs, K: int) -> None:
         """A warm-up run of the fixed-shape step (the first one with compiled functions compiles
         them). When compilation fails (a machine without a C compiler for Triton, an inductor bug),
         say so and run the same functions eagerly: an error of the functions themselves then
         raises again, eagerly."""
         try:
-            self._step(buf, self.max_length, self._fixed)
+            self._step(buf, K, self._fixed)
         except Exception as e:
             if self._fixed is self._eager:
                 raise
@@ -587,25 +640,40 @@ class LlamaTarget(Target):
                           f"eagerly", stacklevel=3)
             self.compile, self._fixed = False, self._eager
             self.implementation = "+".join(["fast"] + ["cuda-graphs"] * self.cuda_graphs)
-            self._step(buf, self.max_length, self._fixed)
+            self._step(buf, K, self._fixed)
 
     @torch.no_grad()
-    def warmup(self, buckets: Sequence[int] | None = None) -> float:
-        """Compile and capture the fixed-shape step of ``buckets`` (default: all) now rather than at
-        their first use, so that timings can leave compilation out. Empties the cache (call it before
-        ``prefill``). Returns the seconds it took (also added to ``compile_seconds``)."""
+    def warmup(self, buckets: Sequence[int] | None = None, keys: Sequence[int] | None = None,
+               context: int | None = None) -> float:
+        """Compile and capture the fixed-shape steps of every token bucket in ``buckets`` (default:
+        all) with every key bucket in ``keys`` now rather than at their first use, so that timings
+        (and requests) leave compilation out. ``keys`` defaults to the key buckets a sequence of up
+        to ``context`` tokens (prompt + new tokens; default ``WARM_CONTEXT`` = 2048, a typical
+        request, capped at the capacity) reaches: 512, 1024 and 2048 with the default ladder. A
+        longer sequence compiles and captures each further key bucket at its first use (a few
+        seconds on a GPU); ``context=target.max_length`` warms them all. Each (B, K) pair is one
+        compilation of ``_prologue`` and ``_layer`` (``_head`` compiles once per B) and one CUDA
+        graph. Empties the cache (call it before ``prefill``). Returns the seconds it took (also
+        added to ``compile_seconds``)."""
         self.reset()
         if not self.fixed_shapes:
             return 0.0
         t0 = time.perf_counter()
+        if keys is None:  # the key buckets up to the one a sequence of ``context`` tokens ends in
+            longest = self._key_bucket(min(max(1, WARM_CONTEXT if context is None else int(context)), self.max_length))
+            keys = [k for k in self.key_buckets if k <= longest]
+        for K in keys:
+            if K not in self.key_buckets:
+                raise ValueError(f"warmup: key bucket {K} is not one of {list(self.key_buckets)}")
         for B in self.buckets if buckets is None else buckets:
             if B not in self.buckets:
                 raise ValueError(f"warmup: bucket {B} is not one of {list(self.buckets)}")
-            if B in self._ready or B > self.max_length:
-                continue
-            ids = torch.zeros(1, B, dtype=torch.long, device=self.device)
-            self._load(B, ids, torch.arange(B, device=self.device)[None], None)
-            self._prepare(B)
+            for K in keys:
+                if (B, K) in self._ready or B > K:  # B > K: no step reaches it (cache_len + B <= K)
+                    continue
+                ids = torch.zeros(1, B, dtype=torch.long, device=self.device)
+                self._load(B, ids, torch.arange(B, device=self.device)[None], None)  # at cache_len 0
+                self._prepare(B, K)
         return time.perf_counter() - t0
 
 
