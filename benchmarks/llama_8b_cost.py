@@ -11,11 +11,13 @@ on the GPU (normal(0, 0.02) weights, unit norms). No acceptance, just cost:
 - the floor = weight bytes / copy bandwidth (and / the read-only bandwidth, for reference), and
   ``gemv_ms``: every weight matrix of the step multiplied by one token's vector with cuBLAS, one
   after the other (what the matrix products alone cost at batch 1);
-- with the cache pre-filled with 512 tokens (capacity 2048, attended whole by the fixed-shape step),
-  the time (CUDA events, median of ``--reps``; the forward alone, inputs already on the device, the
-  rollback ``keep([])`` untimed) of a plain step (1 token) and of verifying a random tree of 8, 16,
-  24, 32 and 64 tokens, for LlamaTarget compiled + CUDA graphs ("compiled", the default on a GPU)
-  and with CUDA graphs only ("graphs"). Each target's warm-up (every bucket compiled and captured)
+- with the cache pre-filled with 512 tokens (capacity 2048; a fixed-shape step attends its key
+  bucket, the smallest rung of 512, 1024, 2048 that holds cache_len + its token bucket: 1024 keys
+  here, reported per step as ``keys``), the time (CUDA events, median of ``--reps``; the forward
+  alone, inputs already on the device, the rollback ``keep([])`` untimed) of a plain step (1 token)
+  and of verifying a random tree of 8, 16, 24, 32 and 64 tokens, for LlamaTarget compiled + CUDA
+  graphs ("compiled", the default on a GPU) and with CUDA graphs only ("graphs"). Each target's
+  warm-up (every token bucket with the key buckets of a 2048-token sequence compiled and captured)
   is timed apart and left out of the step times.
 
 It prints a table and two checks (issue 10): the plain step within 1.3x of the floor; a round that
@@ -41,6 +43,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from eyas.convention import CaptureSpec
 from eyas.engine import LlamaTarget
+from eyas.engine.llama import key_ladder
 from llama_target_gpu import timed, tree_mask  # the sibling script (run from benchmarks/ or the repo root)
 
 SIZES = (1, 8, 16, 24, 32, 64)
@@ -120,7 +123,7 @@ def measure(model, spec, device, capacity: int, prefill: int, reps: int, compile
     target.prefill(torch.randint(0, V, (1, prefill), generator=g).to(device), capture=False)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    out["ms"] = {}
+    out["ms"], out["step_shape"] = {}, {}
     for n in SIZES:
         ids = torch.randint(0, V, (1, n), generator=g).to(device)
         if n == 1:  # a plain step: one token, causal
@@ -132,9 +135,10 @@ def measure(model, spec, device, capacity: int, prefill: int, reps: int, compile
         def step(ids=ids, pos=pos, mask=mask):
             target.forward(ids, pos, mask)
 
+        out["step_shape"][n] = target.step_shape(n)  # (token bucket, key bucket) its graph runs
         out["ms"][n] = timed(step, device, reps, after=lambda: target.keep([]))
         assert target.cache_len == prefill
-        print(f"    {n:3d} tokens: {out['ms'][n]:.3f} ms", flush=True)
+        print(f"    {n:3d} tokens: {out['ms'][n]:.3f} ms (bucket, keys {out['step_shape'][n]})", flush=True)
     out["compile_seconds"], out["compile_error"] = target.compile_seconds, target.compile_error
     out["implementation"] = target.implementation  # without "compile" when compilation failed
     return out  # the target (its cache and graphs) is freed with this frame
@@ -146,7 +150,7 @@ def main() -> None:
     ap.add_argument("--out", default="llama_8b_cost.json")
     ap.add_argument("--tiny", action="store_true", help="a toy config and few repetitions (smoke test)")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    ap.add_argument("--capacity", type=int, default=2048, help="the KV cache's capacity (attended whole)")
+    ap.add_argument("--capacity", type=int, default=2048, help="the KV cache's capacity")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 50; 3 with --tiny)")
     ap.add_argument("--variants", default="compiled,graphs", help="comma-separated: compiled, graphs")
@@ -175,9 +179,10 @@ def main() -> None:
         "parameters": sum(p.numel() for p in model.parameters()), "build_s": time.perf_counter() - t0,
         "boundaries": list(spec.boundaries), "capacity": capacity, "prefill": prefill, "reps": reps}
     wb = weight_bytes(model)
-    kv = 2 * L * cfg.num_key_value_heads * capacity * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    keys = next(k for k in key_ladder(capacity) if k >= prefill + 1)  # the plain step's key bucket
+    kv = 2 * L * cfg.num_key_value_heads * keys * (cfg.hidden_size // cfg.num_attention_heads) * 2
     report["weight_bytes"] = wb
-    report["kv_cache_bytes_attended"] = kv  # read by every fixed-shape step (the whole capacity)
+    report["kv_cache_bytes_attended"] = kv  # keys and values read by the plain step (its key bucket)
     print(f"model built in {report['build_s']:.1f} s: {report['model']}; weight bytes counted "
           f"{wb['counted'] / 1e9:.3f} GB", flush=True)
 

@@ -696,8 +696,6 @@ class Bench:
             self.target = build_target(loaded.model, spec, "auto")
         if a.drafter_compile != "auto":  # the engine compiles the drafter's steps where it graphs them
             self.target.compile_drafter = a.drafter_compile == "on"
-        # every bucket compiled and captured now, never inside a timed round
-        self.target_warmup_s = self.target.warmup() if hasattr(self.target, "warmup") else 0.0
         self.eos = list(loaded.eos_ids)
         self.context = int(getattr(self.target, "max_length", 0) or 2**31 - 1)
         self.pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else self.eos[0]
@@ -716,7 +714,7 @@ class Bench:
             "engine_kwargs": a.engine_kwargs,
             "engine_api": {"speculative_generate": str(inspect.signature(speculative_generate)),
                            "plain_generate": str(inspect.signature(plain_generate))},
-            "eos_ids": self.eos, "pad_id": self.pad, "target_warmup_s": round(self.target_warmup_s, 2),
+            "eos_ids": self.eos, "pad_id": self.pad,
             "drafter_compile": a.drafter_compile,
         }
         # Prompts: first turn, rendered with the chat template.
@@ -730,6 +728,11 @@ class Bench:
         longest = max([p.shape[1] for ps in self.prompts.values() for p in ps] + [self.warm_ids.shape[1]])
         self.max_cache_len = longest + a.max_new_tokens + 8
         self.res["meta"]["longest_prompt_tokens"] = longest
+        # every token bucket, with the key buckets of the longest sequence, compiled and captured now,
+        # never inside a timed round
+        self.target_warmup_s = (self.target.warmup(context=self.max_cache_len) if hasattr(self.target, "warmup")
+                                else 0.0)
+        self.res["meta"]["target_warmup_s"] = round(self.target_warmup_s, 2)
         log(f"prompts: {', '.join(f'{s} {len(p)}' for s, p in self.prompts.items())}; longest {longest} tokens; "
             f"target implementation {self.res['meta']['target_impl']}")
         if self.device.type == "cuda":

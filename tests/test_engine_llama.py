@@ -24,11 +24,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 L = 4
 SPEC = CaptureSpec((0, 2, L), L)  # the embeddings, a middle boundary and the last block's output
 ATOL = 2e-5
+KEYS = (16, 32)  # key buckets for a 64-entry cache: 16, 32, 64 (the default ladder starts at 512)
 
 
 def _pair(kind: str, fixed_shapes: bool = False):
     model = tiny_model(kind, L)
-    return (LlamaTarget(model, SPEC, max_length=64, fixed_shapes=fixed_shapes),
+    return (LlamaTarget(model, SPEC, max_length=64, fixed_shapes=fixed_shapes, key_buckets=KEYS),
             HFTarget(model, SPEC, max_length=64))
 
 
@@ -70,8 +71,9 @@ def _same(a: tuple, b: tuple) -> None:
 @pytest.mark.parametrize("fixed_shapes", [False, True], ids=["exact", "fixed_shapes"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_logits_and_boundaries_equal_the_hf_model_through_prefill_tree_keep_and_decode(kind, fixed_shapes):
-    """fixed_shapes: each step padded to a bucket (9 -> 16, 5 -> 8, 2 -> 8, 1 -> 1) and attending the
-    cache's whole capacity under a mask, as the CUDA graphs run it."""
+    """fixed_shapes: each step padded to a token bucket (9 -> 16, 5 -> 8, 2 -> 8, 1 -> 1) and attending
+    the smallest key bucket that holds cache_len + that (16, 32, 32, 16) under a mask, as the CUDA
+    graphs run it."""
     fast, hf = _pair(kind, fixed_shapes)
     _walk(fast, hf, torch.Generator().manual_seed(0))
     logits, features = fast.forward(torch.tensor([[7]]), torch.tensor([[15]]), capture=False)
@@ -83,8 +85,10 @@ def test_logits_and_boundaries_equal_the_hf_model_through_prefill_tree_keep_and_
 def test_the_step_traced_by_torch_compile_computes_the_same_with_one_compilation_per_bucket(kind):
     """The GPU compiles the fixed-shape step's functions with inductor; here dynamo and AOT autograd
     trace the same functions (fullgraph: no graph break; the cache writes as in-place mutations of
-    the inputs) without generating code. Every block reuses its bucket's compilation: 3 buckets
-    used (16, 8, 1) x 3 functions = 9 graphs, whatever the number of blocks."""
+    the inputs) without generating code. Every block reuses its (token bucket, key bucket)
+    compilation: the walk's steps (16, 16), (8, 32), (8, 32), (1, 16) make 3 pairs x (_prologue,
+    _layer) + 3 token buckets x _head = 9 graphs, whatever the number of blocks; a decode step that
+    crosses into key bucket 32 adds _prologue and _layer, not _head."""
     from torch._dynamo.utils import counters
 
     fast, hf = _pair(kind, fixed_shapes=True)
@@ -92,7 +96,12 @@ def test_the_step_traced_by_torch_compile_computes_the_same_with_one_compilation
     counters.clear()
     fast._fixed = fast._functions("aot_eager")
     _walk(fast, hf, torch.Generator().manual_seed(0))
+    assert fast._ready == {(16, 16), (8, 32), (1, 16)}
     assert counters["stats"]["unique_graphs"] == 9
+    ids = torch.tensor([[5]])
+    for pos in (15, 16):  # cache_len 15 + 1 <= 16; then 16 + 1: key bucket 32
+        _same(fast.forward(ids, torch.tensor([[pos]])), hf.forward(ids, torch.tensor([[pos]])))
+    assert (1, 32) in fast._ready and counters["stats"]["unique_graphs"] == 11
 
 
 @pytest.mark.unit
@@ -211,14 +220,179 @@ def test_the_compiled_cuda_graphed_target_equals_the_hf_model_on_a_gpu():
     """float32 on the GPU, buckets compiled and captured up front (warmup), then the same walk; and
     a bucket first used later is compiled and captured then."""
     model = tiny_model("llama", L).cuda()
-    fast = LlamaTarget(model, SPEC, max_length=64, cuda_graphs=True, buckets=(1, 8, 16, 32))
+    fast = LlamaTarget(model, SPEC, max_length=64, cuda_graphs=True, buckets=(1, 8, 16, 32), key_buckets=KEYS)
     hf = HFTarget(model, SPEC, max_length=64)
     assert fast.implementation == "fast+compile+cuda-graphs"
-    seconds = fast.warmup(buckets=(1, 8, 16))
-    assert 0 < fast.compile_seconds <= seconds and sorted(fast._graphs) == [1, 8, 16]
+    seconds = fast.warmup(buckets=(1, 8, 16))  # with every key bucket (16, 32, 64: all within 2048)
+    warmed = [(B, K) for B in (1, 8, 16) for K in (16, 32, 64)]
+    assert 0 < fast.compile_seconds <= seconds and sorted(fast._graphs) == warmed
     assert fast.compile_error is None, fast.compile_error  # compiled, not the eager fallback
     _walk(fast, hf, torch.Generator().manual_seed(0), device="cuda")
     ids = torch.randint(0, 128, (1, 20), device="cuda")
     _same(fast.forward(ids, torch.arange(15, 35, device="cuda")[None]),
           hf.forward(ids, torch.arange(15, 35, device="cuda")[None]))
-    assert sorted(fast._graphs) == [1, 8, 16, 32]
+    assert sorted(fast._graphs) == sorted(warmed + [(32, 64)])
+    fast.keep(list(range(2)))  # cache_len 17: decode steps replay the graphs of key buckets 32, then 64
+    hf.keep(list(range(2)))
+    for pos in range(17, 40):
+        one = torch.randint(0, 128, (1, 1), device="cuda")
+        _same(fast.forward(one, torch.tensor([[pos]], device="cuda")), hf.forward(one, torch.tensor([[pos]], device="cuda")))
+
+
+# -- fused projections ------------------------------------------------------------------------------
+
+
+def _storages(model) -> dict[int, int]:
+    """data pointer -> bytes of every distinct storage behind the model's parameters."""
+    return {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fuse_projections_makes_the_models_parameters_views_of_one_tensor_without_a_second_copy(kind):
+    from eyas.engine.llama import fuse_projections
+
+    model = tiny_model(kind, L)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = {n: p for n, p in model.named_parameters()}
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    logits = model(ids).logits
+    assert fuse_projections(model) is None
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert {n: p for n, p in model.named_parameters()} == params  # the same Parameter objects
+    for b in model.model.layers:
+        a, m = b.self_attn, b.mlp
+        groups = [(a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)]
+        for group in groups:
+            for name in ("weight", "bias") if group[0].bias is not None else ("weight",):  # Qwen2: q/k/v bias
+                parts = [getattr(x, name) for x in group]
+                storage = parts[0].untyped_storage()
+                assert all(p.untyped_storage().data_ptr() == storage.data_ptr() for p in parts)
+                assert storage.nbytes() == sum(p.numel() * p.element_size() for p in parts)  # exactly the rows
+                assert [p.storage_offset() for p in parts] == [sum(q.numel() for q in parts[:i]) for i in range(len(parts))]
+    # No weight held twice: the distinct storages add up to the parameters' bytes.
+    assert sum(_storages(model).values()) == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert torch.equal(model(ids).logits, logits)  # the Hugging Face model computes as before
+    ptrs = _storages(model)
+    assert fuse_projections(model) is None and _storages(model) == ptrs  # idempotent: nothing moved
+    fast = LlamaTarget(model, SPEC)  # fuses nothing again, multiplies by the model's own storage
+    assert fast.unfused_reason is None and _storages(model) == ptrs
+    w = fast.weights[0]
+    assert len(w.qkv) == 1 and w.qkv[0].shape == (4 * 16 + 2 * 2 * 16, 64) and w.gate_up[0].shape == (256, 64)
+    assert w.qkv[0].data_ptr() == model.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert (w.qkv_bias is not None) == (kind == "qwen2")
+
+
+@pytest.mark.unit
+def test_the_fused_model_still_trains_loads_and_saves_and_the_fast_target_follows_its_weights(tmp_path):
+    """Writes into the model's parameters (an optimizer step, load_state_dict) are writes into the
+    fused tensors the fast target multiplies by; save_pretrained writes the same tensors."""
+    from transformers import AutoModelForCausalLM
+
+    model, other = tiny_model("qwen2", L), tiny_model("qwen2", L, seed=1)
+    fast = LlamaTarget(model, SPEC, max_length=64)
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    model.train()
+    model(ids).logits.square().mean().backward()
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.weight.grad is not None and q.weight.grad.shape == q.weight.shape
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    model.eval().zero_grad()
+    _same(fast.prefill(ids), HFTarget(model, SPEC).prefill(ids))
+    model.load_state_dict(other.state_dict())
+    _same(fast.prefill(ids), HFTarget(other, SPEC).prefill(ids))
+    model.save_pretrained(tmp_path)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in other.state_dict().items())
+
+
+@pytest.mark.unit
+def test_projections_that_cannot_be_stacked_are_left_alone_with_the_reason_and_the_step_still_equals_the_model():
+    from transformers import AutoModelForCausalLM
+
+    from eyas.engine.llama import fuse_projections
+    from tests.support.tiny import tiny_config
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config("llama", L))
+    assert "meta device" in fuse_projections(meta)
+
+    class Quantized(torch.nn.Parameter):  # stands for a quantized weight (a tensor subclass)
+        pass
+
+    model = tiny_model("qwen2", L)
+    v = model.model.layers[L - 1].self_attn.v_proj
+    v.weight = Quantized(v.weight.detach().clone())
+    ptrs = _storages(model)
+    assert fuse_projections(model) == f"block {L - 1} q/k/v: its weight is a Quantized, not a plain nn.Parameter (quantized?)"
+    assert _storages(model) == ptrs  # all or nothing: block 0 was not fused either
+    with pytest.warns(UserWarning, match="not fused .*Quantized"):
+        fast = LlamaTarget(model, SPEC, max_length=64)
+    assert fast.unfused_reason.startswith(f"block {L - 1}") and len(fast.weights[0].qkv) == 3
+    _walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(0))  # separate GEMMs
+
+
+# -- key buckets --------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fixed_shape_steps_equal_the_hf_model_as_they_cross_key_buckets_mid_generation(kind):
+    """The walk (key buckets 16, 32, 32, 16), then one token at a time from cache_len 15 to 59: the
+    step attends 16, then 32 (from cache_len 16), then 64 keys (from 32), equal at every step; a
+    step whose padded bucket would not fit the cache (3 tokens at 60: bucket 8) runs exact shapes."""
+    fast, hf = _pair(kind, fixed_shapes=True)
+    assert fast.key_buckets == (16, 32, 64)
+    g = torch.Generator().manual_seed(0)
+    _walk(fast, hf, g)
+    for pos in range(15, 60):
+        ids = torch.randint(0, 128, (1, 1), generator=g)
+        _same(fast.forward(ids, torch.tensor([[pos]])), hf.forward(ids, torch.tensor([[pos]])))
+    assert {(1, 16), (1, 32), (1, 64)} <= fast._ready
+    assert fast.cache_len == 60 and fast.step_shape(1) == (1, 64) and fast.step_shape(3) is None
+    ids = torch.randint(0, 128, (1, 3), generator=g)
+    _same(fast.forward(ids, torch.arange(60, 63)[None]), hf.forward(ids, torch.arange(60, 63)[None]))
+    assert not any(B == 8 and K == 64 for B, K in fast._ready)
+
+
+@pytest.mark.unit
+def test_the_key_ladder_and_what_warmup_compiles():
+    from eyas.engine.llama import key_ladder
+
+    assert key_ladder(4096) == (512, 1024, 2048, 4096) and key_ladder(3000) == (512, 1024, 2048, 3000)
+    assert key_ladder(64) == (64,) and key_ladder(512) == (512,)
+    model = tiny_model("llama", L)
+    # The default: every token bucket with the key buckets of a 2048-token sequence (not 4096).
+    fast = LlamaTarget(model, SPEC, max_length=4096, fixed_shapes=True)
+    assert fast.key_buckets == (512, 1024, 2048, 4096)
+    fast.warmup()
+    assert fast._ready == {(B, K) for B in (1, 8, 16, 32, 64, 128) for K in (512, 1024, 2048)}
+    fast = LlamaTarget(model, SPEC, max_length=4096, fixed_shapes=True, key_buckets=(100, 512, 9999))
+    assert fast.key_buckets == (100, 512, 4096)  # the capacity added, rungs past it dropped
+    fast.warmup(buckets=(1, 128), context=300)  # cache_len + B <= K: no step of 128 tokens attends 100 keys
+    assert fast._ready == {(1, 100), (1, 512), (128, 512)}
+    fast.warmup(buckets=(8,), keys=(4096,))
+    assert (8, 4096) in fast._ready
+    with pytest.raises(ValueError, match=r"key bucket 256 is not one of \[100, 512, 4096\]"):
+        fast.warmup(keys=(256,))
+    fast, _ = _pair("llama", fixed_shapes=True)  # a 64-entry cache: the default warms every key bucket
+    fast.warmup()
+    assert fast._ready == {(B, K) for B in (1, 8, 16, 32, 64) for K in (16, 32, 64) if B <= K}
+
+
+@pytest.mark.integration
+def test_greedy_output_with_fixed_shapes_and_key_buckets_equals_exact_shapes_token_for_token(llama, trained_drafter):
+    """Plain and speculative greedy generation with fixed shapes, key buckets 16, 32, 64, 128 (prompts
+    of 5 to 30 tokens, 60 new ones: every sequence crosses key buckets mid-generation, and tree
+    verification's keep() moves the cache back and forth across them) give the tokens of the
+    exact-shape target."""
+    exact = LlamaTarget(llama, SPEC4, max_length=128)
+    fixed = LlamaTarget(llama, SPEC4, max_length=128, fixed_shapes=True, key_buckets=(16, 32, 64))
+    for prompt in random_prompts(4, 128, seed=5, lengths=(5, 30)):
+        plain = plain_generate(exact, prompt, max_new_tokens=60).tokens
+        assert len(prompt) + len(plain) > 64
+        assert plain_generate(fixed, prompt, max_new_tokens=60).tokens == plain, prompt
+        out = speculative_generate(fixed, trained_drafter, prompt, tree=TreeSpec(4, 4, 16), max_new_tokens=60)
+        assert out.tokens == plain, prompt
+    assert {K for _, K in fixed._ready} == {16, 32, 64, 128}

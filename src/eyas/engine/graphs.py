@@ -82,11 +82,12 @@ def capture(run: Callable[[], T], pool: object, warmups: int = 2,
 
 
 def raise_recompile_limits() -> None:
-    """One code object compiled per shape (the fast target's functions x buckets, the drafter's
-    steps x trees): torch's default limit (8) would fall back to eager silently, so raise it."""
+    """One code object compiled per shape (the fast target's functions x (token bucket, key bucket)
+    pairs, the drafter's steps x trees): torch's default limit (8) would fall back to eager
+    silently, so raise it."""
     import torch._dynamo.config as dynamo_config
 
-    for name, least in (("recompile_limit", 64), ("cache_size_limit", 64),
+    for name, least in (("recompile_limit", 128), ("cache_size_limit", 128),
                         ("accumulated_recompile_limit", 1024), ("accumulated_cache_size_limit", 1024)):
         if isinstance(getattr(dynamo_config, name, None), int):
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), least))

@@ -19,31 +19,58 @@ weight), scores q.k in the model's dtype, scaled and softmaxed in float32, cast 
 attention's order). ``tests/test_engine_llama.py`` holds the logits and the features equal to
 :class:`~eyas.engine.target.HFTarget` in float32.
 
+Fused projections. A step at batch 1 is launch-bound on a small model (SmolLM2-135M on an H200:
+~2.7 us a kernel, each of a block's 7 GEMMs ~3.5 us), so a block runs q/k/v as ONE GEMM and gate/up
+as ONE GEMM (4 GEMMs a block instead of 7). :func:`fuse_projections`, which :class:`LlamaTarget`
+calls first, stores each block's q/k/v weights as consecutive rows of one tensor
+[(Hq+2Hkv)*D, H] and gate/up as rows of one [2I, H] (biases likewise) and makes the Hugging Face
+model's own parameters views into it: no weight is held twice, the model computes exactly as
+before (HFTarget, capture and training use it), and its state_dict is unchanged. The step splits
+the GEMM's output into views. A model whose parameters cannot be stacked (on the ``meta`` device,
+quantized or other tensor subclasses) keeps its separate GEMMs, with the reason in
+``LlamaTarget.unfused_reason``.
+
 Every step runs through one walk, ``_step``: B new tokens write their keys/values at cache slots
 cache_len .. cache_len+B-1 and attend the first ``keys`` cache entries under a bool mask. Exact
-shapes (the default) use B = T and keys = cache_len + T, eagerly. Fixed shapes pad B to a bucket (1,
-8, 16, 32, 64, 128: a tree of up to 127 drafted tokens verifies in a graph) and attend the whole
-capacity, so the step's shapes never depend on cache_len (nor its
-inputs' addresses: each bucket has its own input buffers). On a GPU the three functions are then
-compiled with ``torch.compile(fullgraph=True, dynamic=False)`` (inductor fuses each block's norms,
-rope, cache writes, softmax and SiLU into a few kernels; all blocks have the same shapes, so one
-compilation per bucket serves every block) and each bucket's whole step is captured once as a CUDA
-graph and replayed (forward hooks would not survive a replay: the captured boundaries are an output
-of the step). On the CPU the same functions run eagerly, so the tests check the code the GPU
-compiles. Compilation happens at a bucket's first use, or up front with :meth:`LlamaTarget.warmup`;
-``compile_seconds`` says how long it took. A compiler that fails (e.g. no C compiler for Triton)
-leaves the same functions eager, with a warning and ``compile_error``.
+shapes (the default) use B = T and keys = cache_len + T, eagerly. Fixed shapes pad B to a token
+bucket (1, 8, 16, 32, 64, 128: a tree of up to 127 drafted tokens verifies in a graph) and the
+number of keys to a key bucket K: the smallest rung of the ladder ``key_buckets`` (default 512,
+1024, 2048, ... doubling, then the capacity C) that covers cache_len + B. Entries [cache_len + B,
+K) are masked like every entry past the block, so the result is the one over the whole capacity,
+but attention reads and softmaxes K keys rather than C: on SmolLM2 with C = 4096 a 300-token
+sequence attends 512 keys, not 4096 (QK and softmax were 7.6 and 3-10 us a block over all C). The
+step's shapes depend only on (B, K), both chosen from host ints (T and cache_len), never on a device
+value; each token bucket has its own input buffers, shared by its key buckets. Why these rungs:
+below 512 keys the attention kernels are launch-bound anyway, and doubling keeps the keys read
+within 2x of the keys in use with log2(C/512) + 1 rungs (4 for C = 4096).
 
-No device value is read on the host: the range check uses host ints (cache_len + T <= max_length;
-a step's positions are at most cache_len + T - 1), host tensors travel with non-blocking copies, and
-the mask is built on the device inside the step.
+On a GPU the three functions are then compiled with ``torch.compile(fullgraph=True,
+dynamic=False)`` (inductor fuses each block's norms, rope, cache writes, softmax and SiLU into a
+few kernels; all blocks have the same shapes, so one compilation per (B, K) serves every block:
+``_layer`` and ``_prologue`` compile once per (B, K), ``_head`` once per B) and each (B, K) step is
+captured once as a CUDA graph and replayed (forward hooks would not survive a replay: the captured
+boundaries are an output of the step). A graph for key bucket K reads entries [0, K) only, and a
+step runs the graph of its own K, so a captured graph stays valid as the cache grows. On the CPU
+the same functions run eagerly, so the tests check the code the GPU compiles. Compilation happens
+at a (B, K) pair's first use, or up front with :meth:`LlamaTarget.warmup` (default: every token
+bucket with the key buckets of a sequence of up to ``WARM_CONTEXT`` = 2048 tokens, a typical
+request; ``context=`` or ``keys=`` say otherwise); ``compile_seconds`` says how long it took. A
+compiler that fails (e.g. no C compiler for Triton) leaves the same functions eager, with a
+warning and ``compile_error``.
 
-Shapes (batch 1, dropped inside the step): L blocks, H hidden, Hq query heads, Hkv key/value heads,
-G = Hq / Hkv, D head dim, C the cache's capacity (``max_length`` positions), V vocabulary.
+No device value is read on the host: the range check and both buckets use host ints (cache_len + T
+<= max_length; a step's positions are at most cache_len + T - 1), host tensors travel with
+non-blocking copies, and the mask is built on the device inside the step.
 
+Shapes (batch 1, dropped inside the step): L blocks, H hidden, I the MLP's width, Hq query heads,
+Hkv key/value heads, G = Hq / Hkv, D head dim, C the cache's capacity (``max_length`` positions), V
+vocabulary, B the step's tokens (T, or its token bucket), K the keys it attends.
+
+    qkv weight     [(Hq+2Hkv)*D, H]  rows: q (Hq*D), k (Hkv*D), v (Hkv*D); the model's q/k/v_proj.weight are views
+    gate_up weight [2I, H]           rows: gate (I), up (I); the model's gate/up_proj.weight are views
     keys, values   [L, Hkv, C, D]    entry i = the token at position i (the cache is kept compact)
-    forward(T)     writes entries cache_len .. cache_len+B-1, attends [keys] entries with the mask
-                   [B, keys] = (every committed entry) ++ (tree_mask, or causal; a pad: itself)
+    forward(T)     writes entries cache_len .. cache_len+B-1, attends the first K entries with the mask
+                   [B, K] = (every committed entry) ++ (tree_mask, or causal; a pad: itself) ++ (none)
     keep(idx)      moves the kept entries of the last block to cache_len_before .. (+k) on the device
 
 Boundary capture follows the contract's convention (docs/conventions.md): boundary 0 is the input of
@@ -76,6 +103,23 @@ from eyas.targets.structure import find_decoder_blocks, text_config
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
+# The key buckets' ladder: SMALLEST_KEYS, doubling, then the capacity (see key_ladder).
+SMALLEST_KEYS = 512
+# What warmup() compiles by default: the key buckets of a sequence (prompt + new tokens) this long.
+WARM_CONTEXT = 2048
+
+
+def key_ladder(capacity: int, smallest: int = SMALLEST_KEYS) -> tuple[int, ...]:
+    """The default key buckets for a cache of ``capacity`` entries: ``smallest``, doubling while below
+    the capacity, then the capacity (e.g. 512, 1024, 2048, 4096 for 4096; just 64 for 64). Every
+    step that fits the cache has a rung: the capacity is the last."""
+    rungs, k = [], int(smallest)
+    while k < capacity:
+        rungs.append(k)
+        k *= 2
+    return (*rungs, int(capacity))
+
+
 class UnsupportedTarget(EyasError, ValueError):
     """The model is not a full-attention Llama-family model this forward implements."""
 
@@ -101,28 +145,121 @@ def supports(model: nn.Module) -> str | None:
     return None
 
 
+# -- fused projections ---------------------------------------------------------------------------
+
+
+def _stacked(parts: Sequence[Tensor]) -> Tensor | None:
+    """The rows of ``parts`` (weights [r_i, H] or biases [r_i]) as one tensor [sum r_i, ...] when
+    they already lie one after another in one storage (as :func:`fuse_projections` leaves them): a
+    view, no copy. None when they do not."""
+    first = parts[0]
+    if first.dim() not in (1, 2) or first.device.type == "meta":
+        return None
+    ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for p in parts:
+        if (p.dim() != first.dim() or p.shape[1:] != first.shape[1:] or p.dtype != first.dtype
+                or p.device != first.device or not p.is_contiguous()
+                or p.untyped_storage().data_ptr() != ptr or p.storage_offset() != offset):
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    shape, stride = ((rows, first.shape[1]), (first.shape[1], 1)) if first.dim() == 2 else ((rows,), (1,))
+    return torch.as_strided(first.detach(), shape, stride)  # from first's storage offset on
+
+
+def _why_not_stackable(linears: Sequence[nn.Module]) -> str | None:
+    """None when these projections' weights (and biases) can be stacked into one tensor; else why not."""
+    for m in linears:
+        if not isinstance(m, nn.Linear):
+            return f"{type(m).__name__} is not an nn.Linear"
+    for name in ("weight", "bias"):
+        params = [getattr(m, name) for m in linears]
+        if all(p is None for p in params):
+            continue
+        if any(p is None for p in params):
+            return f"only some of them have a {name}"
+        for p in params:
+            if p.device.type == "meta":
+                return "its parameters are on the meta device (not loaded)"
+            if type(p) is not nn.Parameter or p.layout != torch.strided:
+                return f"its {name} is a {type(p).__name__}, not a plain nn.Parameter (quantized?)"
+            if not p.dtype.is_floating_point or not p.is_contiguous():
+                return f"its {name} is {p.dtype}{'' if p.is_contiguous() else ', not contiguous'}"
+        if len({(p.dtype, p.device, p.shape[1:]) for p in params}) > 1:
+            return f"their {name}s differ in dtype, device or width"
+    return None
+
+
+def _projection_groups(block: nn.Module) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
+    """A decoder block's (q_proj, k_proj, v_proj) and (gate_proj, up_proj), in row order."""
+    attn, mlp = block.self_attn, block.mlp
+    return (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+
+
+def fuse_projections(model: nn.Module) -> str | None:
+    """Stack each decoder block's q/k/v projections into one weight and gate/up into another, in
+    place, so that a step runs one GEMM where it ran three (two), without a second copy of any weight.
+
+    For every block: one new contiguous tensor [(Hq+2Hkv)*D, H] holds the rows of q_proj.weight,
+    k_proj.weight and v_proj.weight one after another, one [2I, H] those of gate_proj.weight and
+    up_proj.weight (and the biases likewise, [(Hq+2Hkv)*D] for Qwen2's q/k/v), and each of the
+    model's parameters becomes a view of its rows (``param.data = fused[rows]``: the same Parameter
+    objects, their storage shared, the old tensors freed). The Hugging Face model computes exactly
+    as before (it still multiplies by q_proj.weight, now a view), its ``state_dict`` keys and values
+    are unchanged, in-place writes (an optimizer, ``load_state_dict``) reach the fused tensors, and
+    ``save_pretrained`` writes the same tensors. Converting or moving the model afterwards
+    (``.to``, ``.half()``) gives every parameter its own storage again: fuse again then.
+
+    Idempotent: projections whose rows already lie one after another in one storage are left alone.
+    All or nothing: when some block's projections cannot be stacked (parameters on the ``meta``
+    device, not plain ``nn.Parameter``s as with quantized weights, mixed dtypes, a bias on some of
+    them only), nothing changes and the reason is returned. Returns None when every block is fused.
+    """
+    blocks = find_decoder_blocks(model)
+    groups = []
+    for i, block in enumerate(blocks):
+        try:
+            qkv, gate_up = _projection_groups(block)
+        except AttributeError as e:
+            return f"block {i}: {e}"
+        for group, names in ((qkv, "q/k/v"), (gate_up, "gate/up")):
+            why = _why_not_stackable(group)
+            if why is not None:
+                return f"block {i} {names}: {why}"
+            groups.append(group)
+    with torch.no_grad():
+        for group in groups:
+            for name in ("weight", "bias"):
+                params = [getattr(m, name) for m in group]
+                if params[0] is None or _stacked(params) is not None:  # no bias, or already fused
+                    continue
+                fused = torch.cat([p.detach() for p in params])  # [sum of rows, H] (or [sum of rows])
+                start = 0
+                for p in params:
+                    p.data = fused[start:start + p.shape[0]]  # a contiguous row slice: a view
+                    start += p.shape[0]
+    return None
+
+
 # -- the step's pure functions (eager on the CPU, compiled on a GPU) ----------------------------------
 
 
 class BlockWeights(NamedTuple):
-    """One decoder block's weight tensors (the model's own storage, detached; None = absent)."""
+    """One decoder block's weight tensors (the model's own storage, detached; None = absent).
+
+    ``qkv`` and ``gate_up`` hold one fused tensor when the projections are fused
+    (:func:`fuse_projections`: one GEMM each), else the separate matrices (one GEMM each)."""
 
     input_norm: Tensor  # [H]
-    q: Tensor  # [Hq*D, H]
-    q_bias: Tensor | None  # [Hq*D] (Qwen2)
-    k: Tensor  # [Hkv*D, H]
-    k_bias: Tensor | None
-    v: Tensor  # [Hkv*D, H]
-    v_bias: Tensor | None
+    qkv: tuple[Tensor, ...]  # ([(Hq+2Hkv)*D, H],) fused, or (q [Hq*D, H], k [Hkv*D, H], v [Hkv*D, H])
+    qkv_bias: tuple[Tensor, ...] | None  # likewise ([(Hq+2Hkv)*D],) or (q, k, v) biases (Qwen2)
     o: Tensor  # [H, Hq*D]
     o_bias: Tensor | None
     q_norm: Tensor | None  # [D] (Qwen3: RMSNorm per head, before the rotation)
     k_norm: Tensor | None
     post_norm: Tensor  # [H]
-    gate: Tensor  # [I, H]
-    gate_bias: Tensor | None
-    up: Tensor  # [I, H]
-    up_bias: Tensor | None
+    gate_up: tuple[Tensor, ...]  # ([2I, H],) fused, or (gate [I, H], up [I, H])
+    gate_up_bias: tuple[Tensor, ...] | None
     down: Tensor  # [H, I]
     down_bias: Tensor | None
 
@@ -132,6 +269,16 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def _project(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None,
+             sizes: Sequence[int]) -> tuple[Tensor, ...]:
+    """a [B, H] through stacked projections of output widths ``sizes``: one GEMM by the fused weight
+    [sum(sizes), H] whose output [B, sum(sizes)] is split into views [B, size] (no copy), or one
+    GEMM by each separate weight [size, H]."""
+    if len(weights) == 1:
+        return F.linear(a, weights[0], None if biases is None else biases[0]).split(list(sizes), dim=-1)
+    return tuple(F.linear(a, w, None if biases is None else biases[j]) for j, w in enumerate(weights))
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -174,13 +321,12 @@ def _layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: 
     h_in = x + d  # [B, H]
     B = h_in.shape[0]
     Hkv, _, D = keys.shape
-    Hq = w.q.shape[0] // D
+    Hq = w.o.shape[1] // D
     G = Hq // Hkv
     n = mask.shape[1]
     a = _rms_norm(h_in, w.input_norm, eps)
-    q = F.linear(a, w.q, w.q_bias).view(B, Hq, D)
-    k = F.linear(a, w.k, w.k_bias).view(B, Hkv, D)
-    v = F.linear(a, w.v, w.v_bias).view(B, Hkv, D)
+    q, k, v = _project(a, w.qkv, w.qkv_bias, (Hq * D, Hkv * D, Hkv * D))  # [B, Hq*D], [B, Hkv*D] x 2
+    q, k, v = q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D)  # (views of the fused output too)
     if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
         q, k = _rms_norm(q, w.q_norm, qk_eps), _rms_norm(k, w.k_norm, qk_eps)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
@@ -196,7 +342,9 @@ def _layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: 
     out = out.view(Hkv, G, B, D).permute(2, 0, 1, 3).reshape(B, Hq * D)  # head j = g-th of group j // G
     h = h_in + F.linear(out, w.o, w.o_bias)
     a = _rms_norm(h, w.post_norm, eps)
-    m = F.linear(F.silu(F.linear(a, w.gate, w.gate_bias)) * F.linear(a, w.up, w.up_bias), w.down, w.down_bias)
+    I = w.down.shape[1]
+    gate, up = _project(a, w.gate_up, w.gate_up_bias, (I, I))  # [B, I] each
+    m = F.linear(F.silu(gate) * up, w.down, w.down_bias)
     return h_in, h, m
 
 
@@ -220,18 +368,30 @@ class LlamaTarget(Target):
     """A Llama-family Hugging Face model served with a static KV cache and in-forward capture.
 
     Holds references to the model's weight tensors (no copy; moving or converting the model
-    afterwards is not followed: build the target after). ``max_length`` is the cache's
+    afterwards is not followed: build the target after). First fuses the model's q/k/v and gate/up
+    projections in place (:func:`fuse_projections`, unless ``fuse=False``; the model's own
+    parameters become views of the fused weights, its state_dict unchanged); ``unfused_reason`` says
+    why a model's projections could not be fused (the step then runs separate GEMMs, with a
+    warning), None when they are. ``max_length`` is the cache's
     capacity; it defaults to the model's context, capped at ``default_capacity`` to keep the
-    preallocated cache small (2 x L x C x Hkv x D values). ``compile`` (default: with
+    preallocated cache small (2 x L x C x Hkv x D values). With fixed shapes a step's T tokens are
+    padded to the smallest of ``buckets`` that holds them and attend the first K cache entries, K
+    the smallest of ``key_buckets`` (default :func:`key_ladder`; the capacity is always added as
+    the last rung) that holds cache_len + the token bucket. ``compile`` (default: with
     ``cuda_graphs``) compiles the fixed-shape step with inductor; it applies on a GPU only."""
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
                  default_capacity: int = 4096, fixed_shapes: bool = False, cuda_graphs: bool = False,
-                 buckets: Sequence[int] = (1, 8, 16, 32, 64, 128), compile: bool | None = None) -> None:
+                 buckets: Sequence[int] = (1, 8, 16, 32, 64, 128), compile: bool | None = None,
+                 fuse: bool = True, key_buckets: Sequence[int] | None = None) -> None:
         why_not = supports(model)
         if why_not is not None:
             raise UnsupportedTarget(f"LlamaTarget: {why_not}; use the Hugging Face target (HFTarget)")
         self.model = model.eval()
+        self.unfused_reason = fuse_projections(model) if fuse else "fuse=False"
+        if fuse and self.unfused_reason is not None:
+            warnings.warn(f"LlamaTarget: q/k/v and gate/up not fused ({self.unfused_reason}); each block runs "
+                          f"7 GEMMs instead of 4", stacklevel=2)
         cfg = text_config(model)
         blocks = find_decoder_blocks(model)
         L = len(blocks)
@@ -253,17 +413,29 @@ class LlamaTarget(Target):
             t = getattr(module, name, None) if module is not None else None
             return None if t is None else t.detach()
 
-        self.weights = [BlockWeights(
-            input_norm=w(b.input_layernorm), q=w(b.self_attn.q_proj), q_bias=w(b.self_attn.q_proj, "bias"),
-            k=w(b.self_attn.k_proj), k_bias=w(b.self_attn.k_proj, "bias"),
-            v=w(b.self_attn.v_proj), v_bias=w(b.self_attn.v_proj, "bias"),
-            o=w(b.self_attn.o_proj), o_bias=w(b.self_attn.o_proj, "bias"),
-            q_norm=w(getattr(b.self_attn, "q_norm", None)), k_norm=w(getattr(b.self_attn, "k_norm", None)),
-            post_norm=w(b.post_attention_layernorm),
-            gate=w(b.mlp.gate_proj), gate_bias=w(b.mlp.gate_proj, "bias"),
-            up=w(b.mlp.up_proj), up_bias=w(b.mlp.up_proj, "bias"),
-            down=w(b.mlp.down_proj), down_bias=w(b.mlp.down_proj, "bias"),
-        ) for b in blocks]  # type: ignore[arg-type]
+        def rows(group: Sequence[nn.Module], name: str = "weight") -> tuple[Tensor, ...] | None:
+            """The group's weights (biases) as (the fused tensor,), a view of the rows the model's
+            parameters share, or the separate tensors when not fused."""
+            parts = [w(m, name) for m in group]
+            if parts[0] is None:
+                return None
+            if self.unfused_reason is None:
+                fused = _stacked(parts)
+                assert fused is not None, "fuse_projections left rows apart"
+                return (fused,)
+            return tuple(parts)  # type: ignore[arg-type]
+
+        self.weights = []
+        for b in blocks:
+            qkv, gate_up = _projection_groups(b)
+            self.weights.append(BlockWeights(
+                input_norm=w(b.input_layernorm), qkv=rows(qkv), qkv_bias=rows(qkv, "bias"),
+                o=w(b.self_attn.o_proj), o_bias=w(b.self_attn.o_proj, "bias"),
+                q_norm=w(getattr(b.self_attn, "q_norm", None)), k_norm=w(getattr(b.self_attn, "k_norm", None)),
+                post_norm=w(b.post_attention_layernorm),
+                gate_up=rows(gate_up), gate_up_bias=rows(gate_up, "bias"),
+                down=w(b.mlp.down_proj), down_bias=w(b.mlp.down_proj, "bias"),
+            ))  # type: ignore[arg-type]
         self.embed_weight = base.embed_tokens.weight.detach()  # [V, H]
         self.inv_freq = base.rotary_emb.inv_freq  # [D/2] (a buffer: rope scaling already applied)
         self.norm_weight = base.norm.weight.detach()  # [H]
@@ -285,23 +457,26 @@ class LlamaTarget(Target):
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._slot_of = {b: i for i, b in enumerate(spec.boundaries)}
 
-        # Fixed shapes: a step of T <= max(buckets) tokens runs padded to the smallest bucket >= T and
-        # attends the cache's whole capacity under a mask, so its shapes never depend on cache_len;
-        # on a GPU its functions are compiled (compile) and each bucket's step is captured once as a
-        # CUDA graph and replayed (cuda_graphs).
+        # Fixed shapes: a step of T <= max(buckets) tokens runs padded to the smallest token bucket
+        # B >= T and attends the first K entries of the cache under a mask, K the smallest key bucket
+        # >= cache_len + B, so its shapes are one of a few (B, K) pairs; on a GPU its functions are
+        # compiled (compile) and each (B, K) step is captured once as a CUDA graph and replayed
+        # (cuda_graphs).
         on_gpu = self.device.type == "cuda"
         self.cuda_graphs = bool(cuda_graphs) and on_gpu
         self.compile = bool(cuda_graphs if compile is None else compile) and on_gpu
         self.fixed_shapes = bool(fixed_shapes or cuda_graphs or self.compile)
         self.buckets = tuple(sorted(int(b) for b in buckets))
+        ladder = key_ladder(self.max_length) if key_buckets is None else key_buckets
+        self.key_buckets = tuple(sorted({int(k) for k in ladder if 0 < int(k) < self.max_length} | {self.max_length}))
         self.implementation = "+".join(["fast"] + ["compile"] * self.compile + ["cuda-graphs"] * self.cuda_graphs)
         self._eager = self._functions(None)
         self._fixed = self._functions("inductor") if self.compile else self._eager
-        self._inputs: dict[int, _Inputs] = {}  # bucket -> its input buffers
-        self._ready: set[int] = set()  # buckets compiled / captured
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
+        self._inputs: dict[int, _Inputs] = {}  # token bucket B -> its input buffers (shared by its key buckets)
+        self._ready: set[tuple[int, int]] = set()  # (B, K) steps compiled / captured
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self.compile_seconds = 0.0  # time spent compiling and capturing buckets (at first use or in warmup)
+        self.compile_seconds = 0.0  # time spent compiling and capturing (B, K) steps (at first use or in warmup)
         self.compile_error: str | None = None  # why compilation failed, when it did (the step then runs eagerly)
         top = max(self.buckets)
         self._causal = torch.ones(top, top, dtype=torch.bool, device=self.device).tril_()
@@ -317,8 +492,9 @@ class LlamaTarget(Target):
                functools.partial(_head, eps=c["eps"]))
         if backend is None:
             return fns
-        # The three functions x buckets (x capacities, per model) are separate compilations of one
-        # code object (functools.partial's).
+        # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _head: per
+        # token bucket; per model) are separate compilations of one code object (functools.partial's):
+        # 6 token buckets x 4 key buckets = 24 of _layer for C = 4096.
         raise_recompile_limits()
         return tuple(torch.compile(f, backend=backend, fullgraph=True, dynamic=False) for f in fns)  # type: ignore[return-value]
 
@@ -349,9 +525,9 @@ class LlamaTarget(Target):
         # Host ints only: a step's positions are at most cache_len + T - 1 (a tree's deepest node).
         if self._len + T > self.max_length:
             raise ValueError(f"position {self._len + T - 1} is past the context ({self.max_length} positions)")
-        bucket = next((b for b in self.buckets if b >= T), None) if self.fixed_shapes else None
-        if bucket is not None and self._len + bucket <= self.max_length:
-            logits, features = self._fixed_step(bucket, input_ids, position_ids, tree_mask)
+        shape = self.step_shape(T)
+        if shape is not None:
+            logits, features = self._fixed_step(*shape, input_ids, position_ids, tree_mask)
         else:  # exact shapes: B = T new tokens against the cache_len + T entries in use, eagerly
             dev = self.device
             inputs = _Inputs(
@@ -384,6 +560,19 @@ class LlamaTarget(Target):
 
     # -- fixed shapes, compilation and CUDA graphs ------------------------------------------------
 
+    def _key_bucket(self, n: int) -> int:
+        """The smallest key bucket >= n (a host int; n <= max_length, the last rung)."""
+        return next(k for k in self.key_buckets if k >= n)
+
+    def step_shape(self, T: int) -> tuple[int, int] | None:
+        """(B, K) of a forward of T tokens at the current cache_len: the token bucket it is padded to
+        and the key bucket it attends; None where it runs exact shapes (not ``fixed_shapes``, T past
+        the largest bucket, or the pads' slots past the capacity). Host ints only."""
+        B = next((b for b in self.buckets if b >= T), None) if self.fixed_shapes else None
+        if B is None or self._len + B > self.max_length:
+            return None
+        return B, self._key_bucket(self._len + B)
+
     def _buffers(self, B: int) -> _Inputs:
         if B not in self._inputs:
             dev = self.device
@@ -406,45 +595,48 @@ class LlamaTarget(Target):
         buf.start.fill_(self._len)
         return buf
 
-    def _fixed_step(self, B: int, input_ids: Tensor, position_ids: Tensor,
+    def _fixed_step(self, B: int, K: int, input_ids: Tensor, position_ids: Tensor,
                     tree_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The step padded to bucket B over the whole capacity: run (compiled or eager), or its CUDA
-        graph replayed. Returns logits [1, T, V] and features [1, T, S*H]."""
+        """The step padded to token bucket B attending the first K cache entries (cache_len + B <= K):
+        run (compiled or eager), or its CUDA graph replayed. Returns logits [1, T, V] and features
+        [1, T, S*H]."""
         T = input_ids.shape[1]
         buf = self._load(B, input_ids, position_ids, tree_mask)
-        if B not in self._ready:
-            self._prepare(B)
+        if (B, K) not in self._ready:
+            self._prepare(B, K)
         if not self.cuda_graphs:
-            logits, features = self._step(buf, self.max_length, self._fixed)
+            logits, features = self._step(buf, K, self._fixed)
             return logits[None, :T], features[None, :T]
-        graph, (logits, features) = self._graphs[B]
+        graph, (logits, features) = self._graphs[B, K]
         graph.replay()
         # Cloned: the next replay overwrites the graph's outputs.
         return logits[None, :T].clone(), features[None, :T].clone()
 
-    def _prepare(self, B: int) -> None:
-        """Compile (first call of the compiled functions with this bucket's shapes) and capture bucket
-        B's step, on the inputs already in its buffers. The warm-up runs write keys/values only at
-        the step's own slots (entries not yet committed), which the step then overwrites."""
+    def _prepare(self, B: int, K: int) -> None:
+        """Compile (first call of the compiled functions with these shapes) and capture the step of
+        token bucket B over K keys, on the inputs already in B's buffers. The warm-up runs write
+        keys/values only at the step's own slots (entries not yet committed), which the step then
+        overwrites. The graph reads cache entries [0, K) only and is replayed only for steps with
+        cache_len + B <= K."""
         t0 = time.perf_counter()
         buf = self._buffers(B)
         if self.cuda_graphs:  # the warm-up (and compilation) runs off the capturing stream
-            self._graphs[B] = capture(lambda: self._step(buf, self.max_length, self._fixed), self._pool,
-                                      warm=lambda: self._warm_step(buf))
+            self._graphs[B, K] = capture(lambda: self._step(buf, K, self._fixed), self._pool,
+                                         warm=lambda: self._warm_step(buf, K))
             torch.cuda.synchronize(self.device)
         elif self.compile:
-            self._warm_step(buf)
+            self._warm_step(buf, K)
             torch.cuda.synchronize(self.device)
-        self._ready.add(B)
+        self._ready.add((B, K))
         self.compile_seconds += time.perf_counter() - t0
 
-    def _warm_step(self, buf: _Inputs) -> None:
+    def _warm_step(self, buf: _Inputs, K: int) -> None:
         """A warm-up run of the fixed-shape step (the first one with compiled functions compiles
         them). When compilation fails (a machine without a C compiler for Triton, an inductor bug),
         say so and run the same functions eagerly: an error of the functions themselves then
         raises again, eagerly."""
         try:
-            self._step(buf, self.max_length, self._fixed)
+            self._step(buf, K, self._fixed)
         except Exception as e:
             if self._fixed is self._eager:
                 raise
@@ -453,25 +645,40 @@ class LlamaTarget(Target):
                           f"eagerly", stacklevel=3)
             self.compile, self._fixed = False, self._eager
             self.implementation = "+".join(["fast"] + ["cuda-graphs"] * self.cuda_graphs)
-            self._step(buf, self.max_length, self._fixed)
+            self._step(buf, K, self._fixed)
 
     @torch.no_grad()
-    def warmup(self, buckets: Sequence[int] | None = None) -> float:
-        """Compile and capture the fixed-shape step of ``buckets`` (default: all) now rather than at
-        their first use, so that timings can leave compilation out. Empties the cache (call it before
-        ``prefill``). Returns the seconds it took (also added to ``compile_seconds``)."""
+    def warmup(self, buckets: Sequence[int] | None = None, keys: Sequence[int] | None = None,
+               context: int | None = None) -> float:
+        """Compile and capture the fixed-shape steps of every token bucket in ``buckets`` (default:
+        all) with every key bucket in ``keys`` now rather than at their first use, so that timings
+        (and requests) leave compilation out. ``keys`` defaults to the key buckets a sequence of up
+        to ``context`` tokens (prompt + new tokens; default ``WARM_CONTEXT`` = 2048, a typical
+        request, capped at the capacity) reaches: 512, 1024 and 2048 with the default ladder. A
+        longer sequence compiles and captures each further key bucket at its first use (a few
+        seconds on a GPU); ``context=target.max_length`` warms them all. Each (B, K) pair is one
+        compilation of ``_prologue`` and ``_layer`` (``_head`` compiles once per B) and one CUDA
+        graph. Empties the cache (call it before ``prefill``). Returns the seconds it took (also
+        added to ``compile_seconds``)."""
         self.reset()
         if not self.fixed_shapes:
             return 0.0
         t0 = time.perf_counter()
+        if keys is None:  # the key buckets up to the one a sequence of ``context`` tokens ends in
+            longest = self._key_bucket(min(max(1, WARM_CONTEXT if context is None else int(context)), self.max_length))
+            keys = [k for k in self.key_buckets if k <= longest]
+        for K in keys:
+            if K not in self.key_buckets:
+                raise ValueError(f"warmup: key bucket {K} is not one of {list(self.key_buckets)}")
         for B in self.buckets if buckets is None else buckets:
             if B not in self.buckets:
                 raise ValueError(f"warmup: bucket {B} is not one of {list(self.buckets)}")
-            if B in self._ready or B > self.max_length:
-                continue
-            ids = torch.zeros(1, B, dtype=torch.long, device=self.device)
-            self._load(B, ids, torch.arange(B, device=self.device)[None], None)
-            self._prepare(B)
+            for K in keys:
+                if (B, K) in self._ready or B > K:  # B > K: no step reaches it (cache_len + B <= K)
+                    continue
+                ids = torch.zeros(1, B, dtype=torch.long, device=self.device)
+                self._load(B, ids, torch.arange(B, device=self.device)[None], None)  # at cache_len 0
+                self._prepare(B, K)
         return time.perf_counter() - t0
 
 

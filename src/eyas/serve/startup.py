@@ -152,8 +152,9 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", force: bool 
     engine_target = build_target(loaded.model, CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks),
                                  target_impl)
     if getattr(engine_target, "cuda_graphs", False):
+        # Every key bucket up to the capacity: a server's long requests should not pay a compilation.
         log("compiling the fast target's steps and capturing CUDA graphs")
-        engine_target.warmup()
+        engine_target.warmup(context=engine_target.max_length)
     if spec_tree is None:  # --tree auto: timed on this hardware, calibrated on the first MT-bench prompts
         spec_tree = auto_tree(engine_target, drafter, loaded, contract, log)
     if getattr(engine_target, "cuda_graphs", False):
