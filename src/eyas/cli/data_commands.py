@@ -189,18 +189,29 @@ def capture_cmd(
         err.print(f"[yellow]first template problem: {s.problems[0]}[/]", highlight=False)
 
 
-def _import_boundaries(boundaries: str | None, layer_ids: str | None, ids_convention: Any, num_blocks: int) -> list[int]:
+def _import_boundaries(dump_format: str, boundaries: str | None, layer_ids: str | None, ids_convention: Any,
+                       num_blocks: int) -> list[int]:
     """The dump's captured layers in eyas' convention, from ``--boundaries`` or from ``--layer-ids``
-    read by ``--ids-convention`` (required where the conventions read the ids differently)."""
+    (SpecForge: read by ``--ids-convention``, required where the conventions read the ids
+    differently; speculators: launch_vllm.py's ids, vLLM's id k = boundary k)."""
     from eyas.convention import parse_boundaries
     from eyas.interop.servers.sglang import ids_readings
 
+    speculators = dump_format == "speculators"
     if (boundaries is None) == (layer_ids is None):
+        default = f"2,{num_blocks // 2},{num_blocks - 3}"
+        tool = (f"launch_vllm.py --target-layer-ids; its default 2 L//2 L-3 is boundaries {default}" if speculators
+                else f"prepare_hidden_states.py --aux-hidden-states-layers; its default 1,L//2-1,L-4 is boundaries "
+                     f"{default}")
         _fail("the dump does not record which layers it holds: pass exactly one of --boundaries (eyas: boundary b "
-              "= the input of block b, 0..L) or --layer-ids (as given to prepare_hidden_states.py "
-              f"--aux-hidden-states-layers; its default 1,L//2-1,L-4 is boundaries 2,{num_blocks // 2},"
-              f"{num_blocks - 3} for this target's L={num_blocks}); found "
+              f"= the input of block b, 0..L) or --layer-ids (as given to {tool} for this target's "
+              f"L={num_blocks}); found "
               + ("both" if boundaries is not None else "neither"))
+    if speculators:
+        if ids_convention is not None:
+            _fail(f"--ids-convention {ids_convention.value}: applies to --format specforge only; speculators' ids "
+                  "(launch_vllm.py --target-layer-ids) are vLLM's, id k = boundary k, the eyas number")
+        return list(_run(parse_boundaries, boundaries if boundaries is not None else layer_ids))
     if boundaries is not None:
         return list(_run(parse_boundaries, boundaries))
     ids = list(_run(parse_boundaries, layer_ids))
@@ -222,37 +233,52 @@ def _import_boundaries(boundaries: str | None, layer_ids: str | None, ids_conven
 
 def import_hidden_states_cmd(
     dump: Path = typer.Option(..., help="the dump directory: SpecForge prepare_hidden_states.py --output-path "
-                                        "(rows_*/data_<idx>.ckpt)"),
-    out: Path = typer.Option(..., help="shard directory to write (must not hold a capture)"),
+                                        "(rows_*/data_<idx>.ckpt) | speculators generate-offline-data --output "
+                                        "(hs_<row>.safetensors)"),
+    out: Path = typer.Option(..., help="shard directory to write (new, or an unfinished run of the same import: "
+                                       "it resumes)"),
     target: str = typer.Option(..., help=TARGET_HELP + "; its identity goes into the contract (loaded on the CPU)"),
-    dump_format: str = typer.Option("specforge", "--format", help="the dump's format: specforge"),
+    dump_format: str = typer.Option("specforge", "--format", help="the dump's format: specforge | speculators"),
     boundaries: Optional[str] = typer.Option(None, help="the dump's layers in eyas' convention, ascending, e.g. 2,16,29"),
-    layer_ids: Optional[str] = typer.Option(None, help="or the ids given to the dumping tool, e.g. 1,15,28"),
+    layer_ids: Optional[str] = typer.Option(
+        None, help="or the ids given to the dumping tool, e.g. 1,15,28 (SpecForge --aux-hidden-states-layers) | "
+                   "2,15,27 (launch_vllm.py --target-layer-ids; a last id L, the layer it appends, may be given)"),
     ids_convention: Optional[IdsConventionChoice] = typer.Option(
-        None, help="with --layer-ids: how the tool read them: specforge (output of block k = boundary k+1) | sglang "
-                   "(SGLang since PR #25454: +1 only when the first id is 1) | sglang-legacy (+1); required when "
-                   "these readings differ"),
+        None, help="specforge format, with --layer-ids: how the tool read them: specforge (output of block k = "
+                   "boundary k+1) | sglang (SGLang since PR #25454: +1 only when the first id is 1) | sglang-legacy "
+                   "(+1); required when these readings differ"),
+    preprocessed_data: Optional[Path] = typer.Option(
+        None, help="speculators format: the preprocessed dataset (speculators prepare-data --output) that holds the "
+                   "loss masks; default: the dump's parent directory"),
     dtype: str = typer.Option("bfloat16", help="stored dtype: bfloat16 | float16 | float32"),
     shard_size: int = typer.Option(256, help="samples per shard"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
-    """Convert hidden states dumped by another engine (SpecForge's offline capture through SGLang)
-    into eyas shards with the contract filled in; `eyas train --data OUT` trains on them."""
-    from eyas.data.dumps import FORMATS, import_specforge
+    """Convert hidden states dumped by another engine (SpecForge's offline capture through SGLang,
+    speculators' through vLLM) into eyas shards with the contract filled in; `eyas train --data OUT`
+    trains on them."""
+    from eyas.data.dumps import FORMATS, SPECFORGE, import_dump
 
     if dump_format not in FORMATS:
         _fail(f"--format: expected {' | '.join(FORMATS)}, found {dump_format!r}")
+    if dump_format == SPECFORGE and preprocessed_data is not None:
+        _fail("--preprocessed-data: applies to --format speculators only (SpecForge's files hold their loss masks)")
     loaded = _load(target, "cpu", "float32")
-    bs = _import_boundaries(boundaries, layer_ids, ids_convention, loaded.num_blocks)
-    s = _run(import_specforge, dump, out, loaded.model, bs, source=loaded.name, dtype=dtype, shard_size=shard_size)
+    bs = _import_boundaries(dump_format, boundaries, layer_ids, ids_convention, loaded.num_blocks)
+    s = _run(import_dump, dump_format, dump, out, loaded.model, bs, source=loaded.name, dtype=dtype,
+             shard_size=shard_size, **({} if dump_format == SPECFORGE else {"preprocessed_data": preprocessed_data}))
     if json_out:
         _print_json({"command": "import-hidden-states", "target": loaded.name, **s.to_dict()})
         return
+    last = ("the final norm's output" if dump_format == SPECFORGE
+            else f"boundary {loaded.num_blocks} (last_hidden, pre-norm)")
     console.print(_table(f"imported hidden states -> {s.out_dir}", [
         ("from", f"{dump} ({s.format})"), ("target", loaded.name),
-        ("boundaries", f"{s.boundaries} (eyas convention) + the final norm's output, {dtype}"),
-        ("samples", f"{s.samples} ({s.tokens} tokens, {s.loss_tokens} assistant)"),
-        ("shards", s.shards), ("manifest", s.manifest),
+        ("boundaries", f"{s.boundaries} (eyas convention) + {last}, {dtype}"),
+        ("samples", f"{s.samples} ({s.tokens} tokens, {s.loss_tokens} assistant)"
+                    + (f"; {s.missing} rows of the preprocessed data have no file" if s.missing else "")),
+        ("shards", f"{s.shards} ({s.shards_resumed} from an earlier run)" if s.shards_resumed else s.shards),
+        ("manifest", s.manifest),
     ]))
 
 

@@ -21,7 +21,8 @@ One shard holds S samples of N tokens in total, concatenated (ragged), only real
     last_hidden  dtype  [N, H]              boundary L (last block output, BEFORE the final norm):
                                             final_norm + lm_head of the target give its logits at training time
                                             (shards imported from a SpecForge dump, eyas.data.dumps, hold the
-                                            final norm's output instead: manifest layout.last_hidden_normed)
+                                            final norm's output instead: manifest layout.last_hidden_normed;
+                                            a speculators/vLLM dump holds boundary L itself)
 
 The safetensors metadata key ``eyas`` holds JSON repeating format, rank, index, boundaries, dtype
 and the sample ids, so a shard describes itself without the manifest.
@@ -688,7 +689,8 @@ def _rank_complete(path: Path) -> bool:
 
 def finalize_manifest(out_dir: str | os.PathLike) -> Path:
     """Merge every rank's progress file into ``manifest.json``: contract (with the fingerprint of
-    all shards), counts, shard list. Errors name the rank file that is missing or incomplete."""
+    all shards), counts, shard list, and rank 0's ``manifest_extra`` (what an import adds, so the
+    manifest is written once). Errors name the rank file that is missing or incomplete."""
     out = Path(out_dir)
     first = _read_json(out / progress_name(0), "progress file (rank 0)")
     world = int(first["world_size"])
@@ -730,9 +732,19 @@ def finalize_manifest(out_dir: str | os.PathLike) -> Path:
         "shards": [{k: e[k] for k in ("file", "rank", "index", "samples", "tokens", "loss_tokens", "bytes",
                                       "sha256", "ids")} for e in shards],
     }
+    _merge(manifest, first.get("manifest_extra") or {})  # e.g. an import's layout flags and source
     path = out / MANIFEST
     _atomic_write_json(path, manifest)
     return path
+
+
+def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
+    """``extra``'s keys into ``into``, merging nested dicts key by key (layout.tensors stays whole)."""
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
 
 
 # ---------------------------------------------------------------------------------------------
