@@ -679,6 +679,7 @@ def regenerate(
     target_info = {"target": source, "target_fingerprint": weights_fingerprint(model)}
     _generate(model, tokenizer, todo, options, generations, generator, files, target_info, summary,
               on_chunk_written)
+    summary.cache = generator.implementation  # as it ran (a failed compilation or capture falls back)
     summary.skipped_path = str(files.sidecar) if files.sidecar.exists() else None  # step 5, finalise
     summary.wall_s = time.perf_counter() - t0
     return summary
