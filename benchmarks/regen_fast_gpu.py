@@ -113,7 +113,7 @@ def _fast(model: Any, prompts: list[list[int]], eos: list[int], args: argparse.N
     res = engine.run(prompts, args.max_new_tokens, eos)
     answers[f"fast{rows}"] = res.answers
     out = {"rows": rows, "implementation": engine.implementation, "capacity": engine.capacity,
-           "key_buckets": engine._buckets(), "warmup_s": round(warmup_s, 2), **res.to_dict(),
+           "key_buckets": engine.buckets(), "warmup_s": round(warmup_s, 2), **res.to_dict(),
            "peak_gib": _memory(device)}
     if args.chunk:
         t0 = time.perf_counter()

@@ -470,10 +470,6 @@ class BatchedLlama:
                           params.seed)
         return result.answers
 
-    @property
-    def description(self) -> str:
-        return f"{self.implementation}, {self.rows} rows x {self.capacity} positions"
-
     # -- state ------------------------------------------------------------------------------------
 
     def cache_bytes(self, capacity: int) -> int:
@@ -516,7 +512,8 @@ class BatchedLlama:
             self._graphs.clear()
             self._compiled.clear()
 
-    def _buckets(self) -> list[int]:
+    def buckets(self) -> list[int]:
+        """The key lengths a decode step attends (one compiled step and graph each), the capacity last."""
         if self.key_buckets is None:
             return key_ladder(self.capacity)
         return [b for b in self.key_buckets if b < self.capacity] + [self.capacity]
@@ -563,7 +560,7 @@ class BatchedLlama:
             keys = torch.randint(0, 1 << 32, (n,), generator=gen, dtype=torch.long)
 
         R = self.rows
-        buckets = self._buckets()
+        buckets = self.buckets()
         row_prompt = [-1] * R  # the prompt a row holds (-1: free)
         hpos = [0] * R  # an upper bound of the row's pos on the device
         gen_known = [0] * R  # the row's n_gen at the last sync (1 after its prefill)
@@ -742,7 +739,7 @@ class BatchedLlama:
         st.pos.zero_()
         t0 = time.perf_counter()
         for mode in modes:
-            for K in self._buckets():
+            for K in self.buckets():
                 if K <= self.capacity:
                     self._step(K, mode)
         return time.perf_counter() - t0
