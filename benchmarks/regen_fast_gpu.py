@@ -75,17 +75,22 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, str]:
     return loaded.model.eval(), loaded.tokenizer, str(loaded.name)
 
 
-def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+def _conversations(args: argparse.Namespace) -> list[Any]:
+    """The first ``--limit`` conversations of ``--prompts`` (``--tiny``: made up, one with two turns)."""
     from eyas.data.conversations import Conversation, read_conversations
-    from eyas.data.render import render_prompt
 
     if args.tiny:
-        convs = [Conversation([{"role": "user", "content": "why " * (i % 13) + f"question {i}?"}])
-                 for i in range(args.limit or 64)]
-    else:
-        convs = list(read_conversations(args.prompts, on_error="skip").conversations)[:args.limit]
+        return [Conversation([{"role": "user", "content": "why " * (i % 13) + f"question {i}?"}]
+                             + ([{"role": "user", "content": "and then?"}] if i % 5 == 0 else []), id=f"q{i}")
+                for i in range(args.limit or 64)]
+    return list(read_conversations(args.prompts, on_error="skip").conversations)[:args.limit]
+
+
+def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+    from eyas.data.render import render_prompt
+
     out = []
-    for c in convs:
+    for c in _conversations(args):
         users = [m for m in c.messages if m["role"] == "user"]
         if not users:
             continue
@@ -167,11 +172,10 @@ def _agreement(a: list, b: list) -> dict[str, Any]:
 
 
 def _end_to_end(model: Any, tokenizer: Any, name: str, args: argparse.Namespace, rows: int) -> dict[str, Any]:
-    from eyas.data.conversations import read_conversations
     from eyas.data.regenerate import RegenerateOptions, regenerate
     from eyas.engine.batched import BatchedLlama
 
-    convs = list(read_conversations(args.prompts, on_error="skip").conversations)[:args.limit]
+    convs = _conversations(args)
     batch = args.chunk or len(convs)
     with tempfile.TemporaryDirectory() as d:
         options = RegenerateOptions(out_path=Path(d) / "answers.jsonl", max_new_tokens=args.max_new_tokens,
@@ -182,7 +186,7 @@ def _end_to_end(model: Any, tokenizer: Any, name: str, args: argparse.Namespace,
     return {"rows": engine.rows, "batch_size": batch, **s.to_dict()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="a GGUF file or an HF model directory")
     p.add_argument("--prompts", help="conversations JSONL (what eyas regenerate reads)")
@@ -201,7 +205,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--tiny", action="store_true", help="a random tiny target (smoke test)")
     p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not args.tiny and (args.target is None or args.prompts is None):
         p.error("--target and --prompts are required (or --tiny)")
 
@@ -213,14 +217,16 @@ def main() -> None:
     model, tokenizer, name = _load(args)
     prompts = _prompts(args, tokenizer)
     eos = eos_token_ids(model, tokenizer)
-    report["target"] = {"name": name, "dtype": str(next(model.parameters()).dtype), "load_s": round(time.perf_counter() - t0, 2),
-                        "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+    report["target"] = {"name": name, "dtype": str(next(model.parameters()).dtype),
+                        "load_s": round(time.perf_counter() - t0, 2), "prompts": len(prompts),
+                        "prompt_tokens": sum(map(len, prompts)),
                         "longest_prompt": max(map(len, prompts)), "eos": eos}
     answers: dict[str, list] = {}
     rows_list = [int(r) for r in str(args.rows).split(",") if r]
     with torch.no_grad():
         for rows in rows_list:
-            _stage(report, f"fast_{rows}", lambda rows=rows: _fast(model, prompts, eos, args, rows, answers), args.out)
+            _stage(report, f"fast_{rows}", lambda rows=rows: _fast(model, prompts, eos, args, rows, answers),
+                   args.out)
         if not args.skip_hf:
             _stage(report, "hf", lambda: _hf(model, tokenizer, prompts, eos, args, answers), args.out)
         fast_keys = [k for k in answers if k.startswith("fast")]
@@ -231,13 +237,14 @@ def main() -> None:
             report["speedup_over_hf"] = {k: round(v / hf_rate, 2) for k, v in rates.items() if v and hf_rate}
         if len(fast_keys) > 1:
             report["agreement_fast_rows"] = _agreement(answers[fast_keys[0]], answers[fast_keys[-1]])
-        if args.end_to_end and not args.tiny:
+        if args.end_to_end:
             _stage(report, "end_to_end", lambda: _end_to_end(model, tokenizer, name, args, rows_list[-1]), args.out)
     report["total_s"] = round(time.perf_counter() - t0, 2)
     text = json.dumps(report, indent=2, default=str)
     if args.out is not None:
         args.out.write_text(text)
     print(text)
+    return report
 
 
 if __name__ == "__main__":

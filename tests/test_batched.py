@@ -284,7 +284,8 @@ def test_cli_engine_fast_runs_reports_and_refuses_an_unsupported_target_with_the
     chat_target(tok, seed=4).save_pretrained(llama)
     tok.save_pretrained(llama)
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=256)).save_pretrained(gpt2)
+    gpt2_config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=256)
+    GPT2LMHeadModel(gpt2_config).save_pretrained(gpt2)
     tok.save_pretrained(gpt2)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question_id": i, "turns": [f"question {i}?"]}) + "\n" for i in range(5)))
