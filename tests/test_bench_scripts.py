@@ -1,6 +1,7 @@
 """The GPU benchmark scripts in benchmarks/ run end to end on a CPU with a toy target: the report of
 spec_gpu.py holds every decoder, set and temperature, and greedy speculative output equals plain;
-train_smollm2_drafter.py mixes prompts, regenerates, trains and keeps the best drafter."""
+train_smollm2_drafter.py mixes prompts, regenerates, trains and keeps the best drafter; regen_fast_gpu.py
+times the fast engine and HF generate, which agree in float32."""
 
 from __future__ import annotations
 
@@ -141,3 +142,18 @@ def test_answers_written_reads_a_killed_runs_file(tmp_path):
     got = train.answers_written(f)
     assert got == {"conversations": 2, "turns": 3, "kept_new_tokens": 271, "finish": {"eos": 1, "length": 1, "loop": 1}}
     assert train.answers_written(tmp_path / "missing.jsonl")["conversations"] == 0
+
+
+def test_regen_fast_gpu_times_both_engines_which_agree_in_float32(tmp_path):
+    regen = load_script("regen_fast_gpu")
+    out = tmp_path / "regen.json"
+    report = regen.main(["--tiny", "--device", "cpu", "--limit", "12", "--rows", "4,16", "--max-new-tokens", "6",
+                         "--hf-batch", "6", "--hf-limit", "12", "--chunk", "6", "--end-to-end", "--out", str(out)])
+    assert json.loads(out.read_text())["total_s"] == report["total_s"]
+    for stage in ("fast_4", "fast_16", "hf", "end_to_end"):
+        assert "error" not in report[stage], report[stage].get("traceback")
+    assert report["fast_4"]["answers"] == 12 and report["fast_4"]["tokens_per_s"] > 0
+    assert report["fast_4"]["chunked"]["new_tokens"] == report["fast_4"]["new_tokens"]
+    assert report["agreement_fast_hf"]["identical"] == 1.0 and report["agreement_fast_rows"]["identical"] == 1.0
+    e2e = report["end_to_end"]
+    assert (e2e["engine"], e2e["rows"], e2e["batch_size"]) == ("fast", 6, 6) and e2e["written"] + e2e["failed"] == 12

@@ -89,8 +89,15 @@ def regenerate_cmd(
     loops: str = typer.Option("cut", help="an answer with a repetition loop: cut (after its first copy; the "
                                           "conversation ends there) | drop (the conversation) | keep"),
     sort_by_length: bool = typer.Option(True, help="batch conversations of similar prompt length (less padding)"),
-    cache: str = typer.Option("auto", help="KV cache: static (compiled decode step on CUDA) | dynamic | "
-                                           "auto (static on CUDA)"),
+    cache: str = typer.Option("auto", help="--engine hf's KV cache: static (compiled decode step on CUDA) | "
+                                           "dynamic | auto (static on CUDA)"),
+    engine: str = typer.Option("auto", help="what generates: fast (eyas' batched Llama-family forward: continuous "
+                                            "batching over --rows, compiled and CUDA-graphed on a GPU) | hf "
+                                            "(Hugging Face generate) | auto (fast for a Llama-family target on "
+                                            "CUDA, else hf)"),
+    rows: int = typer.Option(256, help="--engine fast: rows decoded together (at most --batch-size); a chunk of "
+                                       "--batch-size conversations streams through them, so a --batch-size of "
+                                       "several times --rows keeps them busy"),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N"),
     target_devices: Optional[str] = typer.Option(None, help=TARGET_DEVICES_HELP),
     target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
@@ -109,12 +116,16 @@ def regenerate_cmd(
                    **sampling, top_p=top_p, seed=seed, limit=limit, system_prompt=system_prompt,
                    max_prompt_tokens=max_prompt_tokens, max_turns=max_turns, loops=loops,
                    sort_by_length=sort_by_length, cache=cache, progress=not json_out)
+    if rows < 1:
+        _fail(f"--rows: expected >= 1, found {rows}")
     read = _read(prompts)
     loaded = _load(target, device, target_dtype, target_devices)
     model, tokenizer, src = loaded.model, loaded.tokenizer, loaded.name
-    s = _run(regenerate, model, tokenizer, read.conversations, options, source=str(src))
+    generator = _generator(model, engine, min(rows, batch_size), progress=not json_out)
+    s = _run(regenerate, model, tokenizer, read.conversations, options, source=str(src), generator=generator)
     report = {"command": "regenerate", "target": str(src), "prompts": str(prompts), **s.to_dict(),
-              "read": read.counts, "total_wall_s": round(time.perf_counter() - t0, 3)}
+              "rows": getattr(generator, "rows", None), "read": read.counts,
+              "total_wall_s": round(time.perf_counter() - t0, 3)}
     if json_out:
         _print_json(report)
         if s.interrupted:
@@ -128,13 +139,25 @@ def regenerate_cmd(
         ("finish", f"answers: {s.finish['eos']} eos, {s.finish['length']} length, {s.finish['loop']} loop"),
         ("loops", f"{s.loops_cut} answers cut, {s.loops_dropped} conversations dropped (--loops {options.loops})"),
         ("tokens", f"{s.new_tokens} new, {s.prompt_tokens} prompt"),
-        ("speed", f"{s.tokens_per_s:.1f} new tokens/s over {s.wall_s:.1f} s ({s.cache} cache); "
-                  f"{s.generate_s:.1f} s inside generate: {s.generate_calls} calls, {s.decode_steps} decoding steps"),
+        ("engine", f"{s.engine} ({s.cache}" + (f", {generator.rows} rows)" if generator is not None else " cache)")),
+        ("speed", f"{s.tokens_per_s:.1f} new tokens/s over {s.wall_s:.1f} s; {s.generate_s:.1f} s generating: "
+                  f"{s.generate_calls} calls, {s.decode_steps} decoding steps"),
         *([("failed", s.skipped_path)] if s.skipped_path else []),
         *([("interrupted", "stopped early: rerun the same command to resume")] if s.interrupted else []),
     ]))
     if s.interrupted:
         raise typer.Exit(130)
+
+
+def _generator(model: Any, engine: str, rows: int, progress: bool) -> Any:
+    """The generator for ``--engine`` (eyas.engine.batched.choose_engine): a BatchedLlama for fast,
+    None for hf (regenerate's default, Hugging Face generate); an unsupported model under ``fast``
+    fails naming the reason."""
+    from eyas.engine.batched import BatchedLlama, choose_engine
+
+    if _run(choose_engine, model, engine) == "hf":
+        return None
+    return _run(BatchedLlama, model, rows=rows, progress=progress)
 
 
 def capture_cmd(

@@ -35,6 +35,25 @@ The cache implementation (``cache``) is not part of the generation parameters: l
 the dtype it changes floating-point rounding, not what is sampled; resume with the same one for a
 byte-identical file.
 
+Engines (``generator``, ``eyas regenerate --engine``). The answers come from a
+:class:`eyas.data.generation.BatchGenerator`: by default :class:`HFGenerator` (Hugging Face
+``generate``, below), or eyas' own batched Llama-family forward
+(:class:`eyas.engine.batched.BatchedLlama`, continuous batching over a fixed number of rows), which
+the CLI builds and passes in (this package does not import the engine). Each (unit, turn) is one
+``generate`` call with the unit's prompts of that turn, so the resume unit, its members and its
+seeds are the same whichever engine runs. The engine is *not* recorded in
+``provenance.generation``: greedy answers are the target's argmax either way (token-identical in
+float32, ``tests/test_batched.py``; in bf16 the two forwards round differently, as the static and
+dynamic caches do), and sampled answers are draws from the same distribution whose random numbers
+each engine takes its own way (a per-prompt counter-based stream in the fast engine, torch's global
+generator in ``generate``). Like the device, the dtype and the cache, the engine is then a matter of
+rounding and of which random numbers, not of what the answers are: a resume with the other engine
+is allowed, and only a resume with the same one is byte-identical. The summary says which ran.
+
+Seeds. A sampled unit's call at turn ``t`` draws with :func:`sampling_seed` ``(seed, chunk,
+temperature, t)``: each call is reproducible by itself (turn 0's seed is the unit's seed of files
+written before turns had their own).
+
 Repetition loops (``loops``, :mod:`eyas.data.loops`). Each answer's token ids are searched for a
 loop before they are decoded. ``cut``: the answer keeps the loop's first copy, its finish reason is
 ``"loop"`` and the conversation ends after that turn. ``drop``: the conversation goes to the
@@ -74,6 +93,7 @@ from tqdm.auto import tqdm
 
 from eyas import __version__
 from eyas.data.conversations import Conversation, conversation_id
+from eyas.data.generation import BatchGenerator, BatchParams
 from eyas.data.loops import cut_at_first_loop, rows_with_loops
 from eyas.data.render import TEMPLATE_DEFAULT, render_prompt, system_prompt_mode
 from eyas.data.runs import RunOptions, Throughput, changed_params, eval_mode
@@ -171,10 +191,11 @@ def answer_id(conversation: str, temperature: float) -> str:
     return conversation if temperature == 0 else f"{conversation}@t{temperature:g}"
 
 
-def sampling_seed(seed: int, chunk: int, temperature: float) -> int:
-    """The torch seed of chunk ``chunk`` sampled at ``temperature``: a hash of the three, so a
-    resumed unit samples the same, and adding a temperature changes no other unit's seed."""
-    digest = hashlib.sha256(f"{seed}/{chunk}/{temperature:g}".encode()).digest()
+def sampling_seed(seed: int, chunk: int, temperature: float, turn: int = 0) -> int:
+    """The seed of chunk ``chunk`` sampled at ``temperature``, at its ``turn``-th user turn: a hash of
+    the four, so a resumed unit samples the same, and adding a temperature changes no other unit's
+    seed (turn 0 hashes as the three alone did before turns had their own seeds)."""
+    digest = hashlib.sha256((f"{seed}/{chunk}/{temperature:g}" + (f"/{turn}" if turn else "")).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1  # torch seeds are < 2**64; stay positive
 
 
@@ -275,13 +296,14 @@ class RegenerateSummary(Throughput):
     finish: dict[str, int] = field(default_factory=lambda: {"eos": 0, "length": 0, "loop": 0})
     loops_cut: int = 0  # answers cut after a loop's first copy (loops="cut")
     loops_dropped: int = 0  # conversations dropped for a loop in one of their answers (loops="drop")
-    cache: str = ""  # the KV cache used: "dynamic" | "static" | "static, compiled"
+    engine: str = ""  # what generated: "hf" (Hugging Face generate) | "fast" (eyas.engine.batched)
+    cache: str = ""  # how it ran: hf "dynamic" | "static" | "static, compiled"; fast: its rows, cache and compilation
     # Where the time goes: inside generate (prefill + decoding, compilation at the first call) vs the
     # rest (rendering, loop search, decoding text, writing); a call decodes as many steps as its
     # longest answer, every row of the batch at each step.
     generate_s: float = 0.0
     generate_calls: int = 0
-    decode_steps: int = 0  # summed over calls: the longest answer of each call (+1 for its eos)
+    decode_steps: int = 0  # summed over calls: hf, the longest answer of each call (+1 for its eos); fast, its steps
     wall_s: float = 0.0
     skipped_path: str | None = None
     interrupted: bool = False  # stopped by SIGINT between or inside units; rerun to resume
@@ -299,7 +321,7 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-def _hf_generation_config(params: GenerationParams, pad_id: int, eos_ids: list[int], compiled: bool) -> Any:
+def _hf_generation_config(params: BatchParams, pad_id: int, eos_ids: list[int], compiled: bool) -> Any:
     """The transformers GenerationConfig of ``params``; ``compiled``: generate compiles its decode
     step (static cache on CUDA) with CUDA graphs, else it never compiles."""
     from transformers import GenerationConfig
@@ -309,7 +331,7 @@ def _hf_generation_config(params: GenerationParams, pad_id: int, eos_ids: list[i
     # generation_config, which may carry top_k / repetition_penalty defaults we do not want.
     kw: dict[str, Any] = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id,
                               eos_token_id=eos_ids, repetition_penalty=1.0, num_beams=1)
-    if params.do_sample:
+    if not params.greedy:
         kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
     else:
         kw.update(do_sample=False)
@@ -402,6 +424,45 @@ def _generate_batch(model: Any, tokenizer: Any, prompts: list[list[int]], gen_co
         # padded after it emitted eos), so all of it is the answer.
         results.append((row, "length") if stop is None else (row[:stop], "eos"))
     return results
+
+
+class HFGenerator:
+    """The ``hf`` engine (:class:`eyas.data.generation.BatchGenerator`): Hugging Face ``generate`` on
+    a left-padded batch.
+
+    ``cache`` as :attr:`RegenerateOptions.cache`: static (one run-wide :class:`_StaticKV` of
+    ``batch_size`` rows, sized by :meth:`reserve`; compiled with CUDA graphs on CUDA) or dynamic.
+    A sampled call seeds torch's global generator with ``params.seed`` first (``generate`` draws
+    from it), so each call is reproducible by itself."""
+
+    name = "hf"
+
+    def __init__(self, model: Any, tokenizer: Any, cache: CacheMode = "auto", batch_size: int = 64) -> None:
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.static = _use_static_cache(cache, model)
+        self.compiled = self.static and next(model.parameters()).device.type == "cuda"
+        self.implementation = "static, compiled" if self.compiled else "static" if self.static else "dynamic"
+        self.kv: _StaticKV | None = None
+        self.last_decode_steps = 0
+        self._configs: dict[tuple, Any] = {}
+
+    def reserve(self, max_prompt_tokens: int, max_new_tokens: int) -> None:
+        if self.static:
+            self.kv = _StaticKV(self.model, self.batch_size, max_prompt_tokens + max_new_tokens, max_new_tokens)
+
+    def generate(self, prompts: list[list[int]], params: BatchParams) -> list[tuple[list[int], str]]:
+        if self.static and self.kv is None:  # reserve() not called: size the cache for this batch
+            self.reserve(max(len(p) for p in prompts), params.max_new_tokens)
+        with _LeftPadding(self.tokenizer) as pad_id:
+            key = (params.max_new_tokens, params.eos_ids, params.temperature, params.top_p, pad_id)
+            if key not in self._configs:
+                self._configs[key] = _hf_generation_config(params, pad_id, list(params.eos_ids), self.compiled)
+            if not params.greedy and params.seed is not None:
+                torch.manual_seed(params.seed)
+            answers = _generate_batch(self.model, self.tokenizer, prompts, self._configs[key], list(params.eos_ids),
+                                      self.kv)
+        self.last_decode_steps = max(len(a) + (f == "eos") for a, f in answers)
+        return answers
 
 
 def _turns(conv: Conversation, system_prompt: str, max_turns: int | None) -> tuple[list[dict], list[str]]:
@@ -569,6 +630,7 @@ def regenerate(
     *,
     source: str | None = None,
     on_chunk_written: Callable[[int, list[dict[str, Any]]], None] | None = None,
+    generator: BatchGenerator | None = None,
 ) -> RegenerateSummary:
     """Answer every user turn of ``conversations`` with ``model`` at every temperature and append
     them to ``options.out_path``: plan -> resume -> generate -> write -> finalise.
@@ -579,6 +641,9 @@ def regenerate(
         source: the target's name for provenance (e.g. ``str(TargetSource)``).
         on_chunk_written: called as ``f(chunk_index, records)`` after each unit (chunk at one
             temperature) is on disk.
+        generator: what answers each batch (module docstring, Engines); default
+            :class:`HFGenerator` with ``options.cache``. ``model`` still gives the target's
+            fingerprint and eos ids.
 
     Returns: a :class:`RegenerateSummary`.
     """
@@ -590,9 +655,10 @@ def regenerate(
     generations = options.generations()
     temperatures = list(generations)
     items, summary.duplicates = _select(conversations, options.limit)
-    static = _use_static_cache(options.cache, model)
+    if generator is None:
+        generator = HFGenerator(model, tokenizer, options.cache, options.batch_size)
     lengths: list[int] = []
-    if options.sort_by_length or (static and options.max_prompt_tokens is None):
+    if options.sort_by_length or options.max_prompt_tokens is None:
         lengths = [_first_prompt_tokens(conv, tokenizer, options) for _, conv in items]
     if options.sort_by_length:
         items, lengths = _sort_by_length(items, lengths)
@@ -606,22 +672,21 @@ def regenerate(
     units = [_Unit(k, t, items[starts[k]:starts[k] + options.batch_size]) for k in order for t in temperatures]
     todo = [u for u in units if not all(files.holds(a) for a in u.ids())]
     summary.skipped = sum(1 for u in units for a in u.ids() if files.holds(a))
-    kv = None
-    if static:
+    if todo:
         longest = options.max_prompt_tokens if options.max_prompt_tokens is not None else max(lengths, default=1)
-        kv = _StaticKV(model, options.batch_size, longest + options.max_new_tokens, options.max_new_tokens)
-    compiled = static and next(model.parameters()).device.type == "cuda"
-    summary.cache = "static, compiled" if compiled else "static" if static else "dynamic"
+        generator.reserve(longest, options.max_new_tokens)
+    summary.engine, summary.cache = generator.name, generator.implementation
     target_info = {"target": source, "target_fingerprint": weights_fingerprint(model)}
-    _generate(model, tokenizer, todo, options, generations, kv, compiled, files, target_info, summary,
+    _generate(model, tokenizer, todo, options, generations, generator, files, target_info, summary,
               on_chunk_written)
+    summary.cache = generator.implementation  # as it ran (a failed compilation or capture falls back)
     summary.skipped_path = str(files.sidecar) if files.sidecar.exists() else None  # step 5, finalise
     summary.wall_s = time.perf_counter() - t0
     return summary
 
 
 def _generate(model: Any, tokenizer: Any, todo: list[_Unit], options: RegenerateOptions,
-              generations: dict[float, GenerationParams], kv: _StaticKV | None, compiled: bool,
+              generations: dict[float, GenerationParams], generator: BatchGenerator,
               files: _OutputFiles, target_info: dict[str, Any], summary: RegenerateSummary,
               on_chunk_written: Callable[[int, list[dict[str, Any]]], None] | None) -> None:
     """Step 3 and 4, generate and write: each unit still to do, in order, answered as one batch
@@ -635,14 +700,10 @@ def _generate(model: Any, tokenizer: Any, todo: list[_Unit], options: Regenerate
     bar = tqdm(total=sum(len(u.members) for u in todo), desc="regenerate", unit="conv",
                disable=not options.progress, dynamic_ncols=True)
     try:
-        with eval_mode(model), _LeftPadding(tokenizer) as pad_id:
-            configs = {t: _hf_generation_config(g, pad_id, eos_ids, compiled) for t, g in generations.items()}
+        with eval_mode(model):
             for unit in todo:
-                generation = generations[unit.temperature]
-                if generation.do_sample:  # per unit: a resumed unit samples the same
-                    torch.manual_seed(sampling_seed(options.seed, unit.chunk, unit.temperature))
-                records, failures = _answer_unit(model, tokenizer, unit, options, generation,
-                                                 configs[unit.temperature], kv, eos_ids, summary)
+                records, failures = _answer_unit(generator, tokenizer, unit, options, generations[unit.temperature],
+                                                 eos_ids, summary)
                 for r in records:
                     r["provenance"].update(target_info)
                 new_records, new_failures = files.append(records, failures)
@@ -701,11 +762,12 @@ def _find_loops(answers: list[list[int]], policy: LoopPolicy) -> list[tuple[list
     return [cut_at_first_loop(a) if f else (a, None) for a, f in zip(answers, flagged)]
 
 
-def _answer_unit(model: Any, tokenizer: Any, unit: _Unit, options: RegenerateOptions,
-                 generation: GenerationParams, gen_config: Any, kv: _StaticKV | None, eos_ids: list[int],
+def _answer_unit(generator: BatchGenerator, tokenizer: Any, unit: _Unit, options: RegenerateOptions,
+                 generation: GenerationParams, eos_ids: list[int],
                  summary: RegenerateSummary) -> tuple[list[dict], list[dict]]:
     """Answer all conversations of one unit turn by turn: at turn t the conversations that still
-    have a t-th user turn form one batch. -> (output records, failure records), in chunk order."""
+    have a t-th user turn form one batch (one ``generate`` call, sampled with the unit's seed of turn
+    t: a resumed unit samples the same). -> (output records, failure records), in chunk order."""
     dialogues = [_Dialogue(answer_id(cid, unit.temperature), conv,
                            *_turns(conv, options.system_prompt, options.max_turns)) for cid, conv in unit.members]
     for t in range(max(len(d.users) for d in dialogues)):
@@ -724,11 +786,15 @@ def _answer_unit(model: Any, tokenizer: Any, unit: _Unit, options: RegenerateOpt
             prompts.append(ids)
         if not active:
             break
+        params = BatchParams(
+            max_new_tokens=generation.max_new_tokens, eos_ids=tuple(eos_ids), temperature=generation.temperature,
+            top_p=generation.top_p,
+            seed=sampling_seed(options.seed, unit.chunk, unit.temperature, t) if generation.do_sample else None)
         t_generate = time.perf_counter()
-        answers = _generate_batch(model, tokenizer, prompts, gen_config, eos_ids, kv)
+        answers = generator.generate(prompts, params)
         summary.generate_s += time.perf_counter() - t_generate
         summary.generate_calls += 1
-        summary.decode_steps += max(len(a) + (f == "eos") for a, f in answers)
+        summary.decode_steps += generator.last_decode_steps
         cuts = _find_loops([a for a, _ in answers], options.loops)
         for d, ids, (ans, finish), (kept, loop) in zip(active, prompts, answers, cuts):
             summary.new_tokens += len(ans) + (finish == "eos")

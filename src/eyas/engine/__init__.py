@@ -11,7 +11,9 @@
 Modules: target.py (the target interface and HFTarget), llama.py (LlamaTarget: our own forward for
 Llama-family targets, a static KV cache written by index and capture inside the forward), tree.py
 (drafting and masks), sampling.py (distributions and acceptance rules), speculative.py (the decoding
-loops: a Session per request, ``start`` and ``step``), graphs.py (CUDA graphs of fixed-shape steps),
+loops: a Session per request, ``start`` and ``step``), batched.py (BatchedLlama: many prompts at
+once with continuous batching, for ``eyas regenerate --engine fast``), graphs.py (CUDA graphs of
+fixed-shape steps),
 observe.py (what an observer such as ``eyas trace`` is shown each round), stopping.py (stop
 conditions), stats.py (per-request statistics and phase timing), errors.py (the engine's user errors). Choosing a tree for this hardware and this drafter
 (``--tree auto``) is a tuning tool, not the runtime: see :mod:`eyas.tune`.

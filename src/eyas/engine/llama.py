@@ -264,14 +264,14 @@ class BlockWeights(NamedTuple):
     down_bias: Tensor | None
 
 
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Hugging Face's LlamaRMSNorm: float32, x * rsqrt(mean(x^2) + eps), cast back, times the weight."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
 
 
-def _project(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None,
+def project(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None,
              sizes: Sequence[int]) -> tuple[Tensor, ...]:
     """a [B, H] through stacked projections of output widths ``sizes``: one GEMM by the fused weight
     [sum(sizes), H] whose output [B, sum(sizes)] is split into views [B, size] (no copy), or one
@@ -281,7 +281,7 @@ def _project(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] 
     return tuple(F.linear(a, w, None if biases is None else biases[j]) for j, w in enumerate(weights))
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half rope: x [B, heads, D], cos/sin [B, 1, D]."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -324,12 +324,12 @@ def _layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: 
     Hq = w.o.shape[1] // D
     G = Hq // Hkv
     n = mask.shape[1]
-    a = _rms_norm(h_in, w.input_norm, eps)
-    q, k, v = _project(a, w.qkv, w.qkv_bias, (Hq * D, Hkv * D, Hkv * D))  # [B, Hq*D], [B, Hkv*D] x 2
+    a = rms_norm(h_in, w.input_norm, eps)
+    q, k, v = project(a, w.qkv, w.qkv_bias, (Hq * D, Hkv * D, Hkv * D))  # [B, Hq*D], [B, Hkv*D] x 2
     q, k, v = q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D)  # (views of the fused output too)
     if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
-        q, k = _rms_norm(q, w.q_norm, qk_eps), _rms_norm(k, w.k_norm, qk_eps)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
     keys.index_copy_(1, slots, k.transpose(0, 1))  # [Hkv, B, D] into [Hkv, C, D]
     values.index_copy_(1, slots, v.transpose(0, 1))
     # Grouped-query attention without copying the cache: query head j reads key/value head j // G,
@@ -341,9 +341,9 @@ def _layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: 
     out = torch.matmul(p, values[:, :n])  # [Hkv, G*B, D]
     out = out.view(Hkv, G, B, D).permute(2, 0, 1, 3).reshape(B, Hq * D)  # head j = g-th of group j // G
     h = h_in + F.linear(out, w.o, w.o_bias)
-    a = _rms_norm(h, w.post_norm, eps)
+    a = rms_norm(h, w.post_norm, eps)
     I = w.down.shape[1]
-    gate, up = _project(a, w.gate_up, w.gate_up_bias, (I, I))  # [B, I] each
+    gate, up = project(a, w.gate_up, w.gate_up_bias, (I, I))  # [B, I] each
     m = F.linear(F.silu(gate) * up, w.down, w.down_bias)
     return h_in, h, m
 
@@ -352,7 +352,7 @@ def _head(x: Tensor, d: Tensor, norm: Tensor, lm_head: Tensor, lm_bias: Tensor |
           eps: float) -> tuple[Tensor, Tensor]:
     """The last block's output x + d [B, H] (boundary L) and the logits [B, V]."""
     h = x + d
-    return h, F.linear(_rms_norm(h, norm, eps), lm_head, lm_bias)
+    return h, F.linear(rms_norm(h, norm, eps), lm_head, lm_bias)
 
 
 class _Inputs(NamedTuple):

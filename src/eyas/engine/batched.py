@@ -1,0 +1,750 @@
+"""Batched generation on eyas' own Llama-family forward: R rows decoding together, with continuous
+batching (``eyas regenerate --engine fast``, :class:`BatchedLlama`).
+
+Same models as :func:`eyas.engine.llama.supports` (Llama, Mistral without a sliding window, Qwen2,
+Qwen3; SmolLM2 is a Llama), same weights (gathered once by :class:`~eyas.engine.llama.LlamaTarget`
+into :class:`~eyas.engine.llama.BlockWeights`, references, no copies) and the same numerics as
+``llama._layer``: RMSNorm in float32 (:func:`~eyas.engine.llama.rms_norm`), rotate-half rope
+(:func:`~eyas.engine.llama.rope`), grouped-query attention with the scores q.k in the model's
+dtype, scaled and softmaxed in float32, cast back. The attention's input projections and the MLP are
+read in one place each (:func:`_project_qkv`, :func:`_mlp`), so fused q/k/v and gate/up weights are a
+change there alone.
+
+State. Shapes: L blocks, R rows, Hkv key/value heads, D head dim, C the cache's capacity (the
+longest prompt + max_new_tokens, grown when a longer prompt comes), M the answers' room.
+
+    keys, values  [L, R, Hkv, C, D]   row r, entry i = the key/value of the token at position i of the
+                                     prompt answered in row r (its prompt, then its answer so far)
+    ids           [R] long            the token row r feeds at the next step (its last generated one)
+    pos           [R] long            that token's position (= the row's cache length before the step)
+    active        [R] bool            the row is still generating
+    n_gen         [R] long            tokens generated so far (the first one by the prefill)
+    out           [R, M+1] long       the generated tokens; column M is a bin for idle rows' writes
+
+A row holds one prompt from its prefill to the step that ends its answer (an eos token, or
+max_new_tokens tokens); an idle row (none yet, or finished) still runs through every step with its
+stale state, and what it writes (its own cache entry at its own position, the bin column) is never
+read. All of the state lives on the device; the host only knows upper bounds of it between syncs.
+
+Algorithm (:meth:`BatchedLlama.run`):
+
+1. Prompts wait in input order. Refill: when at least ``refill_rows`` rows are free (or all the
+   waiting prompts fit, or no row is busy), the next waiting prompts are prefilled into the free
+   rows together, in groups bounded by a token and an attention-score budget. A prefill group is [g,
+   P] tokens right-padded to its longest prompt; a prompt attends itself causally (its row's cache is
+   empty, and no real token attends a pad), writes its keys/values into entries 0..P-1 of its own row
+   (a pad's entries lie past the row's length: never attended, overwritten as the answer grows), and
+   its last real token's logits give the answer's first token.
+2. Decode steps: every row feeds ``ids`` at ``pos``, writes its key/value into its own entry
+   ``pos``, attends entries 0..pos of its own row (a mask over the first K entries), and the chosen
+   token is recorded in ``out``; ``active`` drops at an eos token or at max_new_tokens. K is the
+   smallest bucket of a ladder (128, 192, 256, 384, ... up to C) above the longest row's length,
+   which the host bounds without reading the device (a row's position grows by at most one a step),
+   so short contexts do not pay for the capacity.
+3. Every ``sync_every`` steps (fewer when every row must have finished sooner) the host reads
+   ``n_gen`` and ``active`` once, takes the finished rows' answers out of ``out``, frees their rows
+   and refills (1.). Answers are returned per prompt in input order: (ids without the eos token,
+   ``"eos"`` | ``"length"``), as :class:`eyas.data.generation.BatchGenerator` says.
+
+Fixed shapes. A decode step's shapes depend only on (R, K, C, M) and on the sampling mode (greedy;
+sampled; sampled with top-p), never on which rows are busy or how long they are, and no device value
+is read inside it: on a GPU its three functions (prologue, block, epilogue) are compiled with
+inductor (``torch.compile(fullgraph=True, dynamic=False)`` through
+:class:`~eyas.engine.graphs.CompiledOrEager`; every block shares its bucket's compilation) and the
+whole step, all blocks and the state's update included, is captured as one CUDA graph per (K, mode)
+and replayed. On a CPU the same functions run eagerly, so the tests check the code the GPU compiles.
+A bucket's first use compiles and captures it (``compile_s``); its warm-up runs are undone (the
+state is restored from a snapshot; the only other write, a row's entry at its own position, is
+written again by the real step). Prefills (shapes vary with the group) run eagerly everywhere.
+
+Sampling. ``temperature`` > 0 draws from Hugging Face's distribution (temperature, then top-p: the
+order of :func:`eyas.engine.sampling.probabilities`) by the inverse CDF of one uniform per row and
+token. The uniform of prompt i's j-th token is a stateless hash of (key_i, j), where the keys come
+from a ``torch.Generator`` seeded with ``seed`` (one per prompt, in input order): a sampled answer
+depends on the seed, its prompt's index and its logits only, not on the rows, the refills or the
+other prompts, and nothing random runs on a generator inside the graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from eyas.convention.boundaries import CaptureSpec
+from eyas.data.generation import Answer, BatchParams
+from eyas.engine.graphs import CompiledOrEager, capture
+from eyas.engine.llama import BlockWeights, LlamaTarget, UnsupportedTarget, project, rms_norm, rope, supports
+from eyas.errors import EyasError
+from eyas.targets.structure import find_decoder_blocks, text_config
+
+BATCH_ENGINES = ("auto", "fast", "hf")
+MODES = ("greedy", "sample", "top_p")
+
+
+class BatchCapacityError(EyasError, ValueError):
+    """The KV cache for these rows and this capacity does not fit in the device's free memory."""
+
+
+# -- the pure functions (eager on the CPU, compiled on a GPU) -----------------------------------------
+
+
+class Rows(NamedTuple):
+    """The decode state on the device (module docstring, State); one buffer each, at fixed addresses
+    (the CUDA graphs' inputs and outputs)."""
+
+    ids: Tensor  # [R] long
+    pos: Tensor  # [R] long
+    active: Tensor  # [R] bool
+    n_gen: Tensor  # [R] long
+    out: Tensor  # [R, M+1] long
+    limit: Tensor  # [R] long: max_new_tokens
+    key: Tensor  # [R] long: the random key of the row's prompt (sampling)
+    temperature: Tensor  # [R] float32
+    drop_mass: Tensor  # [R] float32: 1 - top_p
+    is_eos: Tensor  # [V] bool
+
+
+def _project_qkv(a: Tensor, w: BlockWeights) -> tuple[Tensor, Tensor, Tensor]:
+    """q [..., Hq*D], k, v [..., Hkv*D] of the normed stream a [..., H]: the one place that reads the
+    attention's input projections (fused q/k/v weights: one GEMM, split into views)."""
+    q_rows = w.o.shape[1]  # Hq*D
+    kv_rows = (sum(t.shape[0] for t in w.qkv) - q_rows) // 2  # Hkv*D
+    q, k, v = project(a, w.qkv, w.qkv_bias, (q_rows, kv_rows, kv_rows))
+    return q, k, v
+
+
+def _mlp(a: Tensor, w: BlockWeights) -> Tensor:
+    """The SiLU MLP of the normed stream a [..., H]: the one place that reads gate/up (fused: one GEMM,
+    split into views)."""
+    width = w.down.shape[1]  # I
+    gate, up = project(a, w.gate_up, w.gate_up_bias, (width, width))
+    return F.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def _heads(w: BlockWeights, D: int) -> int:
+    """Hq, from o [H, Hq*D] (o is never fused)."""
+    return w.o.shape[1] // D
+
+
+def _rotary(pos: Tensor, inv_freq: Tensor, rope_scaling: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Hugging Face's rotary cos, sin [..., D] of positions pos [...] (float32, attention scaling
+    included, cast to the model's dtype), as ``llama._prologue`` computes them."""
+    freqs = pos.float()[..., None] * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * rope_scaling).to(dtype), (emb.sin() * rope_scaling).to(dtype)
+
+
+def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scaling: float) -> Tensor:
+    """Grouped-query attention of B rows: q [B, Hkv, G, T, D] (query head j = the (j % G)-th of group
+    j // G, reading key/value head j // G), keys, values [B, Hkv, n, D], mask broadcastable to [B, Hkv,
+    G, T, n] (True = attend). A group's G x T queries form the rows of one product against their
+    shared keys (no copy of the cache). Scores in the model's dtype, scaled and softmaxed in float32,
+    cast back. Returns [B, Hkv, G, T, D]."""
+    B, Hkv, G, T, D = q.shape
+    n = keys.shape[-2]
+    scores = torch.matmul(q.reshape(B, Hkv, G * T, D), keys.transpose(-1, -2))  # [B, Hkv, G*T, n]
+    scores = (scores.float() * scaling).view(B, Hkv, G, T, n).masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(values.dtype).view(B, Hkv, G * T, n)
+    return torch.matmul(p, values).view(B, Hkv, G, T, D)
+
+
+def decode_prologue(ids: Tensor, pos: Tensor, embed: Tensor, inv_freq: Tensor, n_keys: int, *,
+                    rope_scaling: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A decode step's inputs: ids, pos [R] long. Returns x [R, H] (the embeddings), d [R, H] (the
+    residual still to add: zero), cos, sin [R, 1, D], mask [R, n_keys] (entry j attended iff j <= pos:
+    the row's own entries, the new one included)."""
+    x = F.embedding(ids, embed)
+    cos, sin = _rotary(pos, inv_freq, rope_scaling, x.dtype)
+    mask = torch.arange(n_keys, device=ids.device)[None, :] <= pos[:, None]
+    return x, torch.zeros_like(x), cos[:, None], sin[:, None], mask
+
+
+def decode_layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, mask: Tensor, keys: Tensor,
+                 values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float,
+                 scaling: float) -> tuple[Tensor, Tensor]:
+    """One decoder block for one token per row. The stream entering it is x + d [R, H] (the previous
+    block's last residual add, fused here with this block's norm); keys, values [R, Hkv, C, D] this
+    block's cache: row r's new key/value is written at entry pos[r], then row r attends its first
+    n = mask.shape[1] entries under mask [R, n]. Returns (h, m): the block's output is h + m."""
+    h_in = x + d
+    R = h_in.shape[0]
+    _, Hkv, _, D = keys.shape
+    Hq = _heads(w, D)
+    n = mask.shape[1]
+    a = rms_norm(h_in, w.input_norm, eps)
+    q, k, v = _project_qkv(a, w)
+    q, k, v = q.view(R, Hq, D), k.view(R, Hkv, D), v.view(R, Hkv, D)
+    if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
+        q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    rows = torch.arange(R, device=pos.device)[:, None]  # [R, 1]
+    heads = torch.arange(Hkv, device=pos.device)[None, :]  # [1, Hkv]
+    keys.index_put_((rows, heads, pos[:, None]), k)  # entry (r, h, pos[r]) <- k[r, h]
+    values.index_put_((rows, heads, pos[:, None]), v)
+    # query head j reads key/value head j // G: q [R, Hkv, G, 1, D]
+    out = _attend(q.view(R, Hkv, Hq // Hkv, 1, D), keys[:, :, :n], values[:, :, :n], mask[:, None, None, None, :],
+                  scaling)
+    h = h_in + F.linear(out.reshape(R, Hq * D), w.o, w.o_bias)
+    return h, _mlp(rms_norm(h, w.post_norm, eps), w)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds; int64 lanes holding values < 2**32, whose
+    products stay < 2**63)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def counter_uniform(key: Tensor, count: Tensor) -> Tensor:
+    """Uniforms in (0, 1), float32, of (key, count) long [...] (keys < 2**32): a stateless hash, so
+    prompt i's j-th token draws u(key_i, j) wherever and whenever it is decoded. 23 bits."""
+    x = _mix32(key ^ _mix32(count & _MASK32))
+    x = _mix32((x + key) & _MASK32)
+    return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
+def choose(logits: Tensor, key: Tensor, count: Tensor, temperature: Tensor, drop_mass: Tensor, mode: str) -> Tensor:
+    """The next token of each row, long [B], from logits [B, V]. ``greedy``: the argmax. ``sample``,
+    ``top_p``: Hugging Face's distribution (float32 logits / temperature; with top_p, the smallest
+    tokens whose cumulative mass is <= 1 - top_p dropped, the most likely always kept), drawn by
+    inverse CDF with :func:`counter_uniform` (key, count)."""
+    if mode == "greedy":
+        return logits.argmax(-1)
+    x = logits.float() / temperature[:, None]
+    if mode == "top_p":
+        sorted_x, order = x.sort(dim=-1)
+        cum = sorted_x.softmax(-1).cumsum(-1)
+        drop_sorted = cum <= drop_mass[:, None]
+        drop_sorted[:, -1] = False
+        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+    cdf = x.softmax(-1).cumsum(-1)
+    threshold = counter_uniform(key, count) * cdf[:, -1]
+    return (cdf <= threshold[:, None]).sum(-1).clamp(max=x.shape[-1] - 1)
+
+
+def decode_epilogue(x: Tensor, d: Tensor, norm: Tensor, lm_head: Tensor, lm_bias: Tensor | None, rows: Rows, *,
+                    eps: float, mode: str) -> None:
+    """The step's end, in place on ``rows``: the logits of the last block's output x + d [R, H], the
+    chosen token, recorded in ``out`` at column n_gen (an idle row's write goes to the bin column M);
+    an active row advances (ids = the token, pos + 1, n_gen + 1) and stops at an eos token or at its
+    limit."""
+    logits = F.linear(rms_norm(x + d, norm, eps), lm_head, lm_bias)
+    tok = choose(logits, rows.key, rows.n_gen, rows.temperature, rows.drop_mass, mode)
+    active = rows.active
+    R, bin_col = rows.out.shape[0], rows.out.shape[1] - 1
+    rows.out.index_put_((torch.arange(R, device=tok.device), torch.where(active, rows.n_gen, bin_col)), tok)
+    n_gen = rows.n_gen + active.long()
+    stop = rows.is_eos[tok] | (n_gen >= rows.limit)
+    rows.ids.copy_(torch.where(active, tok, rows.ids))
+    rows.pos.add_(active.long())
+    rows.n_gen.copy_(n_gen)
+    rows.active.copy_(active & ~stop)
+
+
+def prefill_prologue(ids: Tensor, embed: Tensor, inv_freq: Tensor, *,
+                     rope_scaling: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A prefill group's inputs: ids [g, P] long (right-padded prompts, positions 0..P-1). Returns x,
+    d [g, P, H] (the embeddings, a zero residual) and cos, sin [P, 1, D]."""
+    x = F.embedding(ids, embed)
+    cos, sin = _rotary(torch.arange(ids.shape[1], device=ids.device), inv_freq, rope_scaling, x.dtype)
+    return x, torch.zeros_like(x), cos[:, None], sin[:, None]
+
+
+def prefill_layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, rows: Tensor, keys: Tensor, values: Tensor,
+                  w: BlockWeights, *, eps: float, qk_eps: float, scaling: float) -> tuple[Tensor, Tensor]:
+    """One decoder block over a prefill group: x + d [g, P, H]; rows [g] long, the cache rows the
+    group's prompts go to; keys, values [R, Hkv, C, D]. Each prompt attends itself causally (its row is
+    empty) and its keys/values are written into entries 0..P-1 of its row. Returns (h, m)."""
+    h_in = x + d
+    g, P, _ = h_in.shape
+    _, Hkv, _, D = keys.shape
+    Hq = _heads(w, D)
+    a = rms_norm(h_in, w.input_norm, eps)
+    q, k, v = _project_qkv(a, w)
+    q, k, v = q.view(g, P, Hq, D), k.view(g, P, Hkv, D), v.view(g, P, Hkv, D)
+    if w.q_norm is not None:
+        q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [g, Hkv, P, D]
+    keys[:, :, :P].index_copy_(0, rows, k)
+    values[:, :, :P].index_copy_(0, rows, v)
+    causal = torch.ones(P, P, dtype=torch.bool, device=x.device).tril_()  # pads come last: no real token sees one
+    qg = q.view(g, P, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)  # [g, Hkv, G, P, D]
+    out = _attend(qg, k, v, causal, scaling).permute(0, 3, 1, 2, 4).reshape(g, P, Hq * D)
+    h = h_in + F.linear(out, w.o, w.o_bias)
+    return h, _mlp(rms_norm(h, w.post_norm, eps), w)
+
+
+def prefill_head(x: Tensor, d: Tensor, last: Tensor, norm: Tensor, lm_head: Tensor, lm_bias: Tensor | None, *,
+                 eps: float) -> Tensor:
+    """The logits [g, V] at each prompt's last real token (index last [g]) of the group's output x + d."""
+    h = (x + d)[torch.arange(x.shape[0], device=x.device), last]
+    return F.linear(rms_norm(h, norm, eps), lm_head, lm_bias)
+
+
+# -- choosing the engine ------------------------------------------------------------------------------
+
+
+def fast_unsupported(model: nn.Module) -> str | None:
+    """None when :class:`BatchedLlama` can run ``model``; else why not."""
+    why = supports(model)
+    if why is not None:
+        return why
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        return f"the target is split over {len(devices)} devices (--target-devices); the fast engine runs on one"
+    return None
+
+
+def choose_engine(model: nn.Module, engine: str = "auto") -> str:
+    """``--engine`` resolved for ``model``: ``"fast"`` or ``"hf"``. ``auto``: fast for a supported
+    model on CUDA (on a CPU both run eagerly and HF's left-padded batch is the tested default), else
+    hf; ``fast`` for an unsupported model raises :class:`UnsupportedTarget` naming the reason."""
+    choice = str(engine).lower()
+    if choice not in BATCH_ENGINES:
+        raise UnsupportedTarget(f"--engine: expected one of {list(BATCH_ENGINES)}, found {engine!r}")
+    if choice == "hf":
+        return "hf"
+    why = fast_unsupported(model)
+    if choice == "fast":
+        if why is not None:
+            raise UnsupportedTarget(f"--engine fast: {why}; use --engine hf (Hugging Face generate)")
+        return "fast"
+    return "fast" if why is None and next(model.parameters()).device.type == "cuda" else "hf"
+
+
+def key_ladder(capacity: int, start: int = 128) -> list[int]:
+    """The decode step's key buckets up to ``capacity``: start, 1.5 start, 2 start, 3 start, 4 start, ...
+    (at most 1.5x the entries in use are read), capacity last."""
+    out, b = [], start
+    while b < capacity:
+        out += [b] + ([b * 3 // 2] if b * 3 // 2 < capacity else [])
+        b *= 2
+    return out + [capacity]
+
+
+# -- the engine ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class BatchResult:
+    """One :meth:`BatchedLlama.run`: the answers in input order and what it cost."""
+
+    answers: list[Answer]
+    rows: int
+    new_tokens: int = 0  # generated, eos tokens included
+    prompt_tokens: int = 0
+    decode_steps: int = 0  # fixed-shape steps (every row advances, busy or not)
+    prefills: int = 0  # prefill forwards (groups)
+    syncs: int = 0  # host reads of the state
+    wall_s: float = 0.0
+    compile_s: float = 0.0  # compiling and capturing buckets first used in this call (inside wall_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of wall time, compilation included."""
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def occupancy(self) -> float:
+        """Share of the decode steps' row slots that produced a token (1.0: never an idle row)."""
+        decoded = self.new_tokens - len(self.answers)  # each answer's first token comes from its prefill
+        return decoded / (self.decode_steps * self.rows) if self.decode_steps else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "answers"}
+        return {**d, "answers": len(self.answers), "tokens_per_s": round(self.tokens_per_s, 2),
+                "occupancy": round(self.occupancy, 4)}
+
+
+def _constants(model: nn.Module, head_dim: int) -> dict[str, float]:
+    """eps, qk_eps, scaling and rope_scaling, read from the model as LlamaTarget reads them."""
+    cfg = text_config(model)
+    blocks = find_decoder_blocks(model)
+    attn = blocks[0].self_attn
+
+    def eps_of(norm: nn.Module) -> float:
+        return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", getattr(cfg, "rms_norm_eps", 1e-6))))
+
+    q_norm = getattr(attn, "q_norm", None)
+    return {"eps": eps_of(blocks[0].input_layernorm), "qk_eps": eps_of(q_norm) if q_norm is not None else 0.0,
+            "scaling": float(getattr(attn, "scaling", head_dim ** -0.5)),
+            "rope_scaling": float(getattr(model.model.rotary_emb, "attention_scaling", 1.0))}
+
+
+class BatchedLlama:
+    """Batched generation with continuous batching on a Llama-family model (module docstring); a
+    :class:`eyas.data.generation.BatchGenerator` (``name = "fast"``).
+
+    Args:
+        model: a Hugging Face Llama-family causal LM on one device (:func:`fast_unsupported`); its
+            weights are referenced, not copied (build this after moving or converting the model).
+        rows: R, the rows decoded together.
+        capacity: the cache's positions per row, if known (else sized by :meth:`reserve` or the first
+            call); grown when a longer prompt comes.
+        key_buckets: the decode step's key lengths (default :func:`key_ladder`); the capacity is
+            always the last.
+        compile, cuda_graphs: default on a GPU, off on a CPU. ``backend`` compiles with another
+            torch.compile backend, also on a CPU (tests trace the step with ``aot_eager``).
+        sync_every: decode steps between host reads of the state.
+        refill_rows: free rows that trigger a refill (default R // 8, at least 1).
+        prefill_tokens, prefill_scores: a prefill group's budget: g x P tokens, and g x Hq x P x P
+            attention scores (float32, materialised).
+        progress: a tqdm bar of answered prompts per call.
+    """
+
+    name = "fast"
+
+    def __init__(self, model: nn.Module, rows: int = 256, capacity: int | None = None, *,
+                 key_buckets: Sequence[int] | None = None, compile: bool | None = None,
+                 cuda_graphs: bool | None = None, backend: str | Callable[..., Any] | None = None,
+                 sync_every: int = 16, refill_rows: int | None = None, prefill_tokens: int = 16384,
+                 prefill_scores: int = 1 << 27, progress: bool = False) -> None:
+        why = fast_unsupported(model)
+        if why is not None:
+            raise UnsupportedTarget(f"fast engine: {why}; use the hf engine (Hugging Face generate)")
+        if rows < 1 or sync_every < 1:
+            raise ValueError(f"rows, sync_every: expected >= 1, found {rows}, {sync_every}")
+        L = len(find_decoder_blocks(model))
+        # LlamaTarget gathers the weights (references to the model's parameters) with a 1-entry cache.
+        target = LlamaTarget(model, CaptureSpec((L,), L), max_length=1)
+        self.weights: list[BlockWeights] = target.weights
+        self.embed, self.inv_freq, self.norm_weight = target.embed_weight, target.inv_freq, target.norm_weight
+        self.lm_head, self.lm_bias = target.lm_head_weight, target.lm_head_bias
+        self.device, self.dtype, self.vocab_size = target.device, target.dtype, target.vocab_size
+        self.num_blocks, self.num_heads = L, target.num_heads
+        self.num_kv_heads, self.head_dim = target.num_kv_heads, target.head_dim
+        c = _constants(model, self.head_dim)
+
+        on_gpu = self.device.type == "cuda"
+        self.cuda_graphs = bool(on_gpu if cuda_graphs is None else cuda_graphs) and on_gpu
+        self.compile = bool(self.cuda_graphs if compile is None else compile) and (on_gpu or backend is not None)
+        self.rows = int(rows)
+        self.sync_every = int(sync_every)
+        self.refill_rows = max(1, int(refill_rows if refill_rows is not None else self.rows // 8))
+        self.prefill_tokens, self.prefill_scores = int(prefill_tokens), int(prefill_scores)
+        self.key_buckets = None if key_buckets is None else sorted({int(b) for b in key_buckets})
+        self.progress = progress
+
+        layer_kw = dict(eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"])
+        self._prologue = functools.partial(decode_prologue, rope_scaling=c["rope_scaling"])
+        self._layer = functools.partial(decode_layer, **layer_kw)
+        self._epilogue = {m: functools.partial(decode_epilogue, eps=c["eps"], mode=m) for m in MODES}
+        self._prefill_fns = (functools.partial(prefill_prologue, rope_scaling=c["rope_scaling"]),
+                             functools.partial(prefill_layer, **layer_kw),
+                             functools.partial(prefill_head, eps=c["eps"]))
+        if self.compile:
+            be = backend or "inductor"
+            self._prologue = CompiledOrEager(self._prologue, be, "batched decode prologue")
+            self._layer = CompiledOrEager(self._layer, be, "batched decode block")
+            self._epilogue = {m: CompiledOrEager(f, be, f"batched decode epilogue ({m})")
+                              for m, f in self._epilogue.items()}
+        self.implementation = "+".join(["fast"] + ["compile"] * self.compile + ["cuda-graphs"] * self.cuda_graphs)
+
+        self.capacity = 0  # C; the cache is allocated by reserve() or the first call
+        self.keys = self.values = torch.empty(0, device=self.device)
+        self.state: Rows | None = None
+        self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (K, mode) -> its captured step
+        self._compiled: set[tuple[int, str]] = set()  # (K, mode) run compiled without graphs
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self.compile_s = 0.0  # all compilation and capture so far
+        self.last: BatchResult | None = None
+        self.last_decode_steps = 0
+        if capacity:
+            self._ensure(int(capacity), 1)
+
+    # -- the BatchGenerator interface ------------------------------------------------------------
+
+    def reserve(self, max_prompt_tokens: int, max_new_tokens: int) -> None:
+        self._ensure(max_prompt_tokens + max_new_tokens, max_new_tokens)
+
+    def generate(self, prompts: list[list[int]], params: BatchParams) -> list[Answer]:
+        result = self.run(prompts, params.max_new_tokens, params.eos_ids, params.temperature, params.top_p,
+                          params.seed)
+        return result.answers
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def cache_bytes(self, capacity: int) -> int:
+        """The KV cache's size for ``capacity`` positions per row."""
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_blocks * self.rows * self.num_kv_heads * capacity * self.head_dim * itemsize
+
+    def _ensure(self, capacity: int, max_new_tokens: int) -> None:
+        """A cache of at least ``capacity`` positions per row and answers of ``max_new_tokens``
+        tokens. Growing reallocates (1.5x at least, so later growths are rare) and drops the
+        captured graphs (their buffers moved); compiled functions recompile for the new shapes."""
+        if capacity > self.capacity:
+            C = -(-max(capacity, self.capacity * 3 // 2) // 64) * 64
+            self.keys = self.values = torch.empty(0, device=self.device)  # free the old cache first
+            self._graphs.clear()
+            self._compiled.clear()
+            need = self.cache_bytes(C)
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                if need > 0.9 * free:
+                    raise BatchCapacityError(
+                        f"fast engine: the KV cache of {self.rows} rows x {C} positions needs {need / 2**30:.1f} GiB, "
+                        f"{free / 2**30:.1f} GiB free on {self.device}: use fewer rows (--rows) or shorter "
+                        f"prompts/answers (--max-prompt-tokens, --max-new-tokens)")
+            shape = (self.num_blocks, self.rows, self.num_kv_heads, C, self.head_dim)
+            self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.capacity = C
+        if self.state is None or self.state.out.shape[1] - 1 < max_new_tokens:
+            M = -(-max(max_new_tokens, 1) // 64) * 64
+            R, dev = self.rows, self.device
+
+            def longs() -> Tensor:
+                return torch.zeros(R, dtype=torch.long, device=dev)
+
+            self.state = Rows(ids=longs(), pos=longs(), active=torch.zeros(R, dtype=torch.bool, device=dev),
+                              n_gen=longs(), out=torch.zeros(R, M + 1, dtype=torch.long, device=dev), limit=longs(),
+                              key=longs(), temperature=torch.ones(R, device=dev), drop_mass=torch.zeros(R, device=dev),
+                              is_eos=torch.zeros(self.vocab_size, dtype=torch.bool, device=dev))
+            self._graphs.clear()
+            self._compiled.clear()
+
+    def buckets(self) -> list[int]:
+        """The key lengths a decode step attends (one compiled step and graph each), the capacity last."""
+        if self.key_buckets is None:
+            return key_ladder(self.capacity)
+        return [b for b in self.key_buckets if b < self.capacity] + [self.capacity]
+
+    # -- one call ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int] = (),
+            temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> BatchResult:
+        """Answer every prompt (module docstring, Algorithm). ``temperature`` 0 is greedy; sampled
+        answers draw from ``seed`` (None: 0). Returns the answers in input order and the costs."""
+        t0 = time.perf_counter()
+        compile_before = self.compile_s
+        n = len(prompts)
+        result = BatchResult(answers=[], rows=self.rows)
+        if n == 0:
+            return result
+        params = BatchParams(int(max_new_tokens), tuple(int(e) for e in eos_ids), float(temperature), float(top_p),
+                             seed)  # validates
+        V = self.embed.shape[0]
+        for i, p in enumerate(prompts):
+            if len(p) == 0 or min(p) < 0 or max(p) >= V:
+                raise ValueError(f"prompt {i}: expected 1+ token ids in [0, {V}), found {len(p)} ids"
+                                 + (f" in [{min(p)}, {max(p)}]" if len(p) else ""))
+        lengths = [len(p) for p in prompts]
+        mode = "greedy" if params.greedy else "top_p" if params.top_p < 1 else "sample"
+        self._ensure(max(lengths) + params.max_new_tokens, params.max_new_tokens)
+        st = self.state
+        assert st is not None
+        eos = [e for e in params.eos_ids if 0 <= e < self.vocab_size]  # an id past the head is never generated
+        st.active.zero_()
+        st.pos.zero_()
+        st.n_gen.zero_()
+        st.limit.fill_(params.max_new_tokens)
+        st.temperature.fill_(params.temperature if not params.greedy else 1.0)
+        st.drop_mass.fill_(1.0 - params.top_p)
+        st.is_eos.zero_()
+        if eos:
+            st.is_eos[torch.tensor(eos, device=self.device)] = True
+        if params.greedy:
+            keys = torch.zeros(n, dtype=torch.long)
+        else:
+            gen = torch.Generator().manual_seed(0 if params.seed is None else int(params.seed))
+            keys = torch.randint(0, 1 << 32, (n,), generator=gen, dtype=torch.long)
+
+        R = self.rows
+        buckets = self.buckets()
+        row_prompt = [-1] * R  # the prompt a row holds (-1: free)
+        hpos = [0] * R  # an upper bound of the row's pos on the device
+        gen_known = [0] * R  # the row's n_gen at the last sync (1 after its prefill)
+        waiting = deque(range(n))
+        answers: list[Answer | None] = [None] * n
+        eos_set = set(eos)
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=n, desc="fast engine", unit="answer", leave=False, dynamic_ncols=True)
+        done = 0
+        try:
+            while done < n:
+                free = [r for r in range(R) if row_prompt[r] < 0]
+                busy = R - len(free)
+                if waiting and free and (busy == 0 or len(free) >= min(self.refill_rows, len(waiting))):
+                    pairs = [(r, waiting.popleft()) for r in free[:min(len(free), len(waiting))]]
+                    result.prefills += self._prefill(pairs, prompts, keys, mode)
+                    for r, i in pairs:
+                        row_prompt[r], hpos[r], gen_known[r] = i, lengths[i], 1
+                    result.prompt_tokens += sum(lengths[i] for _, i in pairs)
+                busy_rows = [r for r in range(R) if row_prompt[r] >= 0]
+                # Every busy row ends within max_new_tokens - n_gen more steps: no step past that.
+                steps = min(self.sync_every, max(params.max_new_tokens - gen_known[r] for r in busy_rows))
+                # A busy row's pos grows by one a step, up to its prompt + max_new_tokens - 1: step s
+                # attends at most min(top + s, cap) + 1 entries (host ints only).
+                top = max(hpos[r] for r in busy_rows)
+                cap = max(lengths[row_prompt[r]] for r in busy_rows) + params.max_new_tokens - 1
+                for s in range(steps):
+                    need = min(top + s, cap) + 1
+                    self._step(next(b for b in buckets if b >= need), mode)
+                result.decode_steps += steps
+                # sync: which rows finished, and their answers
+                n_gen, active = torch.stack((st.n_gen, st.active.long())).cpu().tolist()
+                result.syncs += 1
+                finished = [r for r in busy_rows if not active[r]]
+                for r in busy_rows:
+                    gen_known[r] = n_gen[r]
+                    hpos[r] = lengths[row_prompt[r]] + n_gen[r] - 1  # exact (a finished row's is not used)
+                if finished:
+                    width = max(n_gen[r] for r in finished)
+                    outs = st.out[torch.tensor(finished, device=self.device), :width].cpu().tolist()
+                    for r, toks in zip(finished, outs):
+                        toks = toks[:n_gen[r]]
+                        answers[row_prompt[r]] = ((toks[:-1], "eos") if toks and toks[-1] in eos_set
+                                                  else (toks, "length"))
+                        result.new_tokens += n_gen[r]
+                        row_prompt[r] = -1
+                    done += len(finished)
+                    if bar is not None:
+                        bar.update(len(finished))
+        finally:
+            if bar is not None:
+                bar.close()
+        result.answers = answers  # type: ignore[assignment]
+        result.wall_s = time.perf_counter() - t0
+        result.compile_s = self.compile_s - compile_before
+        self.last, self.last_decode_steps = result, result.decode_steps
+        return result
+
+    def _groups(self, pairs: list[tuple[int, int]], lengths: list[int]) -> Iterator[list[tuple[int, int]]]:
+        """``pairs`` (row, prompt) cut, in order, into prefill groups within the budgets."""
+        group: list[tuple[int, int]] = []
+        P = 0
+        for pair in pairs:
+            P2, g2 = max(P, lengths[pair[1]]), len(group) + 1
+            if group and (g2 * P2 > self.prefill_tokens or g2 * self.num_heads * P2 * P2 > self.prefill_scores):
+                yield group
+                group, P2 = [], lengths[pair[1]]
+            group.append(pair)
+            P = P2
+        if group:
+            yield group
+
+    def _prefill(self, pairs: list[tuple[int, int]], prompts: Sequence[Sequence[int]], keys: Tensor, mode: str) -> int:
+        """Prefill prompts into free rows ((row, prompt) ``pairs``), in groups: each prompt's cache
+        entries, its first token (counter 0) and its row's state. Eager; no host read. Returns the
+        number of groups."""
+        st = self.state
+        assert st is not None
+        prologue, layer, head = self._prefill_fns
+        groups = 0
+        for group in self._groups(pairs, [len(p) for p in prompts]):
+            g, P = len(group), max(len(prompts[i]) for _, i in group)
+            ids = torch.zeros(g, P, dtype=torch.long)
+            for j, (_, i) in enumerate(group):
+                ids[j, :len(prompts[i])] = torch.as_tensor(list(prompts[i]), dtype=torch.long)
+            dev = self.device
+            ids = ids.to(dev, non_blocking=True)
+            rows = torch.tensor([r for r, _ in group], dtype=torch.long).to(dev, non_blocking=True)
+            lens = torch.tensor([len(prompts[i]) for _, i in group], dtype=torch.long).to(dev, non_blocking=True)
+            key = keys[[i for _, i in group]].to(dev, non_blocking=True)
+            x, d, cos, sin = prologue(ids, self.embed, self.inv_freq)
+            for b, w in enumerate(self.weights):
+                x, d = layer(x, d, cos, sin, rows, self.keys[b], self.values[b], w)
+            logits = head(x, d, lens - 1, self.norm_weight, self.lm_head, self.lm_bias)
+            tok = choose(logits, key, torch.zeros_like(key), st.temperature[rows], st.drop_mass[rows], mode)
+            st.ids.index_copy_(0, rows, tok)
+            st.pos.index_copy_(0, rows, lens)
+            st.n_gen.index_fill_(0, rows, 1)
+            st.out[:, 0].index_copy_(0, rows, tok)
+            st.key.index_copy_(0, rows, key)
+            st.active.index_copy_(0, rows, ~(st.is_eos[tok] | (st.limit[rows] <= 1)))
+            groups += 1
+        return groups
+
+    # -- the decode step ---------------------------------------------------------------------------
+
+    def _decode(self, K: int, mode: str) -> None:
+        """One decode step over all rows attending K entries: the function the graphs capture."""
+        st = self.state
+        assert st is not None
+        x, d, cos, sin, mask = self._prologue(st.ids, st.pos, self.embed, self.inv_freq, K)
+        for b, w in enumerate(self.weights):
+            x, d = self._layer(x, d, cos, sin, st.pos, mask, self.keys[b], self.values[b], w)
+        self._epilogue[mode](x, d, self.norm_weight, self.lm_head, self.lm_bias, st)
+
+    def _step(self, K: int, mode: str) -> None:
+        """One decode step: its graph replayed (captured at first use), else run (compiled at first use)."""
+        if self.cuda_graphs:
+            graph = self._graphs.get((K, mode)) or self._capture(K, mode)
+            if graph is not None:
+                graph.replay()
+                return
+        first = self.compile and (K, mode) not in self._compiled
+        t0 = time.perf_counter()
+        self._decode(K, mode)
+        if first:  # its compilation: timed apart
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._compiled.add((K, mode))
+            self.compile_s += time.perf_counter() - t0
+
+    def _capture(self, K: int, mode: str) -> torch.cuda.CUDAGraph | None:
+        """Compile (in the warm-ups) and capture the step of bucket K in ``mode``. The warm-ups run
+        real steps: the state is restored from a snapshot before each of them and after the capture,
+        so the step then replayed is the one the caller asked for."""
+        t0 = time.perf_counter()
+        st = self.state
+        assert st is not None
+        mutable = (st.ids, st.pos, st.active, st.n_gen, st.out)
+        snapshot = [t.clone() for t in mutable]
+
+        def restore() -> None:
+            for dst, src in zip(mutable, snapshot):
+                dst.copy_(src)
+
+        def warm() -> None:
+            restore()
+            self._decode(K, mode)
+
+        try:
+            graph, _ = capture(lambda: self._decode(K, mode), self._pool, warm=warm)
+        except RuntimeError as e:  # an op a graph cannot hold: the same steps, eagerly
+            warnings.warn(f"fast engine: CUDA graph capture failed, decoding without graphs: {e}", stacklevel=3)
+            self.cuda_graphs = False
+            self.implementation = "+".join(["fast"] + ["compile"] * self.compile)
+            restore()
+            return None
+        restore()
+        torch.cuda.synchronize(self.device)
+        self._graphs[(K, mode)] = graph
+        self.compile_s += time.perf_counter() - t0
+        return graph
+
+    @torch.no_grad()
+    def warmup(self, max_prompt_tokens: int, max_new_tokens: int, modes: Sequence[str] = ("greedy",)) -> float:
+        """Compile and capture every key bucket the calls will use (for prompts up to
+        ``max_prompt_tokens`` and answers up to ``max_new_tokens``) in ``modes`` now, so that timings
+        can leave compilation out. All rows idle; returns the seconds it took."""
+        self._ensure(max_prompt_tokens + max_new_tokens, max_new_tokens)
+        st = self.state
+        assert st is not None
+        st.active.zero_()
+        st.pos.zero_()
+        t0 = time.perf_counter()
+        for mode in modes:
+            for K in self.buckets():
+                if K <= self.capacity:
+                    self._step(K, mode)
+        return time.perf_counter() - t0
