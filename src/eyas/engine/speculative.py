@@ -440,7 +440,9 @@ def _plain_step(s: Session) -> list[int]:
 
     On a fixed-shape target the step runs one token ahead: x_{m+1} is fed (at m+1) before the host
     reads it, so the device computes x_{m+2} while the host streams x_{m+1}. Output and sampling
-    order are unchanged; a session that stops at x_{m+1} drops the entry fed ahead (truncate)."""
+    order are unchanged; a session that stops at x_{m+1} drops the entry fed ahead (truncate). (When
+    sampling, that step's draw has been taken from the generator: a generator reused by the next
+    request is one draw further on than without the look-ahead.)"""
     target, clock, m = s.target, s.clock, s.m
     if s.next_token is None:
         with clock("verify"):
