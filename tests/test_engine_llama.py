@@ -396,3 +396,29 @@ def test_greedy_output_with_fixed_shapes_and_key_buckets_equals_exact_shapes_tok
         out = speculative_generate(fixed, trained_drafter, prompt, tree=TreeSpec(4, 4, 16), max_new_tokens=60)
         assert out.tokens == plain, prompt
     assert {K for _, K in fixed._ready} == {16, 32, 64, 128}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("T", [2, 3])
+def test_two_or_three_tokens_on_the_cpu_run_padded_to_four_rows_with_the_same_result(T):
+    """On the CPU a step of 2 or 3 tokens runs as 4 rows (the BLAS would read the weights once per
+    row); the pads change nothing: the logits and features equal the HF model's, only T entries
+    are committed, and the next step sees the same cache as without padding."""
+    model = tiny_model("llama", L)
+    fast, hf = LlamaTarget(model, SPEC), HFTarget(model, SPEC)
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    for target in (fast, hf):
+        target.prefill(prompt)
+    rows = []
+    step = fast._step
+    fast._step = lambda inputs, *a: rows.append(len(inputs.ids)) or step(inputs, *a)
+    tokens, positions = torch.tensor([[2, 6, 5][:T]]), torch.arange(6, 6 + T)[None]
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)[:T, :T]  # node 2 skips node 1
+    got, want = fast.forward(tokens, positions, tree), hf.forward(tokens, positions, tree)
+    assert rows == [4]
+    assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+    assert fast.cache_len == hf.cache_len == 6 + T
+    nxt = torch.tensor([[7]]), torch.tensor([[6 + T]])
+    torch.testing.assert_close(fast.forward(*nxt)[0], hf.forward(*nxt)[0], rtol=1e-4, atol=1e-4)
