@@ -7,8 +7,8 @@ into :class:`~eyas.engine.llama.BlockWeights`, references, no copies) and the sa
 ``llama._layer``: RMSNorm in float32 (:func:`~eyas.engine.llama.rms_norm`), rotate-half rope
 (:func:`~eyas.engine.llama.rope`), grouped-query attention with the scores q.k in the model's
 dtype, scaled and softmaxed in float32, cast back. The attention's input projections and the MLP are
-read in one place each (:func:`_project_qkv`, :func:`_mlp`), so fused q/k/v and gate/up weights are a
-change there alone.
+read in one place each (:func:`_project_qkv`, :func:`_mlp`), one GEMM each on the target's fused
+q/k/v and gate/up weights (:func:`~eyas.engine.llama.fuse_projections`).
 
 State. Shapes: L blocks, R rows, Hkv key/value heads, D head dim, C the cache's capacity (the
 longest prompt + max_new_tokens, grown when a longer prompt comes), M the answers' room.
