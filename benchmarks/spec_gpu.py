@@ -769,7 +769,9 @@ class Bench:
         limit = a.budget_s * a.select_share
         done = 0
         for i, ids in enumerate(self.select_prompts):
-            if self.budget.elapsed() > limit:
+            # at least one prompt: a warm-up that ate the share (compilations) must not leave the
+            # choice to the order the trees were given in
+            if done and self.budget.elapsed() > limit:
                 self.note(f"tree selection stopped after {done} prompts (its budget share {a.select_share:.0%})")
                 break
             for label, dec in decs.items():
