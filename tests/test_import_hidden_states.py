@@ -8,7 +8,6 @@ concatenated in layer order, ``hidden_state`` the final norm's output."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -16,10 +15,9 @@ from typer.testing import CliRunner
 
 from eyas.cli.main import app
 from eyas.data.dumps import DumpError, import_specforge
-from eyas.data.shards import CaptureOptions, ShardDataset, capture_shards
-from eyas.targets import load_target
+from eyas.data.shards import ShardDataset
 from eyas.training.batches import OfflineBatches
-from tests.support.toy import make_toy_target
+from tests.support.toy import reference_capture
 
 pytestmark = pytest.mark.unit
 
@@ -29,20 +27,7 @@ LAYER_IDS = [0, 1, 2]  # SpecForge ids: outputs of blocks 0, 1, 2 = eyas boundar
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("import")
-    target = make_toy_target(root / "t", num_blocks=4, hidden=32)
-    loaded = load_target(str(target))
-    convs = root / "c.jsonl"
-    convs.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
-                                                      {"role": "assistant", "content": a}]}) + "\n"
-                             for q, a in [("What is 2+2?", "It is 4."), ("Name a colour.", "Blue, like the sky"),
-                                          ("Hi", "Hello there, how can I help?")]))
-    from eyas.data.conversations import read_conversations
-
-    ref = root / "ref"
-    capture_shards(loaded.model, loaded.tokenizer, read_conversations(convs).conversations,
-                   CaptureOptions(out_dir=ref, boundaries=[1, 2, 3], dtype="float32", progress=False),
-                   source=loaded.name)
-    ds = ShardDataset(ref)
+    target, loaded, ds = reference_capture(root, [1, 2, 3], num_blocks=4, hidden=32)
     dump = root / "dump"
     (dump / "rows_0-5000").mkdir(parents=True)
     with torch.no_grad():

@@ -22,10 +22,9 @@ from typer.testing import CliRunner
 
 from eyas.cli.main import app
 from eyas.data.dumps import DumpError, import_speculators
-from eyas.data.shards import CaptureOptions, ShardDataset, capture_shards
-from eyas.targets import load_target
+from eyas.data.shards import ShardDataset
 from eyas.training.batches import OfflineBatches
-from tests.support.toy import make_toy_target
+from tests.support.toy import reference_capture
 
 pytestmark = pytest.mark.integration
 
@@ -60,20 +59,7 @@ def vllm_hidden_states(model, input_ids, layer_ids):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("speculators")
-    target = make_toy_target(root / "t", num_blocks=L, hidden=H)
-    loaded = load_target(str(target))
-    convs = root / "c.jsonl"
-    convs.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
-                                                      {"role": "assistant", "content": a}]}) + "\n"
-                             for q, a in [("What is 2+2?", "It is 4."), ("Name a colour.", "Blue, like the sky"),
-                                          ("Hi", "Hello there, how can I help?")]))
-    from eyas.data.conversations import read_conversations
-
-    ref = root / "ref"
-    capture_shards(loaded.model, loaded.tokenizer, read_conversations(convs).conversations,
-                   CaptureOptions(out_dir=ref, boundaries=[1, 2], dtype="float32", progress=False),
-                   source=loaded.name)
-    ds = ShardDataset(ref)
+    target, loaded, ds = reference_capture(root, [1, 2], num_blocks=L, hidden=H)
     pre = root / "pre"
     rows = [(ds[i]["input_ids"].tolist(), ds[i]["loss_mask"].tolist()) for i in range(len(ds))]
     rows.append(([1, 2, 3], [0, 1, 1]))  # a row whose request failed: no file (speculators skips it)

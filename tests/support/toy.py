@@ -81,3 +81,24 @@ def toy_train_config(toy: tuple[Path, Path], out: Path, **kw):
     base = dict(target=str(target), data=str(data), out=str(out), draft_vocab_size=1024, lr=3e-3, ttt_steps=3,
                 val_fraction=0.2, eval_every=1000, save_every=1000, device="cpu")
     return TrainConfig(**(base | kw))
+
+
+def reference_capture(root: Path, boundaries: list[int], num_blocks: int, hidden: int):
+    """A toy target under ``root/t``, loaded, and eyas' own capture (float32 shards under
+    ``root/ref``) of three short chat conversations at ``boundaries``: the reference that a
+    converted dump of another engine must equal. Returns (target dir, LoadedTarget, ShardDataset)."""
+    from eyas.data.conversations import read_conversations
+    from eyas.data.shards import CaptureOptions, ShardDataset, capture_shards
+    from eyas.targets import load_target
+
+    target = make_toy_target(root / "t", num_blocks=num_blocks, hidden=hidden)
+    loaded = load_target(str(target))
+    convs = root / "c.jsonl"
+    convs.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                      {"role": "assistant", "content": a}]}) + "\n"
+                             for q, a in [("What is 2+2?", "It is 4."), ("Name a colour.", "Blue, like the sky"),
+                                          ("Hi", "Hello there, how can I help?")]))
+    capture_shards(loaded.model, loaded.tokenizer, read_conversations(convs).conversations,
+                   CaptureOptions(out_dir=root / "ref", boundaries=boundaries, dtype="float32", progress=False),
+                   source=loaded.name)
+    return target, loaded, ShardDataset(root / "ref")
