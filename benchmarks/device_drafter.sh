@@ -13,7 +13,10 @@
 #   collect      the drafter (bf16 shards + a tar of its small files), the summary and the logs into $OUT
 #   bench [ARGS] benchmarks/spec_gpu.py on MT-bench with the drafter, results into $OUT/spec (COMMIT=sha)
 #   part         keep the GGUF parts carried in this call (a three-part split, .device/g3/smol.p0..p2, for
-#                calls whose work tree is larger: carry p0 with setup, p1 with `part`, p2 with `measure`)
+#                calls whose work tree is larger: carry p0 with setup, p1 with `part`, p2 with `measure`),
+#                and unpack .device/data.tgz (`tar czf .device/data.tgz -C benchmarks/data .`: the prompt
+#                mix, 1.6 MB rather than 6) into /tmp/data: `start --prompts /tmp/data/train_prompts.jsonl
+#                --val-prompts /tmp/data/val_prompts.jsonl`
 #   spec [ARGS]  join the GGUF, then benchmarks/spec_gpu.py with the shipped drafter and ARGS, results and
 #                its log into $OUT (spec.tar, spec.log); carry the GGUF's last part (COMMIT=sha)
 #   measure      join the GGUF, then in order of importance, each result into $OUT as it is done (a
@@ -32,8 +35,9 @@ LOG=/tmp/drafter/run.log
 export PYTHONPATH=src:/tmp/deps TOKENIZERS_PARALLELISM=false TQDM_MININTERVAL=30
 mkdir -p /tmp/drafter
 
-keep_parts() {  # the GGUF parts carried in this call, kept in /tmp for the next calls
-  for f in .device/gguf/smol.part0* .device/g3/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done; true
+keep_parts() {  # the GGUF parts (and the prompt mix, .device/data.tgz) carried in this call, kept in /tmp
+  for f in .device/gguf/smol.part0* .device/g3/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
+  if [ -f .device/data.tgz ]; then mkdir -p /tmp/data && tar xzf .device/data.tgz -C /tmp/data && ls /tmp/data; fi; true
 }
 
 join_gguf() {  # /tmp/smol.gguf from the parts kept (two-part or three-part split), sha256 checked

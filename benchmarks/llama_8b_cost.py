@@ -49,8 +49,12 @@ from llama_target_gpu import timed, tree_mask  # the sibling script (run from be
 SIZES = (1, 8, 16, 24, 32, 64)
 
 
-def llama_8b_shaped(device: torch.device, tiny: bool, seed: int = 0) -> torch.nn.Module:
-    if tiny:
+def llama_8b_shaped(device: torch.device, tiny: bool, seed: int = 0, shape: str = "8b") -> torch.nn.Module:
+    if shape == "smollm2":  # SmolLM2-135M's shapes (tied embeddings): a launch-bound model, for comparison
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                          rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    elif tiny:
         cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=448, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=8192,
                           rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -111,13 +115,24 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
             "embedding_not_counted": 0 if tied else embed.numel() * embed.element_size(), "tied": int(tied)}
 
 
+# variant -> (compile, matvec): how LlamaTarget runs the step (matvec: how a one-token step multiplies)
+VARIANTS = {"compiled": (True, "gemm"), "compiled-reduce": (True, "reduce"),
+            "compiled-reduce-tuned": (True, "reduce-tuned"), "graphs": (False, "gemm")}
+
+
 @torch.no_grad()
-def measure(model, spec, device, capacity: int, prefill: int, reps: int, compile_: bool) -> dict:
-    """Warm-up seconds and the median ms of each step size for one LlamaTarget variant."""
+def measure(model, spec, device, capacity: int, prefill: int, reps: int, variant: str, all_keys: bool) -> dict:
+    """Warm-up seconds and the median ms of each step size for one LlamaTarget variant. The warm-up
+    compiles and captures the token buckets of SIZES with the key bucket the steps attend (every
+    key bucket of a 2048-token sequence with ``all_keys``, as a server does)."""
     V = model.config.vocab_size
-    target = LlamaTarget(model, spec, max_length=capacity, cuda_graphs=True, compile=compile_)
-    out: dict = {"implementation": target.implementation}
-    out["warmup_s"] = target.warmup()
+    compile_, matvec = VARIANTS[variant]
+    target = LlamaTarget(model, spec, max_length=capacity, cuda_graphs=True, compile=compile_, matvec=matvec)
+    out: dict = {"implementation": target.implementation, "matvec": matvec}
+    buckets = sorted({min(b for b in target.buckets if b >= n) for n in SIZES})  # the token buckets timed
+    keys = _step_keys(target, prefill)
+    out["warmed"] = "every bucket and key bucket" if all_keys else f"buckets {buckets}, keys {keys}"
+    out["warmup_s"] = target.warmup() if all_keys else target.warmup(buckets=buckets, keys=[keys])
     print(f"  {target.implementation}: warm-up {out['warmup_s']:.1f} s", flush=True)
     g = torch.Generator().manual_seed(0)
     target.prefill(torch.randint(0, V, (1, prefill), generator=g).to(device), capture=False)
@@ -144,16 +159,26 @@ def measure(model, spec, device, capacity: int, prefill: int, reps: int, compile
     return out  # the target (its cache and graphs) is freed with this frame
 
 
+def _step_keys(target: LlamaTarget, prefill: int) -> int:
+    """The key bucket every timed step attends (cache_len = prefill, at most max(SIZES) new tokens)."""
+    keys = {next(k for k in target.key_buckets if k >= prefill + b) for b in target.buckets if b <= 64}
+    assert len(keys) == 1, f"the timed steps span key buckets {sorted(keys)}: change --prefill"
+    return keys.pop()
+
+
 @torch.no_grad()
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="llama_8b_cost.json")
     ap.add_argument("--tiny", action="store_true", help="a toy config and few repetitions (smoke test)")
+    ap.add_argument("--shape", default="8b", choices=["8b", "smollm2"], help="smollm2: SmolLM2-135M's shapes instead")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--capacity", type=int, default=2048, help="the KV cache's capacity")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 50; 3 with --tiny)")
-    ap.add_argument("--variants", default="compiled,graphs", help="comma-separated: compiled, graphs")
+    ap.add_argument("--variants", default="compiled,graphs", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--warm-all-keys", action="store_true",
+                    help="warm every bucket with every key bucket of a 2048-token sequence (a server's start-up)")
     args = ap.parse_args()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cpu":
@@ -163,17 +188,17 @@ def main() -> None:
     if prefill + max(SIZES) > capacity:
         raise SystemExit(f"--prefill {prefill} + {max(SIZES)} tokens do not fit --capacity {capacity}")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if any(v not in ("compiled", "graphs") for v in variants):
-        raise SystemExit(f"--variants: expected compiled and/or graphs, found {args.variants!r}")
+    if any(v not in VARIANTS for v in variants):
+        raise SystemExit(f"--variants: expected some of {', '.join(VARIANTS)}, found {args.variants!r}")
 
     t0 = time.perf_counter()
-    model = llama_8b_shaped(dev, args.tiny)
+    model = llama_8b_shaped(dev, args.tiny, shape=args.shape)
     cfg = model.config
     L = cfg.num_hidden_layers
     spec = CaptureSpec.create(L, None) if L >= 7 else CaptureSpec((1, L // 2, L - 1), L)
     report: dict = {
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-        "model": (f"{'toy' if args.tiny else '8B-shaped'} Llama, random weights, bf16: hidden {cfg.hidden_size}, "
+        "model": (f"{'toy' if args.tiny else args.shape + '-shaped'} Llama, random weights, bf16: hidden {cfg.hidden_size}, "
                   f"intermediate {cfg.intermediate_size}, {L} blocks, {cfg.num_attention_heads}/"
                   f"{cfg.num_key_value_heads} heads, vocab {cfg.vocab_size}"),
         "parameters": sum(p.numel() for p in model.parameters()), "build_s": time.perf_counter() - t0,
@@ -202,7 +227,7 @@ def main() -> None:
     for v in variants:
         print(f"{v}:", flush=True)
         try:
-            report["variants"][v] = measure(model, spec, dev, capacity, prefill, reps, compile_=(v == "compiled"))
+            report["variants"][v] = measure(model, spec, dev, capacity, prefill, reps, v, args.warm_all_keys)
         except Exception:  # noqa: BLE001 (report it and go on with the next variant)
             report.setdefault("errors", {})[v] = traceback.format_exc()
             print(f"{v} failed:\n{report['errors'][v]}", flush=True)
@@ -212,13 +237,13 @@ def main() -> None:
 
     print(f"\nfloor (weights {wb['counted'] / 1e9:.2f} GB / copy {bw['copy_GBps']:.0f} GB/s) = {floor_ms:.3f} ms; "
           f"GEMVs alone {report['gemv_ms']:.3f} ms ({report['gemv_ms'] / floor_ms:.2f}x floor)")
-    print(f"{'variant':<9} {'tokens':>6} {'ms':>9} {'x plain':>8} {'x floor':>8}")
+    print(f"{'variant':<21} {'tokens':>6} {'ms':>9} {'x plain':>8} {'x floor':>8}")
     for v, r in report["variants"].items():
         plain = r["ms"][1]
         r["x_plain"] = {n: ms / plain for n, ms in r["ms"].items()}
         r["x_floor"] = {n: ms / floor_ms for n, ms in r["ms"].items()}
         for n, ms in r["ms"].items():
-            print(f"{v:<9} {n:>6} {ms:9.3f} {r['x_plain'][n]:8.2f} {r['x_floor'][n]:8.2f}")
+            print(f"{v:<21} {n:>6} {ms:9.3f} {r['x_plain'][n]:8.2f} {r['x_floor'][n]:8.2f}")
         r["checks"] = {"plain_step_within_1.3x_floor": r["x_floor"][1] <= 1.3,
                        "verify_24_at_most_1.5x_plain": r["x_plain"][24] <= 1.5}
         print(f"{v}: plain step {r['x_floor'][1]:.2f}x the floor (<= 1.3: {r['checks']['plain_step_within_1.3x_floor']}); "

@@ -351,7 +351,7 @@ def run(a: argparse.Namespace) -> int:
     answers = work / "answers.jsonl"
     regen_deadline = min(time.time() + a.regen_budget_s, deadline - a.min_train_s)
     regen_args = ["regenerate", "--target", a.target, "--prompts", str(prompts), "--out", str(answers),
-                  "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.regen_batch),
+                  "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.regen_batch), "--rows", str(a.regen_rows),
                   "--temperatures", a.temperatures, "--max-prompt-tokens", str(a.max_prompt_tokens),
                   "--max-turns", "2", "--loops", a.loops, "--cache", a.cache, "--device", a.device, "--json"]
     if a.limit:
@@ -461,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--limit", type=int, default=None, help="prompts to regenerate (default: all)")
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--max-prompt-tokens", type=int, default=768)
-    r.add_argument("--regen-batch", type=int, default=512)
+    r.add_argument("--regen-batch", type=int, default=2048,
+                   help="conversations per resumable chunk: several times --regen-rows keeps the rows refilled")
+    r.add_argument("--regen-rows", type=int, default=512, help="rows the fast engine decodes together")
     r.add_argument("--temperatures", default="0", help="e.g. 0,0.8: one answer per temperature")
     r.add_argument("--loops", default="cut", choices=["cut", "drop", "keep"])
     r.add_argument("--cache", default="auto", choices=["auto", "static", "dynamic"])

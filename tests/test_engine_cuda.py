@@ -91,9 +91,12 @@ def test_fast_target_matches_the_hf_model_in_bf16_on_cuda(llama_and_drafter):
             assert (x.float() - y.float()).abs().max() <= 0.05 * rms  # bf16: a few ulps of the RMS
 
 
-def test_greedy_fast_path_with_graphs_is_token_identical_to_plain_in_float32(llama_and_drafter):
+@pytest.mark.parametrize("matvec", ["gemm", "reduce"])
+def test_greedy_fast_path_with_graphs_is_token_identical_to_plain_in_float32(llama_and_drafter, matvec):
+    """Also when plain decoding's one-token steps multiply by reductions (matvec="reduce") while
+    verification's steps multiply by GEMMs: float32 sums in another order, the same tokens."""
     model, drafter = llama_and_drafter
-    fast = LlamaTarget(model, SPEC4, cuda_graphs=True)
+    fast = LlamaTarget(model, SPEC4, cuda_graphs=True, matvec=matvec)
     assert fast.implementation.endswith("cuda-graphs")
     accepted = 0
     for prompt in random_prompts(6, 128, seed=3):

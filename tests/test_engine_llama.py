@@ -216,13 +216,16 @@ def test_generate_on_the_fast_target_prints_it_and_equals_the_hf_target(toy_draf
 
 @pytest.mark.integration
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_compiled_cuda_graphed_target_equals_the_hf_model_on_a_gpu():
+@pytest.mark.parametrize("matvec", ["gemm", "reduce"])
+def test_the_compiled_cuda_graphed_target_equals_the_hf_model_on_a_gpu(matvec):
     """float32 on the GPU, buckets compiled and captured up front (warmup), then the same walk; and
-    a bucket first used later is compiled and captured then."""
+    a bucket first used later is compiled and captured then. With both ways of multiplying a
+    one-token step (cuBLAS; inductor's reduction kernel)."""
     model = tiny_model("llama", L).cuda()
-    fast = LlamaTarget(model, SPEC, max_length=64, cuda_graphs=True, buckets=(1, 8, 16, 32), key_buckets=KEYS)
+    fast = LlamaTarget(model, SPEC, max_length=64, cuda_graphs=True, buckets=(1, 8, 16, 32), key_buckets=KEYS,
+                       matvec=matvec)
     hf = HFTarget(model, SPEC, max_length=64)
-    assert fast.implementation == "fast+compile+cuda-graphs"
+    assert fast.implementation == "fast+compile+cuda-graphs" + ("+matvec-reduce" if matvec == "reduce" else "")
     seconds = fast.warmup(buckets=(1, 8, 16))  # with every key bucket (16, 32, 64: all within 2048)
     warmed = [(B, K) for B in (1, 8, 16) for K in (16, 32, 64)]
     assert 0 < fast.compile_seconds <= seconds and sorted(fast._graphs) == warmed
@@ -354,6 +357,52 @@ def test_fixed_shape_steps_equal_the_hf_model_as_they_cross_key_buckets_mid_gene
     ids = torch.randint(0, 128, (1, 3), generator=g)
     _same(fast.forward(ids, torch.arange(60, 63)[None]), hf.forward(ids, torch.arange(60, 63)[None]))
     assert not any(B == 8 and K == 64 for B, K in fast._ready)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases through the reduction
+def test_one_token_steps_multiplied_as_reductions_equal_the_hf_model_and_call_no_gemm(kind, monkeypatch):
+    """matvec="reduce": a fixed-shape step of one token computes every product as a float32
+    reduction (what inductor compiles into a weight-streaming kernel on a GPU; eager here), with the
+    same results as the model; steps of more tokens keep F.linear."""
+    import eyas.engine.llama as llama
+
+    model = tiny_model(kind, L)
+    fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, matvec="reduce")
+    hf = HFTarget(model, SPEC, max_length=64)
+    assert fast.implementation == "fast+matvec-reduce"
+    g = torch.Generator().manual_seed(0)
+    _walk(fast, hf, g)
+    rows: list[int] = []  # the rows of every F.linear the fast target calls (the HF model's are not counted)
+    real = llama.F.linear
+
+    def fast_forward(ids, positions):
+        with monkeypatch.context() as m:
+            m.setattr(llama.F, "linear", lambda a, *w: rows.append(a.shape[0]) or real(a, *w))
+            return fast.forward(ids, positions)
+
+    for pos in range(15, 20):
+        ids = torch.randint(0, 128, (1, 1), generator=g)
+        _same(fast_forward(ids, torch.tensor([[pos]])), hf.forward(ids, torch.tensor([[pos]])))
+    assert rows == []  # not one GEMM in the one-token steps: the fast target's products were reductions
+    ids = torch.randint(0, 128, (1, 3), generator=g)
+    _same(fast_forward(ids, torch.arange(20, 23)[None]), hf.forward(ids, torch.arange(20, 23)[None]))
+    assert rows and set(rows) == {8}  # 3 tokens: token bucket 8, F.linear
+    assert LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True).matvec == "gemm"  # auto
+
+
+@pytest.mark.unit
+def test_linear_as_a_reduction_equals_f_linear_and_a_wrong_matvec_is_refused():
+    g = torch.Generator().manual_seed(0)
+    a, w, b = torch.randn(1, 48, generator=g), torch.randn(40, 48, generator=g), torch.randn(40, generator=g)
+    from eyas.engine.llama import linear
+
+    torch.testing.assert_close(linear(a, w, b, matvec=True), torch.nn.functional.linear(a, w, b))
+    torch.testing.assert_close(linear(a, w, matvec=True), a @ w.T)
+    a16, w16 = a.bfloat16(), w.bfloat16()  # bf16 in, float32 sums, one rounding at the end
+    torch.testing.assert_close(linear(a16, w16, matvec=True).float(), (a16.float() @ w16.float().T).bfloat16().float())
+    with pytest.raises(ValueError, match=r"matvec must be one of .*'gemm'.*found 'gemv'"):
+        LlamaTarget(tiny_model("llama", L), SPEC, max_length=64, matvec="gemv")
 
 
 @pytest.mark.unit

@@ -103,6 +103,9 @@ from eyas.targets.structure import find_decoder_blocks, text_config
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
+# How a fixed-shape step of one token multiplies by the weights (LlamaTarget's matvec).
+MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned")
+
 # Fewest rows an exact-shape step multiplies on the CPU (see LlamaTarget.forward).
 CPU_MIN_ROWS = 4
 
@@ -274,14 +277,30 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x32.to(x.dtype)
 
 
+def linear(a: Tensor, w: Tensor, bias: Tensor | None = None, *, matvec: bool = False) -> Tensor:
+    """a [B, in] times w [out, in] transposed, plus bias [out] -> [B, out] (``F.linear``).
+
+    ``matvec`` (for compiled steps; B = 1 only, else ignored): the product written as a float32
+    reduction, sum_k w[n, k] * a[k], which inductor turns into one Triton kernel that streams w once,
+    with a's cast and any pointwise producer of a fused into its loads. A batch-1 step of a large
+    model is the time it takes to read its weights once, and cuBLAS's batch-1 kernels read them well
+    below the copy bandwidth (8B-shaped Llama on an H200: every matrix of a step, one after the
+    other, 1.49x the floor). Run eagerly it would materialise w * a: compiled functions only. The
+    sum is float32 like cuBLAS's accumulator; only its order differs."""
+    if matvec and a.shape[0] == 1:
+        y = (w.float() * a.float()).sum(-1)[None]  # [1, out], float32
+        return (y if bias is None else y + bias.float()).to(a.dtype)
+    return F.linear(a, w, bias)
+
+
 def project(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None,
-             sizes: Sequence[int]) -> tuple[Tensor, ...]:
+            sizes: Sequence[int], *, matvec: bool = False) -> tuple[Tensor, ...]:
     """a [B, H] through stacked projections of output widths ``sizes``: one GEMM by the fused weight
     [sum(sizes), H] whose output [B, sum(sizes)] is split into views [B, size] (no copy), or one
-    GEMM by each separate weight [size, H]."""
+    GEMM by each separate weight [size, H]. ``matvec``: see :func:`linear`."""
     if len(weights) == 1:
-        return F.linear(a, weights[0], None if biases is None else biases[0]).split(list(sizes), dim=-1)
-    return tuple(F.linear(a, w, None if biases is None else biases[j]) for j, w in enumerate(weights))
+        return linear(a, weights[0], None if biases is None else biases[0], matvec=matvec).split(list(sizes), dim=-1)
+    return tuple(linear(a, w, None if biases is None else biases[j], matvec=matvec) for j, w in enumerate(weights))
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -313,14 +332,15 @@ def _prologue(ids: Tensor, pos: Tensor, block: Tensor, start: Tensor, embed: Ten
 
 
 def _layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
-           values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
+           values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
+           matvec: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """One decoder block for B tokens. The stream entering it is x + d [B, H] (the previous block's
     last residual add is done here, fused with this block's norm); cos, sin [B, 1, D]; slots [B]
     (where the new keys/values go); mask [B, n] bool over the first n cache entries; keys, values
     [Hkv, C, D] this block's cache, written in place at ``slots``.
 
     Returns (h_in, h, m), all [B, H]: the stream entering the block (its boundary), the stream after
-    attention, and the MLP's output; the block's output is h + m."""
+    attention, and the MLP's output; the block's output is h + m. ``matvec``: see :func:`linear`."""
     h_in = x + d  # [B, H]
     B = h_in.shape[0]
     Hkv, _, D = keys.shape
@@ -328,7 +348,7 @@ def _layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: 
     G = Hq // Hkv
     n = mask.shape[1]
     a = rms_norm(h_in, w.input_norm, eps)
-    q, k, v = project(a, w.qkv, w.qkv_bias, (Hq * D, Hkv * D, Hkv * D))  # [B, Hq*D], [B, Hkv*D] x 2
+    q, k, v = project(a, w.qkv, w.qkv_bias, (Hq * D, Hkv * D, Hkv * D), matvec=matvec)  # [B, Hq*D], [B, Hkv*D] x 2
     q, k, v = q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D)  # (views of the fused output too)
     if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
         q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
@@ -343,19 +363,19 @@ def _layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: 
     p = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, G * B, n)
     out = torch.matmul(p, values[:, :n])  # [Hkv, G*B, D]
     out = out.view(Hkv, G, B, D).permute(2, 0, 1, 3).reshape(B, Hq * D)  # head j = g-th of group j // G
-    h = h_in + F.linear(out, w.o, w.o_bias)
+    h = h_in + linear(out, w.o, w.o_bias, matvec=matvec)
     a = rms_norm(h, w.post_norm, eps)
     I = w.down.shape[1]
-    gate, up = project(a, w.gate_up, w.gate_up_bias, (I, I))  # [B, I] each
-    m = F.linear(F.silu(gate) * up, w.down, w.down_bias)
+    gate, up = project(a, w.gate_up, w.gate_up_bias, (I, I), matvec=matvec)  # [B, I] each
+    m = linear(F.silu(gate) * up, w.down, w.down_bias, matvec=matvec)
     return h_in, h, m
 
 
 def _head(x: Tensor, d: Tensor, norm: Tensor, lm_head: Tensor, lm_bias: Tensor | None, *,
-          eps: float) -> tuple[Tensor, Tensor]:
+          eps: float, matvec: bool = False) -> tuple[Tensor, Tensor]:
     """The last block's output x + d [B, H] (boundary L) and the logits [B, V]."""
     h = x + d
-    return h, F.linear(rms_norm(h, norm, eps), lm_head, lm_bias)
+    return h, linear(rms_norm(h, norm, eps), lm_head, lm_bias, matvec=matvec)
 
 
 class _Inputs(NamedTuple):
@@ -381,12 +401,18 @@ class LlamaTarget(Target):
     padded to the smallest of ``buckets`` that holds them and attend the first K cache entries, K
     the smallest of ``key_buckets`` (default :func:`key_ladder`; the capacity is always added as
     the last rung) that holds cache_len + the token bucket. ``compile`` (default: with
-    ``cuda_graphs``) compiles the fixed-shape step with inductor; it applies on a GPU only."""
+    ``cuda_graphs``) compiles the fixed-shape step with inductor; it applies on a GPU only.
+
+    ``matvec`` says how the fixed-shape steps of ONE token multiply by the weights: ``"gemm"``
+    (``F.linear``: cuBLAS), ``"reduce"`` (a float32 reduction that inductor compiles into one
+    weight-streaming kernel, see :func:`linear`), ``"reduce-tuned"`` (the same, with inductor's
+    coordinate-descent tuning of every kernel's block sizes: a longer compilation), or ``"auto"``
+    (``"gemm"``). Steps of more tokens and exact-shape steps always use ``F.linear``."""
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
                  default_capacity: int = 4096, fixed_shapes: bool = False, cuda_graphs: bool = False,
                  buckets: Sequence[int] = (1, 8, 16, 32, 64, 128), compile: bool | None = None,
-                 fuse: bool = True, key_buckets: Sequence[int] | None = None) -> None:
+                 fuse: bool = True, key_buckets: Sequence[int] | None = None, matvec: str = "auto") -> None:
         why_not = supports(model)
         if why_not is not None:
             raise UnsupportedTarget(f"LlamaTarget: {why_not}; use the Hugging Face target (HFTarget)")
@@ -472,9 +498,17 @@ class LlamaTarget(Target):
         self.buckets = tuple(sorted(int(b) for b in buckets))
         ladder = key_ladder(self.max_length) if key_buckets is None else key_buckets
         self.key_buckets = tuple(sorted({int(k) for k in ladder if 0 < int(k) < self.max_length} | {self.max_length}))
-        self.implementation = "+".join(["fast"] + ["compile"] * self.compile + ["cuda-graphs"] * self.cuda_graphs)
+        if matvec not in MATVEC_CHOICES:
+            raise ValueError(f"LlamaTarget: matvec must be one of {list(MATVEC_CHOICES)}, found {matvec!r}")
+        self.matvec = "gemm" if matvec == "auto" else matvec
+        self.implementation = "+".join(["fast"] + ["compile"] * self.compile + ["cuda-graphs"] * self.cuda_graphs
+                                       + [f"matvec-{self.matvec}"] * (self.fixed_shapes and self.matvec != "gemm"))
         self._eager = self._functions(None)
-        self._fixed = self._functions("inductor") if self.compile else self._eager
+        # Eager fixed-shape functions with matvec (the CPU tests of the compiled code) are a distinct
+        # object from self._eager: a failed compilation falls back to self._eager, plain F.linear.
+        self._fixed = (self._functions("inductor", self.matvec) if self.compile
+                       else self._functions(None, self.matvec) if self.fixed_shapes and self.matvec != "gemm"
+                       else self._eager)
         self._inputs: dict[int, _Inputs] = {}  # token bucket B -> its input buffers (shared by its key buckets)
         self._ready: set[tuple[int, int]] = set()  # (B, K) steps compiled / captured
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
@@ -486,20 +520,24 @@ class LlamaTarget(Target):
         self._eye = torch.eye(top, dtype=torch.bool, device=self.device)
         self.reset()
 
-    def _functions(self, backend: str | None) -> tuple[Callable, Callable, Callable]:
-        """(prologue, layer, head) with this model's constants bound; compiled with ``backend``
-        (None: eager). Compiled, every call with a bucket's shapes hits the same compilation."""
+    def _functions(self, backend: str | None, matvec: str = "gemm") -> tuple[Callable, Callable, Callable]:
+        """(prologue, layer, head) with this model's constants and ``matvec`` bound; compiled with
+        ``backend`` (None: eager). Compiled, every call with a bucket's shapes hits the same
+        compilation."""
         c = self._consts
+        by_reduction = matvec != "gemm"
         fns = (functools.partial(_prologue, rope_scaling=c["rope_scaling"]),
-               functools.partial(_layer, eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"]),
-               functools.partial(_head, eps=c["eps"]))
+               functools.partial(_layer, eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=by_reduction),
+               functools.partial(_head, eps=c["eps"], matvec=by_reduction))
         if backend is None:
             return fns
         # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _head: per
         # token bucket; per model) are separate compilations of one code object (functools.partial's):
         # 6 token buckets x 4 key buckets = 24 of _layer for C = 4096.
         raise_recompile_limits()
-        return tuple(torch.compile(f, backend=backend, fullgraph=True, dynamic=False) for f in fns)  # type: ignore[return-value]
+        options = {"coordinate_descent_tuning": True} if matvec == "reduce-tuned" else None
+        return tuple(torch.compile(f, backend=backend, fullgraph=True, dynamic=False, options=options)  # type: ignore[return-value]
+                     for f in fns)
 
     # -- cache --------------------------------------------------------------------------------
 
@@ -697,7 +735,7 @@ class LlamaTarget(Target):
 TARGET_IMPLEMENTATIONS = ("auto", "fast", "hf")
 
 
-def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "auto") -> Target:
+def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "auto", matvec: str = "auto") -> Target:
     """The target the engine serves ``model`` with (``--target-impl``).
 
     - ``fast``: :class:`LlamaTarget` (fixed shapes, compiled, CUDA graphs on a GPU; refused, with the
@@ -706,7 +744,8 @@ def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "aut
     - ``auto``: ``fast`` wherever it applies (on a GPU with CUDA graphs; on a CPU eagerly, where
       its static cache still beats the Hugging Face model: SmolLM2 in float32 on 2 cores, 22.6
       against 20.0 tok/s plain and 20.0 against 17.6 speculative), else ``hf``.
-    The returned target's ``implementation`` says which one runs.
+    The returned target's ``implementation`` says which one runs. ``matvec``: the fast target's
+    one-token products (:class:`LlamaTarget`).
     """
     from eyas.engine.target import HFTarget
 
@@ -716,4 +755,4 @@ def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "aut
     on_gpu = next(model.parameters()).device.type == "cuda"
     if impl == "hf" or (impl == "auto" and supports(model) is not None):
         return HFTarget(model, spec)
-    return LlamaTarget(model, spec, cuda_graphs=on_gpu)
+    return LlamaTarget(model, spec, cuda_graphs=on_gpu, matvec=matvec)
