@@ -69,6 +69,7 @@ import torch.nn.functional as F  # noqa: E402
 try:
     import triton
     import triton.language as tl
+    import triton.testing  # noqa: F401 (the autotuner's timing)
 except ImportError:  # --help and the non-Triton candidates still work
     triton = tl = None
 
@@ -110,6 +111,9 @@ if triton is not None:
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
+META_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
 def config_grid() -> list[tuple[int, int, int, int]]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): tiles of 16 or 32 elements per thread (BLOCK_N = 1
     also 8: it needs a long BLOCK_K), each with 1 or 3 stages. 50 configs."""
@@ -123,10 +127,41 @@ def config_grid() -> list[tuple[int, int, int, int]]:
     return grid
 
 
+def screen_configs(grid: list, x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> tuple[list, dict]:
+    """Launch every config once on (x, w): compiles them all (the autotuner then finds them in
+    Triton's cache), and drops any that fails to compile or to give the right answer."""
+    t = time.perf_counter()
+    kept, dropped = [], {}
+    for g in grid:
+        meta = dict(zip(META_KEYS, g))
+        try:
+            y = gemv_fixed(x, w, meta)
+            sync(w.device)
+            err = rel_error(y, ref)
+            if err < TOLERANCE:
+                kept.append(g)
+            else:
+                dropped[json.dumps(meta)] = f"wrong: rel error {err:.3g}"
+        except Exception as e:  # noqa: BLE001 (leave the config out)
+            dropped[json.dumps(meta)] = short_error(e)
+    if not kept:
+        raise RuntimeError(f"no Triton config compiled and gave the right answer: {dropped}")
+    return kept, {"kept": len(kept), "dropped": dropped, "seconds": time.perf_counter() - t}
+
+
 def make_autotuned(grid: list[tuple[int, int, int, int]]):
+    """triton.autotune keyed on (N, K). Each config is timed by triton.testing.do_bench (it flushes
+    the L2 before each run) for 25 ms rather than its default 100: 50 configs x 5 shapes."""
     configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=nw, num_stages=ns)
                for bn, bk, nw, ns in grid]
-    return triton.autotune(configs=configs, key=["N", "K"])(gemv_kernel)
+
+    def bench(kernel_call, quantiles):
+        return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+    try:
+        return triton.autotune(configs=configs, key=["N", "K"], do_bench=bench)(gemv_kernel)
+    except TypeError:  # a Triton without autotune(do_bench=...): its default timing
+        return triton.autotune(configs=configs, key=["N", "K"])(gemv_kernel)
 
 
 def _check_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int]:
@@ -192,8 +227,9 @@ def op_fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.eyas_bench.gemv(x, w)
 
 
-def build_candidate(name: str, device: torch.device, grid: list, info: dict):
-    """The callable fn(x, w) -> y[1, N] of a candidate; notes go to ``info``."""
+def build_candidate(name: str, device: torch.device, grid: list, info: dict, sample: dict):
+    """The callable fn(x, w) -> y[1, N] of a candidate; notes go to ``info``. ``sample`` (x, ws,
+    ref of the first matrix) is what the Triton configs are screened on."""
     if name == "cublas":
         return F.linear
     if name in ("reduce_default", "reduce_cdt"):
@@ -207,6 +243,9 @@ def build_candidate(name: str, device: torch.device, grid: list, info: dict):
             info["config_grid"] = "fixed (not on a GPU): " + json.dumps(DEFAULT_META)
             return gemv_fixed
         info["config_grid_size"] = len(grid)
+        grid, info["config_screen"] = screen_configs(grid, sample["x"], sample["ws"][0], sample["ref"])
+        log(f"  triton: {len(grid)} of {info['config_grid_size']} configs compiled and right "
+            f"({info['config_screen']['seconds']:.1f} s); dropped: {list(info['config_screen']['dropped'])}")
         kernel = make_autotuned(grid)
         info["_kernel"] = kernel
         return gemv_autotuned_fn(kernel)
@@ -308,6 +347,12 @@ def shapes(tiny: bool) -> list[tuple[str, int, int, int]]:
     return [(name, shrink(N), shrink(K), count) for name, N, K, count in MATRICES]
 
 
+def short_error(e: BaseException) -> str:
+    """The exception's type and first lines (torch.compile's messages run long)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {' | '.join(lines[:3])}"[:500]
+
+
 def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     y = y.float().reshape(ref.shape)
     return ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
@@ -318,10 +363,12 @@ def run_candidate(name: str, mats: list, data: dict, args, device: torch.device,
     entry: dict = {"matrices": {}}
     info: dict = {}
     try:
-        fn = build_candidate(name, device, grid, info)
-    except Exception:  # noqa: BLE001
-        entry["error"] = traceback.format_exc()
-        log(f"  {name}: setup failed: {entry['error'].strip().splitlines()[-1]}")
+        fn = build_candidate(name, device, grid, info, data[mats[0][0]])
+    except Exception as e:  # noqa: BLE001
+        entry.update(info)
+        entry["error"], entry["error_short"] = traceback.format_exc(), short_error(e)
+        log(f"  {name}: setup failed: {entry['error_short']}")
+        sync_quietly(device)
         return entry
     kernel = info.pop("_kernel", None)
     entry.update(info)
@@ -340,6 +387,7 @@ def run_candidate(name: str, mats: list, data: dict, args, device: torch.device,
             r["first_call_s"] = time.perf_counter() - t  # compilation / autotuning included
             if kernel is not None and getattr(kernel, "best_config", None) is not None:
                 r["config"] = config_dict(kernel.best_config)  # the config of this (N, K)
+                r["autotune_s"] = getattr(kernel, "bench_time", None)  # benchmarking (compiles before)
                 TUNED[(N, K)] = dict(r["config"])
             r["rel_error"] = rel_error(y, ref)
             r["correct"] = bool(r["rel_error"] < TOLERANCE)
@@ -354,9 +402,9 @@ def run_candidate(name: str, mats: list, data: dict, args, device: torch.device,
             log(f"  {name} {mname} [{N}x{K}]: {r['ms'] * 1e3:8.1f} us  {r['GBps']:7.0f} GB/s  "
                 f"{r['x_copy_bw']:.2f} of copy  ({r['method']}, rel err {r['rel_error']:.1e}, "
                 f"first call {r['first_call_s']:.1f} s{extra})")
-        except Exception:  # noqa: BLE001 (record it, go on with the next matrix)
-            r["error"] = traceback.format_exc()
-            log(f"  {name} {mname}: failed: {r['error'].strip().splitlines()[-1][:300]}")
+        except Exception as e:  # noqa: BLE001 (record it, go on with the next matrix)
+            r["error"], r["error_short"] = traceback.format_exc(), short_error(e)
+            log(f"  {name} {mname}: failed: {r['error_short']}")
             sync_quietly(device)
     if name == "triton_op":
         entry["configs_used"] = {m: TUNED.get((N, K), DEFAULT_META) for m, N, K, _ in mats}
@@ -407,8 +455,7 @@ def print_tables(report: dict, mats: list) -> None:
                 print(f"{head} {r['ms'] * 1e3:9.1f} {r['GBps']:7.0f} {r['x_copy_bw']:7.2f}  {note}")
             else:
                 why = (r.get("skipped") or (f"wrong (rel err {r['rel_error']:.2g})" if r.get("correct") is False
-                       else None) or (r["error"].strip().splitlines()[-1] if "error" in r else None)
-                       or (e["error"].strip().splitlines()[-1] if "error" in e else "not run"))
+                       else None) or r.get("error_short") or e.get("error_short") or "not run")
                 print(f"{head} {'-':>9} {'-':>7} {'-':>7}  {why[:120]}")
         print()
     floor = report["floor_ms"]
@@ -431,9 +478,9 @@ def write(report: dict, path: str) -> None:
 
 @torch.no_grad()
 def bench(args) -> None:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device or "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device (use --check-cpu, or --device cpu for a harness smoke run)")
+        raise SystemExit("no CUDA device: --check-cpu checks the kernel, --tiny --device cpu the harness")
     names = [c.strip() for c in args.candidates.split(",") if c.strip()]
     unknown = [c for c in names if c not in CANDIDATES]
     if unknown:
@@ -451,7 +498,7 @@ def bench(args) -> None:
         "triton_interpret": os.environ.get("TRITON_INTERPRET"),
         "args": vars(args), "tolerance": TOLERANCE,
         "matrices": {m: {"N": N, "K": K, "count": c, "bytes": N * K * 2} for m, N, K, c in mats},
-        "triton_config_grid": [dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), g)) for g in grid],
+        "triton_config_grid": [dict(zip(META_KEYS, g)) for g in grid],
     }
     log(f"{report['device']}, torch {report['torch']} (CUDA {report['cuda']}), triton {report['triton']}; "
         f"candidates {names}; {len(grid)} triton configs")
@@ -542,7 +589,8 @@ def main() -> None:
     ap.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated subset of "
                     + ", ".join(CANDIDATES))
     ap.add_argument("--tiny", action="store_true", help="shapes divided by 32 (multiples of 128): a smoke run")
-    ap.add_argument("--device", default=None, help="default cuda; cpu runs the harness on the host clock")
+    ap.add_argument("--device", default=None,
+                    help="default cuda; cpu (with --tiny) runs the harness on the host clock, a smoke test")
     ap.add_argument("--check-cpu", action="store_true",
                     help="only check the plain Triton kernel under the interpreter (no GPU needed)")
     args = ap.parse_args()
