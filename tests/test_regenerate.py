@@ -227,6 +227,20 @@ def test_torn_tail_is_truncated_on_read(tmp_path):
     assert p.read_text() == '{"id": "a"}\n{"id": "b"}\n'
 
 
+def test_text_that_str_splitlines_would_break_is_read_back_whole(tmp_path):
+    """U+2028, U+2029, U+0085, a form feed and a vertical tab, raw in an answer (ensure_ascii=False
+    writes them so): one record each, not a "corrupt" line, and the line numbers of errors count
+    b"\n" only."""
+    p = tmp_path / "x.jsonl"
+    texts = ["a\u2028b", "c\u2029d", "e\x85f", "g\x0ch", "i\x0bj"]
+    p.write_text("".join(json.dumps({"id": str(i), "text": t}, ensure_ascii=False) + "\n" for i, t in enumerate(texts)),
+                 encoding="utf-8")
+    assert [r["text"] for r in read_resumable_jsonl(p)] == texts
+    p.write_text(p.read_text(encoding="utf-8") + "{not json\n", encoding="utf-8")
+    with pytest.raises(RegenerateError, match=rf"{p}:6: not valid JSON"):
+        read_resumable_jsonl(p)
+
+
 def test_limit_duplicates_and_ids_from_provenance(tmp_path, tok, target):
     convs = prompts(5)
     convs.insert(2, Conversation([{"role": "user", "content": "dup"}], id="p0"))
