@@ -19,8 +19,9 @@ Two steps, on two machines:
    follow-up turn where there is one), greedy plus any ``--temperatures``, ``--max-new-tokens``
    256, on a static cache (a compiled decoding step on a GPU), repetition loops cut. EAGLE-3
    drafters learn the target's own outputs. Killed at ``--regen-budget-s``: whole chunks stay.
-2. ``eyas train`` online (the target in the same process, features captured on the fly):
-   batches of about ``--tokens-per-batch`` tokens of similar length, TTT 7 steps, a
+2. ``eyas train`` online (the target in the same process, features captured on the fly), its
+   schedule fitted to the time left (``--time-budget-s``: the cosine ends on its floor rather than
+   being cut off): batches of about ``--tokens-per-batch`` tokens of similar length, TTT 7 steps, a
    frequency-based draft vocabulary of ``--draft-vocab`` 12288 (lm_head under 16 MiB in bf16).
    Every ``--eval-every`` steps: held-out metrics (with and without loop tokens) and the engine's
    tau on the held-out validation prompts; the best checkpoint by tau is kept, and training stops
@@ -385,6 +386,11 @@ def run(a: argparse.Namespace) -> int:
                   "--draft-vocab", str(a.draft_vocab), "--lr", str(a.lr), "--ttt-steps", str(a.ttt_steps),
                   "--eval-every", str(a.eval_every), "--save-every", str(a.eval_every), "--patience", str(a.patience),
                   "--seed", str(a.seed), "--device", a.device]
+    # eyas train fits its learning-rate schedule to the time left (the cosine ends on its floor), and
+    # its last evaluation and save come after that: --end-room-s before the hard stop below.
+    train_budget = deadline - a.final_overhead_s - a.end_room_s - time.time()
+    if train_budget > 0:
+        train_args += ["--time-budget-s", f"{train_budget:.0f}"]
     if a.val_prompts and Path(a.val_prompts).exists():
         train_args += ["--validate-prompts", str(a.val_prompts), "--validate-limit", str(a.val_limit),
                        "--validate-tokens", str(a.val_max_new_tokens), "--validate-tree", a.val_tree]
@@ -482,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--val-tree", default="6,10,60")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--resume", action="store_true", help="keep WORK/train and let eyas train resume it")
-    r.add_argument("--final-overhead-s", type=float, default=30.0, help="training's last evaluation and save")
+    r.add_argument("--final-overhead-s", type=float, default=30.0, help="the bf16 copy and the summary after training")
+    r.add_argument("--end-room-s", type=float, default=60.0,
+                   help="eyas train's last evaluation (its tau probe) and save, after its --time-budget-s")
     r.add_argument("--no-copy-to-out", dest="copy_to_out", action="store_false")
     a = ap.parse_args(argv)
     if a.cmd == "prepare":

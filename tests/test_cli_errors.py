@@ -1,6 +1,7 @@
 """Every CLI error path of `eyas info`, `import` and `export` around the target's block count and
-the speculators verifier: exit code 2, a one-line message that names the file, the field, what was
-expected and found, and what to pass; never a traceback, never a half-written output."""
+the speculators verifier, and `eyas train`'s options that its config refuses: exit code 2, a one-line
+message that names the file, the field, what was expected and found, and what to pass; never a
+traceback, never a half-written output."""
 
 from __future__ import annotations
 
@@ -190,3 +191,14 @@ def test_an_unknown_ids_convention_is_refused_before_anything_is_written(sglang_
     assert_user_error(invoke("import", sglang_dir, "--out", out, "--num-target-blocks", L,
                              "--ids-convention", "eagle"), "--ids-convention")
     assert not out.exists()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "3", "--time-budget-s", "0"], "time_budget_s: expected None or more than 0, found 0.0"),
+    (["--steps", "3", "--epochs", "2"], "give exactly one of steps / epochs; found steps=3, epochs=2.0"),
+])
+def test_train_options_its_config_refuses_fail_in_one_line_before_anything_loads(tmp_path, flags, message):
+    result = invoke("train", "--target", "smollm2", "--data", tmp_path / "none.jsonl", "--out", tmp_path / "run", *flags)
+    assert_user_error(result, message)
+    assert not (tmp_path / "run").exists()

@@ -15,7 +15,7 @@ import torch
 
 import eyas
 from eyas.training.config import TrainConfig
-from eyas.training.loop import lr_lambda, train
+from eyas.training.loop import FIT_AFTER_STEPS, fit_schedule, lr_lambda, train
 from eyas.training.order import FixedOrder
 from eyas.drafter.ttt import accept_length, ttt_mask
 from eyas.training.vocab import build_draft_vocab, count_targets
@@ -81,6 +81,18 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(10) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
     assert all(f(i) >= f(i + 1) for i in range(10, 100))
+
+
+@pytest.mark.unit
+def test_the_schedule_is_fitted_to_the_time_left_at_the_pace_so_far():
+    # 100 steps in 10 s: 0.1 s a step; 40 s left fit 400 more
+    assert fit_schedule(planned=1000, start=0, done=100, elapsed_s=10.0, budget_s=50.0) == 500
+    assert fit_schedule(planned=1000, start=0, done=100, elapsed_s=10.0, budget_s=500.0) == 1000  # never past the plan
+    assert fit_schedule(planned=1000, start=0, done=100, elapsed_s=60.0, budget_s=50.0) == 101  # over: one more step
+    # a resumed run: its own pace (100 steps since step 200 in 10 s), its own budget
+    assert fit_schedule(planned=1000, start=200, done=300, elapsed_s=10.0, budget_s=20.0) == 400
+    with pytest.raises(ValueError, match="time_budget_s: expected None or more than 0, found 0"):
+        TrainConfig(data="x", steps=3, time_budget_s=0)
 
 
 @pytest.mark.unit
@@ -165,6 +177,24 @@ def test_trained_drafter_beats_the_best_unigram_predictor(toy, tmp_path):
     assert (tmp_path / "run" / "training.png").stat().st_size > 1000
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {"train", "val"} <= {r["kind"] for r in rows}
+
+
+@pytest.mark.integration
+def test_a_time_budget_ends_the_schedule_at_its_floor_and_writes_the_drafter(toy, tmp_path):
+    """Far more steps planned than a few seconds allow: the run refits its cosine to the budget and
+    ends on the floor learning rate (not cut off high), records the refit, and writes the drafter."""
+    from eyas.interop import read_contract
+
+    cfg = _cfg(toy, tmp_path / "run", steps=100_000, time_budget_s=6.0, eval_every=100_000, save_every=100_000)
+    result = train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["kind"] == "train"]
+    refits = [r for r in rows if r["kind"] == "schedule"]
+    assert FIT_AFTER_STEPS < result.steps_done < 100_000
+    assert refits and refits[0]["planned_steps"] == 100_000 and refits[0]["total_steps"] < 100_000
+    assert trained[-1]["step"] == result.steps_done
+    assert trained[-1]["lr"] == pytest.approx(cfg.lr * cfg.min_lr_ratio)  # the cosine's floor: it ended
+    assert read_contract(tmp_path / "run").metrics.step == result.steps_done
 
 
 @pytest.mark.slow

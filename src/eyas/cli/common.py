@@ -10,6 +10,7 @@ from enum import Enum
 from typing import Any, Callable
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
 from eyas.errors import EyasError
@@ -66,3 +67,5 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except (EyasError, FileNotFoundError) as e:  # bad input: the message names file, field, expected, found
         fail(str(e))
+    except ValidationError as e:  # a typed config's own checks (their messages name field, expected, found)
+        fail("; ".join(str(x["msg"]).removeprefix("Value error, ") for x in e.errors()))

@@ -265,6 +265,10 @@ def train(
     out: Path = typer.Option(..., help="checkpoint directory (an eyas-format drafter at the end)"),
     steps: Optional[int] = typer.Option(None, help="optimizer steps (or --epochs)"),
     epochs: Optional[float] = typer.Option(None, help="passes over the training split (or --steps)"),
+    time_budget_s: Optional[float] = typer.Option(
+        None, help="finish within about this many seconds (loading and tokenizing included; the last evaluation "
+                   "and the save come after): the learning-rate schedule is shortened to end there, from the pace "
+                   "measured as it trains, rather than cut off at a high learning rate"),
     boundaries: Optional[str] = typer.Option(None, help="online only: e.g. 2,15,27 (default [2, L//2, L-3])"),
     draft_vocab: int = typer.Option(8192, "--draft-vocab"),
     batch_size: int = typer.Option(4, help="sequences per rank per step (without --tokens-per-batch)"),
@@ -303,8 +307,8 @@ def train(
     from eyas.training.config import TrainConfig
     from eyas.training.loop import train as run_training
 
-    cfg = TrainConfig(
-        target=target, data=data, out=str(out), steps=steps, epochs=epochs,
+    cfg = _run(
+        TrainConfig, target=target, data=data, out=str(out), steps=steps, epochs=epochs, time_budget_s=time_budget_s,
         boundaries=_run(parse_boundaries, boundaries) if boundaries else None, draft_vocab_size=draft_vocab,
         batch_size=batch_size, tokens_per_batch=tokens_per_batch, max_length=max_length, lr=lr, ttt_steps=ttt_steps,
         save_every=save_every, eval_every=eval_every, log_every=log_every, patience=patience, seed=seed, device=device, target_devices=target_devices,

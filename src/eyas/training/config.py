@@ -32,6 +32,10 @@ class TrainConfig(BaseModel):
     # tokens per rank per step, padded length a multiple of 64; None: batch_size samples per step.
     tokens_per_batch: int | None = None
     max_length: int = 1024
+    # The wall time of a train() call (loading and tokenizing, evaluations and checkpoints included). The schedule
+    # is refitted to it as the pace becomes known (eyas.training.loop.fit_schedule): the cosine ends
+    # at the budget instead of being cut off at a high learning rate. None: run every planned step.
+    time_budget_s: float | None = None
 
     # --- optimisation ---
     lr: float = 1e-3
@@ -63,6 +67,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"give exactly one of steps / epochs; found steps={self.steps}, epochs={self.epochs}")
         if self.tokens_per_batch is not None and self.tokens_per_batch < 64:
             raise ValueError(f"tokens_per_batch: expected None or at least 64, found {self.tokens_per_batch}")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ValueError(f"time_budget_s: expected None or more than 0, found {self.time_budget_s}")
         if self.patience is not None and self.patience < 1:
             raise ValueError(f"patience: expected None or at least 1, found {self.patience}")
         for name in ("batch_size", "log_every", "eval_every", "save_every"):

@@ -84,6 +84,24 @@ def lr_lambda(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
     return f
 
 
+# Steps of this run before its pace is trusted for fitting the schedule to --time-budget-s (the first
+# steps compile and warm up); it is refitted at every log line after that.
+FIT_AFTER_STEPS = 20
+
+
+def fit_schedule(planned: int, start: int, done: int, elapsed_s: float, budget_s: float) -> int:
+    """The schedule's total steps that end it at ``budget_s`` seconds of this run, from its pace so
+    far: ``done - start`` steps in ``elapsed_s`` (evaluations and checkpoints included, as they will
+    recur). Never more than ``planned`` (the steps or epochs asked for), never fewer than ``done + 1``.
+
+    Refitted as the run goes: a shorter total moves the cosine on (the learning rate steps down a
+    little), a longer one (a pace that improved after the warm-up) moves it back, so the decay ends
+    at the budget rather than being cut off at a high learning rate."""
+    pace = elapsed_s / max(1, done - start)  # seconds per step
+    fits = done + int(max(0.0, budget_s - elapsed_s) / pace)
+    return max(done + 1, min(planned, fits))
+
+
 def sample_lengths(samples: Any, indices: Sequence[int]) -> list[int]:
     """Tokens of each of ``samples[indices]``: from the shard index (no sample read) offline."""
     lengths = getattr(samples, "lengths", None)
@@ -305,8 +323,14 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
 
     A training step reads nothing back from the device (counts stay on it; throughput is
     measured with events read at log steps): only log, evaluation and checkpoint steps sync.
+
+    ``cfg.time_budget_s`` counts from this call (loading the target, reading and tokenizing the
+    data included); the loop's schedule is refitted to what is left of it (:func:`fit_schedule`),
+    and the last evaluation and the save come after it.
     """
     from eyas.interop import load_drafter, save_drafter
+
+    t_entry = time.perf_counter()
 
     split = parse_target_devices(cfg.target_devices)  # --target-devices: the drafter on its first device
     if split is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -362,7 +386,8 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     elif d.main:
         contract.fingerprint = online_fingerprint(batches, samples, train_idx[:64], spec, target.hidden_size)
 
-    total_steps = cfg.steps if cfg.steps is not None else order.steps_for(cfg.epochs, d.world)  # type: ignore[arg-type]
+    planned = cfg.steps if cfg.steps is not None else order.steps_for(cfg.epochs, d.world)  # type: ignore[arg-type]
+    total_steps = planned  # fitted to cfg.time_budget_s as the run goes (fit_schedule)
     params = [p for p in drafter.parameters() if p.requires_grad]
     # fused on CUDA: one kernel for the whole update, its step counters on the device (no host reads)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
@@ -460,6 +485,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     # tensors (a seeded randperm: no device involved).
     order.step(start, d.rank, d.world)
     done, stopped_early, last_eval = start, False, None
+    t_loop = time.perf_counter()
     for step in bar:
         t_start = timer.mark()
         rows = order.step(step, d.rank, d.world)
@@ -501,6 +527,22 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
                             tok_s=f"{figures['tokens_per_s']:.0f}", tgt=f"{figures['target_share']:.0%}",
                             dft=f"{figures['drafter_share']:.0%}")
             window = Tally(cfg.ttt_steps)
+            if cfg.time_budget_s is not None and done - start >= FIT_AFTER_STEPS and done < total_steps:
+                fitted = fit_schedule(planned, start, done, time.perf_counter() - t_loop,
+                                      cfg.time_budget_s - (t_loop - t_entry))  # what setup left of the budget
+                if d.world > 1:  # every rank runs rank 0's schedule
+                    t = torch.tensor([fitted], dtype=torch.long, device=device)
+                    dist.broadcast(t, src=0)
+                    fitted = int(t.item())
+                if fitted != total_steps:
+                    if abs(fitted - total_steps) > 0.05 * total_steps:  # say so when it moves by more than 5%
+                        if d.main:
+                            log(f"step {done}: the schedule now ends at step {fitted} of {planned} planned, to "
+                                f"fit --time-budget-s {cfg.time_budget_s:g}")
+                        record({"kind": "schedule", "step": done, "total_steps": fitted, "planned_steps": planned})
+                    total_steps = fitted
+                    sched.lr_lambdas = [lr_lambda(cfg, total_steps)]  # type: ignore[attr-defined]
+                    bar.total = total_steps
         evaluates = val_idx or validate is not None
         t_other = time.perf_counter()
         if done < total_steps and evaluates and (done % cfg.eval_every == 0 or done % cfg.save_every == 0):
@@ -517,6 +559,9 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         timer.exclude(time.perf_counter() - t_other)
         if stop_after is not None and done - start >= stop_after:
             return TrainResult(out, drafter, done, best.step)
+        if done >= total_steps:  # the schedule was fitted to --time-budget-s: it ends here
+            bar.close()
+            break
 
     # The end: a last evaluation (unless the early stop just made one), then the best drafter to out.
     if (val_idx or validate is not None) and not (last_eval is not None and last_eval["step"] == done):
