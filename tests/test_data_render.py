@@ -19,6 +19,7 @@ from eyas.data import (
     Conversation,
     TemplateAlignmentError,
     render,
+    render_many,
     render_prompt,
     shift_for_training,
     shift_targets,
@@ -234,6 +235,40 @@ def test_history_rewritten_by_template_is_refused(smol):
     conv[2]["content"] = "Something else"
     with pytest.raises(TemplateAlignmentError, match="could not be found"):
         render(conv, smol, chat_template=dropping)
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["here", "two_processes"])
+def test_render_many_equals_render_of_each_conversation_in_order_with_none_where_it_cannot_align(smol, workers):
+    """Worker processes (spawned; parallel_from=1 so that a handful of conversations use them) give
+    what render gives, conversation by conversation, truncation included; a template that cannot
+    align gives None, in place."""
+    convs = [MULTI_TURN[: 2 * k] for k in (1, 2, 3)] * 3 + [[{"role": "user", "content": "x " * 50}]]
+    longest_kept = render(convs[0], smol).num_tokens  # the one-turn conversation whole, the others cut
+    got = render_many(convs, smol, max_length=longest_kept, workers=workers, parallel_from=1)
+    assert len(got) == len(convs)
+    for conv, r in zip(convs, got):
+        ref = render(conv, smol, max_length=longest_kept)
+        assert torch.equal(r.input_ids, ref.input_ids) and torch.equal(r.loss_mask, ref.loss_mask)
+        assert (r.assistant_spans, r.truncated) == (ref.assistant_spans, ref.truncated)
+    assert any(r.truncated for r in got) and any(not r.truncated for r in got)
+    assert render_many(convs[:3], smol, chat_template=R1_LIKE_TEMPLATE, workers=workers, parallel_from=1)[1:] == [None, None]
+
+
+def test_render_many_renders_here_with_a_warning_when_its_workers_cannot_start(smol, monkeypatch):
+    import importlib
+    from concurrent.futures.process import BrokenProcessPool
+
+    render_module = importlib.import_module("eyas.data.render")  # the module (eyas.data.render is the function)
+
+    class NoWorkers:
+        def __init__(self, *args, **kwargs):
+            raise BrokenProcessPool("a child process terminated abruptly")
+
+    monkeypatch.setattr(render_module, "ProcessPoolExecutor", NoWorkers)
+    convs = [MULTI_TURN[:2], MULTI_TURN[:4]]
+    with pytest.warns(UserWarning, match=r"worker processes failed .*rendering the 2 conversations in this process"):
+        got = render_many(convs, smol, workers=2, parallel_from=1)
+    assert [r.input_ids.tolist() for r in got] == [render(c, smol).input_ids.tolist() for c in convs]
 
 
 def test_token_across_turn_boundary_is_refused(smol):

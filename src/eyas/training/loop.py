@@ -130,18 +130,13 @@ def load_samples(cfg: TrainConfig, target: LoadedTarget, force: bool) -> tuple[A
         mode = ds.contract.tokenisation.system_prompt if ds.contract.tokenisation else cfg.system_prompt
         return ds, CaptureSpec(tuple(ds.contract.capture.boundaries), L), True, mode
     from eyas.data.conversations import read_conversations
-    from eyas.data.render import TemplateAlignmentError, render, system_prompt_mode
+    from eyas.data.render import render_many, system_prompt_mode
 
     result = read_conversations(cfg.data, on_error="skip")
-    samples, misaligned = [], 0
-    for conv in result.conversations:
-        try:
-            r = render(conv, tokenizer, max_length=cfg.max_length, system_prompt=cfg.system_prompt)
-        except TemplateAlignmentError:
-            misaligned += 1
-            continue
-        if r.num_assistant_tokens > 0:  # prompt-only conversations carry no loss
-            samples.append({"input_ids": r.input_ids, "loss_mask": r.loss_mask})
+    rendered = render_many(result.conversations, tokenizer, max_length=cfg.max_length, system_prompt=cfg.system_prompt)
+    misaligned = sum(r is None for r in rendered)
+    # prompt-only conversations carry no loss
+    samples = [{"input_ids": r.input_ids, "loss_mask": r.loss_mask} for r in rendered if r is not None and r.num_assistant_tokens > 0]
     if result.problems or misaligned:
         warnings.warn(f"{cfg.data}: skipped {len(result.problems)} bad records and {misaligned} conversations "
                       f"the chat template cannot align; first: {result.problems[:1]}", stacklevel=2)
