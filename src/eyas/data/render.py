@@ -406,12 +406,13 @@ def render_many(
     (:class:`TemplateAlignmentError`). Each result equals ``render`` of that conversation alone.
 
     From ``parallel_from`` conversations on, chunks of them are rendered by ``workers`` processes
-    (default: the CPUs this process may use, at most 16, and only with at least ``MIN_WORKERS`` of
-    them; 1 renders here). The workers are spawned, not forked: the caller may hold CUDA and OpenMP
+    (default: this process's share of the CPUs it may use, divided among torchrun's WORLD_SIZE
+    processes, at most 16, and only with at least ``MIN_WORKERS`` of them; 1 renders here). The workers are spawned, not forked: the caller may hold CUDA and OpenMP
     state that a forked child must not inherit. Each worker unpickles the tokenizer once and returns
     plain lists; the tensors are built here. If the workers cannot start (spawn re-imports the main
     script, which must guard its entry point), it says so and renders here."""
-    n_workers = workers if workers is not None else min(16, len(os.sched_getaffinity(0)))
+    # default: this process's share of the CPUs (torchrun starts WORLD_SIZE processes, each renders)
+    n_workers = workers if workers is not None else min(16, len(os.sched_getaffinity(0)) // int(os.environ.get("WORLD_SIZE", "1")))
     if len(conversations) < parallel_from or n_workers < (2 if workers is not None else MIN_WORKERS):
         return [_render_or_none(c, tokenizer, max_length, system_prompt, chat_template) for c in conversations]
     chunks = [list(conversations[i:i + _CHUNK]) for i in range(0, len(conversations), _CHUNK)]

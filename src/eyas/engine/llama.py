@@ -282,11 +282,11 @@ def linear(a: Tensor, w: Tensor, bias: Tensor | None = None, *, matvec: bool = F
 
     ``matvec`` (for compiled steps; B = 1 only, else ignored): the product written as a float32
     reduction, sum_k w[n, k] * a[k], which inductor turns into one Triton kernel that streams w once,
-    with a's cast and any pointwise producer of a fused into its loads. A batch-1 step of a large
-    model is the time it takes to read its weights once, and cuBLAS's batch-1 kernels read them well
-    below the copy bandwidth (8B-shaped Llama on an H200: every matrix of a step, one after the
-    other, 1.49x the floor). Run eagerly it would materialise w * a: compiled functions only. The
-    sum is float32 like cuBLAS's accumulator; only its order differs."""
+    with a's cast and any pointwise producer of a (the MLP's SiLU) fused into its loads. On an H200,
+    in CUDA graphs, an 8B-shaped step's matrices take 1.11x the bandwidth floor with cuBLAS and
+    1.00x as tuned reductions (``benchmarks/2026-12-01-matvec-h200.md``); a small model's step
+    gains more, from fewer kernels. Run eagerly it would materialise w * a: compiled functions
+    only. The sum is float32 like cuBLAS's accumulator; only its order differs."""
     if matvec and a.shape[0] == 1:
         y = (w.float() * a.float()).sum(-1)[None]  # [1, out], float32
         return (y if bias is None else y + bias.float()).to(a.dtype)
