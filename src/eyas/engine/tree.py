@@ -234,6 +234,16 @@ class DraftState:
             return out.logits, out.hidden
         return fn
 
+    def _extend_eager(self, tokens: Tensor, features: Tensor, slots: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """An extend of exact shape (no graph): every entry writes its K/V, but only the last one's
+        logits are used (the root's), so the lm_head runs on that row alone: [Vd] and [H]."""
+        n = tokens.shape[0]
+        last = torch.zeros(1, n, dtype=torch.bool, device=self.device)
+        last[0, n - 1] = True
+        out = self.drafter(tokens[None], features[None], slots[None], cache=self.cache, cache_slots=slots,
+                           mask=mask[None, None], from_target=True, logits_at=last)
+        return out.logits[0], out.hidden[0, n - 1]
+
     @torch.no_grad()
     def extend(self, tokens: Tensor | list[int], features: Tensor) -> None:
         """Commit n entries: entry length+i reads (features[i], tokens[i]) at position length+i.
@@ -254,11 +264,13 @@ class DraftState:
         # causal over the committed cache: entry s sees entries 0..s; a pad sees itself
         mask = self.positions[None] <= slots[:, None]  # [B, max_len]
         mask[n:] = self.positions[None] == slots[n:, None]
-        step = self._steps[True] if B == self.extend_bucket else self._eager[True]  # a prompt runs eagerly
-        logits, hidden = step(tokens[None], features[None], slots[None], slots, mask[None, None])
         self.root_token = tokens[n - 1:n]
-        # cloned: a graph's outputs are overwritten by its next replay
-        self.root_logits, self.root_hidden = logits[0, n - 1].clone(), hidden[0, n - 1].clone()
+        if B == self.extend_bucket:  # the fixed-shape (compiled, graphed) step
+            logits, hidden = self._steps[True](tokens[None], features[None], slots[None], slots, mask[None, None])
+            # cloned: a graph's outputs are overwritten by its next replay
+            self.root_logits, self.root_hidden = logits[0, n - 1].clone(), hidden[0, n - 1].clone()
+        else:  # exact shapes (a prompt; every extend on the CPU), eagerly
+            self.root_logits, self.root_hidden = self._extend_eager(tokens, features, slots, mask)
         self.length += n
 
     @torch.no_grad()
