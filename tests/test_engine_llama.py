@@ -448,11 +448,11 @@ def test_greedy_output_with_fixed_shapes_and_key_buckets_equals_exact_shapes_tok
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("T", [2, 3])
-def test_two_or_three_tokens_on_the_cpu_run_padded_to_four_rows_with_the_same_result(T):
+@pytest.mark.parametrize("T,padded", [(2, 4), (3, 4), (6, 8), (7, 8)])
+def test_steps_on_the_cpu_run_padded_to_four_or_eight_rows_with_the_same_result(T, padded):
     """On the CPU a step of 2 or 3 tokens runs as 4 rows (the BLAS would read the weights once per
-    row); the pads change nothing: the logits and features equal the HF model's, only T entries
-    are committed, and the next step sees the same cache as without padding."""
+    row), one of 6 or 7 as 8; the pads change nothing: the logits and features equal the HF model's,
+    only T entries are committed, and the next step sees the same cache as without padding."""
     model = tiny_model("llama", L)
     fast, hf = LlamaTarget(model, SPEC), HFTarget(model, SPEC)
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9]])
@@ -461,10 +461,16 @@ def test_two_or_three_tokens_on_the_cpu_run_padded_to_four_rows_with_the_same_re
     rows = []
     step = fast._step
     fast._step = lambda inputs, *a: rows.append(len(inputs.ids)) or step(inputs, *a)
-    tokens, positions = torch.tensor([[2, 6, 5][:T]]), torch.arange(6, 6 + T)[None]
-    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)[:T, :T]  # node 2 skips node 1
+    tokens = torch.tensor([[2, 6, 5, 3, 5, 8, 9][:T]])
+    parents = [-1, 0, 0, 1, 2, 3, 4][:T]  # node 2 skips node 1; two branches below them
+    tree = torch.eye(T, dtype=torch.bool)
+    depths = [0] * T
+    for i in range(1, T):
+        tree[i] |= tree[parents[i]]
+        depths[i] = depths[parents[i]] + 1
+    positions = (6 + torch.tensor(depths))[None]
     got, want = fast.forward(tokens, positions, tree), hf.forward(tokens, positions, tree)
-    assert rows == [4]
+    assert rows == [padded]
     assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)

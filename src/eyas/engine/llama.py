@@ -108,6 +108,8 @@ MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned")
 
 # Fewest rows an exact-shape step multiplies on the CPU (see LlamaTarget.forward).
 CPU_MIN_ROWS = 4
+# Exact-shape steps on the CPU padded to more rows (see LlamaTarget.forward): T tokens -> rows.
+CPU_PADDED_ROWS = {**{t: CPU_MIN_ROWS for t in range(2, CPU_MIN_ROWS)}, 6: 8, 7: 8}
 
 # The key buckets' ladder: SMALLEST_KEYS, doubling, then the capacity (see key_ladder).
 SMALLEST_KEYS = 512
@@ -581,12 +583,16 @@ class LlamaTarget(Target):
             block = (torch.ones(T, T, dtype=torch.bool, device=dev).tril_() if tree_mask is None
                      else tree_mask.to(dev, torch.bool, non_blocking=True))
             B = T
-            if dev.type == "cpu" and 1 < T < CPU_MIN_ROWS and self._len + CPU_MIN_ROWS <= self.max_length:
+            rows = CPU_PADDED_ROWS.get(T, T) if dev.type == "cpu" else T
+            if rows > T and self._len + rows <= self.max_length:
                 # The CPU's BLAS multiplies 2 or 3 rows as separate matrix-vector products, reading
                 # every weight once per row: SmolLM2 took 111 and 135 ms for 2 and 3 tokens against 73
                 # to 87 ms for 1, 4 or 8. Pad to 4 rows: a pad repeats the last token and position,
-                # attends itself only and writes a slot past the cache's end.
-                B, pad = CPU_MIN_ROWS, CPU_MIN_ROWS - T
+                # attends itself only and writes a slot past the cache's end. Likewise 7 rows cost
+                # more than 8, and 6 no less (SmolLM2 in float32 on the 2-core EPYC, 3 runs: 7 tokens
+                # 114-149 ms, padded 88-114; 6 tokens 89-123, padded 88-118; 5 tokens 84-107): a tree
+                # of 5 or 6 drafts verifies padded to 8 rows.
+                B, pad = rows, rows - T
                 ids, pos = torch.cat([ids, ids[-1:].expand(pad)]), torch.cat([pos, pos[-1:].expand(pad)])
                 block = torch.block_diag(block, torch.eye(pad, dtype=torch.bool, device=dev))
             inputs = _Inputs(ids, pos, block, torch.full((1,), self._len, dtype=torch.long, device=dev))
