@@ -37,7 +37,7 @@ echo "(the doctor exited with code $code: it refuses the broken copy and says wh
 say "3/4 speculative decoding (a small tree: depth 3, top-2, 6 drafts) against eyas plain decoding, greedy, on MT-bench"
 # Why a tree and not a chain of 4: on a 2-core CPU verifying 8 rows costs about what 5 do (the target
 # pads 7 tokens to 8 rows), and this drafter's later chain positions add little (tau 1.72, 1.81, 1.85
-# for chains of 2, 3, 4), while top-2 branches raise tau to 2.08 with two draft steps instead of three.
+# for chains of 2, 3, 4), while top-2 branches raise tau to 2.08 with one draft step fewer (depth 3).
 # Measured on 4 MT-bench prompts, 128 tokens, float32, same runs: eyas bench 1.18x (tree 3,2,6) against
 # 1.09x (chain 4); an in-process A/B over the same prompts 1.32x against 1.15x.
 $EYAS bench --target smollm2 --draft default --prompts mt_bench --limit ${BENCH_PROMPTS:-4} \
