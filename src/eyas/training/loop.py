@@ -554,7 +554,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         timer.exclude(time.perf_counter() - t_other)
         if stop_after is not None and done - start >= stop_after:
             return TrainResult(out, drafter, done, best.step)
-        if done >= total_steps:  # the schedule was fitted to --time-budget-s: it ends here
+        if total_steps < planned and done >= total_steps:  # the schedule fitted to --time-budget-s ends here
             bar.close()
             break
 
