@@ -48,7 +48,6 @@ import gc
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -65,6 +64,9 @@ if _cpu_requested(sys.argv[1:]):
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from llama_8b_cost import bandwidth  # noqa: E402 (the sibling scripts: the same floor, the same clock)
+from llama_target_gpu import timed  # noqa: E402
 
 try:
     import triton
@@ -263,39 +265,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def median_ms(fn, device: torch.device, reps: int, warm: int = 3) -> float:
-    """Median ms of fn(): CUDA events on a GPU, the host clock elsewhere."""
-    for _ in range(warm):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> dict:
-    """As llama_8b_cost.bandwidth: a copy_ of nbytes (GB/s = bytes read + written / time) and a
-    read-only estimate (a float32 sum of the same bytes)."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).uniform_(-1, 1)
-    dst = torch.empty_like(src)
-    copy_ms = median_ms(lambda: dst.copy_(src), device, reps)
-    read_ms = median_ms(lambda: src.sum(dtype=torch.float32), device, reps)
-    del src, dst
-    return {"bytes": nbytes, "copy_ms": copy_ms, "copy_GBps": 2 * nbytes / copy_ms / 1e6,
-            "read_ms": read_ms, "read_GBps": nbytes / read_ms / 1e6}
-
-
 def time_per_call(fn, x: torch.Tensor, ws: list[torch.Tensor], calls: int, reps: int,
                   device: torch.device) -> dict:
     """Median ms per call of ``calls`` back-to-back calls (cycling through ws): replaying one CUDA
@@ -330,7 +299,7 @@ def time_per_call(fn, x: torch.Tensor, ws: list[torch.Tensor], calls: int, reps:
             torch.cuda.synchronize()
     else:
         out["method"] = "host-clock"
-    out["ms"] = median_ms(run, device, reps) / calls
+    out["ms"] = timed(run, device, reps, warm=3) / calls
     del graph
     return out
 
@@ -504,7 +473,7 @@ def bench(args) -> None:
         f"candidates {names}; {len(grid)} triton configs")
 
     nbytes = (64 << 20) if args.tiny else (2 << 30)
-    report["bandwidth"] = bw = copy_bandwidth(device, nbytes, max(5, args.reps // 2))
+    report["bandwidth"] = bw = bandwidth(device, nbytes, max(5, args.reps // 2))
     log(f"copy {bw['copy_GBps']:.0f} GB/s, read-only {bw['read_GBps']:.0f} GB/s ({nbytes >> 20} MiB)")
     step_bytes = sum(c * N * K * 2 for _, N, K, c in mats)
     report["step_weight_bytes"] = step_bytes
