@@ -121,7 +121,8 @@ VARIANTS = {"compiled": (True, "gemm"), "compiled-reduce": (True, "reduce"),
 
 
 @torch.no_grad()
-def measure(model, spec, device, capacity: int, prefill: int, reps: int, variant: str, all_keys: bool) -> dict:
+def measure(model, spec, device, capacity: int, prefill: int, reps: int, variant: str, all_keys: bool,
+            profile: bool = False) -> dict:
     """Warm-up seconds and the median ms of each step size for one LlamaTarget variant. The warm-up
     compiles and captures the token buckets of SIZES with the key bucket the steps attend (every
     key bucket of a 2048-token sequence with ``all_keys``, as a server does)."""
@@ -154,9 +155,37 @@ def measure(model, spec, device, capacity: int, prefill: int, reps: int, variant
         out["ms"][n] = timed(step, device, reps, after=lambda: target.keep([]))
         assert target.cache_len == prefill
         print(f"    {n:3d} tokens: {out['ms'][n]:.3f} ms (bucket, keys {out['step_shape'][n]})", flush=True)
+        if n == 1 and profile and device.type == "cuda":
+            out["plain_profile"] = kernel_profile(step, lambda: target.keep([]))
     out["compile_seconds"], out["compile_error"] = target.compile_seconds, target.compile_error
     out["implementation"] = target.implementation  # without "compile" when compilation failed
     return out  # the target (its cache and graphs) is freed with this frame
+
+
+def kernel_profile(step, after, steps: int = 10) -> dict:
+    """The GPU kernels of ``steps`` replays of a step (torch.profiler): per kernel name, its calls
+    and microseconds per step, longest first, and the kernels per step in all."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+            after()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            r = rows.setdefault(e.name, [0, 0.0])
+            r[0] += 1
+            r[1] += e.device_time
+    table = sorted(({"kernel": k[:120], "calls": c / steps, "us": t / steps} for k, (c, t) in rows.items()),
+                   key=lambda r: -r["us"])
+    total = {"kernels": sum(r["calls"] for r in table), "us": sum(r["us"] for r in table)}
+    print(f"    profile of a plain step: {total['kernels']:.0f} kernels, {total['us']:.0f} us of kernel time")
+    for r in table[:25]:
+        print(f"      {r['calls']:6.1f} x {r['us'] / max(r['calls'], 1):7.2f} us = {r['us']:8.1f} us  {r['kernel'][:90]}")
+    return {"per_step": total, "kernels": table}
 
 
 def _step_keys(target: LlamaTarget, prefill: int) -> int:
@@ -179,6 +208,7 @@ def main() -> None:
     ap.add_argument("--variants", default="compiled,graphs", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--warm-all-keys", action="store_true",
                     help="warm every bucket with every key bucket of a 2048-token sequence (a server's start-up)")
+    ap.add_argument("--profile", action="store_true", help="also profile the plain step's GPU kernels (torch.profiler)")
     args = ap.parse_args()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cpu":
@@ -227,7 +257,8 @@ def main() -> None:
     for v in variants:
         print(f"{v}:", flush=True)
         try:
-            report["variants"][v] = measure(model, spec, dev, capacity, prefill, reps, v, args.warm_all_keys)
+            report["variants"][v] = measure(model, spec, dev, capacity, prefill, reps, v, args.warm_all_keys,
+                                              args.profile)
         except Exception:  # noqa: BLE001 (report it and go on with the next variant)
             report.setdefault("errors", {})[v] = traceback.format_exc()
             print(f"{v} failed:\n{report['errors'][v]}", flush=True)

@@ -144,6 +144,29 @@ def test_greedy_identity_on_another_architecture(kind):
             assert speculative_generate(target, drafter, prompt, tree=tree, max_new_tokens=16).tokens == ref
 
 
+@pytest.mark.unit
+def test_a_counter_stream_draws_the_same_again_and_fresh_numbers_per_position_tag_and_key():
+    """A sampled round's draws are a hash of (key, committed length, tag, index): the same arguments
+    give the same numbers (a round drafted ahead draws what it would in turn), any other position,
+    tag or key gives uncorrelated uniform ones."""
+    from eyas.engine.sampling import CounterStream, uniform
+
+    cpu = torch.device("cpu")
+    stream = CounterStream.from_generator(torch.Generator().manual_seed(0), cpu)
+    assert torch.equal(stream.key, CounterStream.from_generator(torch.Generator().manual_seed(0), cpu).key)
+    at = lambda s, m: s.at(torch.tensor(m))  # noqa: E731
+    u = at(stream, 5).uniform((64, 100), tag=1)
+    assert u.dtype == torch.float32 and 0 < u.min() and u.max() < 1
+    assert torch.equal(u, at(stream, 5).uniform((64, 100), tag=1))
+    assert torch.equal(u, uniform((64, 100), at(stream, 5), cpu, tag=1))  # what the draws call
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert ((torch.histc(u, bins=10, min=0, max=1) / u.numel()) - 0.1).abs().max() < 0.01
+    other_key = CounterStream.from_generator(torch.Generator().manual_seed(1), cpu)
+    for v in (at(stream, 6).uniform((64, 100), 1), at(stream, 5).uniform((64, 100), 2),
+              at(other_key, 5).uniform((64, 100), 1)):
+        assert abs(torch.corrcoef(torch.stack([u.flatten(), v.flatten()]))[0, 1]) < 0.04
+
+
 @pytest.mark.integration
 def test_drafts_that_are_always_rejected_still_give_one_correct_token_per_round(llama):
     """The draft vocabulary excludes every token the target will produce: nothing can match."""

@@ -245,6 +245,43 @@ def test_pipelined_rounds_equal_sequential_rounds(llama, trained_drafter, monkey
     assert calls["pipelined"] > 0 and calls["drafted_ahead"] > 0
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("tree", [TreeSpec.chain(4), TreeSpec(4, 4, 16)], ids=str)
+def test_sampled_pipelined_rounds_draw_what_sequential_rounds_draw(llama, trained_drafter, monkeypatch, tree):
+    """Sampled rounds are pipelined too: the next tree is drafted from the session's CounterStream at
+    the committed length the device computed (m + a + 1), which is where a sequential round draws,
+    so with the same generator seed both commit the same tokens, round by round."""
+    import eyas.engine.speculative as spec
+
+    calls = {"pipelined": 0, "drafted_ahead": 0}
+    original = spec._pipelined_round
+
+    def counted(s):
+        calls["pipelined"] += 1
+        calls["drafted_ahead"] += s.next_tree is not None
+        return original(s)
+
+    monkeypatch.setattr(spec, "_pipelined_round", counted)
+    target = LlamaTarget(llama, SPEC4, fixed_shapes=True)
+    sampling = SamplingParams(temperature=1.0, top_p=0.95)
+    outputs = set()
+    for seed, prompt in enumerate(random_prompts(3, 128, seed=7)):
+        piped = speculative_generate(target, trained_drafter, prompt, tree=tree, sampling=sampling, max_new_tokens=40,
+                                     generator=torch.Generator().manual_seed(seed))
+        before = calls["pipelined"]
+        sequential = speculative_generate(target, trained_drafter, prompt, tree=tree, sampling=sampling,
+                                          max_new_tokens=40, generator=torch.Generator().manual_seed(seed),
+                                          observer=RoundObserver())
+        assert calls["pipelined"] == before
+        assert piped.tokens == sequential.tokens
+        assert piped.stats.accept_lengths == sequential.stats.accept_lengths
+        outputs.add(tuple(piped.tokens))
+        other = speculative_generate(target, trained_drafter, prompt, tree=tree, sampling=sampling, max_new_tokens=40,
+                                     generator=torch.Generator().manual_seed(seed + 100))
+        assert other.tokens != piped.tokens  # another seed, other draws (40 tokens at temperature 1)
+    assert calls["pipelined"] > 0 and calls["drafted_ahead"] > 0 and len(outputs) == 3
+
+
 @pytest.mark.unit
 def test_truncate_drops_entries_and_refuses_growing(llama):
     target = LlamaTarget(llama, SPEC4, fixed_shapes=True)

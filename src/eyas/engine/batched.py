@@ -82,6 +82,7 @@ from eyas.convention.boundaries import CaptureSpec
 from eyas.data.generation import Answer, BatchParams
 from eyas.engine.graphs import CompiledOrEager, capture
 from eyas.engine.llama import BlockWeights, LlamaTarget, UnsupportedTarget, project, rms_norm, rope, supports
+from eyas.engine.sampling import counter_uniform
 from eyas.errors import EyasError
 from eyas.targets.structure import find_decoder_blocks, text_config
 
@@ -194,25 +195,6 @@ def decode_layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, ma
                   scaling)
     h = h_in + F.linear(out.reshape(R, Hq * D), w.o, w.o_bias)
     return h, _mlp(rms_norm(h, w.post_norm, eps), w)
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash (two multiply-xorshift rounds; int64 lanes holding values < 2**32, whose
-    products stay < 2**63)."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    return (x >> 16) ^ x
-
-
-def counter_uniform(key: Tensor, count: Tensor) -> Tensor:
-    """Uniforms in (0, 1), float32, of (key, count) long [...] (keys < 2**32): a stateless hash, so
-    prompt i's j-th token draws u(key_i, j) wherever and whenever it is decoded. 23 bits."""
-    x = _mix32(key ^ _mix32(count & _MASK32))
-    x = _mix32((x + key) & _MASK32)
-    return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def choose(logits: Tensor, key: Tensor, count: Tensor, temperature: Tensor, drop_mass: Tensor, mode: str) -> Tensor:

@@ -68,7 +68,8 @@ vocabulary, B the step's tokens (T, or its token bucket), K the keys it attends.
 
     qkv weight     [(Hq+2Hkv)*D, H]  rows: q (Hq*D), k (Hkv*D), v (Hkv*D); the model's q/k/v_proj.weight are views
     gate_up weight [2I, H]           rows: gate (I), up (I); the model's gate/up_proj.weight are views
-    keys, values   [L, Hkv, C, D]    entry i = the token at position i (the cache is kept compact)
+    kv             [L, 2, Hkv, C, D] keys (kv[:, 0]) and values (kv[:, 1]); entry i = the token at
+                                     position i (the cache is kept compact)
     forward(T)     writes entries cache_len .. cache_len+B-1, attends the first K entries with the mask
                    [B, K] = (every committed entry) ++ (tree_mask, or causal; a pad: itself) ++ (none)
     keep(idx)      moves the kept entries of the last block to cache_len_before .. (+k) on the device
@@ -77,7 +78,8 @@ Boundary capture follows the contract's convention (docs/conventions.md): bounda
 block 0 (the embeddings), boundary b the output of block b-1 (``hidden + residual``), boundary L the
 last block's output before the final norm. ``_layer`` returns the stream entering its block (its
 boundary) and leaves the block's last residual add to the next block (or ``_head``), where it fuses
-with the next norm.
+with the next norm; a compiled step of one token with ``matvec`` folds the norms into the products
+instead and adds the residual in the down product's kernel (:func:`normed_project`).
 """
 
 from __future__ import annotations
@@ -305,6 +307,36 @@ def project(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] |
     return tuple(linear(a, w, None if biases is None else biases[j], matvec=matvec) for j, w in enumerate(weights))
 
 
+def normed_project(x: Tensor, norm: Tensor, eps: float, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None,
+                   sizes: Sequence[int], *, matvec: bool = False) -> tuple[Tensor, ...]:
+    """``project(rms_norm(x, norm, eps), ...)``: x [B, H] normalised, then projected.
+
+    ``matvec`` (compiled steps of one row, B = 1): the norm is folded into the product, so that a
+    block's norm costs no kernel of its own. The norm's scale r = rsqrt(mean(x^2) + eps) is one
+    scalar, so W (norm * r * x) = r * (W (norm * x)); the sum of x^2 is written as a reduction over
+    the same [N, H] range as the product (every output row sums the same x^2: H extra multiply-adds
+    a row, nothing extra read), which inductor fuses with it into ONE kernel that streams W once.
+    Float32 throughout: it skips Hugging Face's two roundings of the normalised x to the model's
+    dtype, a difference within bf16's tolerance and at float32 round-off in float32."""
+    if not (matvec and x.shape[0] == 1):
+        return project(rms_norm(x, norm, eps), weights, biases, sizes)
+    x32 = x.float()[0]  # [H]
+    H = x32.shape[0]
+    scaled = x32 * norm.float()  # [H]
+    out = []
+    for j, w in enumerate(weights):
+        N = w.shape[0]
+        y = (w.float() * scaled).sum(-1)  # [N]
+        ss = (x32 * x32).expand(N, H).sum(-1)  # [N], every row the same: one reduction with y
+        y = y * torch.rsqrt(ss / H + eps)
+        if biases is not None:
+            y = y + biases[j].float()
+        out.append(y.to(x.dtype)[None])  # [1, N]
+    if len(weights) == 1:
+        return out[0].split(list(sizes), dim=-1)
+    return tuple(out)
+
+
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half rope: x [B, heads, D], cos/sin [B, 1, D]."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -333,51 +365,66 @@ def _prologue(ids: Tensor, pos: Tensor, block: Tensor, start: Tensor, embed: Ten
     return h, torch.zeros_like(h), cos, sin, slots, mask
 
 
-def _layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
-           values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
-           matvec: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, kv: Tensor,
+           w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
+           matvec: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """One decoder block for B tokens. The stream entering it is x + d [B, H] (the previous block's
-    last residual add is done here, fused with this block's norm); cos, sin [B, 1, D]; slots [B]
-    (where the new keys/values go); mask [B, n] bool over the first n cache entries; keys, values
-    [Hkv, C, D] this block's cache, written in place at ``slots``.
+    last residual add is done here, fused with this block's norm; d None: x alone); cos, sin
+    [B, 1, D]; slots [B] (where the new keys/values go); mask [B, n] bool over the first n cache
+    entries; kv [2, Hkv, C, D] this block's keys and values, written in place at ``slots``.
 
-    Returns (h_in, h, m), all [B, H]: the stream entering the block (its boundary), the stream after
-    attention, and the MLP's output; the block's output is h + m. ``matvec``: see :func:`linear`."""
-    h_in = x + d  # [B, H]
+    Returns (h_in, h, m): the stream entering the block (its boundary) and the block's output as
+    h + m, all [B, H]: h the stream after attention and m the MLP's output, left for the next block
+    to add. ``matvec`` (see :func:`linear`; one row): the norms are folded into the products
+    (:func:`normed_project`) and the block returns its output whole, (h_in, h + m, None), the add
+    fused into the down product's kernel, so that no block spends a kernel on a norm or an add."""
+    h_in = x if d is None else x + d  # [B, H]
     B = h_in.shape[0]
-    Hkv, _, D = keys.shape
+    _, Hkv, _, D = kv.shape
     Hq = w.o.shape[1] // D
     G = Hq // Hkv
     n = mask.shape[1]
-    a = rms_norm(h_in, w.input_norm, eps)
-    q, k, v = project(a, w.qkv, w.qkv_bias, (Hq * D, Hkv * D, Hkv * D), matvec=matvec)  # [B, Hq*D], [B, Hkv*D] x 2
+    q, k, v = normed_project(h_in, w.input_norm, eps, w.qkv, w.qkv_bias, (Hq * D, Hkv * D, Hkv * D),
+                             matvec=matvec)  # [B, Hq*D], [B, Hkv*D] x 2
     q, k, v = q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D)  # (views of the fused output too)
     if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
         q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
     q, k = rope(q, cos, sin), rope(k, cos, sin)
-    keys.index_copy_(1, slots, k.transpose(0, 1))  # [Hkv, B, D] into [Hkv, C, D]
-    values.index_copy_(1, slots, v.transpose(0, 1))
+    kv.index_copy_(2, slots, torch.stack((k, v)).transpose(1, 2))  # [2, Hkv, B, D] into [2, Hkv, C, D]: one write
+    keys, values = kv[0, :, :n], kv[1, :, :n]  # [Hkv, n, D]
     # Grouped-query attention without copying the cache: query head j reads key/value head j // G,
     # so the G query heads of a group become G*B rows against their shared keys.
     qg = q.view(B, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * B, D)  # rows (g, b)
-    scores = torch.matmul(qg, keys[:, :n].transpose(1, 2))  # [Hkv, G*B, n], the model's dtype
+    scores = torch.matmul(qg, keys.transpose(1, 2))  # [Hkv, G*B, n], the model's dtype
     scores = (scores.float() * scaling).view(Hkv, G, B, n).masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, G * B, n)
-    out = torch.matmul(p, values[:, :n])  # [Hkv, G*B, D]
+    out = torch.matmul(p, values)  # [Hkv, G*B, D]
     out = out.view(Hkv, G, B, D).permute(2, 0, 1, 3).reshape(B, Hq * D)  # head j = g-th of group j // G
     h = h_in + linear(out, w.o, w.o_bias, matvec=matvec)
-    a = rms_norm(h, w.post_norm, eps)
     I = w.down.shape[1]
-    gate, up = project(a, w.gate_up, w.gate_up_bias, (I, I), matvec=matvec)  # [B, I] each
+    gate, up = normed_project(h, w.post_norm, eps, w.gate_up, w.gate_up_bias, (I, I), matvec=matvec)  # [B, I] each
     m = linear(F.silu(gate) * up, w.down, w.down_bias, matvec=matvec)
+    if matvec and B == 1:
+        return h_in, h + m, None
     return h_in, h, m
 
 
-def _head(x: Tensor, d: Tensor, norm: Tensor, lm_head: Tensor, lm_bias: Tensor | None, *,
+def _head(x: Tensor, d: Tensor | None, norm: Tensor, lm_head: Tensor, lm_bias: Tensor | None, *,
           eps: float, matvec: bool = False) -> tuple[Tensor, Tensor]:
-    """The last block's output x + d [B, H] (boundary L) and the logits [B, V]."""
-    h = x + d
-    return h, linear(rms_norm(h, norm, eps), lm_head, lm_bias, matvec=matvec)
+    """The last block's output x + d [B, H] (boundary L; d None: x) and the logits [B, V]."""
+    h = x if d is None else x + d
+    biases = None if lm_bias is None else (lm_bias,)
+    return h, normed_project(h, norm, eps, (lm_head,), biases, (lm_head.shape[0],), matvec=matvec)[0]
+
+
+class _StepFunctions(NamedTuple):
+    """A step's three functions (eager or compiled) and whether steps of one row fold the norms into
+    the products (``matvec``, see :func:`_layer`): the blocks then pass no residual (None) along."""
+
+    prologue: Callable
+    layer: Callable
+    head: Callable
+    folds_one_row: bool
 
 
 class _Inputs(NamedTuple):
@@ -488,9 +535,11 @@ class LlamaTarget(Target):
 
         cfg_len = int(getattr(cfg, "max_position_embeddings", 0) or default_capacity)
         self.max_length = int(max_length or min(cfg_len, default_capacity))
-        shape = (L, self.num_kv_heads, self.max_length, self.head_dim)
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # One buffer for keys and values, so that a step writes both with one kernel a block (and
+        # keep() moves both with one copy): kv[:, 0] the keys, kv[:, 1] the values.
+        self.kv = torch.zeros((L, 2, self.num_kv_heads, self.max_length, self.head_dim), dtype=self.dtype,
+                              device=self.device)
+        self.keys, self.values = self.kv[:, 0], self.kv[:, 1]  # [L, Hkv, C, D] views
         self._slot_of = {b: i for i, b in enumerate(spec.boundaries)}
 
         # Fixed shapes: a step of T <= max(buckets) tokens runs padded to the smallest token bucket
@@ -527,7 +576,7 @@ class LlamaTarget(Target):
         self._eye = torch.eye(top, dtype=torch.bool, device=self.device)
         self.reset()
 
-    def _functions(self, backend: str | None, matvec: str = "gemm") -> tuple[Callable, Callable, Callable]:
+    def _functions(self, backend: str | None, matvec: str = "gemm") -> _StepFunctions:
         """(prologue, layer, head) with this model's constants and ``matvec`` bound; compiled with
         ``backend`` (None: eager). Compiled, every call with a bucket's shapes hits the same
         compilation."""
@@ -537,14 +586,14 @@ class LlamaTarget(Target):
                functools.partial(_layer, eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=by_reduction),
                functools.partial(_head, eps=c["eps"], matvec=by_reduction))
         if backend is None:
-            return fns
+            return _StepFunctions(*fns, by_reduction)
         # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _head: per
         # token bucket; per model) are separate compilations of one code object (functools.partial's):
         # 6 token buckets x 4 key buckets = 24 of _layer for C = 4096.
         raise_recompile_limits()
         options = {"coordinate_descent_tuning": True} if matvec == "reduce-tuned" else None
-        return tuple(torch.compile(f, backend=backend, fullgraph=True, dynamic=False, options=options)  # type: ignore[return-value]
-                     for f in fns)
+        return _StepFunctions(*(torch.compile(f, backend=backend, fullgraph=True, dynamic=False, options=options)
+                                for f in fns), by_reduction)
 
     # -- cache --------------------------------------------------------------------------------
 
@@ -556,8 +605,7 @@ class LlamaTarget(Target):
         idx, P, k = self._kept(indices)
         # Advanced indexing reads a copy first, so overlapping source and destination are fine.
         src = P + idx
-        self.keys[:, :, P:P + k] = self.keys[:, :, src]
-        self.values[:, :, P:P + k] = self.values[:, :, src]
+        self.kv[:, :, :, P:P + k] = self.kv[:, :, :, src]
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._len:
@@ -601,16 +649,18 @@ class LlamaTarget(Target):
         self._appended(T)
         return logits, (features if capture else None)
 
-    def _step(self, inputs: _Inputs, n_keys: int, fns: tuple[Callable, Callable, Callable]) -> tuple[Tensor, Tensor]:
+    def _step(self, inputs: _Inputs, n_keys: int, fns: _StepFunctions) -> tuple[Tensor, Tensor]:
         """One forward of B = len(inputs.ids) tokens attending the first ``n_keys`` cache entries; its
         shapes depend only on those two numbers. Returns logits [B, V] and the captured boundaries
         [B, S*H] in the spec's slot order (boundary b = the residual stream entering block b;
         boundary L = the last block's output, before the final norm)."""
-        prologue, layer, head = fns
+        prologue, layer, head, folds_one_row = fns
         x, d, cos, sin, slots, mask = prologue(*inputs, self.embed_weight, self.inv_freq, n_keys=n_keys)
+        if folds_one_row and x.shape[0] == 1:
+            d = None  # every block returns its output whole (see _layer): one compilation of it
         captured: list[Tensor | None] = [None] * self.spec.num_slots
         for i, w in enumerate(self.weights):
-            h_in, x, d = layer(x, d, cos, sin, slots, mask, self.keys[i], self.values[i], w)
+            h_in, x, d = layer(x, d, cos, sin, slots, mask, self.kv[i], w)
             if i in self._slot_of:  # boundary i = the input of block i
                 captured[self._slot_of[i]] = h_in
         h, logits = head(x, d, self.norm_weight, self.lm_head_weight, self.lm_head_bias)

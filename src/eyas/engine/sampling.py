@@ -77,30 +77,96 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Random draws. Uniforms come from an optional torch.Generator on its own device (a CPU generator
-# works with a CUDA model); every random choice is derived from them.
+# works with a CUDA model), or from a CounterStream on the model's device; every random choice is
+# derived from them.
 # ---------------------------------------------------------------------------------------------
 
+_MASK32 = 0xFFFFFFFF
 
-def uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> Tensor:
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds; int64 lanes holding values < 2**32, whose
+    products stay < 2**63)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def counter_uniform(key: Tensor, count: Tensor) -> Tensor:
+    """Uniforms in (0, 1), float32, of (key, count) long [...] (keys < 2**32): a stateless hash, so
+    prompt i's j-th token draws u(key_i, j) wherever and whenever it is decoded. 23 bits."""
+    x = _mix32(key ^ _mix32(count & _MASK32))
+    x = _mix32((x + key) & _MASK32)
+    return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
+class CounterStream:
+    """Uniforms that are a hash of device tensors, so that random draws can sit inside a CUDA graph.
+
+    A generator's draws cannot: a CPU generator's numbers would be frozen into the graph at
+    capture, and a CUDA generator advances with every replay, not with the request. Here a uniform
+    is :func:`counter_uniform` of (key, index), where the key is the session's ``key`` (one draw
+    from the request's generator) hashed with a position (:meth:`at`, a device tensor: a round's
+    committed length, which grows every round, so rounds never share draws) and a tag (which draw
+    of the round: a drafting level, acceptance, the bonus token). The same (key, position, tag)
+    gives the same numbers wherever they are computed, on the CPU or the GPU, eagerly or in a
+    replayed graph: a round drafted ahead of the host (a pipelined round) draws exactly what it
+    would have drawn in turn. ``key``: long [1], < 2**32, on the device."""
+
+    def __init__(self, key: Tensor) -> None:
+        self.key = key
+
+    @classmethod
+    def from_generator(cls, generator: torch.Generator | None, device: torch.device) -> "CounterStream":
+        """A stream keyed by one draw from ``generator`` (None: torch's default CPU generator)."""
+        gen_device = generator.device if generator is not None else torch.device("cpu")
+        key = torch.randint(0, 1 << 32, (1,), generator=generator, device=gen_device)
+        return cls(key.to(device))
+
+    def at(self, position: Tensor) -> "CounterStream":
+        """The stream of one position (long [] or [1] on the key's device)."""
+        return CounterStream(_mix32((self.key ^ _mix32(position.reshape(1) & _MASK32)) & _MASK32))
+
+    def uniform(self, shape: tuple[int, ...], tag: int) -> Tensor:
+        """Uniforms in (0, 1), float32 [shape], for draw ``tag`` (a small int) of this stream."""
+        key = _mix32((self.key + _mix32(torch.full_like(self.key, tag))) & _MASK32)
+        n = 1
+        for size in shape:
+            n *= size
+        return counter_uniform(key, torch.arange(n, device=key.device).view(shape))
+
+
+# Draws for tags of CounterStream: drafting level d uses tag d; acceptance these two.
+ACCEPT_TAG = 1 << 20
+BONUS_TAG = ACCEPT_TAG + 1
+
+Draws = torch.Generator | CounterStream | None
+
+
+def uniform(shape: tuple[int, ...], generator: Draws, device: torch.device, tag: int = 0) -> Tensor:
+    """Uniforms in [0, 1) of ``shape`` on ``device``: from the generator (None: torch's default),
+    or draw ``tag`` of a CounterStream."""
+    if isinstance(generator, CounterStream):
+        return generator.uniform(shape, tag)
     gen_device = generator.device if generator is not None else device
     return torch.rand(shape, generator=generator, device=gen_device).to(device)
 
 
-def sample(p: Tensor, generator: torch.Generator | None) -> Tensor:
+def sample(p: Tensor, generator: Draws, tag: int = 0) -> Tensor:
     """One draw from each row of p [..., V] by inverse CDF (the first index whose cumulative mass
     exceeds u): long [...], on p's device (nothing is read back)."""
     cdf = p.cumsum(-1)
-    u = uniform(tuple(p.shape[:-1]) + (1,), generator, p.device) * cdf[..., -1:]
+    u = uniform(tuple(p.shape[:-1]) + (1,), generator, p.device, tag) * cdf[..., -1:]
     return torch.searchsorted(cdf, u, right=True).clamp(max=p.shape[-1] - 1).squeeze(-1)
 
 
-def gumbel_top_k(q: Tensor, n: int, generator: torch.Generator | None) -> Tensor:
+def gumbel_top_k(q: Tensor, n: int, generator: Draws, tag: int = 0) -> Tensor:
     """n draws without replacement from each row of q [B, V], in draw order: long [B, n].
 
     Gumbel-top-k (Kool et al. 2019): the order of log q + Gumbel noise is the order of sequential
     sampling without replacement. Rows must have at least n tokens with q > 0.
     """
-    u = uniform(tuple(q.shape), generator, q.device).clamp(min=1e-20, max=1 - 1e-7)
+    u = uniform(tuple(q.shape), generator, q.device, tag).clamp(min=1e-20, max=1 - 1e-7)
     keys = q.log() - (-u.log()).log()
     return keys.topk(n, dim=-1).indices
 
@@ -182,7 +248,7 @@ def accept_greedy(tree: "DraftTree", logits: Tensor) -> Verdict:
     return Verdict(path, a, best[path[-1:]][0])  # [-1:]: a [1] index (see _follow)
 
 
-def accept_sampling(tree: "DraftTree", logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
+def accept_sampling(tree: "DraftTree", logits: Tensor, params: SamplingParams, generator: Draws,
                     rule: AcceptRule = rejection_rule) -> Verdict:
     """logits [N+1, V]; tree.proposals[i] = q [V] that node i's children were drawn from.
 
@@ -194,7 +260,7 @@ def accept_sampling(tree: "DraftTree", logits: Tensor, params: SamplingParams, g
     p = probabilities(logits, params)  # [N+1, V]
     q = tree.proposals if tree.proposals is not None else torch.zeros_like(p)  # None: the root alone
     kids = tree.children  # [N+1, K]
-    u = uniform(tuple(kids.shape), generator, p.device)
+    u = uniform(tuple(kids.shape), generator, p.device, ACCEPT_TAG)
     accepted_child = torch.full_like(kids[:, 0], -1)
     decided = torch.zeros_like(accepted_child, dtype=torch.bool)
     for j in range(kids.shape[1]):
@@ -207,4 +273,4 @@ def accept_sampling(tree: "DraftTree", logits: Tensor, params: SamplingParams, g
         decided = decided | take
         p, q = torch.where(rejected, p_rejected, p), torch.where(rejected, q_rejected, q)
     path, a = _follow(accepted_child, tree.depth)
-    return Verdict(path, a, sample(p[path[-1:]][0], generator))  # [-1:]: a [1] index (see _follow)
+    return Verdict(path, a, sample(p[path[-1:]][0], generator, BONUS_TAG))  # [-1:]: a [1] index (see _follow)

@@ -14,12 +14,13 @@ One round, with committed tokens x_0 .. x_m (the target has seen x_0 .. x_{m-1})
 
 A round stays on the device from drafting to acceptance and reads it back ONCE: the accepted length,
 the path's tokens, the bonus token and the tree's depth, in one transfer (the host needs them to
-stream tokens and check stop conditions). A plain step reads back its one token.
+stream tokens and check stop conditions). A plain step reads back its one token. A sampled round
+draws its random numbers from a counter-based stream on the device (``sampling.CounterStream``,
+keyed by one draw of the request's generator), so it too is one function of device tensors.
 
-On a target with a static cache of fixed shapes, greedy rounds are pipelined
-(:func:`_pipelined_round`): keep, re-read and the next round's draft are queued before the host
-waits for that transfer, with shapes fixed by the tree's depth, so the device drafts while the
-host streams tokens; plain steps likewise feed each token before reading it (:func:`_plain_step`).
+On a target with a static cache of fixed shapes, rounds are pipelined (:func:`_pipelined_round`):
+keep, re-read and the next round's draft are queued before the host waits for that transfer, with
+shapes fixed by the tree's depth, so the device drafts while the host streams tokens; plain steps likewise feed each token before reading it (:func:`_plain_step`).
 
 A request is a :class:`Session` (the drafter's cache, the committed tokens, the output, the
 statistics); :func:`step` runs one round of it. :func:`speculative_generate` and
@@ -33,7 +34,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -43,8 +44,8 @@ from eyas.engine.observe import RoundObserver
 from eyas.engine.errors import RequestError, SessionError
 from eyas.engine.graphs import StepGraphs
 from eyas.engine.sampling import (
-    GREEDY, AcceptRule, SamplingParams, Verdict, accept_greedy, accept_sampling, probabilities, rejection_rule,
-    sample,
+    GREEDY, AcceptRule, CounterStream, SamplingParams, Verdict, accept_greedy, accept_sampling, probabilities,
+    rejection_rule, sample,
 )
 from eyas.engine.stats import STOP_MAX_LENGTH, STOP_MAX_NEW_TOKENS, Clock, GenerationStats
 from eyas.engine.stopping import StopCriteria
@@ -108,6 +109,11 @@ class Session:
                              f"({target.max_length} positions)")
         self.target, self.drafter, self.tree, self.sampling = target, drafter, tree, sampling
         self.generator, self.accept_rule = generator, accept_rule
+        # Sampled rounds draw from a stream keyed by one draw of the generator and by the round's
+        # committed length (CounterStream): no generator inside a round, so a round is one function
+        # of device tensors that a CUDA graph can hold. Plain steps draw from the generator.
+        self.draws = (CounterStream.from_generator(generator, target.device)
+                      if drafter is not None and not sampling.greedy else None)
         self.observer = observer  # sees each round's features when given
         self.x = list(prompt)  # committed tokens x_0 .. x_m
         self.max_new_tokens = max_new_tokens
@@ -157,10 +163,10 @@ class Session:
 class _TargetRounds:
     """What the decoding loop keeps per target, because it lives as long as the target's KV cache:
     the drafter's state per (drafter, tree), each with the drafter it was built for (the key holds
-    only its id), and the greedy verdict's CUDA graphs per tree depth."""
+    only its id), and the verdict's CUDA graphs per (tree depth, sampling, acceptance rule, re-read)."""
 
     draft_states: dict[tuple[int, TreeSpec], tuple[Eagle3Drafter, DraftState]] = field(default_factory=dict)
-    verdicts: dict[int, StepGraphs] = field(default_factory=dict)
+    verdicts: dict[tuple, StepGraphs] = field(default_factory=dict)
 
 
 # One per target, gone with it.
@@ -293,10 +299,10 @@ class _Readback:
 
 
 def _pipelines(s: Session, gamma: int) -> bool:
-    """Whether this round runs pipelined (:func:`_pipelined_round`): greedy, on a target with a
-    static cache of fixed shapes, drafting the tree's full depth, with no observer (which reads
-    each round's features on the host)."""
-    return (s.sampling.greedy and s.observer is None and gamma == s.tree.depth
+    """Whether this round runs pipelined (:func:`_pipelined_round`): on a target with a static cache
+    of fixed shapes, drafting the tree's full depth, with no observer (which reads each round's
+    features on the host)."""
+    return (s.observer is None and gamma == s.tree.depth
             and getattr(s.target, "fixed_shapes", False) and s.draft.extend_bucket == s.tree.depth + 1)
 
 
@@ -308,18 +314,14 @@ def _speculative_round(s: Session) -> list[int]:
         return _pipelined_round(s)
     s.next_tree = None
     with clock("draft"):
-        t = draft.draft(s.tree, gamma, s.sampling, s.generator, target.vocab_size)  # t.tokens[0] = x_m
+        t = draft.draft(s.tree, gamma, s.sampling, s.draws, target.vocab_size)  # t.tokens[0] = x_m
     with clock("verify"):
         # logits [1, N+1, V], f [1, N+1, S*H]: after each node, given its ancestors
         logits, f = target.forward(t.tokens[None], (m + t.depths)[None], t.mask)
     if s.observer is not None:
         s.observer.target_forward(r, "verify", m + t.depths, f)
     with clock("bookkeeping"):
-        if s.sampling.greedy:
-            v, verdict = _greedy_verdict(target, t, logits[0])
-        else:
-            v = accept_sampling(t, logits[0], s.sampling, s.generator, s.accept_rule)
-            verdict = _pack(t, v)
+        v, verdict, _ = _round_verdict(s, t, logits[0], torch.full((), m, dtype=torch.long, device=target.device))
         read = verdict.tolist()  # the round's one read of the device
         a, path_tokens, bonus, tree_depth = read[0], read[1:2 + t.depth], read[2 + t.depth], read[3 + t.depth]
         accepted = path_tokens[1:a + 1] + [bonus]  # x_{m+1} .. x_{m+a+1}
@@ -339,7 +341,7 @@ def _speculative_round(s: Session) -> list[int]:
 
 
 def _pipelined_round(s: Session) -> list[int]:
-    """One greedy round in which the host never stands between the device's phases.
+    """One round in which the host never stands between the device's phases.
 
     The round above reads the verdict, then commits on the host's word (keep a+1 entries,
     re-read a+1 tokens, draft), so the device waits while the host reads, streams tokens and
@@ -359,23 +361,25 @@ def _pipelined_round(s: Session) -> list[int]:
     a+1 and streams the tokens while the next tree is being drafted. Output is the same as the
     round above token for token: the same verdict, the same entries kept and re-read. The next
     tree is drafted only when its full depth fits (the round after this one is then pipelined
-    too); a session that ends this round drops it."""
+    too); a session that ends this round drops it. Sampled rounds run the same way: their draws
+    come from the session's CounterStream at the committed length, which the next round's draft
+    takes from the device (m + n), so a round drafted ahead draws what it would have drawn in turn."""
     target, draft, clock, m, D = s.target, s.draft, s.clock, s.m, s.tree.depth
     t, s.next_tree = s.next_tree, None
     if t is None:  # the session's first round, or the one after a round that could not draft ahead
         with clock("draft"):
-            t = draft.draft(s.tree, D, s.sampling, s.generator, target.vocab_size)
+            t = draft.draft(s.tree, D, s.sampling, s.draws, target.vocab_size)
     with clock("verify"):
         logits, f = target.forward(t.tokens[None], (m + t.depths)[None], t.mask)
     with clock("bookkeeping"):
-        v, packed, tokens, features, n = _greedy_verdict(target, t, logits[0], f[0])
+        length = torch.full((), m, dtype=torch.long, device=target.device)
+        v, packed, reread = _round_verdict(s, t, logits[0], length, f[0])
         s.readback.start(packed)
         target.keep(v.path)
-        length = torch.full((), m, dtype=torch.long, device=target.device)
-        draft.reread(tokens, features, n, length)
+        draft.reread(reread.tokens, reread.features, reread.n, length)
     if m + 2 * (D + 1) < s.max_len - 1:  # next round: m' <= m + D + 1 and a full-depth draft fits
         with clock("draft"):
-            s.next_tree = draft.draft(s.tree, D, s.sampling, s.generator, target.vocab_size, length=length + n)
+            s.next_tree = draft.draft(s.tree, D, s.sampling, s.draws, target.vocab_size, length=length + reread.n)
     with clock("bookkeeping"):
         read = s.readback.wait()  # the round's one read of the device
         a, path_tokens, bonus, tree_depth = read[0], read[1:2 + t.depth], read[2 + t.depth], read[3 + t.depth]
@@ -397,36 +401,58 @@ def _pack(t: DraftTree, v: Verdict) -> Tensor:
     return torch.cat([v.accepted[None], t.tokens[v.path], v.bonus[None], t.depths.max()[None]])
 
 
-def _greedy_verdict(target: Target, t: DraftTree, logits: Tensor, *features: Tensor) -> tuple[Any, ...]:
-    """Greedy acceptance and its pack: a function of tensors whose shapes the tree fixes, so on a
-    target with CUDA graphs it is captured once per (tree shape, depth) and replayed (its outputs
-    are the graph's, valid until the next round's replay). logits [N+1, V].
+class _Reread(NamedTuple):
+    """The drafter's re-read after a pipelined round, padded to depth + 1 entries."""
 
-    Returns (verdict, pack). Given the features f [N+1, S*H] too (the pipelined round), also the
-    drafter's re-read, padded to depth+1 entries: tokens [D+1] (x_{m+1} .. x_{m+a}, the bonus at
-    index a, then pads), features f[path] [D+1, S*H] and their count n = a+1 (long [])."""
+    tokens: Tensor  # long [D+1]: x_{m+1} .. x_{m+a}, the bonus at index a, then pads
+    features: Tensor  # [D+1, S*H]: f[path], the target's features at x_m and the accepted nodes
+    n: Tensor  # long []: a + 1, the entries to commit
+
+
+def _round_verdict(s: Session, t: DraftTree, logits: Tensor, position: Tensor,
+                   features: Tensor | None = None) -> tuple[Verdict, Tensor, _Reread | None]:
+    """Acceptance and its pack: a function of tensors whose shapes the tree fixes, so on a target
+    with CUDA graphs it is captured once per (tree depth, sampling, rule) and replayed (its outputs
+    are the graph's, valid until the next round's replay). logits [N+1, V]; position long []: the
+    committed length m, where the session's CounterStream takes a sampled round's draws.
+
+    Returns (verdict, pack, re-read): the re-read when given the features f [N+1, S*H] (the
+    pipelined round), else None."""
+    greedy, sampling, rule, depth = s.sampling.greedy, s.sampling, s.accept_rule, t.depth
+    reread = features is not None
+
     def verdict(tokens: Tensor, parents: Tensor, depths: Tensor, mask: Tensor, children: Tensor, valid: Tensor,
-                logits: Tensor, *f: Tensor) -> tuple[Tensor, ...]:
-        tree = DraftTree(tokens, parents, depths, mask, children, valid, t.depth)
-        v = accept_greedy(tree, logits)
+                logits: Tensor, position: Tensor, *more: Tensor) -> tuple[Tensor, ...]:
+        if greedy:
+            tree = DraftTree(tokens, parents, depths, mask, children, valid, depth)
+            v = accept_greedy(tree, logits)
+        else:
+            proposals, key, *more = more  # type: ignore[assignment]
+            tree = DraftTree(tokens, parents, depths, mask, children, valid, depth, proposals)
+            v = accept_sampling(tree, logits, sampling, CounterStream(key).at(position), rule)
         out = (v.path, v.accepted, v.bonus, _pack(tree, v))
-        if f:
+        if more:  # the features: the drafter's re-read, padded to depth + 1
             following = torch.cat([tree.tokens[v.path[1:]], v.bonus[None]])  # [D+1]: x_{m+1} .. x_{m+a}, ...
             index = torch.arange(following.shape[0], device=following.device)
             following = torch.where(index == v.accepted, v.bonus, following)  # ... the bonus at a, pads after
-            out += (following, f[0][v.path], v.accepted + 1)
+            out += (following, more[0][v.path], v.accepted + 1)
         return out
 
-    if getattr(target, "cuda_graphs", False):
-        graphs = _rounds(target).verdicts  # per depth; StepGraphs keys the shapes
-        if t.depth not in graphs:
-            graphs[t.depth] = StepGraphs(verdict)
-        run = graphs[t.depth]
+    args = (t.tokens, t.parents, t.depths, t.mask, t.children, t.valid, logits, position)
+    if not greedy:
+        args += (t.proposals, s.draws.key)
+    if reread:
+        args += (features,)
+    if getattr(s.target, "cuda_graphs", False):
+        graphs = _rounds(s.target).verdicts  # StepGraphs keys the shapes
+        key = (depth, sampling, rule, reread)
+        if key not in graphs:
+            graphs[key] = StepGraphs(verdict)
+        run = graphs[key]
     else:
         run = verdict
-    path, accepted, bonus, packed, *reread = run(t.tokens, t.parents, t.depths, t.mask, t.children, t.valid, logits,
-                                                 *features)
-    return (Verdict(path, accepted, bonus), packed, *reread)
+    path, accepted, bonus, packed, *rest = run(*args)
+    return Verdict(path, accepted, bonus), packed, (_Reread(*rest) if reread else None)
 
 
 def _plain_forward(s: Session, token: Tensor, position: int) -> Tensor:

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from eyas.drafter.model import Eagle3Drafter
 from eyas.engine.graphs import CompiledOrEager, StepGraphs
-from eyas.engine.sampling import SamplingParams, gumbel_top_k, probabilities
+from eyas.engine.sampling import CounterStream, Draws, SamplingParams, gumbel_top_k, probabilities
 from eyas.errors import EyasError
 
 
@@ -219,7 +219,8 @@ class DraftState:
         self._steps = {k: StepGraphs(fn) for k, fn in fixed.items()} if graphs else fixed
         self._expand = fixed[False]  # each level's expansion (inside the captured greedy draft)
         self.graphs = graphs
-        self._drafts: dict[tuple[TreeSpec, int], object] = {}  # greedy drafts, per (spec, depth)
+        # greedy drafts per (spec, depth); drafts sampled from a CounterStream per (spec, depth, sampling)
+        self._drafts: dict[tuple, Callable[..., tuple[Tensor, ...]]] = {}
         self._reread: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None  # the pipelined re-read
 
     def reset(self) -> None:
@@ -309,13 +310,15 @@ class DraftState:
 
     @torch.no_grad()
     def draft(self, spec: TreeSpec, depth: int, sampling: SamplingParams,
-              generator: torch.Generator | None, vocab_size: int, length: Tensor | None = None) -> DraftTree:
+              generator: Draws, vocab_size: int, length: Tensor | None = None) -> DraftTree:
         """Draft a tree of at most ``depth`` (<= spec.depth) levels from the root (see
         :meth:`_grow`). vocab_size: the target's, for the proposals q. depth 0 gives the root alone.
 
-        The committed length enters as a device tensor, so the whole greedy draft has shapes fixed
-        by (spec, depth): with CUDA graphs it is captured once per (spec, depth) and replayed, one
-        launch for the round's drafting. Sampling draws from ``generator`` and runs eagerly.
+        The committed length enters as a device tensor, so the whole draft has shapes fixed by
+        (spec, depth): with CUDA graphs it is captured once per (spec, depth) and replayed, one
+        launch for the round's drafting. Sampling draws from ``generator``: a CounterStream's draws
+        are taken at the committed length (``CounterStream.at``) inside the captured draft (one
+        graph per (spec, depth, sampling parameters)); a torch.Generator's run eagerly.
         ``length`` (long [] on the device): the committed length to draft after, when the host does
         not know it yet (a pipelined round, after :meth:`reread`); default ``self.length``."""
         K = min(spec.top_k, self.drafter.config.draft_vocab_size)
@@ -329,13 +332,20 @@ class DraftState:
                 grow = lambda *x: self._grow(spec, depth, sampling, None, vocab_size, *x)  # noqa: E731
                 self._drafts[key] = StepGraphs(grow) if self.graphs else grow
             parts = self._drafts[key](*inputs)
+        elif isinstance(generator, CounterStream):
+            key = (spec, depth, sampling)
+            if key not in self._drafts:
+                def grow_sampled(stream_key: Tensor, *x: Tensor) -> tuple[Tensor, ...]:
+                    return self._grow(spec, depth, sampling, CounterStream(stream_key).at(x[0]), vocab_size, *x)
+                self._drafts[key] = StepGraphs(grow_sampled) if self.graphs else grow_sampled
+            parts = self._drafts[key](generator.key, *inputs)
         else:
             parts = self._grow(spec, depth, sampling, generator, vocab_size, *inputs)
         tokens, parents, depths, mask, children, valid, levels, proposals = parts
         return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=mask, children=children, valid=valid,
                          depth=int(levels.shape[0]), proposals=None if sampling.greedy else proposals)
 
-    def _grow(self, spec: TreeSpec, depth: int, sampling: SamplingParams, generator: torch.Generator | None,
+    def _grow(self, spec: TreeSpec, depth: int, sampling: SamplingParams, generator: Draws,
               vocab_size: int, m: Tensor, root_token: Tensor, root_logits: Tensor,
               root_hidden: Tensor) -> tuple[Tensor, ...]:
         """The tree's tensors from the root (m: long [], the committed length; root_token [1],
@@ -371,7 +381,7 @@ class DraftState:
                 log_q, drawn = top_k(torch.log_softmax(logits.float(), dim=-1), K)  # [r, K] each
             else:
                 q = probabilities(logits, sampling)  # [r, Vd]
-                drawn = gumbel_top_k(q, K, generator)  # [r, K] draw order; past the support: q = 0
+                drawn = gumbel_top_k(q, K, generator, tag=d)  # [r, K] draw order; past the support: q = 0
                 log_q = q.gather(-1, drawn).log()
                 q_nodes.append(number), q_rows.append(q)
             n = drawn.numel() if greedy else min(drawn.numel(), total - count)  # sampling: cap the draws
