@@ -308,6 +308,9 @@ def test_tree_shapes(llama, trained_drafter):
     state = DraftState(trained_drafter, 64)
     state.extend(x[1:], f[0])
     assert state.draft(TreeSpec(4, 4, 16), 0, SamplingParams(), None, 128).num_nodes == 1
+    root = state.draft(TreeSpec(4, 4, 16), 0, SamplingParams(temperature=1.0), None, 128)
+    # sampling: the root's zero proposal row (a captured acceptance takes every tensor of the tree)
+    assert root.num_nodes == 1 and torch.equal(root.proposals, torch.zeros(1, 128))
     assert TreeSpec.parse("6,10,60") == TreeSpec(6, 10, 60) and TreeSpec.parse("4") == TreeSpec.chain(4)
     with pytest.raises(ValueError):
         TreeSpec(0, 1, 1)

@@ -87,8 +87,8 @@ def test_the_step_traced_by_torch_compile_computes_the_same_with_one_compilation
     trace the same functions (fullgraph: no graph break; the cache writes as in-place mutations of
     the inputs) without generating code. Every block reuses its (token bucket, key bucket)
     compilation: the walk's steps (16, 16), (8, 32), (8, 32), (1, 16) make 3 pairs x (_prologue,
-    _layer) + 3 token buckets x _head = 9 graphs, whatever the number of blocks; a decode step that
-    crosses into key bucket 32 adds _prologue and _layer, not _head."""
+    _layer) + 3 token buckets x (_down, _head) = 12 graphs, whatever the number of blocks; a decode
+    step that crosses into key bucket 32 adds _prologue and _layer, not _down or _head."""
     from torch._dynamo.utils import counters
 
     fast, hf = _pair(kind, fixed_shapes=True)
@@ -97,11 +97,11 @@ def test_the_step_traced_by_torch_compile_computes_the_same_with_one_compilation
     fast._fixed = fast._functions("aot_eager")
     _walk(fast, hf, torch.Generator().manual_seed(0))
     assert fast._ready == {(16, 16), (8, 32), (1, 16)}
-    assert counters["stats"]["unique_graphs"] == 9
+    assert counters["stats"]["unique_graphs"] == 12
     ids = torch.tensor([[5]])
     for pos in (15, 16):  # cache_len 15 + 1 <= 16; then 16 + 1: key bucket 32
         _same(fast.forward(ids, torch.tensor([[pos]])), hf.forward(ids, torch.tensor([[pos]])))
-    assert (1, 32) in fast._ready and counters["stats"]["unique_graphs"] == 11
+    assert (1, 32) in fast._ready and counters["stats"]["unique_graphs"] == 14
 
 
 @pytest.mark.unit

@@ -2,7 +2,7 @@
 static KV cache written by index, attention under the tree mask, and boundary capture inside the
 forward, with no hooks and no Hugging Face module called.
 
-A step is three pure functions over tensors, which take the model's weight tensors as arguments
+A step is four pure functions over tensors, which take the model's weight tensors as arguments
 (references gathered once at construction, no copies):
 
 - ``_prologue``: the embeddings, the rotary cos/sin of the positions, the cache slots the step
@@ -10,8 +10,10 @@ A step is three pure functions over tensors, which take the model's weight tenso
   first slot (cache_len, a device scalar);
 - ``_layer``: one decoder block (RMSNorm, q/k/v with optional bias, Qwen3's per-head q/k norm,
   rotate-half rope, keys/values written into the block's cache by index, grouped-query attention
-  over the cache under the mask, o, RMSNorm, SiLU MLP); every block is the same function on its own
-  weights and cache;
+  over the cache under the mask, o, RMSNorm, the MLP's gate/up and SiLU); every block is the same
+  function on its own weights and cache;
+- ``_down``: the block's last product, the MLP's down projection (apart from ``_layer`` for one
+  reason: see its docstring);
 - ``_head``: the final norm and the logits.
 
 The numerics are Hugging Face's: RMSNorm in float32 (x * rsqrt(mean(x^2) + eps), cast back, times the
@@ -44,10 +46,10 @@ value; each token bucket has its own input buffers, shared by its key buckets. W
 below 512 keys the attention kernels are launch-bound anyway, and doubling keeps the keys read
 within 2x of the keys in use with log2(C/512) + 1 rungs (4 for C = 4096).
 
-On a GPU the three functions are then compiled with ``torch.compile(fullgraph=True,
+On a GPU the four functions are then compiled with ``torch.compile(fullgraph=True,
 dynamic=False)`` (inductor fuses each block's norms, rope, cache writes, softmax and SiLU into a
 few kernels; all blocks have the same shapes, so one compilation per (B, K) serves every block:
-``_layer`` and ``_prologue`` compile once per (B, K), ``_head`` once per B) and each (B, K) step is
+``_layer`` and ``_prologue`` compile once per (B, K), ``_down`` and ``_head`` once per B) and each (B, K) step is
 captured once as a CUDA graph and replayed (forward hooks would not survive a replay: the captured
 boundaries are an output of the step). A graph for key bucket K reads entries [0, K) only, and a
 step runs the graph of its own K, so a captured graph stays valid as the cache grows. On the CPU
@@ -77,9 +79,9 @@ vocabulary, B the step's tokens (T, or its token bucket), K the keys it attends.
 Boundary capture follows the contract's convention (docs/conventions.md): boundary 0 is the input of
 block 0 (the embeddings), boundary b the output of block b-1 (``hidden + residual``), boundary L the
 last block's output before the final norm. ``_layer`` returns the stream entering its block (its
-boundary) and leaves the block's last residual add to the next block (or ``_head``), where it fuses
-with the next norm; a compiled step of one token with ``matvec`` folds the norms into the products
-instead and adds the residual in the down product's kernel (:func:`normed_project`).
+boundary), and ``_down`` leaves the block's last residual add to the next block (or ``_head``),
+where it fuses with the next norm; a compiled step of one token with ``matvec`` folds the norms into
+the products instead (:func:`normed_project`) and adds the residual in the down product's kernel.
 """
 
 from __future__ import annotations
@@ -373,11 +375,10 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
     [B, 1, D]; slots [B] (where the new keys/values go); mask [B, n] bool over the first n cache
     entries; kv [2, Hkv, C, D] this block's keys and values, written in place at ``slots``.
 
-    Returns (h_in, h, m): the stream entering the block (its boundary) and the block's output as
-    h + m, all [B, H]: h the stream after attention and m the MLP's output, left for the next block
-    to add. ``matvec`` (see :func:`linear`; one row): the norms are folded into the products
-    (:func:`normed_project`) and the block returns its output whole, (h_in, h + m, None), the add
-    fused into the down product's kernel, so that no block spends a kernel on a norm or an add."""
+    Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
+    attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects.
+    ``matvec`` (see :func:`linear`; one row): the norms are folded into the products
+    (:func:`normed_project`), so that no block spends a kernel on a norm."""
     h_in = x if d is None else x + d  # [B, H]
     B = h_in.shape[0]
     _, Hkv, _, D = kv.shape
@@ -403,10 +404,24 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
     h = h_in + linear(out, w.o, w.o_bias, matvec=matvec)
     I = w.down.shape[1]
     gate, up = normed_project(h, w.post_norm, eps, w.gate_up, w.gate_up_bias, (I, I), matvec=matvec)  # [B, I] each
-    m = linear(F.silu(gate) * up, w.down, w.down_bias, matvec=matvec)
-    if matvec and B == 1:
-        return h_in, h + m, None
-    return h_in, h, m
+    return h_in, h, F.silu(gate) * up
+
+
+def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
+          matvec: bool = False) -> tuple[Tensor, Tensor | None]:
+    """A block's last product: the MLP's activation act [B, I] by down [H, I], m [B, H]. Returns the
+    block's output as (x, d) for the next block: (h, m), the add left to the next norm, or with
+    ``matvec`` and one row (h + m, None), the add done in this product's kernel.
+
+    A function of its own (compiled apart from :func:`_layer`) so that act reaches it as a buffer:
+    compiled together, inductor inlines SiLU(gate) * up into the down reduction's loads, and every
+    program of that weight-streaming kernel recomputes the exponentials of the whole [I] vector (on
+    the 8B shape, 38.5 us in the step against 28.7 us for the product alone,
+    ``benchmarks/2026-12-02-llama8b-h200.md``)."""
+    m = linear(act, down, down_bias, matvec=matvec)
+    if matvec and act.shape[0] == 1:
+        return h + m, None
+    return h, m
 
 
 def _head(x: Tensor, d: Tensor | None, norm: Tensor, lm_head: Tensor, lm_bias: Tensor | None, *,
@@ -423,6 +438,7 @@ class _StepFunctions(NamedTuple):
 
     prologue: Callable
     layer: Callable
+    down: Callable
     head: Callable
     folds_one_row: bool
 
@@ -584,11 +600,12 @@ class LlamaTarget(Target):
         by_reduction = matvec != "gemm"
         fns = (functools.partial(_prologue, rope_scaling=c["rope_scaling"]),
                functools.partial(_layer, eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=by_reduction),
+               functools.partial(_down, matvec=by_reduction),
                functools.partial(_head, eps=c["eps"], matvec=by_reduction))
         if backend is None:
             return _StepFunctions(*fns, by_reduction)
-        # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _head: per
-        # token bucket; per model) are separate compilations of one code object (functools.partial's):
+        # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _down and
+        # _head: per token bucket; per model) are separate compilations of one code object (functools.partial's):
         # 6 token buckets x 4 key buckets = 24 of _layer for C = 4096.
         raise_recompile_limits()
         options = {"coordinate_descent_tuning": True} if matvec == "reduce-tuned" else None
@@ -654,13 +671,14 @@ class LlamaTarget(Target):
         shapes depend only on those two numbers. Returns logits [B, V] and the captured boundaries
         [B, S*H] in the spec's slot order (boundary b = the residual stream entering block b;
         boundary L = the last block's output, before the final norm)."""
-        prologue, layer, head, folds_one_row = fns
+        prologue, layer, down, head, folds_one_row = fns
         x, d, cos, sin, slots, mask = prologue(*inputs, self.embed_weight, self.inv_freq, n_keys=n_keys)
         if folds_one_row and x.shape[0] == 1:
-            d = None  # every block returns its output whole (see _layer): one compilation of it
+            d = None  # every block returns its output whole (see _down): one compilation of _layer
         captured: list[Tensor | None] = [None] * self.spec.num_slots
         for i, w in enumerate(self.weights):
-            h_in, x, d = layer(x, d, cos, sin, slots, mask, self.kv[i], w)
+            h_in, h, act = layer(x, d, cos, sin, slots, mask, self.kv[i], w)
+            x, d = down(h, act, w.down, w.down_bias)
             if i in self._slot_of:  # boundary i = the input of block i
                 captured[self._slot_of[i]] = h_in
         h, logits = head(x, d, self.norm_weight, self.lm_head_weight, self.lm_head_bias)
@@ -768,7 +786,7 @@ class LlamaTarget(Target):
         request, capped at the capacity) reaches: 512, 1024 and 2048 with the default ladder. A
         longer sequence compiles and captures each further key bucket at its first use (a few
         seconds on a GPU); ``context=target.max_length`` warms them all. Each (B, K) pair is one
-        compilation of ``_prologue`` and ``_layer`` (``_head`` compiles once per B) and one CUDA
+        compilation of ``_prologue`` and ``_layer`` (``_down`` and ``_head`` compile once per B) and one CUDA
         graph. Empties the cache (call it before ``prefill``). Returns the seconds it took (also
         added to ``compile_seconds``)."""
         self.reset()

@@ -42,7 +42,7 @@ from torch import Tensor
 from eyas.drafter.model import Eagle3Drafter
 from eyas.engine.observe import RoundObserver
 from eyas.engine.errors import RequestError, SessionError
-from eyas.engine.graphs import StepGraphs
+from eyas.engine.graphs import CompiledOrEager, StepGraphs
 from eyas.engine.sampling import (
     GREEDY, AcceptRule, CounterStream, SamplingParams, Verdict, accept_greedy, accept_sampling, probabilities,
     rejection_rule, sample,
@@ -447,7 +447,10 @@ def _round_verdict(s: Session, t: DraftTree, logits: Tensor, position: Tensor,
         graphs = _rounds(s.target).verdicts  # StepGraphs keys the shapes
         key = (depth, sampling, rule, reread)
         if key not in graphs:
-            graphs[key] = StepGraphs(verdict)
+            # Sampled acceptance runs K steps of rejection sampling over [N+1, V] (p - q, norms,
+            # scatters): compiled where the target compiles, so they fuse into a few kernels.
+            fused = not greedy and getattr(s.target, "compile", False)
+            graphs[key] = StepGraphs(CompiledOrEager(verdict, "inductor", "sampled acceptance") if fused else verdict)
         run = graphs[key]
     else:
         run = verdict

@@ -322,8 +322,9 @@ class DraftState:
         ``length`` (long [] on the device): the committed length to draft after, when the host does
         not know it yet (a pipelined round, after :meth:`reread`); default ``self.length``."""
         K = min(spec.top_k, self.drafter.config.draft_vocab_size)
-        if depth == 0:
-            return DraftTree.from_parents(self.root_token, torch.full((1,), -1, device=self.device), 0, K)
+        if depth == 0:  # sampling: a zero proposal row (no children), so that the tree's tensors are all there
+            q = None if sampling.greedy else torch.zeros(1, vocab_size, device=self.device)
+            return DraftTree.from_parents(self.root_token, torch.full((1,), -1, device=self.device), 0, K, proposals=q)
         m = torch.full((), self.length, dtype=torch.long, device=self.device) if length is None else length
         inputs = (m, self.root_token, self.root_logits, self.root_hidden)
         if sampling.greedy:
