@@ -374,55 +374,21 @@ def test_one_token_steps_multiplied_as_reductions_equal_the_hf_model_and_call_no
     g = torch.Generator().manual_seed(0)
     _walk(fast, hf, g)
     rows: list[int] = []  # the rows of every F.linear the fast target calls (the HF model's are not counted)
-    norms: list[int] = []  # likewise for rms_norm
-    real, real_norm = llama.F.linear, llama.rms_norm
+    real = llama.F.linear
 
     def fast_forward(ids, positions):
         with monkeypatch.context() as m:
             m.setattr(llama.F, "linear", lambda a, *w: rows.append(a.shape[0]) or real(a, *w))
-            m.setattr(llama, "rms_norm", lambda x, *a: norms.append(x.shape[0]) or real_norm(x, *a))
             return fast.forward(ids, positions)
 
     for pos in range(15, 20):
         ids = torch.randint(0, 128, (1, 1), generator=g)
         _same(fast_forward(ids, torch.tensor([[pos]])), hf.forward(ids, torch.tensor([[pos]])))
     assert rows == []  # not one GEMM in the one-token steps: the fast target's products were reductions
-    assert norms == []  # and no norm of its own: each is folded into the product that follows it
     ids = torch.randint(0, 128, (1, 3), generator=g)
     _same(fast_forward(ids, torch.arange(20, 23)[None]), hf.forward(ids, torch.arange(20, 23)[None]))
     assert rows and set(rows) == {8}  # 3 tokens: token bucket 8, F.linear
     assert LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True).matvec == "gemm"  # auto
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("fused", [True, False], ids=["one-weight", "separate-weights"])
-def test_a_norm_folded_into_a_one_row_product_equals_the_norm_then_the_product(fused):
-    """normed_project with matvec: r * (W (norm * x)) with r = rsqrt(mean(x^2) + eps), the sum of x^2
-    taken in every row of the product, equals project(rms_norm(x)) (float32 to round-off; bf16 to
-    its rounding, as it skips the normalised x's rounding to bf16); rows > 1 take the plain path."""
-    from eyas.engine.llama import normed_project, project, rms_norm
-
-    g = torch.Generator().manual_seed(0)
-    x, norm = torch.randn(1, 48, generator=g) * 3, torch.rand(48, generator=g) + 0.5
-    w, b = torch.randn(40, 48, generator=g), torch.randn(40, generator=g)
-    sizes = (24, 8, 8)
-    weights = (w,) if fused else tuple(w.split(list(sizes)))
-    biases = (b,) if fused else tuple(b.split(list(sizes)))
-    want = project(rms_norm(x, norm, 1e-5), weights, biases, sizes)
-    got = normed_project(x, norm, 1e-5, weights, biases, sizes, matvec=True)
-    assert [t.shape for t in got] == [(1, 24), (1, 8), (1, 8)]
-    for a, e in zip(got, want):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
-    x16, n16, w16 = x.bfloat16(), norm.bfloat16(), tuple(t.bfloat16() for t in weights)
-    want16 = project(rms_norm(x16, n16, 1e-5), w16, None, sizes)
-    for a, e in zip(normed_project(x16, n16, 1e-5, w16, None, sizes, matvec=True), want16):
-        assert a.dtype == torch.bfloat16
-        scale = e.float().abs().max().item()  # bf16 rounds each input to 2^-8 relative: sums cancel
-        torch.testing.assert_close(a.float(), e.float(), rtol=2e-2, atol=2e-2 * scale)
-    x3 = torch.randn(3, 48, generator=g)  # three rows: no fold, exactly the plain path
-    for a, e in zip(normed_project(x3, norm, 1e-5, weights, biases, sizes, matvec=True),
-                    project(rms_norm(x3, norm, 1e-5), weights, biases, sizes)):
-        assert torch.equal(a, e)
 
 
 @pytest.mark.unit

@@ -80,8 +80,8 @@ Boundary capture follows the contract's convention (docs/conventions.md): bounda
 block 0 (the embeddings), boundary b the output of block b-1 (``hidden + residual``), boundary L the
 last block's output before the final norm. ``_layer`` returns the stream entering its block (its
 boundary), and ``_down`` leaves the block's last residual add to the next block (or ``_head``),
-where it fuses with the next norm; a compiled step of one token with ``matvec`` folds the norms into
-the products instead (:func:`normed_project`) and adds the residual in the down product's kernel.
+where it fuses with the next norm (a compiled step of one token with ``matvec`` adds it in the
+down product's kernel instead: see :func:`_down`).
 """
 
 from __future__ import annotations
@@ -309,36 +309,6 @@ def project(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] |
     return tuple(linear(a, w, None if biases is None else biases[j], matvec=matvec) for j, w in enumerate(weights))
 
 
-def normed_project(x: Tensor, norm: Tensor, eps: float, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None,
-                   sizes: Sequence[int], *, matvec: bool = False) -> tuple[Tensor, ...]:
-    """``project(rms_norm(x, norm, eps), ...)``: x [B, H] normalised, then projected.
-
-    ``matvec`` (compiled steps of one row, B = 1): the norm is folded into the product, so that a
-    block's norm costs no kernel of its own. The norm's scale r = rsqrt(mean(x^2) + eps) is one
-    scalar, so W (norm * r * x) = r * (W (norm * x)); the sum of x^2 is written as a reduction over
-    the same [N, H] range as the product (every output row sums the same x^2: H extra multiply-adds
-    a row, nothing extra read), which inductor fuses with it into ONE kernel that streams W once.
-    Float32 throughout: it skips Hugging Face's two roundings of the normalised x to the model's
-    dtype, a difference within bf16's tolerance and at float32 round-off in float32."""
-    if not (matvec and x.shape[0] == 1):
-        return project(rms_norm(x, norm, eps), weights, biases, sizes)
-    x32 = x.float()[0]  # [H]
-    H = x32.shape[0]
-    scaled = x32 * norm.float()  # [H]
-    out = []
-    for j, w in enumerate(weights):
-        N = w.shape[0]
-        y = (w.float() * scaled).sum(-1)  # [N]
-        ss = (x32 * x32).expand(N, H).sum(-1)  # [N], every row the same: one reduction with y
-        y = y * torch.rsqrt(ss / H + eps)
-        if biases is not None:
-            y = y + biases[j].float()
-        out.append(y.to(x.dtype)[None])  # [1, N]
-    if len(weights) == 1:
-        return out[0].split(list(sizes), dim=-1)
-    return tuple(out)
-
-
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half rope: x [B, heads, D], cos/sin [B, 1, D]."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -377,16 +347,18 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
 
     Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
     attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects.
-    ``matvec`` (see :func:`linear`; one row): the norms are folded into the products
-    (:func:`normed_project`), so that no block spends a kernel on a norm."""
+    ``matvec`` (see :func:`linear`; one row): the products are reductions, and gate and up are two
+    reductions over the same [I, H] range (the fused weight's two row blocks, views), which
+    inductor runs as one kernel that also applies SiLU(gate) * up as its epilogue: the activation
+    is written once, with no kernel of its own."""
     h_in = x if d is None else x + d  # [B, H]
     B = h_in.shape[0]
     _, Hkv, _, D = kv.shape
     Hq = w.o.shape[1] // D
     G = Hq // Hkv
     n = mask.shape[1]
-    q, k, v = normed_project(h_in, w.input_norm, eps, w.qkv, w.qkv_bias, (Hq * D, Hkv * D, Hkv * D),
-                             matvec=matvec)  # [B, Hq*D], [B, Hkv*D] x 2
+    a = rms_norm(h_in, w.input_norm, eps)
+    q, k, v = project(a, w.qkv, w.qkv_bias, (Hq * D, Hkv * D, Hkv * D), matvec=matvec)  # [B, Hq*D], [B, Hkv*D] x 2
     q, k, v = q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D)  # (views of the fused output too)
     if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
         q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
@@ -403,7 +375,11 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
     out = out.view(Hkv, G, B, D).permute(2, 0, 1, 3).reshape(B, Hq * D)  # head j = g-th of group j // G
     h = h_in + linear(out, w.o, w.o_bias, matvec=matvec)
     I = w.down.shape[1]
-    gate, up = normed_project(h, w.post_norm, eps, w.gate_up, w.gate_up_bias, (I, I), matvec=matvec)  # [B, I] each
+    gate_up, gate_up_bias = w.gate_up, w.gate_up_bias
+    if matvec and B == 1 and len(gate_up) == 1:  # two reductions, one kernel (see above)
+        gate_up = tuple(gate_up[0].split([I, I]))
+        gate_up_bias = None if gate_up_bias is None else tuple(gate_up_bias[0].split([I, I]))
+    gate, up = project(rms_norm(h, w.post_norm, eps), gate_up, gate_up_bias, (I, I), matvec=matvec)  # [B, I] each
     return h_in, h, F.silu(gate) * up
 
 
@@ -416,7 +392,7 @@ def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
     A function of its own (compiled apart from :func:`_layer`) so that act reaches it as a buffer:
     compiled together, inductor inlines SiLU(gate) * up into the down reduction's loads, and every
     program of that weight-streaming kernel recomputes the exponentials of the whole [I] vector (on
-    the 8B shape, 38.5 us in the step against 28.7 us for the product alone,
+    the 8B shape, in one H200 call: 34.5 us a block, against 29.2 us with act read from a buffer;
     ``benchmarks/2026-12-02-llama8b-h200.md``)."""
     m = linear(act, down, down_bias, matvec=matvec)
     if matvec and act.shape[0] == 1:
@@ -428,19 +404,18 @@ def _head(x: Tensor, d: Tensor | None, norm: Tensor, lm_head: Tensor, lm_bias: T
           eps: float, matvec: bool = False) -> tuple[Tensor, Tensor]:
     """The last block's output x + d [B, H] (boundary L; d None: x) and the logits [B, V]."""
     h = x if d is None else x + d
-    biases = None if lm_bias is None else (lm_bias,)
-    return h, normed_project(h, norm, eps, (lm_head,), biases, (lm_head.shape[0],), matvec=matvec)[0]
+    return h, linear(rms_norm(h, norm, eps), lm_head, lm_bias, matvec=matvec)
 
 
 class _StepFunctions(NamedTuple):
-    """A step's three functions (eager or compiled) and whether steps of one row fold the norms into
-    the products (``matvec``, see :func:`_layer`): the blocks then pass no residual (None) along."""
+    """A step's four functions (eager or compiled) and whether their steps of one row (``matvec``)
+    return each block's output whole (see :func:`_down`): the blocks then pass no residual along."""
 
     prologue: Callable
     layer: Callable
     down: Callable
     head: Callable
-    folds_one_row: bool
+    whole_output_one_row: bool
 
 
 class _Inputs(NamedTuple):
@@ -671,9 +646,9 @@ class LlamaTarget(Target):
         shapes depend only on those two numbers. Returns logits [B, V] and the captured boundaries
         [B, S*H] in the spec's slot order (boundary b = the residual stream entering block b;
         boundary L = the last block's output, before the final norm)."""
-        prologue, layer, down, head, folds_one_row = fns
+        prologue, layer, down, head, whole_output_one_row = fns
         x, d, cos, sin, slots, mask = prologue(*inputs, self.embed_weight, self.inv_freq, n_keys=n_keys)
-        if folds_one_row and x.shape[0] == 1:
+        if whole_output_one_row and x.shape[0] == 1:
             d = None  # every block returns its output whole (see _down): one compilation of _layer
         captured: list[Tensor | None] = [None] * self.spec.num_slots
         for i, w in enumerate(self.weights):
