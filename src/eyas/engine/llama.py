@@ -288,7 +288,8 @@ def linear(a: Tensor, w: Tensor, bias: Tensor | None = None, *, matvec: bool = F
 
     ``matvec`` (for compiled steps; B = 1 only, else ignored): the product written as a float32
     reduction, sum_k w[n, k] * a[k], which inductor turns into one Triton kernel that streams w once,
-    with a's cast and any pointwise producer of a (the MLP's SiLU) fused into its loads. On an H200,
+    with a's cast and any cheap pointwise producer of a (a norm's scaling) fused into its loads (not
+    an expensive one: every program would recompute it, see :func:`_down`). On an H200,
     in CUDA graphs, an 8B-shaped step's matrices take 1.11x the bandwidth floor with cuBLAS and
     1.00x as tuned reductions (``benchmarks/2026-12-01-matvec-h200.md``); a small model's step
     gains more, from fewer kernels. Run eagerly it would materialise w * a: compiled functions
@@ -337,23 +338,20 @@ def _prologue(ids: Tensor, pos: Tensor, block: Tensor, start: Tensor, embed: Ten
     return h, torch.zeros_like(h), cos, sin, slots, mask
 
 
-def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, kv: Tensor,
-           w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
+def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
+           values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
            matvec: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """One decoder block for B tokens. The stream entering it is x + d [B, H] (the previous block's
     last residual add is done here, fused with this block's norm; d None: x alone); cos, sin
     [B, 1, D]; slots [B] (where the new keys/values go); mask [B, n] bool over the first n cache
-    entries; kv [2, Hkv, C, D] this block's keys and values, written in place at ``slots``.
+    entries; keys, values [Hkv, C, D] this block's cache, written in place at ``slots``.
 
     Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
     attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects.
-    ``matvec`` (see :func:`linear`; one row): the products are reductions, and gate and up are two
-    reductions over the same [I, H] range (the fused weight's two row blocks, views), which
-    inductor runs as one kernel that also applies SiLU(gate) * up as its epilogue: the activation
-    is written once, with no kernel of its own."""
+    ``matvec``: see :func:`linear`."""
     h_in = x if d is None else x + d  # [B, H]
     B = h_in.shape[0]
-    _, Hkv, _, D = kv.shape
+    Hkv, _, D = keys.shape
     Hq = w.o.shape[1] // D
     G = Hq // Hkv
     n = mask.shape[1]
@@ -363,8 +361,10 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
     if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
         q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
     q, k = rope(q, cos, sin), rope(k, cos, sin)
-    kv.index_copy_(2, slots, torch.stack((k, v)).transpose(1, 2))  # [2, Hkv, B, D] into [2, Hkv, C, D]: one write
-    keys, values = kv[0, :, :n], kv[1, :, :n]  # [Hkv, n, D]
+    # Two writes: inductor fuses the keys' with rope (a stacked write of both took one kernel more)
+    keys.index_copy_(1, slots, k.transpose(0, 1))  # [Hkv, B, D] into [Hkv, C, D]
+    values.index_copy_(1, slots, v.transpose(0, 1))
+    keys, values = keys[:, :n], values[:, :n]  # [Hkv, n, D]: the entries attended
     # Grouped-query attention without copying the cache: query head j reads key/value head j // G,
     # so the G query heads of a group become G*B rows against their shared keys.
     qg = q.view(B, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * B, D)  # rows (g, b)
@@ -375,11 +375,7 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
     out = out.view(Hkv, G, B, D).permute(2, 0, 1, 3).reshape(B, Hq * D)  # head j = g-th of group j // G
     h = h_in + linear(out, w.o, w.o_bias, matvec=matvec)
     I = w.down.shape[1]
-    gate_up, gate_up_bias = w.gate_up, w.gate_up_bias
-    if matvec and B == 1 and len(gate_up) == 1:  # two reductions, one kernel (see above)
-        gate_up = tuple(gate_up[0].split([I, I]))
-        gate_up_bias = None if gate_up_bias is None else tuple(gate_up_bias[0].split([I, I]))
-    gate, up = project(rms_norm(h, w.post_norm, eps), gate_up, gate_up_bias, (I, I), matvec=matvec)  # [B, I] each
+    gate, up = project(rms_norm(h, w.post_norm, eps), w.gate_up, w.gate_up_bias, (I, I), matvec=matvec)  # [B, I] each
     return h_in, h, F.silu(gate) * up
 
 
@@ -392,8 +388,10 @@ def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
     A function of its own (compiled apart from :func:`_layer`) so that act reaches it as a buffer:
     compiled together, inductor inlines SiLU(gate) * up into the down reduction's loads, and every
     program of that weight-streaming kernel recomputes the exponentials of the whole [I] vector (on
-    the 8B shape, in one H200 call: 34.5 us a block, against 29.2 us with act read from a buffer;
-    ``benchmarks/2026-12-02-llama8b-h200.md``)."""
+    the 8B shape, in one H200 call: 34.5 us a block, against 29.2 us with act read from a buffer,
+    written by a 1.2 us kernel; ``benchmarks/2026-12-02-llama8b-h200.md``). Saving that kernel by
+    computing gate and up as two reductions that inductor fuses with SiLU was slower (63.5 us for
+    gate/up against 56.1 us as one reduction of the fused weight, in one call)."""
     m = linear(act, down, down_bias, matvec=matvec)
     if matvec and act.shape[0] == 1:
         return h + m, None
@@ -450,7 +448,9 @@ class LlamaTarget(Target):
     (``"gemm"``). Steps of more tokens and exact-shape steps always use ``F.linear``. Measured on
     an H200 in bf16 (``benchmarks/2026-12-01-matvec-h200.md``): a SmolLM2-shaped plain
     step 1.229 ms (gemm), 0.976 (reduce), 0.933 (reduce-tuned); an 8B-shaped one 4.949, 6.458 and
-    4.849 ms, warm-up 27, 4 and 89 s. Not the default: the float32 greedy identity test with the HF
+    4.849 ms, warm-up 27, 4 and 89 s; with the down product compiled apart (:func:`_down`), 4.878
+    (gemm) and 4.427 ms (reduce-tuned) on one machine (``benchmarks/2026-12-02-llama8b-h200.md``:
+    1.37x and 1.24x the floor). Not the default: the float32 greedy identity test with the HF
     model failed once on that GPU with ``"reduce"`` (it passes on the CPU, eager and compiled), and
     the cause is not known yet."""
 
@@ -526,8 +526,8 @@ class LlamaTarget(Target):
 
         cfg_len = int(getattr(cfg, "max_position_embeddings", 0) or default_capacity)
         self.max_length = int(max_length or min(cfg_len, default_capacity))
-        # One buffer for keys and values, so that a step writes both with one kernel a block (and
-        # keep() moves both with one copy): kv[:, 0] the keys, kv[:, 1] the values.
+        # One buffer for keys and values, so that keep() moves both with one copy: kv[:, 0] the
+        # keys, kv[:, 1] the values (a step writes each through its view).
         self.kv = torch.zeros((L, 2, self.num_kv_heads, self.max_length, self.head_dim), dtype=self.dtype,
                               device=self.device)
         self.keys, self.values = self.kv[:, 0], self.kv[:, 1]  # [L, Hkv, C, D] views
@@ -652,7 +652,7 @@ class LlamaTarget(Target):
             d = None  # every block returns its output whole (see _down): one compilation of _layer
         captured: list[Tensor | None] = [None] * self.spec.num_slots
         for i, w in enumerate(self.weights):
-            h_in, h, act = layer(x, d, cos, sin, slots, mask, self.kv[i], w)
+            h_in, h, act = layer(x, d, cos, sin, slots, mask, self.keys[i], self.values[i], w)
             x, d = down(h, act, w.down, w.down_bias)
             if i in self._slot_of:  # boundary i = the input of block i
                 captured[self._slot_of[i]] = h_in
