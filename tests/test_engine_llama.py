@@ -392,6 +392,22 @@ def test_one_token_steps_multiplied_as_reductions_equal_the_hf_model_and_call_no
 
 
 @pytest.mark.unit
+def test_linear_on_the_cpu_transposed_for_few_rows_equals_f_linear():
+    """Up to CPU_TRANSPOSED_ROWS rows the CPU computes y^T = w a^T (one row as two), more rows with
+    F.linear: the same products, contiguous [B, out], bias included."""
+    from eyas.engine.llama import CPU_TRANSPOSED_ROWS, linear
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 48, generator=g), torch.randn(40, generator=g)
+    for B in range(1, CPU_TRANSPOSED_ROWS + 3):
+        a = torch.randn(B, 48, generator=g)
+        for bias in (None, b):
+            y = linear(a, w, bias)
+            assert y.shape == (B, 40) and y.is_contiguous()
+            torch.testing.assert_close(y, torch.nn.functional.linear(a, w, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.unit
 def test_linear_as_a_reduction_equals_f_linear_and_a_wrong_matvec_is_refused():
     g = torch.Generator().manual_seed(0)
     a, w, b = torch.randn(1, 48, generator=g), torch.randn(40, 48, generator=g), torch.randn(40, generator=g)
@@ -448,11 +464,11 @@ def test_greedy_output_with_fixed_shapes_and_key_buckets_equals_exact_shapes_tok
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("T,padded", [(2, 4), (3, 4), (6, 8), (7, 8)])
-def test_steps_on_the_cpu_run_padded_to_four_or_eight_rows_with_the_same_result(T, padded):
-    """On the CPU a step of 2 or 3 tokens runs as 4 rows (the BLAS would read the weights once per
-    row), one of 6 or 7 as 8; the pads change nothing: the logits and features equal the HF model's,
-    only T entries are committed, and the next step sees the same cache as without padding."""
+@pytest.mark.parametrize("T,padded", [(3, 4), (2, 2), (6, 6), (7, 7)])
+def test_steps_on_the_cpu_run_padded_where_more_rows_cost_less_with_the_same_result(T, padded):
+    """On the CPU a step of 3 tokens runs as 4 rows (3 cost more, see CPU_PADDED_ROWS), others as
+    they are; the pads change nothing: the logits and features equal the HF model's, only T entries
+    are committed, and the next step sees the same cache as without padding."""
     model = tiny_model("llama", L)
     fast, hf = LlamaTarget(model, SPEC), HFTarget(model, SPEC)
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9]])

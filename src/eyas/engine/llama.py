@@ -110,10 +110,10 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # How a fixed-shape step of one token multiplies by the weights (LlamaTarget's matvec).
 MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned")
 
-# Fewest rows an exact-shape step multiplies on the CPU (see LlamaTarget.forward).
-CPU_MIN_ROWS = 4
+# Products of at most this many rows run transposed on the CPU (see linear).
+CPU_TRANSPOSED_ROWS = 7
 # Exact-shape steps on the CPU padded to more rows (see LlamaTarget.forward): T tokens -> rows.
-CPU_PADDED_ROWS = {**{t: CPU_MIN_ROWS for t in range(2, CPU_MIN_ROWS)}, 6: 8, 7: 8}
+CPU_PADDED_ROWS = {3: 4}
 
 # The key buckets' ladder: SMALLEST_KEYS, doubling, then the capacity (see key_ladder).
 SMALLEST_KEYS = 512
@@ -297,6 +297,15 @@ def linear(a: Tensor, w: Tensor, bias: Tensor | None = None, *, matvec: bool = F
     if matvec and a.shape[0] == 1:
         y = (w.float() * a.float()).sum(-1)[None]  # [1, out], float32
         return (y if bias is None else y + bias.float()).to(a.dtype)
+    B = a.shape[0]
+    if a.device.type == "cpu" and B <= CPU_TRANSPOSED_ROWS:
+        # On the CPU, y^T = w a^T (a GEMM whose second operand has B columns) streams w faster than
+        # F.linear for a few rows, and one row runs as two (MKL's GEMV is slower still). The
+        # products of SmolLM2's step (540 MB of float32 weights, from DRAM) on the 2-core EPYC:
+        # 1, 2, 4, 7 rows took 47, 87, 84, 111 ms with F.linear and 27, 28, 35, 78 ms so.
+        rows = a if B > 1 else torch.cat([a, a])  # [max(B, 2), in]
+        y = (w @ rows.T).T[:B].contiguous()  # [B, out]
+        return y if bias is None else y + bias
     return F.linear(a, w, bias)
 
 
@@ -625,13 +634,9 @@ class LlamaTarget(Target):
             B = T
             rows = CPU_PADDED_ROWS.get(T, T) if dev.type == "cpu" else T
             if rows > T and self._len + rows <= self.max_length:
-                # The CPU's BLAS multiplies 2 or 3 rows as separate matrix-vector products, reading
-                # every weight once per row: SmolLM2 took 111 and 135 ms for 2 and 3 tokens against 73
-                # to 87 ms for 1, 4 or 8. Pad to 4 rows: a pad repeats the last token and position,
-                # attends itself only and writes a slot past the cache's end. Likewise 7 rows cost
-                # more than 8, and 6 no less (SmolLM2 in float32 on the 2-core EPYC, 3 runs: 7 tokens
-                # 114-149 ms, padded 88-114; 6 tokens 89-123, padded 88-118; 5 tokens 84-107): a tree
-                # of 5 or 6 drafts verifies padded to 8 rows.
+                # 3 rows cost more than 4 in the CPU's products (see linear: 34 to 47 ms against 34
+                # to 37 for SmolLM2's): pad to 4. A pad repeats the last token and position, attends
+                # itself only and writes a slot past the cache's end.
                 B, pad = rows, rows - T
                 ids, pos = torch.cat([ids, ids[-1:].expand(pad)]), torch.cat([pos, pos[-1:].expand(pad)])
                 block = torch.block_diag(block, torch.eye(pad, dtype=torch.bool, device=dev))
