@@ -20,7 +20,8 @@ keyed by one draw of the request's generator), so it too is one function of devi
 
 On a target with a static cache of fixed shapes, rounds are pipelined (:func:`_pipelined_round`):
 keep, re-read and the next round's draft are queued before the host waits for that transfer, with
-shapes fixed by the tree's depth, so the device drafts while the host streams tokens; plain steps likewise feed each token before reading it (:func:`_plain_step`).
+shapes fixed by the tree's depth, so the device drafts while the host streams tokens; plain steps
+likewise feed each token before reading it (:func:`_plain_step`).
 
 A request is a :class:`Session` (the drafter's cache, the committed tokens, the output, the
 statistics); :func:`step` runs one round of it. :func:`speculative_generate` and
