@@ -405,6 +405,8 @@ def test_linear_on_the_cpu_transposed_for_few_rows_equals_f_linear():
             y = linear(a, w, bias)
             assert y.shape == (B, 40) and y.is_contiguous()
             torch.testing.assert_close(y, torch.nn.functional.linear(a, w, bias), rtol=1e-5, atol=1e-5)
+    a3 = torch.randn(2, 3, 48, generator=g)  # more dimensions (the batched engine's prefill): F.linear
+    torch.testing.assert_close(linear(a3, w, b), torch.nn.functional.linear(a3, w, b))
 
 
 @pytest.mark.unit

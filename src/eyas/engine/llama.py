@@ -284,7 +284,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def linear(a: Tensor, w: Tensor, bias: Tensor | None = None, *, matvec: bool = False) -> Tensor:
-    """a [B, in] times w [out, in] transposed, plus bias [out] -> [B, out] (``F.linear``).
+    """a [B, in] times w [out, in] transposed, plus bias [out] -> [B, out] (``F.linear``; a [..., in]
+    with more dimensions -> [..., out], by F.linear).
 
     ``matvec`` (for compiled steps; B = 1 only, else ignored): the product written as a float32
     reduction, sum_k w[n, k] * a[k], which inductor turns into one Triton kernel that streams w once,
@@ -298,7 +299,7 @@ def linear(a: Tensor, w: Tensor, bias: Tensor | None = None, *, matvec: bool = F
         y = (w.float() * a.float()).sum(-1)[None]  # [1, out], float32
         return (y if bias is None else y + bias.float()).to(a.dtype)
     B = a.shape[0]
-    if a.device.type == "cpu" and B <= CPU_TRANSPOSED_ROWS:
+    if a.device.type == "cpu" and a.dim() == 2 and B <= CPU_TRANSPOSED_ROWS:
         # On the CPU, y^T = w a^T (a GEMM whose second operand has B columns) streams w faster than
         # F.linear for a few rows, and one row runs as two (MKL's GEMV is slower still). The
         # products of SmolLM2's step (540 MB of float32 weights, from DRAM) on the 2-core EPYC:
