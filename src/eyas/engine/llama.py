@@ -302,8 +302,9 @@ def linear(a: Tensor, w: Tensor, bias: Tensor | None = None, *, matvec: bool = F
     if a.device.type == "cpu" and a.dim() == 2 and B <= CPU_TRANSPOSED_ROWS:
         # On the CPU, y^T = w a^T (a GEMM whose second operand has B columns) streams w faster than
         # F.linear for a few rows, and one row runs as two (MKL's GEMV is slower still). The
-        # products of SmolLM2's step (540 MB of float32 weights, from DRAM) on the 2-core EPYC:
-        # 1, 2, 4, 7 rows took 47, 87, 84, 111 ms with F.linear and 27, 28, 35, 78 ms so.
+        # products of SmolLM2's step (540 MB of float32 weights, from DRAM) on the 2-core EPYC,
+        # medians of 3 rounds: 1, 2, 4, 7 rows 52, 94, 85, 108 ms with F.linear and 27, 30, 43,
+        # 66 ms so (benchmarks/2026-12-02-cpu-demo.md).
         rows = a if B > 1 else torch.cat([a, a])  # [max(B, 2), in]
         y = (w @ rows.T).T[:B].contiguous()  # [B, out]
         return y if bias is None else y + bias
@@ -350,7 +351,7 @@ def _prologue(ids: Tensor, pos: Tensor, block: Tensor, start: Tensor, embed: Ten
 
 def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
            values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
-           matvec: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+           matvec: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """One decoder block for B tokens. The stream entering it is x + d [B, H] (the previous block's
     last residual add is done here, fused with this block's norm; d None: x alone); cos, sin
     [B, 1, D]; slots [B] (where the new keys/values go); mask [B, n] bool over the first n cache
@@ -635,8 +636,8 @@ class LlamaTarget(Target):
             B = T
             rows = CPU_PADDED_ROWS.get(T, T) if dev.type == "cpu" else T
             if rows > T and self._len + rows <= self.max_length:
-                # 3 rows cost more than 4 in the CPU's products (see linear: 34 to 47 ms against 34
-                # to 37 for SmolLM2's): pad to 4. A pad repeats the last token and position, attends
+                # 3 rows cost about what 4 do in the CPU's products (see linear: 31 to 48 ms against
+                # 31 to 44 for SmolLM2's) and 3 tokens are rare (a tree's size): pad to 4. A pad repeats the last token and position, attends
                 # itself only and writes a slot past the cache's end.
                 B, pad = rows, rows - T
                 ids, pos = torch.cat([ids, ids[-1:].expand(pad)]), torch.cat([pos, pos[-1:].expand(pad)])
