@@ -215,11 +215,8 @@ def test_one_drafter_state_serves_short_and_long_requests_on_fixed_shapes(llama,
     assert second is first
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("tree", [TreeSpec.chain(4), TreeSpec(4, 4, 16), TreeSpec(3, 8, None)], ids=str)
-def test_pipelined_rounds_equal_sequential_rounds(llama, trained_drafter, monkeypatch, tree):
-    """Greedy rounds on a fixed-shape target are pipelined (the next tree drafted before the host
-    reads the verdict); they commit exactly what the sequential rounds commit, round by round."""
+def count_pipelined_rounds(monkeypatch) -> dict[str, int]:
+    """Counts, as the session runs: pipelined rounds, and those that found their tree drafted ahead."""
     import eyas.engine.speculative as spec
 
     calls = {"pipelined": 0, "drafted_ahead": 0}
@@ -231,6 +228,15 @@ def test_pipelined_rounds_equal_sequential_rounds(llama, trained_drafter, monkey
         return original(s)
 
     monkeypatch.setattr(spec, "_pipelined_round", counted)
+    return calls
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("tree", [TreeSpec.chain(4), TreeSpec(4, 4, 16), TreeSpec(3, 8, None)], ids=str)
+def test_pipelined_rounds_equal_sequential_rounds(llama, trained_drafter, monkeypatch, tree):
+    """Greedy rounds on a fixed-shape target are pipelined (the next tree drafted before the host
+    reads the verdict); they commit exactly what the sequential rounds commit, round by round."""
+    calls = count_pipelined_rounds(monkeypatch)
     target = LlamaTarget(llama, SPEC4, fixed_shapes=True)
     eos = llama.generation_config.eos_token_id
     for prompt in random_prompts(4, 128, seed=3):
@@ -251,17 +257,7 @@ def test_sampled_pipelined_rounds_draw_what_sequential_rounds_draw(llama, traine
     """Sampled rounds are pipelined too: the next tree is drafted from the session's CounterStream at
     the committed length the device computed (m + a + 1), which is where a sequential round draws,
     so with the same generator seed both commit the same tokens, round by round."""
-    import eyas.engine.speculative as spec
-
-    calls = {"pipelined": 0, "drafted_ahead": 0}
-    original = spec._pipelined_round
-
-    def counted(s):
-        calls["pipelined"] += 1
-        calls["drafted_ahead"] += s.next_tree is not None
-        return original(s)
-
-    monkeypatch.setattr(spec, "_pipelined_round", counted)
+    calls = count_pipelined_rounds(monkeypatch)
     target = LlamaTarget(llama, SPEC4, fixed_shapes=True)
     sampling = SamplingParams(temperature=1.0, top_p=0.95)
     outputs = set()

@@ -19,6 +19,7 @@ token leaving a node is distributed exactly as p: the output distribution is the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -84,9 +85,9 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
 _MASK32 = 0xFFFFFFFF
 
 
-def _mix32(x: Tensor) -> Tensor:
+def _mix32(x: Tensor | int) -> Tensor | int:
     """A 32-bit integer hash (two multiply-xorshift rounds; int64 lanes holding values < 2**32, whose
-    products stay < 2**63)."""
+    products stay < 2**63; a Python int hashes to the same value)."""
     x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
     x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
     return (x >> 16) ^ x
@@ -129,11 +130,8 @@ class CounterStream:
 
     def uniform(self, shape: tuple[int, ...], tag: int) -> Tensor:
         """Uniforms in (0, 1), float32 [shape], for draw ``tag`` (a small int) of this stream."""
-        key = _mix32((self.key + _mix32(torch.full_like(self.key, tag))) & _MASK32)
-        n = 1
-        for size in shape:
-            n *= size
-        return counter_uniform(key, torch.arange(n, device=key.device).view(shape))
+        key = _mix32((self.key + _mix32(tag)) & _MASK32)  # the tag's hash on the host (ints hash alike)
+        return counter_uniform(key, torch.arange(math.prod(shape), device=key.device).view(shape))
 
 
 # Draws for tags of CounterStream: drafting level d uses tag d; acceptance these two.

@@ -219,7 +219,7 @@ class DraftState:
         self._steps = {k: StepGraphs(fn) for k, fn in fixed.items()} if graphs else fixed
         self._expand = fixed[False]  # each level's expansion (inside the captured greedy draft)
         self.graphs = graphs
-        # greedy drafts per (spec, depth); drafts sampled from a CounterStream per (spec, depth, sampling)
+        # drafts of greedy or CounterStream sampling, per (spec, depth, sampling)
         self._drafts: dict[tuple, Callable[..., tuple[Tensor, ...]]] = {}
         self._reread: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None  # the pipelined re-read
 
@@ -327,20 +327,16 @@ class DraftState:
             return DraftTree.from_parents(self.root_token, torch.full((1,), -1, device=self.device), 0, K, proposals=q)
         m = torch.full((), self.length, dtype=torch.long, device=self.device) if length is None else length
         inputs = (m, self.root_token, self.root_logits, self.root_hidden)
-        if sampling.greedy:
-            key = (spec, depth)
-            if key not in self._drafts:
-                grow = lambda *x: self._grow(spec, depth, sampling, None, vocab_size, *x)  # noqa: E731
-                self._drafts[key] = StepGraphs(grow) if self.graphs else grow
-            parts = self._drafts[key](*inputs)
-        elif isinstance(generator, CounterStream):
+        streamed = not sampling.greedy and isinstance(generator, CounterStream)
+        if sampling.greedy or streamed:  # one function of device tensors: captured per (spec, depth, sampling)
             key = (spec, depth, sampling)
             if key not in self._drafts:
-                def grow_sampled(stream_key: Tensor, *x: Tensor) -> tuple[Tensor, ...]:
-                    return self._grow(spec, depth, sampling, CounterStream(stream_key).at(x[0]), vocab_size, *x)
-                self._drafts[key] = StepGraphs(grow_sampled) if self.graphs else grow_sampled
-            parts = self._drafts[key](generator.key, *inputs)
-        else:
+                def grow(*x: Tensor) -> tuple[Tensor, ...]:  # inputs, then the stream's key when sampled
+                    draws = CounterStream(x[4]).at(x[0]) if streamed else None
+                    return self._grow(spec, depth, sampling, draws, vocab_size, *x[:4])
+                self._drafts[key] = StepGraphs(grow) if self.graphs else grow
+            parts = self._drafts[key](*inputs, *((generator.key,) if streamed else ()))
+        else:  # a torch.Generator's draws: eagerly
             parts = self._grow(spec, depth, sampling, generator, vocab_size, *inputs)
         tokens, parents, depths, mask, children, valid, levels, proposals = parts
         return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=mask, children=children, valid=valid,
