@@ -11,6 +11,8 @@
 #                background (its log: /tmp/drafter/run.log), then wait like `wait`
 #   wait [S]     wait up to S seconds (default 540) for the run to end, print the log's last lines
 #   collect      the drafter (bf16 shards + a tar of its small files), the summary and the logs into $OUT
+#   compare      the drafter just trained against the shipped one: spec_gpu.py on MT-bench, temperature 0, same
+#                prompts and trees, HF generate compiled beside the new one ($OUT/compare.tar, compare.log)
 #   bench [ARGS] benchmarks/spec_gpu.py on MT-bench with the drafter, results into $OUT/spec (COMMIT=sha)
 #   part         keep the GGUF parts carried in this call (a three-part split, .device/g3/smol.p0..p2, for
 #                calls whose work tree is larger: carry p0 with setup, p1 with `part`, p2 with `measure`),
@@ -130,6 +132,21 @@ EOF
       || echo "spec_off exit $?" >> "$OUT/measure.log"
     (cd /tmp && tar cf "$OUT/spec_off.tar" spec_off) || true
     ls -la "$OUT"
+    ;;
+  compare)
+    # the drafter just trained against the shipped one, MT-bench at temperature 0, one process each, same prompts
+    # and trees; HF generate compiled beside the new one. Results: $OUT/compare.tar (both result dirs), compare.log
+    C=${COMMIT:?set COMMIT to the commit whose tree was sent}
+    for who in new shipped; do
+      D=$WORK/drafter SKIP=hf_eager
+      [ "$who" = shipped ] && D=src/eyas/interop/embedded/smollm2-135m-instruct SKIP=hf_eager,hf_compiled
+      timeout 280 python benchmarks/spec_gpu.py --target /tmp/smol.gguf --draft "$D" --out-dir "/tmp/compare/$who" \
+        --commit "$C" --sets mt_bench --prompts-per-set 24 --temperatures 0 --trees 8,8,48 6,10,60 --chains 4 \
+        --select-prompts 4 --skip "$SKIP" --no-tree-auto --budget-s 250 "$@" >> "$OUT/compare.log" 2>&1 \
+        || echo "compare $who exit $?" >> "$OUT/compare.log"
+    done
+    (cd /tmp && tar cf "$OUT/compare.tar" compare) || true
+    tail -n 40 "$OUT/compare.log"
     ;;
   *)
     sed -n 2,22p "$0"

@@ -386,6 +386,8 @@ def run(a: argparse.Namespace) -> int:
                   "--draft-vocab", str(a.draft_vocab), "--lr", str(a.lr), "--ttt-steps", str(a.ttt_steps),
                   "--eval-every", str(a.eval_every), "--save-every", str(a.eval_every), "--patience", str(a.patience),
                   "--seed", str(a.seed), "--device", a.device]
+    if a.init_from:
+        train_args += ["--init-from", a.init_from]
     # eyas train fits its learning-rate schedule to the time left (the cosine ends on its floor), and
     # its last evaluation and save come after that: --end-room-s before the hard stop below.
     train_budget = deadline - a.final_overhead_s - a.end_room_s - time.time()
@@ -487,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--val-max-new-tokens", type=int, default=64)
     r.add_argument("--val-tree", default="6,10,60")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--init-from", default=None,
+                   help="eyas train --init-from: start from this drafter (e.g. the shipped one) rather than afresh")
     r.add_argument("--resume", action="store_true", help="keep WORK/train and let eyas train resume it")
     r.add_argument("--final-overhead-s", type=float, default=30.0, help="the bf16 copy and the summary after training")
     r.add_argument("--end-room-s", type=float, default=60.0,

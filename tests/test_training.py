@@ -271,3 +271,26 @@ def test_offline_and_online_training_give_the_same_first_step_loss(toy, tmp_path
     offline = first_loss(tmp_path / "shards", tmp_path / "offline")
     assert online[1] == offline[1] > 0
     assert offline[0] == pytest.approx(online[0], rel=1e-5)
+
+
+@pytest.mark.integration
+def test_init_from_starts_at_the_given_drafter_and_refuses_one_of_another_shape(toy, tmp_path):
+    """--init-from loads a drafter's weights and draft vocabulary: with a learning rate of 0 the run
+    ends where it started, on the first run's weights, d2t and t2d. A drafter of another draft
+    vocabulary size or other boundaries is refused with the field, this run's value and the one found."""
+    first = _cfg(toy, tmp_path / "first", steps=4)
+    train(first)
+    again = _cfg(toy, tmp_path / "again", steps=3, lr=0.0, seed=1, init_from=str(tmp_path / "first"))
+    train(again)
+    a, b = _weights(tmp_path / "first"), _weights(tmp_path / "again")
+    assert a.keys() == b.keys() and {"d2t", "t2d"} <= a.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    train(_cfg(toy, tmp_path / "fresh", steps=3, lr=0.0, seed=1))
+    assert not torch.equal(_weights(tmp_path / "fresh")["fc.weight"], a["fc.weight"])
+
+    with pytest.raises(ValueError, match=r"--init-from .*first: drafter config draft_vocab_size: "
+                                         r"expected this run's 512, found 1024 \(pass --draft-vocab"):
+        train(_cfg(toy, tmp_path / "vocab", steps=1, draft_vocab_size=512, init_from=str(tmp_path / "first")))
+    with pytest.raises(ValueError, match=r"capture.boundaries: expected this run's \[1, 4, 6\], found \[2, 5, 7\]"):
+        train(_cfg(toy, tmp_path / "bounds", steps=1, boundaries=[1, 4, 6], init_from=str(tmp_path / "first")))

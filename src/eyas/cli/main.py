@@ -298,12 +298,16 @@ def train(
     norm_before_fc: bool = typer.Option(False, help="drafter variant: one RMSNorm over the concatenated slots before fc"),
     fc_norm: bool = typer.Option(False, help="drafter variant: one RMSNorm per slot before the concatenation"),
     norm_output: bool = typer.Option(False, help="drafter variant: feed back the post-norm hidden state"),
+    init_from: Optional[str] = typer.Option(
+        None, help="start from this eyas drafter's weights and draft vocabulary ('default': the one shipped for "
+                   "--target smollm2), not a fresh one: fine-tuning on more data; its boundaries, --draft-vocab "
+                   "and variant flags must be this run's"),
     force: bool = typer.Option(False, help="train even when the shards' contract does not match the target"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Train an EAGLE-3 drafter with training-time test; resumes from the newest checkpoint in OUT."""
     from eyas.convention import parse_boundaries
-    from eyas.interop import read_contract
+    from eyas.interop import read_contract, resolve_draft
     from eyas.training.config import TrainConfig
     from eyas.training.loop import train as run_training
 
@@ -314,6 +318,7 @@ def train(
         save_every=save_every, eval_every=eval_every, log_every=log_every, patience=patience, seed=seed, device=device, target_devices=target_devices,
         norm_before_residual=norm_before_residual,
         norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output,
+        init_from=str(_run(resolve_draft, init_from, target)) if init_from is not None else None,
     )
     log = (lambda m: err.print(m, highlight=False)) if json_out else (lambda m: console.print(m, highlight=False))
     t0 = time.perf_counter()

@@ -17,6 +17,11 @@ class TrainConfig(BaseModel):
     boundaries: list[int] | None = None  # None: the data's (offline) or [2, L//2, L-3] (online)
     draft_vocab_size: int = 8192
     system_prompt: str = "template_default"  # online rendering only
+    # An eyas drafter directory whose weights and draft vocabulary start the run (fine-tuning a
+    # drafter on more data), instead of a fresh initialisation. Its contract is checked against the
+    # target, and its boundaries, draft vocabulary size and variant flags must be this run's. The
+    # optimizer and schedule start afresh; a checkpoint in ``out`` (a resume) takes precedence.
+    init_from: str | None = None
 
     # --- the drafter variant: passed to DrafterConfig (which checks them), recorded in the contract ---
     norm_before_residual: bool = False  # residual = hidden_norm(h) instead of h

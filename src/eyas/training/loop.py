@@ -41,7 +41,7 @@ from eyas.training.order import budget_batches, make_order
 from eyas.training.state import SHARD_BYTES, checkpoint_dirs, commit_dir, load_train_state, save_train_state
 from eyas.drafter.ttt import Tally, ttt_forward
 from eyas.training.timing import PhaseTimer, Window
-from eyas.training.vocab import build_draft_vocab, count_targets
+from eyas.training.vocab import build_draft_vocab, count_targets, vocab_of
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -108,6 +108,28 @@ def sample_lengths(samples: Any, indices: Sequence[int]) -> list[int]:
     if lengths is not None:
         return [lengths[i] for i in indices]
     return [int(samples[i]["input_ids"].shape[0]) for i in indices]
+
+
+def init_weights(drafter: Eagle3Drafter, path: str, target: LoadedTarget, spec: CaptureSpec, force: bool) -> None:
+    """Load the drafter at ``path`` (``--init-from``) into the fresh ``drafter``: weights and draft
+    vocabulary. Its contract is checked against the target (ContractError unless ``force``); its
+    boundaries and its config (sizes, draft vocabulary, variant flags) must equal this run's, else a
+    CheckpointError names the field, this run's value and the one found."""
+    from eyas.interop import CheckpointError, load_drafter, read_contract
+
+    where = f"--init-from {path}"
+    init, _ = load_drafter(path, target=target, tokenizer=target.tokenizer, force=force)
+    recorded = read_contract(path)
+    if recorded is not None and list(recorded.capture.boundaries) != list(spec.boundaries):
+        raise CheckpointError(f"{where}: capture.boundaries: expected this run's {list(spec.boundaries)}, "
+                         f"found {list(recorded.capture.boundaries)} (pass --boundaries to match)")
+    ours, theirs = drafter.config.model_dump(), init.config.model_dump()
+    for field, value in ours.items():
+        if theirs.get(field) != value:
+            hint = " (pass --draft-vocab to match)" if field == "draft_vocab_size" else ""
+            raise CheckpointError(f"{where}: drafter config {field}: expected this run's {value!r}, "
+                             f"found {theirs.get(field)!r}{hint}")
+    drafter.load_state_dict(init.state_dict())  # d2t and t2d included: its draft vocabulary
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,18 +378,22 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     outside_loops = {i: keep_outside_loops(samples[i]) for i in val_idx}
 
     # Draft vocabulary from the training split only (never the held-out samples), over the config's
-    # vocabulary (DrafterConfig.for_target sizes t2d by it).
-    vocab = build_draft_vocab(count_targets(token_pairs(samples, train_idx), target.text_config.vocab_size),
-                              cfg.draft_vocab_size)
-    if d.main:
-        log(f"{len(train_idx)} training / {len(val_idx)} held-out samples ({'offline shards' if offline else 'online'}); "
-            f"draft vocab {cfg.draft_vocab_size} covers {vocab.coverage:.2%} of {vocab.num_targets} training targets")
-
+    # vocabulary (DrafterConfig.for_target sizes t2d by it); --init-from keeps its drafter's.
+    counts = count_targets(token_pairs(samples, train_idx), target.text_config.vocab_size)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     drafter, contract = new_drafter(target, tokenizer, spec.boundaries, cfg.draft_vocab_size, source=target.name,
                                     capture_dtype="bfloat16" if use_bf16 else "float32", seed=cfg.seed,
                                     **{flag: getattr(cfg, flag) for flag in NORM_FLAGS})
-    drafter.set_vocab_map(vocab.ids)
+    if cfg.init_from is not None and not checkpoint_dirs(out):  # a resume loads its checkpoint instead
+        init_weights(drafter, cfg.init_from, target, spec, force)
+        vocab = vocab_of(drafter.draft_to_target(torch.arange(cfg.draft_vocab_size)), counts)
+    else:
+        vocab = build_draft_vocab(counts, cfg.draft_vocab_size)
+        drafter.set_vocab_map(vocab.ids)
+    if d.main:
+        log(f"{len(train_idx)} training / {len(val_idx)} held-out samples ({'offline shards' if offline else 'online'}); "
+            f"draft vocab {cfg.draft_vocab_size} covers {vocab.coverage:.2%} of {vocab.num_targets} training targets"
+            + (f"; weights and draft vocabulary from {cfg.init_from}" if cfg.init_from is not None else ""))
     contract = contract.model_copy(update={"drafter": drafter_flags(drafter.config, "trained")})
     if contract.tokenisation is not None:
         contract.tokenisation.system_prompt = sys_mode  # type: ignore[assignment]

@@ -39,3 +39,11 @@ def build_draft_vocab(counts: Tensor, size: int) -> DraftVocab:
     total = int(counts.sum())
     covered = int(counts[ids].sum())
     return DraftVocab(ids=ids, coverage=covered / total if total else 0.0, num_targets=total)
+
+
+def vocab_of(ids: Tensor, counts: Tensor) -> DraftVocab:
+    """An existing draft vocabulary (``ids``: target ids, e.g. a drafter's that a run starts from)
+    with its coverage of the targets in ``counts``."""
+    ids = torch.sort(ids.to(torch.long).cpu()).values
+    total = int(counts.sum())
+    return DraftVocab(ids=ids, coverage=int(counts[ids].sum()) / total if total else 0.0, num_targets=total)
