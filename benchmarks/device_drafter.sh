@@ -134,15 +134,16 @@ EOF
     ls -la "$OUT"
     ;;
   compare)
+    shift
     # the drafter just trained against the shipped one, MT-bench at temperature 0, one process each, same prompts
     # and trees; HF generate compiled beside the new one. Results: $OUT/compare.tar (both result dirs), compare.log
     C=${COMMIT:?set COMMIT to the commit whose tree was sent}
     for who in new shipped; do
       D=$WORK/drafter SKIP=hf_eager
       [ "$who" = shipped ] && D=src/eyas/interop/embedded/smollm2-135m-instruct SKIP=hf_eager,hf_compiled
-      timeout 280 python benchmarks/spec_gpu.py --target /tmp/smol.gguf --draft "$D" --out-dir "/tmp/compare/$who" \
+      timeout 262 python benchmarks/spec_gpu.py --target /tmp/smol.gguf --draft "$D" --out-dir "/tmp/compare/$who" \
         --commit "$C" --sets mt_bench --prompts-per-set 24 --temperatures 0 --trees 8,8,48 6,10,60 --chains 4 \
-        --select-prompts 4 --skip "$SKIP" --no-tree-auto --budget-s 250 "$@" >> "$OUT/compare.log" 2>&1 \
+        --select-prompts 4 --skip "$SKIP" --no-tree-auto --budget-s 235 "$@" >> "$OUT/compare.log" 2>&1 \
         || echo "compare $who exit $?" >> "$OUT/compare.log"
     done
     (cd /tmp && tar cf "$OUT/compare.tar" compare) || true
