@@ -115,9 +115,11 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
             "embedding_not_counted": 0 if tied else embed.numel() * embed.element_size(), "tied": int(tied)}
 
 
-# variant -> (compile, matvec): how LlamaTarget runs the step (matvec: how a one-token step multiplies)
-VARIANTS = {"compiled": (True, "gemm"), "compiled-reduce": (True, "reduce"),
-            "compiled-reduce-tuned": (True, "reduce-tuned"), "graphs": (False, "gemm")}
+# variant -> (compile, matvec, attention): how LlamaTarget runs the step (matvec: how a one-token step
+# multiplies; attention: eager's three steps or one SDPA kernel)
+VARIANTS = {"compiled": (True, "gemm", "eager"), "compiled-reduce": (True, "reduce", "eager"),
+            "compiled-reduce-tuned": (True, "reduce-tuned", "eager"), "graphs": (False, "gemm", "eager"),
+            "compiled-sdpa": (True, "gemm", "sdpa"), "compiled-reduce-tuned-sdpa": (True, "reduce-tuned", "sdpa")}
 
 
 @torch.no_grad()
@@ -127,9 +129,10 @@ def measure(model, spec, device, capacity: int, prefill: int, reps: int, variant
     compiles and captures the token buckets of SIZES with the key bucket the steps attend (every
     key bucket of a 2048-token sequence with ``all_keys``, as a server does)."""
     V = model.config.vocab_size
-    compile_, matvec = VARIANTS[variant]
-    target = LlamaTarget(model, spec, max_length=capacity, cuda_graphs=True, compile=compile_, matvec=matvec)
-    out: dict = {"implementation": target.implementation, "matvec": matvec}
+    compile_, matvec, attention = VARIANTS[variant]
+    target = LlamaTarget(model, spec, max_length=capacity, cuda_graphs=True, compile=compile_, matvec=matvec,
+                         attention=attention)
+    out: dict = {"implementation": target.implementation, "matvec": matvec, "attention": attention}
     buckets = sorted({min(b for b in target.buckets if b >= n) for n in SIZES})  # the token buckets timed
     keys = _step_keys(target, prefill)
     out["warmed"] = "every bucket and key bucket" if all_keys else f"buckets {buckets}, keys {keys}"

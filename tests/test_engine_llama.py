@@ -27,9 +27,9 @@ ATOL = 2e-5
 KEYS = (16, 32)  # key buckets for a 64-entry cache: 16, 32, 64 (the default ladder starts at 512)
 
 
-def _pair(kind: str, fixed_shapes: bool = False):
+def _pair(kind: str, fixed_shapes: bool = False, attention: str = "eager"):
     model = tiny_model(kind, L)
-    return (LlamaTarget(model, SPEC, max_length=64, fixed_shapes=fixed_shapes, key_buckets=KEYS),
+    return (LlamaTarget(model, SPEC, max_length=64, fixed_shapes=fixed_shapes, key_buckets=KEYS, attention=attention),
             HFTarget(model, SPEC, max_length=64))
 
 
@@ -68,13 +68,16 @@ def _same(a: tuple, b: tuple) -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("fixed_shapes", [False, True], ids=["exact", "fixed_shapes"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_logits_and_boundaries_equal_the_hf_model_through_prefill_tree_keep_and_decode(kind, fixed_shapes):
+def test_logits_and_boundaries_equal_the_hf_model_through_prefill_tree_keep_and_decode(kind, fixed_shapes, attention):
     """fixed_shapes: each step padded to a token bucket (9 -> 16, 5 -> 8, 2 -> 8, 1 -> 1) and attending
     the smallest key bucket that holds cache_len + that (16, 32, 32, 16) under a mask, as the CUDA
-    graphs run it."""
-    fast, hf = _pair(kind, fixed_shapes)
+    graphs run it. attention="sdpa": one scaled_dot_product_attention call per block, the same
+    results (the tree mask and the padded rows included)."""
+    fast, hf = _pair(kind, fixed_shapes, attention)
+    assert fast.implementation.endswith("+attention-sdpa") == (attention == "sdpa")
     _walk(fast, hf, torch.Generator().manual_seed(0))
     logits, features = fast.forward(torch.tensor([[7]]), torch.tensor([[15]]), capture=False)
     assert features is None and logits.shape == (1, 1, 128)
@@ -216,16 +219,17 @@ def test_generate_on_the_fast_target_prints_it_and_equals_the_hf_target(toy_draf
 
 @pytest.mark.integration
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("matvec", ["gemm", "reduce"])
-def test_the_compiled_cuda_graphed_target_equals_the_hf_model_on_a_gpu(matvec):
+@pytest.mark.parametrize("matvec,attention", [("gemm", "eager"), ("reduce", "eager"), ("gemm", "sdpa")])
+def test_the_compiled_cuda_graphed_target_equals_the_hf_model_on_a_gpu(matvec, attention):
     """float32 on the GPU, buckets compiled and captured up front (warmup), then the same walk; and
     a bucket first used later is compiled and captured then. With both ways of multiplying a
-    one-token step (cuBLAS; inductor's reduction kernel)."""
+    one-token step (cuBLAS; inductor's reduction kernel), and attention as one fused SDPA kernel."""
     model = tiny_model("llama", L).cuda()
     fast = LlamaTarget(model, SPEC, max_length=64, cuda_graphs=True, buckets=(1, 8, 16, 32), key_buckets=KEYS,
-                       matvec=matvec)
+                       matvec=matvec, attention=attention)
     hf = HFTarget(model, SPEC, max_length=64)
-    assert fast.implementation == "fast+compile+cuda-graphs" + ("+matvec-reduce" if matvec == "reduce" else "")
+    assert fast.implementation == ("fast+compile+cuda-graphs" + ("+matvec-reduce" if matvec == "reduce" else "")
+                                   + ("+attention-sdpa" if attention == "sdpa" else ""))
     seconds = fast.warmup(buckets=(1, 8, 16))  # with every key bucket (16, 32, 64: all within 2048)
     warmed = [(B, K) for B in (1, 8, 16) for K in (16, 32, 64)]
     assert 0 < fast.compile_seconds <= seconds and sorted(fast._graphs) == warmed
@@ -421,6 +425,8 @@ def test_linear_as_a_reduction_equals_f_linear_and_a_wrong_matvec_is_refused():
     torch.testing.assert_close(linear(a16, w16, matvec=True).float(), (a16.float() @ w16.float().T).bfloat16().float())
     with pytest.raises(ValueError, match=r"matvec must be one of .*'gemm'.*found 'gemv'"):
         LlamaTarget(tiny_model("llama", L), SPEC, max_length=64, matvec="gemv")
+    with pytest.raises(ValueError, match=r"attention must be one of \['eager', 'sdpa'\], found 'flash'"):
+        LlamaTarget(tiny_model("llama", L), SPEC, max_length=64, attention="flash")
 
 
 @pytest.mark.unit

@@ -110,6 +110,9 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # How a fixed-shape step of one token multiplies by the weights (LlamaTarget's matvec).
 MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned")
 
+# How a step attends over the cache (LlamaTarget's attention; see _layer).
+ATTENTION_CHOICES = ("eager", "sdpa")
+
 # Products of at most this many rows run transposed on the CPU (see linear).
 CPU_TRANSPOSED_ROWS = 7
 # Exact-shape steps on the CPU padded to more rows (see LlamaTarget.forward): T tokens -> rows.
@@ -351,7 +354,7 @@ def _prologue(ids: Tensor, pos: Tensor, block: Tensor, start: Tensor, embed: Ten
 
 def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
            values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
-           matvec: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+           matvec: bool = False, sdpa: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """One decoder block for B tokens. The stream entering it is x + d [B, H] (the previous block's
     last residual add is done here, fused with this block's norm; d None: x alone); cos, sin
     [B, 1, D]; slots [B] (where the new keys/values go); mask [B, n] bool over the first n cache
@@ -359,7 +362,9 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
 
     Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
     attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects.
-    ``matvec``: see :func:`linear`."""
+    ``matvec``: see :func:`linear`. ``sdpa``: attention as one ``scaled_dot_product_attention`` call
+    (a fused kernel on a GPU, which keeps the probabilities in float32 for PV) instead of the eager
+    order's three steps (QK in the model's dtype; scale, mask and softmax in float32, cast back; PV)."""
     h_in = x if d is None else x + d  # [B, H]
     B = h_in.shape[0]
     Hkv, _, D = keys.shape
@@ -379,10 +384,13 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
     # Grouped-query attention without copying the cache: query head j reads key/value head j // G,
     # so the G query heads of a group become G*B rows against their shared keys.
     qg = q.view(B, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * B, D)  # rows (g, b)
-    scores = torch.matmul(qg, keys.transpose(1, 2))  # [Hkv, G*B, n], the model's dtype
-    scores = (scores.float() * scaling).view(Hkv, G, B, n).masked_fill(~mask, float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, G * B, n)
-    out = torch.matmul(p, values)  # [Hkv, G*B, D]
+    if sdpa:  # row (g, b) attends under mask[b]: the mask repeated per group, [G*B, n] (no row is all False)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask.repeat(G, 1), scale=scaling)
+    else:
+        scores = torch.matmul(qg, keys.transpose(1, 2))  # [Hkv, G*B, n], the model's dtype
+        scores = (scores.float() * scaling).view(Hkv, G, B, n).masked_fill(~mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, G * B, n)
+        out = torch.matmul(p, values)  # [Hkv, G*B, D]
     out = out.view(Hkv, G, B, D).permute(2, 0, 1, 3).reshape(B, Hq * D)  # head j = g-th of group j // G
     h = h_in + linear(out, w.o, w.o_bias, matvec=matvec)
     I = w.down.shape[1]
@@ -463,12 +471,19 @@ class LlamaTarget(Target):
     (gemm) and 4.427 ms (reduce-tuned) on one machine (``benchmarks/2026-12-02-llama8b-h200.md``:
     1.37x and 1.24x the floor). Not the default: the float32 greedy identity test with the HF
     model failed once on that GPU with ``"reduce"`` (it passes on the CPU, eager and compiled), and
-    the cause is not known yet."""
+    the cause is not known yet.
+
+    ``attention`` says how every step attends over the cache: ``"eager"`` (Hugging Face's eager
+    order: QK, a float32 softmax under the mask, PV; three kernels a block on a GPU) or ``"sdpa"``
+    (one ``scaled_dot_product_attention`` call a block, a fused kernel on a GPU; equal to the model
+    in float32 on the CPU). Opt-in until measured on a GPU: ``benchmarks/llama_8b_cost.py
+    --variants compiled,compiled-sdpa,compiled-reduce-tuned-sdpa``."""
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
                  default_capacity: int = 4096, fixed_shapes: bool = False, cuda_graphs: bool = False,
                  buckets: Sequence[int] = (1, 8, 16, 32, 64, 128), compile: bool | None = None,
-                 fuse: bool = True, key_buckets: Sequence[int] | None = None, matvec: str = "auto") -> None:
+                 fuse: bool = True, key_buckets: Sequence[int] | None = None, matvec: str = "auto",
+                 attention: str = "eager") -> None:
         why_not = supports(model)
         if why_not is not None:
             raise UnsupportedTarget(f"LlamaTarget: {why_not}; use the Hugging Face target (HFTarget)")
@@ -559,8 +574,12 @@ class LlamaTarget(Target):
         if matvec not in MATVEC_CHOICES:
             raise ValueError(f"LlamaTarget: matvec must be one of {list(MATVEC_CHOICES)}, found {matvec!r}")
         self.matvec = "gemm" if matvec == "auto" else matvec
+        if attention not in ATTENTION_CHOICES:
+            raise ValueError(f"LlamaTarget: attention must be one of {list(ATTENTION_CHOICES)}, found {attention!r}")
+        self.attention = attention
         self.implementation = "+".join(["fast"] + ["compile"] * self.compile + ["cuda-graphs"] * self.cuda_graphs
-                                       + [f"matvec-{self.matvec}"] * (self.fixed_shapes and self.matvec != "gemm"))
+                                       + [f"matvec-{self.matvec}"] * (self.fixed_shapes and self.matvec != "gemm")
+                                       + ["attention-sdpa"] * (attention == "sdpa"))
         self._eager = self._functions(None)
         # Eager fixed-shape functions with matvec (the CPU tests of the compiled code) are a distinct
         # object from self._eager: a failed compilation falls back to self._eager, plain F.linear.
@@ -585,7 +604,8 @@ class LlamaTarget(Target):
         c = self._consts
         by_reduction = matvec != "gemm"
         fns = (functools.partial(_prologue, rope_scaling=c["rope_scaling"]),
-               functools.partial(_layer, eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=by_reduction),
+               functools.partial(_layer, eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=by_reduction,
+                                 sdpa=self.attention == "sdpa"),
                functools.partial(_down, matvec=by_reduction),
                functools.partial(_head, eps=c["eps"], matvec=by_reduction))
         if backend is None:
