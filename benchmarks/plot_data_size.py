@@ -14,13 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 
 def trend_to_goal(points: list[tuple[float, float]], goal: float) -> float | None:
     """Training targets at which the log-linear line through the first and last points reaches
-    ``goal`` (None when the line does not rise)."""
+    ``goal`` (None when the line does not rise, or the last point already reaches the goal)."""
     (x0, y0), (x1, y1) = points[0], points[-1]
+    if y1 >= goal:
+        return None
     slope = (y1 - y0) / (math.log(x1) - math.log(x0))
     if slope <= 0:
         return None
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     png = a.png or a.points.with_suffix(".png")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
-    print(f"plot: {png}")
+    print(f"plot: {png}", file=sys.stderr if a.json else sys.stdout)  # --json: stdout is the JSON alone
     return 0
 
 
