@@ -11,8 +11,9 @@ bounds the whole run, results are written after every step so a cut run keeps wh
    checked); the engine's target is ``build_target(model, spec, --target-impl)`` ("fast": our
    static-cache target with CUDA graphs on a GPU); HF decoders use the same model object.
 2. tree selection: every ``--trees`` tree and ``--chains`` chain, interleaved per prompt, on the
-   first ``--select-prompts`` MT-bench prompts at temperature 0; the best tree and the best chain by
-   tokens/s go on (all are reported).
+   first ``--select-prompts`` MT-bench prompts at temperature 0 (``--select-per-temperature``: at
+   every temperature served, each within its share of the selection budget); the best tree and the
+   best chain by tokens/s go on, per temperature (all are reported).
 3. a profile (torch.profiler, CPU + CUDA activities) of one speculative round of the best tree
    (``--profile-rounds``, after ``--profile-skip`` rounds), and of one plain decoding step: top ops
    by device time, GPU kernels and host launch calls per round (``profile.txt``, summary in the
@@ -156,6 +157,19 @@ def eyas_spec(target: Any, drafter: Any, tree: Any, eos: list[int], max_new: int
         r = speculative_generate(target, drafter, ids, tree=tree, sampling=sampling, max_new_tokens=max_new,
                                  eos_token_ids=eos, generator=g, **kw)
         return r.tokens, r.stats
+
+    return run
+
+
+def by_temperature(runs: dict[float, Callable[[torch.Tensor, Any, int], tuple[list[int], Any]]]):
+    """One decoder over per-temperature runs (a tree chosen at each temperature); a temperature
+    without its own run is skipped by the caller, never silently served by another's tree."""
+
+    def run(ids: torch.Tensor, sampling: Any, seed: int) -> tuple[list[int], Any]:
+        t = float(sampling.temperature)
+        if t not in runs:
+            raise KeyError(f"no tree chosen for temperature {t} (chosen: {sorted(runs)})")
+        return runs[t](ids, sampling, seed)
 
     return run
 
@@ -412,9 +426,11 @@ def markdown(res: dict[str, Any]) -> str:
     if d.get("pipeline"):
         pl = d["pipeline"]
         lines += [f"Drafter pipeline (train_smollm2_drafter.py): {json.dumps({k: pl.get(k) for k in ('regenerate', 'train', 'drafter_from', 'total_wall_s')})}", ""]
-    sel = res.get("tree_selection")
-    if sel and sel.get("candidates"):
-        lines += [f"## Tree selection (MT-bench, temperature 0, {sel.get('prompts')} prompts)", "",
+    selections = res.get("tree_selection_by_temperature") or {"t0": res.get("tree_selection")}
+    for tkey, sel in selections.items():
+        if not (sel and sel.get("candidates")):
+            continue
+        lines += [f"## Tree selection (MT-bench, temperature {tkey[1:]}, {sel.get('prompts')} prompts)", "",
                   "| tree (depth,topk,total) | tau | tok/s | ms/round draft | verify | bookkeeping | chosen |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for c in sel["candidates"]:
@@ -738,8 +754,9 @@ class Bench:
         if self.device.type == "cuda":
             self.res["meta"]["memory_after_load_gib"] = round(torch.cuda.memory_allocated(self.device) / 2**30, 3)
 
-    def select_trees(self) -> tuple[Any, Any]:
-        """Every candidate on the selection prompts at temperature 0; returns (best tree, best chain)."""
+    def select_trees(self, temperature: float = 0.0, share: float = 1.0) -> tuple[Any, Any]:
+        """Every candidate on the selection prompts at ``temperature`` (seeded per prompt), within
+        ``share`` of the selection's budget; returns (best tree, best chain) by tokens/s."""
         a = self.a
         TreeSpec = self.TreeSpec
         cands = []
@@ -754,19 +771,21 @@ class Bench:
             if getattr(self.target, "cuda_graphs", False) and spec.total_tokens + 1 > top:
                 self.note(f"tree {label}: {spec.total_tokens + 1} verified tokens exceed the largest CUDA-graph "
                           f"bucket ({top}) of the fast target: its verification runs eagerly")
-        greedy = self.SamplingParams(0.0)
+        sampling = self.SamplingParams(float(temperature))
         decs = {label: Decoder(label, eyas_spec(self.target, self.drafter, spec, self.eos, a.max_new_tokens,
                                                 a.engine_kwargs), label) for label, spec, _ in cands}
         rows: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in cands}
-        sel_res: dict[str, Any] = {"prompts": 0, "candidates": []}
-        self.res["tree_selection"] = sel_res
+        sel_res: dict[str, Any] = {"temperature": float(temperature), "prompts": 0, "candidates": []}
+        self.res.setdefault("tree_selection_by_temperature", {})[f"t{float(temperature):g}"] = sel_res
+        if temperature == 0:
+            self.res["tree_selection"] = sel_res
         for label, dec in decs.items():  # warm-up (CUDA graph capture of its buckets)
             for _ in range(a.warmup):
-                r = self.call(dec, self.warm_ids, greedy, 0, "warm-up")
+                r = self.call(dec, self.warm_ids, sampling, 0, "warm-up")
                 if "error" in r:
                     dec.disabled = "warm-up failed"
                     break
-        limit = a.budget_s * a.select_share
+        limit = self.budget.elapsed() + a.budget_s * a.select_share * share
         done = 0
         for i, ids in enumerate(self.select_prompts):
             # at least one prompt: a warm-up that ate the share (compilations) must not leave the
@@ -777,7 +796,7 @@ class Bench:
             for label, dec in decs.items():
                 if dec.disabled:
                     continue
-                r = self.call(dec, ids, greedy, a.seed + i, f"selection prompt {i}")
+                r = self.call(dec, ids, sampling, a.seed + i, f"selection prompt {i} t={temperature}")
                 rows[label].append({"i": i, **r})
             done += 1
         sel_res["prompts"] = done
@@ -790,7 +809,7 @@ class Bench:
                 best[kind] = (s["tokens_per_s"], label, spec)
         sel_res["best_tree"] = best["tree"][1] if "tree" in best else None
         sel_res["best_chain"] = best["chain"][1] if "chain" in best else None
-        log("tree selection: " + "; ".join(f"{c['label']} tau {c['summary'].get('tau', 1):.2f} "
+        log(f"tree selection t={temperature}: " + "; ".join(f"{c['label']} tau {c['summary'].get('tau', 1):.2f} "
                                            f"{c['summary']['tokens_per_s']:.1f} tok/s" for c in sel_res["candidates"])
             + f" -> tree {sel_res['best_tree']}, chain {sel_res['best_chain']}")
         return (best["tree"][2] if "tree" in best else None), (best["chain"][2] if "chain" in best else None)
@@ -987,16 +1006,25 @@ class Bench:
             self.write("failed in setup")
             return 1
         self.write("loaded")
-        tree = chain = None
-        try:
-            tree, chain = self.select_trees()
-        except Exception as e:  # noqa: BLE001
-            self.error("tree selection", e)
-        if tree is None and chain is None:
-            fallback = self.TreeSpec.parse(a.trees[0]) if a.trees else self.TreeSpec.chain(5)
-            self.note(f"no tree measured; using {fallback}")
-            tree = fallback if fallback.top_k > 1 else None
-            chain = fallback if fallback.top_k == 1 else None
+        # The trees: chosen at temperature 0 for every temperature, or (--select-per-temperature) at each
+        # temperature served: a sampled round keeps every draw, so sampling may want another shape.
+        chosen: dict[float, tuple[Any, Any]] = {}
+        selected = [float(t) for t in a.temperatures] if a.select_per_temperature else [0.0]
+        for temp in selected:
+            tree = chain = None
+            try:
+                tree, chain = self.select_trees(temp, share=1 / len(selected))
+            except Exception as e:  # noqa: BLE001
+                self.error(f"tree selection t={temp}", e)
+            if tree is None and chain is None:
+                fallback = self.TreeSpec.parse(a.trees[0]) if a.trees else self.TreeSpec.chain(5)
+                self.note(f"no tree measured at temperature {temp}; using {fallback}")
+                tree = fallback if fallback.top_k > 1 else None
+                chain = fallback if fallback.top_k == 1 else None
+            chosen[temp] = (tree, chain)
+        for temp in a.temperatures:
+            chosen.setdefault(float(temp), chosen[selected[0]])
+        tree, chain = chosen[selected[0]]
         self.write("trees selected")
         if not a.no_tree_auto:
             try:
@@ -1008,10 +1036,14 @@ class Bench:
             self.profile(tree or chain)
             self.write("profiled")
         decoders: list[Decoder] = []
-        for name, spec in (("spec_tree", tree), ("spec_chain", chain)):
-            if spec is not None and name not in a.skip:
-                decoders.append(Decoder(name, eyas_spec(self.target, self.drafter, spec, self.eos, a.max_new_tokens,
-                                                        a.engine_kwargs), f"eyas speculative {spec}"))
+        for k, name in enumerate(("spec_tree", "spec_chain")):
+            specs = {t: pair[k] for t, pair in chosen.items() if pair[k] is not None}
+            if specs and name not in a.skip:
+                runs = {t: eyas_spec(self.target, self.drafter, sp, self.eos, a.max_new_tokens, a.engine_kwargs)
+                        for t, sp in specs.items()}
+                label = (f"eyas speculative {next(iter(specs.values()))}" if len(set(specs.values())) == 1 else
+                         "eyas speculative " + "; ".join(f"t={t:g}: {sp}" for t, sp in specs.items()))
+                decoders.append(Decoder(name, by_temperature(runs), label))
         if "eyas_plain" not in a.skip:
             decoders.append(Decoder("eyas_plain", eyas_plain(self.target, self.eos, a.max_new_tokens, a.engine_kwargs),
                                     "eyas plain_generate"))
@@ -1083,6 +1115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=540.0, help="the whole run; remaining work is skipped past it")
     ap.add_argument("--reserve-s", type=float, default=10.0, help="stop the main loop when less than this is left")
     ap.add_argument("--select-share", type=float, default=0.2, help="tree selection stops past this share of the budget")
+    ap.add_argument("--select-per-temperature", action="store_true",
+                    help="choose the tree and the chain at every temperature served (default: at temperature 0 for all)")
     ap.add_argument("--compile-reserve-s", type=float, default=120.0, help="skip HF compile when less is left")
     ap.add_argument("--compile-timeout-s", type=float, default=240.0, help="give up compiling HF after this long")
     ap.add_argument("--hf-compile-mode", default="reduce-overhead")

@@ -157,3 +157,32 @@ def test_regen_fast_gpu_times_both_engines_which_agree_in_float32(tmp_path):
     assert report["agreement_fast_hf"]["identical"] == 1.0 and report["agreement_fast_rows"]["identical"] == 1.0
     e2e = report["end_to_end"]
     assert (e2e["engine"], e2e["rows"], e2e["batch_size"]) == ("fast", 6, 6) and e2e["written"] + e2e["failed"] == 12
+
+
+def test_spec_gpu_chooses_the_tree_at_every_temperature_served(toy_drafter, tmp_path):
+    """--select-per-temperature: a selection per temperature (its table in the report), and each
+    temperature's rounds run the tree chosen at it."""
+    target, draft = toy_drafter
+    spec_gpu = load_script("spec_gpu")
+    out = tmp_path / "bench"
+    code = spec_gpu.main(["--target", str(target), "--draft", str(draft), "--device", "cpu", "--sets", "qa",
+                          "--prompts-per-set", "1", "--select-prompts", "1", "--max-new-tokens", "6",
+                          "--trees", "3,2,5", "2,2,3", "--chains", "2", "--temperatures", "0,1", "--no-profile",
+                          "--no-tree-auto", "--skip", "hf_eager,hf_compiled", "--select-per-temperature",
+                          "--out-dir", str(out)])
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "done" and res["errors"] == [], res["errors"]
+    by_t = res["tree_selection_by_temperature"]
+    assert set(by_t) == {"t0", "t1"} and res["tree_selection"] == by_t["t0"]
+    for tkey, sel in by_t.items():
+        assert sel["temperature"] == float(tkey[1:]) and sel["prompts"] == 1
+        assert [c["label"] for c in sel["candidates"]] == ["3,2,5", "2,2,3", "2,1,2"]
+        assert sel["best_tree"] in ("3,2,5", "2,2,3") and sel["best_chain"] == "2,1,2"
+    for tkey in ("t0", "t1"):
+        assert res["results"][tkey]["overall"]["spec_tree"]["prompts"] == 1
+    label = res["decoders"]["spec_tree"]
+    if by_t["t0"]["best_tree"] != by_t["t1"]["best_tree"]:
+        assert "t=0" in label and "t=1" in label
+    md = (out / "results.md").read_text()
+    assert "## Tree selection (MT-bench, temperature 0," in md and "## Tree selection (MT-bench, temperature 1," in md
