@@ -196,6 +196,16 @@ def test_a_step_whose_compilation_fails_runs_eagerly_with_a_warning():
     (y,) = step(x)  # eagerly from then on, without another warning
     assert torch.equal(y, x * 2 + 1)
 
+    def long_traceback(gm, example_inputs):  # a compile worker's error: the cause comes last
+        raise RuntimeError("SubprocException:\n" + "  File x.py, line 1\n" * 200 + "CompilationError: int64 shift")
+
+    step = CompiledOrEager(lambda x: (x + 1,), backend=long_traceback, name="deep step")
+    with pytest.warns(UserWarning) as caught:
+        step(x)
+    message = str(caught[0].message)
+    assert "SubprocException" in message and "CompilationError: int64 shift" in message and "[...]" in message
+    assert len(message) < 1400 < len(step.error)  # the warning cut in the middle, the error kept whole
+
 
 @pytest.mark.integration
 def test_one_drafter_state_serves_short_and_long_requests_on_fixed_shapes(llama, trained_drafter):

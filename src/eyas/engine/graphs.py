@@ -93,6 +93,12 @@ def raise_recompile_limits() -> None:
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), least))
 
 
+def brief_error(error: str, head: int = 300, tail: int = 900) -> str:
+    """A compiler error cut for a warning: its start (the exception's type and first line) and its
+    end, where a subprocess's traceback puts the cause (Triton's own message comes last)."""
+    return error if len(error) <= head + tail else f"{error[:head]} [...] {error[-tail:]}"
+
+
 class CompiledOrEager:
     """``fn`` compiled with ``torch.compile(backend=backend, fullgraph=True, dynamic=False)``, one
     compilation per input shape at its first call (do that first call outside a CUDA-graph capture:
@@ -122,7 +128,7 @@ class CompiledOrEager:
             out = self.compiled(*args)
         except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager function
             self.error = f"{type(e).__name__}: {e}"
-            warnings.warn(f"torch.compile of {self.name} failed ({self.error[:500]}); it runs eagerly", stacklevel=2)
+            warnings.warn(f"torch.compile of {self.name} failed ({brief_error(self.error)}); it runs eagerly", stacklevel=2)
             self.compiled = None
             return self.eager(*args)
         if first:

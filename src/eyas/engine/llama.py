@@ -97,7 +97,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eyas.convention.boundaries import CaptureSpec
-from eyas.engine.graphs import capture, raise_recompile_limits
+from eyas.engine.graphs import brief_error, capture, raise_recompile_limits
 from eyas.engine.target import Target
 from eyas.errors import EyasError
 from eyas.targets.structure import find_decoder_blocks, text_config
@@ -772,7 +772,7 @@ class LlamaTarget(Target):
             if self._fixed is self._eager:
                 raise
             self.compile_error = f"{type(e).__name__}: {e}"
-            warnings.warn(f"LlamaTarget: torch.compile failed ({self.compile_error[:500]}); the step runs "
+            warnings.warn(f"LlamaTarget: torch.compile failed ({brief_error(self.compile_error)}); the step runs "
                           f"eagerly", stacklevel=3)
             self.compile, self._fixed = False, self._eager
             self.implementation = "+".join(["fast"] + ["cuda-graphs"] * self.cuda_graphs)
