@@ -122,13 +122,13 @@ def init_weights(drafter: Eagle3Drafter, path: str, target: LoadedTarget, spec: 
     recorded = read_contract(path)
     if recorded is not None and list(recorded.capture.boundaries) != list(spec.boundaries):
         raise CheckpointError(f"{where}: capture.boundaries: expected this run's {list(spec.boundaries)}, "
-                         f"found {list(recorded.capture.boundaries)} (pass --boundaries to match)")
+                              f"found {list(recorded.capture.boundaries)} (pass --boundaries to match)")
     ours, theirs = drafter.config.model_dump(), init.config.model_dump()
     for field, value in ours.items():
         if theirs.get(field) != value:
             hint = " (pass --draft-vocab to match)" if field == "draft_vocab_size" else ""
             raise CheckpointError(f"{where}: drafter config {field}: expected this run's {value!r}, "
-                             f"found {theirs.get(field)!r}{hint}")
+                                  f"found {theirs.get(field)!r}{hint}")
     drafter.load_state_dict(init.state_dict())  # d2t and t2d included: its draft vocabulary
 
 

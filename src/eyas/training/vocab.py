@@ -34,16 +34,12 @@ def build_draft_vocab(counts: Tensor, size: int) -> DraftVocab:
     if not 0 < size <= vocab_size:
         raise ValueError(f"draft_vocab_size: expected 1..{vocab_size}, found {size}")
     # Stable sort on -count keeps ascending id order among equal counts.
-    order = torch.sort(-counts, stable=True).indices[:size]
-    ids = torch.sort(order).values
-    total = int(counts.sum())
-    covered = int(counts[ids].sum())
-    return DraftVocab(ids=ids, coverage=covered / total if total else 0.0, num_targets=total)
+    return vocab_of(torch.sort(-counts, stable=True).indices[:size], counts)
 
 
 def vocab_of(ids: Tensor, counts: Tensor) -> DraftVocab:
-    """An existing draft vocabulary (``ids``: target ids, e.g. a drafter's that a run starts from)
-    with its coverage of the targets in ``counts``."""
+    """The draft vocabulary of target ``ids`` (any order; e.g. the drafter's that a run starts
+    from), ascending, with its coverage of the targets in ``counts``."""
     ids = torch.sort(ids.to(torch.long).cpu()).values
     total = int(counts.sum())
     return DraftVocab(ids=ids, coverage=int(counts[ids].sum()) / total if total else 0.0, num_targets=total)
