@@ -11,6 +11,8 @@
 #                background (its log: /tmp/drafter/run.log), then wait like `wait`
 #   wait [S]     wait up to S seconds (default 540) for the run to end, print the log's last lines
 #   collect      the drafter (bf16 shards + a tar of its small files), the summary and the logs into $OUT
+#   experiments  issue 10's open questions in one call, no GGUF: the 8B-shaped step with SDPA attention
+#                (llama_8b_cost.py), the matvec='reduce' identity test run for its message, the GPU equality tests
 #   compare      the drafter just trained against the shipped one: spec_gpu.py on MT-bench, temperature 0, same
 #                prompts and trees, HF generate compiled beside the new one ($OUT/compare.tar, compare.log)
 #   bench [ARGS] benchmarks/spec_gpu.py on MT-bench with the drafter, results into $OUT/spec (COMMIT=sha)
@@ -132,6 +134,18 @@ EOF
       || echo "spec_off exit $?" >> "$OUT/measure.log"
     (cd /tmp && tar cf "$OUT/spec_off.tar" spec_off) || true
     ls -la "$OUT"
+    ;;
+  experiments)
+    # issue 10's open questions, one call, no GGUF: the 8B-shaped step with SDPA attention against the
+    # eager order (gemm and reduce-tuned), then the float32 identity test with matvec='reduce' run for
+    # its assertion message (--runxfail), then the GPU equality tests (SDPA included)
+    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout 380 python llama_8b_cost.py --profile \
+      --variants compiled,compiled-sdpa,compiled-reduce-tuned,compiled-reduce-tuned-sdpa --out "$OUT/8b.json" \
+      > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
+    timeout 100 python -m pytest -q -p no:cacheprovider --runxfail tests/test_engine_cuda.py -k reduce \
+      > "$OUT/xfail.log" 2>&1 || true
+    timeout 100 python -m pytest -q -p no:cacheprovider tests/test_engine_llama.py -k gpu > "$OUT/gpu_tests.log" 2>&1 || true
+    tail -n 12 "$OUT/8b.log" "$OUT/xfail.log" "$OUT/gpu_tests.log"
     ;;
   compare)
     shift
