@@ -162,8 +162,8 @@ def eyas_spec(target: Any, drafter: Any, tree: Any, eos: list[int], max_new: int
 
 
 def by_temperature(runs: dict[float, Callable[[torch.Tensor, Any, int], tuple[list[int], Any]]]):
-    """One decoder over per-temperature runs (a tree chosen at each temperature); a temperature
-    without its own run is skipped by the caller, never silently served by another's tree."""
+    """One decoder over per-temperature runs (a tree chosen at each temperature). A temperature
+    without its own run raises (recorded as that call's error): it is never served by another's tree."""
 
     def run(ids: torch.Tensor, sampling: Any, seed: int) -> tuple[list[int], Any]:
         t = float(sampling.temperature)
