@@ -318,7 +318,7 @@ def train(
         save_every=save_every, eval_every=eval_every, log_every=log_every, patience=patience, seed=seed, device=device, target_devices=target_devices,
         norm_before_residual=norm_before_residual,
         norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output,
-        init_from=str(_run(resolve_draft, init_from, target)) if init_from is not None else None,
+        init_from=str(_run(resolve_draft, init_from, target, "--init-from")) if init_from is not None else None,
     )
     log = (lambda m: err.print(m, highlight=False)) if json_out else (lambda m: console.print(m, highlight=False))
     t0 = time.perf_counter()

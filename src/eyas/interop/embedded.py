@@ -19,13 +19,14 @@ EMBEDDED_DIR = Path(__file__).parent / "embedded"
 EMBEDDED_DRAFTERS: dict[str, str] = {"smollm2": "smollm2-135m-instruct"}
 
 
-def embedded_drafter(target: str) -> Path:
-    """The shipped drafter's directory for ``target`` (an embedded target's name)."""
+def embedded_drafter(target: str, option: str = "--draft") -> Path:
+    """The shipped drafter's directory for ``target`` (an embedded target's name); ``option``: the
+    flag that asked for it (``--draft``, ``eyas train --init-from``), which an error names."""
     name = EMBEDDED_DRAFTERS.get(target)
     if name is None:
         raise CheckpointError(
-            f"--draft {DEFAULT}: eyas ships a drafter only for --target "
-            f"{', '.join(sorted(EMBEDDED_DRAFTERS))}, found --target {target!r}; pass --draft DIR "
+            f"{option} {DEFAULT}: eyas ships a drafter only for --target "
+            f"{', '.join(sorted(EMBEDDED_DRAFTERS))}, found --target {target!r}; pass {option} DIR "
             f"(a drafter trained with `eyas train`, or an SGLang / speculators directory)")
     path = EMBEDDED_DIR / name
     if not (path / EYAS_JSON).exists():
@@ -34,8 +35,8 @@ def embedded_drafter(target: str) -> Path:
     return path
 
 
-def resolve_draft(draft: str | Path | None, target: str) -> Path:
-    """``--draft`` as a directory: None or ``default`` -> the drafter shipped for ``target``."""
+def resolve_draft(draft: str | Path | None, target: str, option: str = "--draft") -> Path:
+    """``--draft`` (or ``option``) as a directory: None or ``default`` -> the drafter shipped for ``target``."""
     if draft is None or str(draft) == DEFAULT:
-        return embedded_drafter(target)
+        return embedded_drafter(target, option)
     return Path(draft)
