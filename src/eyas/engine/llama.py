@@ -657,8 +657,9 @@ class LlamaTarget(Target):
             rows = CPU_PADDED_ROWS.get(T, T) if dev.type == "cpu" else T
             if rows > T and self._len + rows <= self.max_length:
                 # 3 rows cost about what 4 do in the CPU's products (see linear: 31 to 48 ms against
-                # 31 to 44 for SmolLM2's) and 3 tokens are rare (a tree's size): pad to 4. A pad repeats the last token and position, attends
-                # itself only and writes a slot past the cache's end.
+                # 31 to 44 for SmolLM2's) and 3 tokens are rare (a tree's size): pad to 4. A pad
+                # repeats the last token and position, attends itself only and writes a slot past
+                # the cache's end.
                 B, pad = rows, rows - T
                 ids, pos = torch.cat([ids, ids[-1:].expand(pad)]), torch.cat([pos, pos[-1:].expand(pad)])
                 block = torch.block_diag(block, torch.eye(pad, dtype=torch.bool, device=dev))

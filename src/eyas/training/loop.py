@@ -115,14 +115,15 @@ def init_weights(drafter: Eagle3Drafter, path: str, target: LoadedTarget, spec: 
     vocabulary. Its contract is checked against the target (ContractError unless ``force``); its
     boundaries and its config (sizes, draft vocabulary, variant flags) must equal this run's, else a
     CheckpointError names the field, this run's value and the one found."""
-    from eyas.interop import CheckpointError, load_drafter, read_contract
+    from eyas.interop import CheckpointError, load_drafter
 
     where = f"--init-from {path}"
-    init, _ = load_drafter(path, target=target, tokenizer=target.tokenizer, force=force)
-    recorded = read_contract(path)
-    if recorded is not None and list(recorded.capture.boundaries) != list(spec.boundaries):
+    # With a target, the contract comes back whole (built from the checkpoint when it has none)
+    init, contract = load_drafter(path, target=target, tokenizer=target.tokenizer, force=force)
+    found = list(contract.capture.boundaries)
+    if found != list(spec.boundaries):
         raise CheckpointError(f"{where}: capture.boundaries: expected this run's {list(spec.boundaries)}, "
-                              f"found {list(recorded.capture.boundaries)} (pass --boundaries to match)")
+                              f"found {found} (pass --boundaries to match)")
     ours, theirs = drafter.config.model_dump(), init.config.model_dump()
     for field, value in ours.items():
         if theirs.get(field) != value:
@@ -384,7 +385,8 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     drafter, contract = new_drafter(target, tokenizer, spec.boundaries, cfg.draft_vocab_size, source=target.name,
                                     capture_dtype="bfloat16" if use_bf16 else "float32", seed=cfg.seed,
                                     **{flag: getattr(cfg, flag) for flag in NORM_FLAGS})
-    if cfg.init_from is not None and not checkpoint_dirs(out):  # a resume loads its checkpoint instead
+    ckpts = checkpoint_dirs(out)  # a resume (below) loads the newest instead of --init-from
+    if cfg.init_from is not None and not ckpts:
         init_weights(drafter, cfg.init_from, target, spec, force)
         vocab = vocab_of(drafter.draft_to_target(torch.arange(cfg.draft_vocab_size)), counts)
     else:
@@ -419,7 +421,6 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     # the best evaluation so far (and out/best as it was at that checkpoint).
     start = 0
     best = Best()
-    ckpts = checkpoint_dirs(out)
     if ckpts:
         latest = ckpts[-1]
         loaded, _ = load_drafter(latest, target=target)  # the embedding comes from the target
