@@ -140,7 +140,7 @@ EOF
     # eager order (gemm and reduce-tuned), then the float32 identity test with matvec='reduce' run for
     # its assertion message (--runxfail), then the GPU equality tests (SDPA included)
     (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout 380 python llama_8b_cost.py --profile \
-      --variants compiled,compiled-sdpa,compiled-reduce-tuned,compiled-reduce-tuned-sdpa --out "$OUT/8b.json" \
+      --variants ${VARIANTS:-compiled,compiled-split-kv,compiled-reduce-tuned,compiled-reduce-tuned-split-kv,compiled-sdpa} --out "$OUT/8b.json" \
       > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
     timeout 100 python -m pytest -q -p no:cacheprovider --runxfail tests/test_engine_cuda.py -k reduce \
       > "$OUT/xfail.log" 2>&1 || true

@@ -119,7 +119,9 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
 # multiplies; attention: eager's three steps or one SDPA kernel)
 VARIANTS = {"compiled": (True, "gemm", "eager"), "compiled-reduce": (True, "reduce", "eager"),
             "compiled-reduce-tuned": (True, "reduce-tuned", "eager"), "graphs": (False, "gemm", "eager"),
-            "compiled-sdpa": (True, "gemm", "sdpa"), "compiled-reduce-tuned-sdpa": (True, "reduce-tuned", "sdpa")}
+            "compiled-sdpa": (True, "gemm", "sdpa"), "compiled-reduce-tuned-sdpa": (True, "reduce-tuned", "sdpa"),
+            "compiled-split-kv": (True, "gemm", "split-kv"),
+            "compiled-reduce-tuned-split-kv": (True, "reduce-tuned", "split-kv")}
 
 
 @torch.no_grad()

@@ -219,17 +219,19 @@ def test_generate_on_the_fast_target_prints_it_and_equals_the_hf_target(toy_draf
 
 @pytest.mark.integration
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("matvec,attention", [("gemm", "eager"), ("reduce", "eager"), ("gemm", "sdpa")])
+@pytest.mark.parametrize("matvec,attention", [("gemm", "eager"), ("reduce", "eager"), ("gemm", "sdpa"),
+                                              ("gemm", "split-kv"), ("reduce", "split-kv")])
 def test_the_compiled_cuda_graphed_target_equals_the_hf_model_on_a_gpu(matvec, attention):
     """float32 on the GPU, buckets compiled and captured up front (warmup), then the same walk; and
     a bucket first used later is compiled and captured then. With both ways of multiplying a
-    one-token step (cuBLAS; inductor's reduction kernel), and attention as one fused SDPA kernel."""
+    one-token step (cuBLAS; inductor's reduction kernel), and attention as one fused SDPA kernel or
+    as the split-KV Triton kernels."""
     model = tiny_model("llama", L).cuda()
     fast = LlamaTarget(model, SPEC, max_length=64, cuda_graphs=True, buckets=(1, 8, 16, 32), key_buckets=KEYS,
                        matvec=matvec, attention=attention)
     hf = HFTarget(model, SPEC, max_length=64)
     assert fast.implementation == ("fast+compile+cuda-graphs" + ("+matvec-reduce" if matvec == "reduce" else "")
-                                   + ("+attention-sdpa" if attention == "sdpa" else ""))
+                                   + (f"+attention-{attention}" if attention != "eager" else ""))
     seconds = fast.warmup(buckets=(1, 8, 16))  # with every key bucket (16, 32, 64: all within 2048)
     warmed = [(B, K) for B in (1, 8, 16) for K in (16, 32, 64)]
     assert 0 < fast.compile_seconds <= seconds and sorted(fast._graphs) == warmed
@@ -425,7 +427,7 @@ def test_linear_as_a_reduction_equals_f_linear_and_a_wrong_matvec_is_refused():
     torch.testing.assert_close(linear(a16, w16, matvec=True).float(), (a16.float() @ w16.float().T).bfloat16().float())
     with pytest.raises(ValueError, match=r"matvec must be one of .*'gemm'.*found 'gemv'"):
         LlamaTarget(tiny_model("llama", L), SPEC, max_length=64, matvec="gemv")
-    with pytest.raises(ValueError, match=r"attention must be one of \['eager', 'sdpa'\], found 'flash'"):
+    with pytest.raises(ValueError, match=r"attention must be one of \['eager', 'sdpa', 'split-kv'\], found 'flash'"):
         LlamaTarget(tiny_model("llama", L), SPEC, max_length=64, attention="flash")
 
 

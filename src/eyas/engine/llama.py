@@ -111,7 +111,7 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned")
 
 # How a step attends over the cache (LlamaTarget's attention; see _layer).
-ATTENTION_CHOICES = ("eager", "sdpa")
+ATTENTION_CHOICES = ("eager", "sdpa", "split-kv")
 
 # Products of at most this many rows run transposed on the CPU (see linear).
 CPU_TRANSPOSED_ROWS = 7
@@ -158,6 +158,24 @@ def supports(model: nn.Module) -> str | None:
     if "dynamic" in rope_type or rope_type == "longrope" or not hasattr(base.rotary_emb, "inv_freq"):
         return f"rope type {rope_type!r}: frequencies that change with the sequence length are not implemented"
     return None
+
+
+def _check_split_kv(head_dim: int, device: torch.device) -> None:
+    """Refuse attention="split-kv" where its Triton kernels cannot run, saying what it needs."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("LlamaTarget: attention='split-kv' runs Triton kernels, and triton is not installed; "
+                         "use attention='eager'")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"LlamaTarget: attention='split-kv' runs Triton kernels, on a GPU (the model is on "
+                         f"{device.type}) or under TRITON_INTERPRET=1; use attention='eager'")
+    from eyas.engine.decode_attention import supported_head_dim
+
+    if not supported_head_dim(head_dim):
+        raise ValueError(f"LlamaTarget: attention='split-kv' needs a power-of-two head dimension of at least 16, "
+                         f"found {head_dim}; use attention='eager'")
 
 
 # -- fused projections ---------------------------------------------------------------------------
@@ -354,7 +372,7 @@ def _prologue(ids: Tensor, pos: Tensor, block: Tensor, start: Tensor, embed: Ten
 
 def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
            values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
-           matvec: bool = False, sdpa: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+           matvec: bool = False, attention: str = "eager") -> tuple[Tensor, Tensor, Tensor]:
     """One decoder block for B tokens. The stream entering it is x + d [B, H] (the previous block's
     last residual add is done here, fused with this block's norm; d None: x alone); cos, sin
     [B, 1, D]; slots [B] (where the new keys/values go); mask [B, n] bool over the first n cache
@@ -362,9 +380,11 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
 
     Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
     attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects.
-    ``matvec``: see :func:`linear`. ``sdpa``: attention as one ``scaled_dot_product_attention`` call
-    (a fused kernel on a GPU, which keeps the probabilities in float32 for PV) instead of the eager
-    order's three steps (QK in the model's dtype; scale, mask and softmax in float32, cast back; PV)."""
+    ``matvec``: see :func:`linear`. ``attention``: ``"eager"``, the eager order's three steps (QK in
+    the model's dtype; scale, mask and softmax in float32, cast back; PV); ``"sdpa"``, one
+    ``scaled_dot_product_attention`` call (a fused kernel on a GPU, which keeps the probabilities in
+    float32 for PV); ``"split-kv"``, :func:`~eyas.engine.decode_attention.decode_attention`'s two
+    Triton kernels, which also rotate q (float32 scores, the probabilities rounded for PV)."""
     h_in = x if d is None else x + d  # [B, H]
     B = h_in.shape[0]
     Hkv, _, D = keys.shape
@@ -376,15 +396,21 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
     q, k, v = q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D)  # (views of the fused output too)
     if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
         q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    k = rope(k, cos, sin)
     # Two writes: inductor fuses the keys' with rope (a stacked write of both took one kernel more)
     keys.index_copy_(1, slots, k.transpose(0, 1))  # [Hkv, B, D] into [Hkv, C, D]
     values.index_copy_(1, slots, v.transpose(0, 1))
+    if attention == "split-kv":  # q rotated in the kernel; slots[0] is cache_len
+        from eyas.engine.decode_attention import decode_attention
+
+        out = decode_attention(q.reshape(B, Hq * D), cos[:, 0], sin[:, 0], keys, values, mask, slots, scaling)
+        return _after_attention(h_in, out, w, eps=eps, matvec=matvec)
+    q = rope(q, cos, sin)
     keys, values = keys[:, :n], values[:, :n]  # [Hkv, n, D]: the entries attended
     # Grouped-query attention without copying the cache: query head j reads key/value head j // G,
     # so the G query heads of a group become G*B rows against their shared keys.
     qg = q.view(B, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * B, D)  # rows (g, b)
-    if sdpa:  # row (g, b) attends under mask[b]: the mask repeated per group, [G*B, n] (no row is all False)
+    if attention == "sdpa":  # row (g, b) attends under mask[b]: the mask repeated per group, [G*B, n] (no row is all False)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask.repeat(G, 1), scale=scaling)
     else:
         scores = torch.matmul(qg, keys.transpose(1, 2))  # [Hkv, G*B, n], the model's dtype
@@ -392,6 +418,13 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
         p = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, G * B, n)
         out = torch.matmul(p, values)  # [Hkv, G*B, D]
     out = out.view(Hkv, G, B, D).permute(2, 0, 1, 3).reshape(B, Hq * D)  # head j = g-th of group j // G
+    return _after_attention(h_in, out, w, eps=eps, matvec=matvec)
+
+
+def _after_attention(h_in: Tensor, out: Tensor, w: BlockWeights, *, eps: float,
+                     matvec: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The rest of :func:`_layer` from the attention's output out [B, Hq*D]: the o projection and
+    its residual add, the post-attention norm, gate/up and SiLU(gate) * up."""
     h = h_in + linear(out, w.o, w.o_bias, matvec=matvec)
     I = w.down.shape[1]
     gate, up = project(rms_norm(h, w.post_norm, eps), w.gate_up, w.gate_up_bias, (I, I), matvec=matvec)  # [B, I] each
@@ -473,11 +506,14 @@ class LlamaTarget(Target):
     model failed once on that GPU with ``"reduce"`` (it passes on the CPU, eager and compiled), and
     the cause is not known yet.
 
-    ``attention`` says how every step attends over the cache: ``"eager"`` (Hugging Face's eager
-    order: QK, a float32 softmax under the mask, PV; three kernels a block on a GPU) or ``"sdpa"``
+    ``attention`` says how the steps attend over the cache: ``"eager"`` (Hugging Face's eager
+    order: QK, a float32 softmax under the mask, PV; three kernels a block on a GPU), ``"sdpa"``
     (one ``scaled_dot_product_attention`` call a block, a fused kernel on a GPU; equal to the model
-    in float32 on the CPU). Opt-in until measured on a GPU: ``benchmarks/llama_8b_cost.py
-    --variants compiled,compiled-sdpa,compiled-reduce-tuned-sdpa``."""
+    in float32 on the CPU), or ``"split-kv"`` (the fixed-shape steps only: two Triton kernels a
+    block that also rotate q, :mod:`eyas.engine.decode_attention`; it needs Triton, a GPU or
+    ``TRITON_INTERPRET=1``, and a power-of-two head dimension; exact-shape steps stay eager).
+    Opt-in until measured on a GPU: ``benchmarks/llama_8b_cost.py --variants
+    compiled,compiled-sdpa,compiled-split-kv``."""
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
                  default_capacity: int = 4096, fixed_shapes: bool = False, cuda_graphs: bool = False,
@@ -576,15 +612,19 @@ class LlamaTarget(Target):
         self.matvec = "gemm" if matvec == "auto" else matvec
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"LlamaTarget: attention must be one of {list(ATTENTION_CHOICES)}, found {attention!r}")
+        if attention == "split-kv":
+            _check_split_kv(self.head_dim, self.device)
         self.attention = attention
         self.implementation = "+".join(["fast"] + ["compile"] * self.compile + ["cuda-graphs"] * self.cuda_graphs
                                        + [f"matvec-{self.matvec}"] * (self.fixed_shapes and self.matvec != "gemm")
-                                       + ["attention-sdpa"] * (attention == "sdpa"))
-        self._eager = self._functions(None)
-        # Eager fixed-shape functions with matvec (the CPU tests of the compiled code) are a distinct
-        # object from self._eager: a failed compilation falls back to self._eager, plain F.linear.
-        self._fixed = (self._functions("inductor", self.matvec) if self.compile
-                       else self._functions(None, self.matvec) if self.fixed_shapes and self.matvec != "gemm"
+                                       + [f"attention-{attention}"] * (attention != "eager"))
+        # Exact-shape steps attend eagerly (or by SDPA); split-kv serves the fixed-shape steps only.
+        self._eager = self._functions(None, attention="sdpa" if attention == "sdpa" else "eager")
+        # Eager fixed-shape functions with matvec or split-kv (the CPU tests of the compiled code) are
+        # a distinct object from self._eager: a failed compilation falls back to self._eager.
+        special = self.matvec != "gemm" or attention == "split-kv"
+        self._fixed = (self._functions("inductor", self.matvec, attention) if self.compile
+                       else self._functions(None, self.matvec, attention) if self.fixed_shapes and special
                        else self._eager)
         self._inputs: dict[int, _Inputs] = {}  # token bucket B -> its input buffers (shared by its key buckets)
         self._ready: set[tuple[int, int]] = set()  # (B, K) steps compiled / captured
@@ -597,15 +637,15 @@ class LlamaTarget(Target):
         self._eye = torch.eye(top, dtype=torch.bool, device=self.device)
         self.reset()
 
-    def _functions(self, backend: str | None, matvec: str = "gemm") -> _StepFunctions:
-        """(prologue, layer, head) with this model's constants and ``matvec`` bound; compiled with
-        ``backend`` (None: eager). Compiled, every call with a bucket's shapes hits the same
-        compilation."""
+    def _functions(self, backend: str | None, matvec: str = "gemm", attention: str = "eager") -> _StepFunctions:
+        """(prologue, layer, head) with this model's constants, ``matvec`` and ``attention`` bound;
+        compiled with ``backend`` (None: eager). Compiled, every call with a bucket's shapes hits the
+        same compilation."""
         c = self._consts
         by_reduction = matvec != "gemm"
         fns = (functools.partial(_prologue, rope_scaling=c["rope_scaling"]),
                functools.partial(_layer, eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=by_reduction,
-                                 sdpa=self.attention == "sdpa"),
+                                 attention=attention),
                functools.partial(_down, matvec=by_reduction),
                functools.partial(_head, eps=c["eps"], matvec=by_reduction))
         if backend is None:
@@ -776,7 +816,8 @@ class LlamaTarget(Target):
             warnings.warn(f"LlamaTarget: torch.compile failed ({brief_error(self.compile_error)}); the step runs "
                           f"eagerly", stacklevel=3)
             self.compile, self._fixed = False, self._eager
-            self.implementation = "+".join(["fast"] + ["cuda-graphs"] * self.cuda_graphs)
+            self.implementation = "+".join(["fast"] + ["cuda-graphs"] * self.cuda_graphs
+                                           + ["attention-sdpa"] * (self.attention == "sdpa"))
             self._step(buf, K, self._fixed)
 
     @torch.no_grad()

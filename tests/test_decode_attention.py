@@ -1,0 +1,134 @@
+"""eyas.engine.decode_attention: the split-KV Triton kernels compute softmax(rope(q) k^T * scaling
+under the step's mask) v, for one token and for a tree of several, over caches longer than the
+entries attended, with strided queries and grouped heads; and LlamaTarget with attention="split-kv"
+equals the Hugging Face model through prefill, a tree, keep and decode.
+
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before the
+kernels are defined; CI installs triton for this); on a GPU they are compiled."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before their import
+
+from eyas.engine.decode_attention import decode_attention, splits, supported_head_dim  # noqa: E402
+from eyas.engine.llama import rope  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reference(q, cos, sin, keys, values, mask, start, scaling) -> torch.Tensor:
+    """The same attention in float64, eagerly, over the first n entries under the mask alone (start
+    is implied by it): each query head j reads key-value head j // G."""
+    B = q.shape[0]
+    Hkv, _, D = keys.shape
+    n = mask.shape[1]
+    HQ = q.shape[1] // D
+    q = rope(q.reshape(B, HQ, D).double(), cos[:, None].double(), sin[:, None].double())
+    k = keys[:, :n].double().repeat_interleave(HQ // Hkv, 0)  # [HQ, n, D]
+    v = values[:, :n].double().repeat_interleave(HQ // Hkv, 0)
+    scores = torch.einsum("bhd,hnd->bhn", q, k) * scaling
+    p = scores.masked_fill(~mask[:, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("bhn,hnd->bhd", p, v).reshape(B, HQ * D)
+
+
+def _case(B, Hkv, G, D, C, n, start, dtype, tree: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    HQ = Hkv * G
+    q = torch.randn(B, HQ * D + 8, generator=g)[:, :HQ * D]  # rows strided, as a view of q/k/v's fused output
+    keys, values = torch.randn(Hkv, C, D, generator=g), torch.randn(Hkv, C, D, generator=g)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
+    freqs = torch.arange(start, start + B).float()[:, None] * inv_freq[None]
+    emb = torch.cat([freqs, freqs], -1)
+    block = torch.ones(B, B, dtype=torch.bool).tril()
+    if tree:  # a random tree: each token's parent an earlier one
+        block = torch.eye(B, dtype=torch.bool)
+        for i in range(1, B):
+            block[i] |= block[int(torch.randint(0, i, (1,), generator=g))]
+    rel = torch.arange(n) - start
+    mask = (rel < 0) | ((rel < B) & block[:, rel.clamp(0, B - 1)])  # as LlamaTarget's prologue builds it
+    args = [t.to(DEVICE, dtype) for t in (q, emb.cos(), emb.sin(), keys, values)]
+    return (*args, mask.to(DEVICE), torch.tensor([start], device=DEVICE), D ** -0.5)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("B,Hkv,G,D,C,n,start,tree", [
+    (1, 2, 4, 32, 300, 256, 100, False),  # one token, Llama's grouping
+    (1, 3, 3, 64, 600, 512, 511, False),  # SmolLM2's grouping and head size; the last entry of its bucket
+    (1, 1, 1, 16, 64, 64, 0, False),  # an empty cache: the token attends itself alone
+    (8, 2, 2, 32, 2200, 2112, 1500, True),  # a tree; more chunks than MAX_SPLITS, n not a power of two
+    (24, 2, 4, 16, 200, 128, 40, True),  # 96 query rows: several row tiles
+])
+def test_split_kv_attention_equals_softmax_attention_in_float32(B, Hkv, G, D, C, n, start, tree):
+    *args, scaling = _case(B, Hkv, G, D, C, n, start, torch.float32, tree)
+    out = decode_attention(*args, scaling)
+    assert out.shape == (B, Hkv * G * D) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double().cpu(), _reference(*args, scaling).cpu(), atol=2e-6, rtol=1e-5)
+
+
+# Half precision: bfloat16 on a GPU; float16 in the interpreter, whose tl.dot multiplies bfloat16
+# operands' raw bits (Triton 3.9: a 16 x 16 product off by 1e10), while float16 it converts.
+HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("B", [1, 4])
+def test_split_kv_attention_in_half_precision_is_within_its_rounding_of_the_exact_result(B):
+    *args, scaling = _case(B, 2, 4, 64, 1100, 1024, 700, HALF, tree=True)
+    out = decode_attention(*args, scaling)
+    assert out.dtype == HALF
+    tol = 2e-2 if HALF == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(out.double().cpu(), _reference(*args, scaling).cpu(), atol=tol, rtol=tol)
+
+
+@pytest.mark.unit
+def test_entries_past_the_steps_own_are_never_read():
+    """The cache past start + B holds stale values (NaN here): they must not reach the output."""
+    *args, scaling = _case(2, 2, 2, 32, 256, 256, 60, torch.float32, tree=False)
+    expected = _reference(*args, scaling).cpu()
+    q, cos, sin, keys, values, mask, start = args
+    keys[:, 62:], values[:, 62:] = float("nan"), float("nan")
+    out = decode_attention(q, cos, sin, keys, values, mask, start, scaling)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.unit
+def test_splits_cover_the_keys_with_whole_tiles():
+    assert splits(1024) == (16, 64) and splits(2048) == (32, 64) and splits(4096) == (32, 128)
+    assert splits(64) == (1, 64) and splits(3000) == (24, 128)
+    for n in (1, 63, 64, 65, 2112, 3000, 8192):
+        S, chunk = splits(n)
+        assert chunk % 64 == 0 and S * chunk >= n > (S - 1) * chunk and S <= 32
+    assert [d for d in (8, 16, 64, 80, 96, 128, 256) if supported_head_dim(d)] == [16, 64, 128, 256]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_the_target_with_split_kv_attention_equals_the_hf_model(kind):
+    """Fixed shapes (the buckets a GPU compiles), float32: prefill 9 tokens, a 5-token tree, keep a
+    path of it, decode; logits and boundaries equal the Hugging Face model's at every step."""
+    from eyas.engine import HFTarget, LlamaTarget
+    from tests.support.tiny import tiny_model
+    from tests.test_engine_llama import KEYS, SPEC, _walk
+
+    model = tiny_model(kind, 4).to(DEVICE)
+    fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, attention="split-kv")
+    assert fast.implementation.endswith("+attention-split-kv")
+    _walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(0), device=DEVICE)
+
+
+@pytest.mark.unit
+def test_split_kv_is_refused_where_its_kernels_cannot_run(monkeypatch):
+    from eyas.engine.llama import LlamaTarget
+    from tests.support.tiny import tiny_model
+    from tests.test_engine_llama import SPEC
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"split-kv' runs Triton kernels, on a GPU \(the model is on cpu\) or under "
+                                         r"TRITON_INTERPRET=1; use attention='eager'"):
+        LlamaTarget(tiny_model("llama", 4), SPEC, max_length=64, fixed_shapes=True, attention="split-kv")
