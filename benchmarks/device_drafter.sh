@@ -11,8 +11,10 @@
 #                background (its log: /tmp/drafter/run.log), then wait like `wait`
 #   wait [S]     wait up to S seconds (default 540) for the run to end, print the log's last lines
 #   collect      the drafter (bf16 shards + a tar of its small files), the summary and the logs into $OUT
-#   experiments  issue 10's open questions in one call, no GGUF: the 8B-shaped step with SDPA attention
-#                (llama_8b_cost.py), the matvec='reduce' identity test run for its message, the GPU equality tests
+#   experiments  issue 10's 8B bar in one call, no GGUF: the split-KV kernels' tests on the GPU, then the 8B-shaped
+#                step with split-KV / SDPA attention, gemm and reduce-tuned (llama_8b_cost.py; VARIANTS=...)
+#   gputests     the engine's GPU tests, then the matvec='reduce' identity test run for its message
+#   attention    the shipped drafter with the fast target's attention eager, then split-kv (Triton): spec_gpu.py twice
 #   compare      the drafter just trained against the shipped one: spec_gpu.py on MT-bench, temperature 0, same
 #                prompts and trees, HF generate compiled beside the new one ($OUT/compare.tar, compare.log)
 #   bench [ARGS] benchmarks/spec_gpu.py on MT-bench with the drafter, results into $OUT/spec (COMMIT=sha)
@@ -136,16 +138,42 @@ EOF
     ls -la "$OUT"
     ;;
   experiments)
-    # issue 10's open questions, one call, no GGUF: the 8B-shaped step with SDPA attention against the
-    # eager order (gemm and reduce-tuned), then the float32 identity test with matvec='reduce' run for
-    # its assertion message (--runxfail), then the GPU equality tests (SDPA included)
-    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout 380 python llama_8b_cost.py --profile \
+    # issue 10's 8B bar, one call, no GGUF: the split-KV kernels' tests compiled on the GPU, then the 8B-shaped
+    # step with split-KV attention against the eager order (gemm and reduce-tuned) and SDPA
+    timeout 120 python -m pytest -q -p no:cacheprovider tests/test_decode_attention.py > "$OUT/kernel_tests.log" 2>&1 || true
+    tail -n 5 "$OUT/kernel_tests.log"
+    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout 440 python llama_8b_cost.py --profile \
       --variants ${VARIANTS:-compiled,compiled-split-kv,compiled-reduce-tuned,compiled-reduce-tuned-split-kv,compiled-sdpa} --out "$OUT/8b.json" \
       > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
-    timeout 100 python -m pytest -q -p no:cacheprovider --runxfail tests/test_engine_cuda.py -k reduce \
+    tail -n 14 "$OUT/8b.log"
+    ;;
+  gputests)
+    # the engine's GPU tests (split-kv included), then the float32 identity test with matvec='reduce' run for
+    # its assertion message (--runxfail)
+    timeout 400 python -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py tests/test_engine_llama.py \
+      -k 'cuda or gpu' > "$OUT/gpu_tests.log" 2>&1 || true
+    timeout 120 python -m pytest -q -p no:cacheprovider --runxfail tests/test_engine_cuda.py -k reduce \
       > "$OUT/xfail.log" 2>&1 || true
-    timeout 100 python -m pytest -q -p no:cacheprovider tests/test_engine_llama.py -k gpu > "$OUT/gpu_tests.log" 2>&1 || true
-    tail -n 12 "$OUT/8b.log" "$OUT/xfail.log" "$OUT/gpu_tests.log"
+    tail -n 12 "$OUT/gpu_tests.log" "$OUT/xfail.log"
+    ;;
+  attention)
+    shift
+    # the shipped drafter with the fast target's attention eager, then split-kv (its Triton kernels), one process
+    # each, same prompts and trees, MT-bench at temperature 0; HF generate compiled beside the first. Results:
+    # $OUT/attention.tar, attention.log; carry the GGUF's last part (COMMIT=sha)
+    keep_parts
+    join_gguf
+    C=${COMMIT:?set COMMIT to the commit whose tree was sent}
+    for how in eager split-kv; do
+      SKIP=hf_eager
+      [ "$how" = split-kv ] && SKIP=hf_eager,hf_compiled
+      timeout 262 python benchmarks/spec_gpu.py --target /tmp/smol.gguf --draft src/eyas/interop/embedded/smollm2-135m-instruct \
+        --out-dir "/tmp/attention/$how" --commit "$C" --attention "$how" --sets mt_bench --prompts-per-set 24 \
+        --temperatures 0 --trees 6,10,60 4,8,24 --chains 4 --select-prompts 4 --skip "$SKIP" --no-tree-auto \
+        --budget-s 235 "$@" >> "$OUT/attention.log" 2>&1 || echo "attention $how exit $?" >> "$OUT/attention.log"
+    done
+    (cd /tmp && tar cf "$OUT/attention.tar" attention) || true
+    tail -n 40 "$OUT/attention.log"
     ;;
   compare)
     shift

@@ -705,7 +705,7 @@ class Bench:
         self.drafter = drafter.to(loaded.device, dtype=loaded.dtype).eval()
         spec = CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks)
         try:
-            self.target = build_target(loaded.model, spec, a.target_impl, matvec=a.matvec)
+            self.target = build_target(loaded.model, spec, a.target_impl, matvec=a.matvec, attention=a.attention)
         except Exception as e:  # noqa: BLE001 - e.g. an architecture the fast target does not implement
             self.error("build_target", e)
             self.note(f"--target-impl {a.target_impl} failed; using auto")
@@ -1099,6 +1099,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", help="auto: bf16 on a GPU, fp32 on the CPU")
     ap.add_argument("--target-impl", default="fast", help="fast | auto | hf (eyas.engine.build_target)")
     ap.add_argument("--matvec", default="auto", help="the fast target's one-token products: auto | gemm | reduce | reduce-tuned")
+    ap.add_argument("--attention", default="eager", help="the fast target's attention: eager | sdpa | split-kv")
     ap.add_argument("--out-dir", default=str(REPO / "benchmarks" / "out" / "spec_gpu"))
     ap.add_argument("--commit", default=None, help="the git commit (default: git rev-parse, else unknown)")
     ap.add_argument("--sets", default=",".join(SETS), help="comma-separated EAGLE sets or prompt files")

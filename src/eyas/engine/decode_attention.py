@@ -82,7 +82,7 @@ def _partial_kernel(q_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, start_ptr, 
     q = (x * cos + sign[None, :] * x_half * sin).to(k_ptr.dtype.element_ty)  # [R, D]
 
     lo = s * CHUNK
-    hi = tl.minimum(tl.minimum(lo + CHUNK, tl.load(start_ptr) + B), n_keys)  # entries [lo, hi) read
+    hi = tl.minimum(tl.minimum(lo + CHUNK, tl.load(start_ptr).to(tl.int32) + B), n_keys)  # entries [lo, hi) read
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)

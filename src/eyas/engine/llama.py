@@ -858,7 +858,8 @@ class LlamaTarget(Target):
 TARGET_IMPLEMENTATIONS = ("auto", "fast", "hf")
 
 
-def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "auto", matvec: str = "auto") -> Target:
+def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "auto", matvec: str = "auto",
+                 attention: str = "eager") -> Target:
     """The target the engine serves ``model`` with (``--target-impl``).
 
     - ``fast``: :class:`LlamaTarget` (fixed shapes, compiled, CUDA graphs on a GPU; refused, with the
@@ -867,8 +868,8 @@ def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "aut
     - ``auto``: ``fast`` wherever it applies (on a GPU with CUDA graphs; on a CPU eagerly, where
       its static cache still beats the Hugging Face model: SmolLM2 in float32 on 2 cores, 22.6
       against 20.0 tok/s plain and 20.0 against 17.6 speculative), else ``hf``.
-    The returned target's ``implementation`` says which one runs. ``matvec``: the fast target's
-    one-token products (:class:`LlamaTarget`).
+    The returned target's ``implementation`` says which one runs. ``matvec`` and ``attention``: the
+    fast target's one-token products and its attention (:class:`LlamaTarget`).
     """
     from eyas.engine.target import HFTarget
 
@@ -878,4 +879,4 @@ def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "aut
     on_gpu = next(model.parameters()).device.type == "cuda"
     if impl == "hf" or (impl == "auto" and supports(model) is not None):
         return HFTarget(model, spec)
-    return LlamaTarget(model, spec, cuda_graphs=on_gpu, matvec=matvec)
+    return LlamaTarget(model, spec, cuda_graphs=on_gpu, matvec=matvec, attention=attention)
