@@ -22,25 +22,40 @@ from eyas.engine.llama import rope  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _reference(q, cos, sin, keys, values, mask, start, scaling) -> torch.Tensor:
-    """The same attention in float64, eagerly, over the first n entries under the mask alone (start
-    is implied by it): each query head j reads key-value head j // G."""
+def _written(k, v, cos, sin, keys, values, start):
+    """The cache after the step: rope(k) and v at entries start .. start+B-1, in float64."""
+    B = k.shape[0]
+    Hkv, _, D = keys.shape
+    s = int(start)
+    keys, values = keys.double().clone(), values.double().clone()
+    keys[:, s:s + B] = rope(k.reshape(B, Hkv, D).double(), cos[:, None].double(), sin[:, None].double()).transpose(0, 1)
+    values[:, s:s + B] = v.reshape(B, Hkv, D).double().transpose(0, 1)
+    return keys, values
+
+
+def _reference(q, k, v, cos, sin, keys, values, mask, start, scaling) -> torch.Tensor:
+    """The same attention in float64, eagerly, over the first n entries of the cache after the step
+    under the mask: each query head j reads key-value head j // G."""
     B = q.shape[0]
     Hkv, _, D = keys.shape
     n = mask.shape[1]
     HQ = q.shape[1] // D
+    keys, values = _written(k, v, cos, sin, keys, values, start)
     q = rope(q.reshape(B, HQ, D).double(), cos[:, None].double(), sin[:, None].double())
-    k = keys[:, :n].double().repeat_interleave(HQ // Hkv, 0)  # [HQ, n, D]
-    v = values[:, :n].double().repeat_interleave(HQ // Hkv, 0)
+    k = keys[:, :n].repeat_interleave(HQ // Hkv, 0)  # [HQ, n, D]
+    v = values[:, :n].repeat_interleave(HQ // Hkv, 0)
     scores = torch.einsum("bhd,hnd->bhn", q, k) * scaling
     p = scores.masked_fill(~mask[:, None, :], float("-inf")).softmax(-1)
     return torch.einsum("bhn,hnd->bhd", p, v).reshape(B, HQ * D)
 
 
 def _case(B, Hkv, G, D, C, n, start, dtype, tree: bool, seed: int = 0):
+    """The kernels' arguments for a step of B tokens at cache_len ``start``, the cache random (its
+    entries from ``start`` on stale), q/k/v strided views of one fused projection output."""
     g = torch.Generator().manual_seed(seed)
     HQ = Hkv * G
-    q = torch.randn(B, HQ * D + 8, generator=g)[:, :HQ * D]  # rows strided, as a view of q/k/v's fused output
+    qkv = torch.randn(B, (HQ + 2 * Hkv) * D, generator=g)
+    q, k, v = qkv.split([HQ * D, Hkv * D, Hkv * D], dim=-1)
     keys, values = torch.randn(Hkv, C, D, generator=g), torch.randn(Hkv, C, D, generator=g)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
     freqs = torch.arange(start, start + B).float()[:, None] * inv_freq[None]
@@ -52,8 +67,24 @@ def _case(B, Hkv, G, D, C, n, start, dtype, tree: bool, seed: int = 0):
             block[i] |= block[int(torch.randint(0, i, (1,), generator=g))]
     rel = torch.arange(n) - start
     mask = (rel < 0) | ((rel < B) & block[:, rel.clamp(0, B - 1)])  # as LlamaTarget's prologue builds it
-    args = [t.to(DEVICE, dtype) for t in (q, emb.cos(), emb.sin(), keys, values)]
+    qkv = qkv.to(DEVICE, dtype)
+    q, k, v = qkv.split([HQ * D, Hkv * D, Hkv * D], dim=-1)
+    args = [q, k, v] + [t.to(DEVICE, dtype) for t in (emb.cos(), emb.sin(), keys, values)]
     return (*args, mask.to(DEVICE), torch.tensor([start], device=DEVICE), D ** -0.5)
+
+
+def _run_and_check(args, scaling, atol: float, rtol: float) -> torch.Tensor:
+    """Run the kernels; their output equals the reference attention, and the cache afterwards holds
+    rope(k) and v at the step's entries, every other entry untouched. Returns the output."""
+    q, k, v, cos, sin, keys, values, mask, start = args
+    expected = _reference(*args, scaling).cpu()  # from the cache before the step
+    keys_after, values_after = (t.cpu() for t in _written(k, v, cos, sin, keys, values, start))
+    out = decode_attention(*args, scaling)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.double().cpu(), expected, atol=atol, rtol=rtol)
+    torch.testing.assert_close(keys.double().cpu(), keys_after, atol=atol, rtol=rtol)
+    torch.testing.assert_close(values.double().cpu(), values_after, atol=0, rtol=0)
+    return out
 
 
 @pytest.mark.unit
@@ -62,13 +93,11 @@ def _case(B, Hkv, G, D, C, n, start, dtype, tree: bool, seed: int = 0):
     (1, 3, 3, 64, 600, 512, 511, False),  # SmolLM2's grouping and head size; the last entry of its bucket
     (1, 1, 1, 16, 64, 64, 0, False),  # an empty cache: the token attends itself alone
     (8, 2, 2, 32, 2200, 2112, 1500, True),  # a tree; more chunks than MAX_SPLITS, n not a power of two
-    (24, 2, 4, 16, 200, 128, 40, True),  # 96 query rows: several row tiles
+    (24, 2, 4, 16, 200, 128, 40, True),  # 96 query rows: several row tiles; the new entries span two tiles
 ])
 def test_split_kv_attention_equals_softmax_attention_in_float32(B, Hkv, G, D, C, n, start, tree):
     *args, scaling = _case(B, Hkv, G, D, C, n, start, torch.float32, tree)
-    out = decode_attention(*args, scaling)
-    assert out.shape == (B, Hkv * G * D) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double().cpu(), _reference(*args, scaling).cpu(), atol=2e-6, rtol=1e-5)
+    _run_and_check(args, scaling, atol=2e-6, rtol=1e-5)
 
 
 # Half precision: bfloat16 on a GPU; float16 in the interpreter, whose tl.dot multiplies bfloat16
@@ -80,20 +109,18 @@ HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 @pytest.mark.parametrize("B", [1, 4])
 def test_split_kv_attention_in_half_precision_is_within_its_rounding_of_the_exact_result(B):
     *args, scaling = _case(B, 2, 4, 64, 1100, 1024, 700, HALF, tree=True)
-    out = decode_attention(*args, scaling)
-    assert out.dtype == HALF
     tol = 2e-2 if HALF == torch.bfloat16 else 2e-3
-    torch.testing.assert_close(out.double().cpu(), _reference(*args, scaling).cpu(), atol=tol, rtol=tol)
+    _run_and_check(args, scaling, atol=tol, rtol=tol)
 
 
 @pytest.mark.unit
 def test_entries_past_the_steps_own_are_never_read():
     """The cache past start + B holds stale values (NaN here): they must not reach the output."""
     *args, scaling = _case(2, 2, 2, 32, 256, 256, 60, torch.float32, tree=False)
+    q, k, v, cos, sin, keys, values, mask, start = args
     expected = _reference(*args, scaling).cpu()
-    q, cos, sin, keys, values, mask, start = args
     keys[:, 62:], values[:, 62:] = float("nan"), float("nan")
-    out = decode_attention(q, cos, sin, keys, values, mask, start, scaling)
+    out = decode_attention(*args, scaling)
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-6, rtol=1e-5)
 
 

@@ -4,7 +4,8 @@ A fixed-shape step of B new tokens attends the first n entries of a block's cach
 the step's prologue builds ([B, n] bool: every committed entry, then the step's own block). In the
 eager order that is three kernels a block on a GPU (QK, a float32 softmax, PV), each with only
 Hkv x G*B rows of work; on an 8B-shaped Llama in CUDA graphs, 8.7 us a block of a 4.4 ms step,
-plus the kernel that rotates q (``benchmarks/2026-12-02-llama8b-h200.md``). Here it is two kernels:
+plus the kernels that rotate q and k and write the step's keys and values to the cache
+(``benchmarks/2026-12-02-llama8b-h200.md``). Here it is two kernels:
 
 1. ``_partial_kernel``, grid (Hkv, S, row tiles). The n entries are cut into S chunks of ``chunk``
    keys. Program (h, s, t) takes the query rows r = b*G + g of key-value head h (token b, the g-th
@@ -12,8 +13,11 @@ plus the kernel that rotates q (``benchmarks/2026-12-02-llama8b-h200.md``). Here
 
    - rotates their queries (rotate-half rope: q*cos + rotate_half(q)*sin, in float32, rounded to the
      cache's dtype as the compiled step rounds its own q);
-   - for the chunk's entries p < start + B (none past them was written for this step), in tiles of
-     ``BLOCK_N`` keys: scores = q . k_p * scaling in float32, -inf where mask[b, p] is False, and
+   - for the chunk's entries p < start + B (none past them belongs to this step), in tiles of
+     ``BLOCK_N`` keys: entries p < start are read from the cache; the step's own, p = start + j,
+     are token j's key (rotated the same way) and value, taken from the step's projections and
+     written to the cache (by each program whose tile holds them: the same values; no program
+     reads them from the cache, so no program waits for another). Then scores = q . k_p * scaling in float32, -inf where mask[b, p] is False, and
      the online-softmax state m (running max), l (sum of exp(score - m)), acc (sum of
      exp(score - m) v_p, the probabilities rounded to the cache's dtype for the product, as
      flash attention does);
@@ -59,9 +63,9 @@ def splits(n_keys: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _partial_kernel(q_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, start_ptr, m_ptr, l_ptr, acc_ptr,
-                    stride_qb, stride_cb, stride_sb, stride_kh, stride_kp, stride_vh, stride_vp, stride_mb,
-                    n_keys, scaling,
+def _partial_kernel(q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, start_ptr, m_ptr, l_ptr,
+                    acc_ptr, stride_qb, stride_knb, stride_vnb, stride_cb, stride_sb, stride_kh, stride_kp,
+                    stride_vh, stride_vp, stride_mb, n_keys, scaling,
                     B: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
                     CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     h = tl.program_id(0)
@@ -81,16 +85,33 @@ def _partial_kernel(q_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, start_ptr, 
     sin = tl.load(sin_ptr + b[:, None] * stride_sb + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     q = (x * cos + sign[None, :] * x_half * sin).to(k_ptr.dtype.element_ty)  # [R, D]
 
+    start = tl.load(start_ptr).to(tl.int32)
     lo = s * CHUNK
-    hi = tl.minimum(tl.minimum(lo + CHUNK, tl.load(start_ptr).to(tl.int32) + B), n_keys)  # entries [lo, hi) read
+    hi = tl.minimum(tl.minimum(lo + CHUNK, start + B), n_keys)  # entries [lo, hi) read
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
     for p0 in range(lo, hi, BLOCK_N):
         p = p0 + tl.arange(0, BLOCK_N)  # [N]
         p_ok = p < hi
-        k = tl.load(k_ptr + h * stride_kh + p[:, None] * stride_kp + d[None, :], mask=p_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + h * stride_vh + p[:, None] * stride_vp + d[None, :], mask=p_ok[:, None], other=0.0)
+        j = p - start  # [N]: the step's own token j at entry start + j
+        new = p_ok & (j >= 0)
+        old = p_ok & (j < 0)
+        k_at = k_ptr + h * stride_kh + p[:, None] * stride_kp + d[None, :]  # [N, D]
+        v_at = v_ptr + h * stride_vh + p[:, None] * stride_vp + d[None, :]
+        # The step's own keys, rotated here, and values, from its projections; written to the cache
+        # by every program whose tile holds them (the same values), read from it by none.
+        kn_row = kn_ptr + j[:, None] * stride_knb + h * D  # [N, 1]
+        kx = tl.load(kn_row + d[None, :], mask=new[:, None], other=0.0).to(tl.float32)
+        kx_half = tl.load(kn_row + partner[None, :], mask=new[:, None], other=0.0).to(tl.float32)
+        k_cos = tl.load(cos_ptr + j[:, None] * stride_cb + d[None, :], mask=new[:, None], other=0.0).to(tl.float32)
+        k_sin = tl.load(sin_ptr + j[:, None] * stride_sb + d[None, :], mask=new[:, None], other=0.0).to(tl.float32)
+        k_new = (kx * k_cos + sign[None, :] * kx_half * k_sin).to(k_ptr.dtype.element_ty)
+        v_new = tl.load(vn_ptr + j[:, None] * stride_vnb + h * D + d[None, :], mask=new[:, None], other=0.0)
+        tl.store(k_at, k_new, mask=new[:, None])
+        tl.store(v_at, v_new.to(v_ptr.dtype.element_ty), mask=new[:, None])
+        k = tl.where(new[:, None], k_new, tl.load(k_at, mask=old[:, None], other=0.0))  # [N, D]
+        v = tl.where(new[:, None], v_new, tl.load(v_at, mask=old[:, None], other=0.0))
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling  # [R, N] float32
         allowed = tl.load(mask_ptr + b[:, None] * stride_mb + p[None, :], mask=row_ok[:, None] & p_ok[None, :],
                           other=0)
@@ -126,16 +147,18 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob,
     tl.store(out_ptr + b * stride_ob + head * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_attention(q: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, mask: Tensor,
-                     start: Tensor, scaling: float) -> Tensor:
-    """Attention of B new tokens over a block's cache, their queries rotated here.
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
+                     mask: Tensor, start: Tensor, scaling: float) -> Tensor:
+    """Attention of B new tokens over a block's cache; their keys and values written to it here.
 
-    q [B, Hq*D] (not yet rotated; rows may be strided, a view of the fused q/k/v output); cos, sin
-    [B, D] (the step's rotary tables, the attention scaling included); keys, values [Hkv, C, D] the
-    block's cache, the step's own keys and values already written at slots start .. start+B-1;
-    mask [B, n] bool (n <= C: entry p allowed for token b); start [1] long (cache_len, on the
-    device: the step's shapes do not depend on it). Returns [B, Hq*D] in q's dtype, head j the
-    ``j // G``-th key-value head's."""
+    q [B, Hq*D], k, v [B, Hkv*D]: the step's projections, q and k not yet rotated (rows may be
+    strided: views of the fused q/k/v output); cos, sin [B, D] (the step's rotary tables, the
+    attention scaling included); keys, values [Hkv, C, D] the block's cache, into which rope(k) and
+    v go at entries start .. start+B-1; mask [B, n] bool (start + B <= n <= C: entry p allowed for
+    token b); start [1] long (cache_len, on the device: the step's shapes do not depend on it).
+    Returns [B, Hq*D] in q's dtype, head j the ``j // G``-th key-value head's."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("keys", keys), ("values", values)):
+        assert t.stride(-1) == 1, f"decode_attention: {name} must be contiguous in its last dimension"
     B = q.shape[0]
     Hkv, _, D = keys.shape
     n = mask.shape[1]
@@ -149,9 +172,9 @@ def decode_attention(q: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: 
     out = torch.empty(B, HQ * D, dtype=q.dtype, device=dev)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # float32: exact products, no TF32
     _partial_kernel[(Hkv, S, triton.cdiv(G * B, BLOCK_R))](
-        q, cos, sin, keys, values, mask.view(torch.uint8), start, m, l, acc,
-        q.stride(0), cos.stride(0), sin.stride(0), keys.stride(0), keys.stride(1), values.stride(0),
-        values.stride(1), mask.stride(0), n, scaling,
+        q, k, v, cos, sin, keys, values, mask.view(torch.uint8), start, m, l, acc,
+        q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0), keys.stride(0), keys.stride(1),
+        values.stride(0), values.stride(1), mask.stride(0), n, scaling,
         B=B, G=G, HQ=HQ, D=D, S=S, CHUNK=chunk, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, PRECISION=precision)
     _combine_kernel[(B * HQ,)](m, l, acc, out, out.stride(0), HQ=HQ, D=D, S=S, S_POW2=triton.next_power_of_2(S))
     return out

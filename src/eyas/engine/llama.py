@@ -396,16 +396,16 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
     q, k, v = q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D)  # (views of the fused output too)
     if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
         q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
-    k = rope(k, cos, sin)
+    if attention == "split-kv":  # q and k rotated, k and v written at slots, in the kernels; slots[0] = cache_len
+        from eyas.engine.decode_attention import decode_attention
+
+        out = decode_attention(q.reshape(B, Hq * D), k.reshape(B, Hkv * D), v.reshape(B, Hkv * D), cos[:, 0],
+                               sin[:, 0], keys, values, mask, slots, scaling)
+        return _after_attention(h_in, out, w, eps=eps, matvec=matvec)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
     # Two writes: inductor fuses the keys' with rope (a stacked write of both took one kernel more)
     keys.index_copy_(1, slots, k.transpose(0, 1))  # [Hkv, B, D] into [Hkv, C, D]
     values.index_copy_(1, slots, v.transpose(0, 1))
-    if attention == "split-kv":  # q rotated in the kernel; slots[0] is cache_len
-        from eyas.engine.decode_attention import decode_attention
-
-        out = decode_attention(q.reshape(B, Hq * D), cos[:, 0], sin[:, 0], keys, values, mask, slots, scaling)
-        return _after_attention(h_in, out, w, eps=eps, matvec=matvec)
-    q = rope(q, cos, sin)
     keys, values = keys[:, :n], values[:, :n]  # [Hkv, n, D]: the entries attended
     # Grouped-query attention without copying the cache: query head j reads key/value head j // G,
     # so the G query heads of a group become G*B rows against their shared keys.
