@@ -143,7 +143,7 @@ EOF
     timeout 120 python -m pytest -q -p no:cacheprovider tests/test_decode_attention.py > "$OUT/kernel_tests.log" 2>&1 || true
     tail -n 5 "$OUT/kernel_tests.log"
     (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout 440 python llama_8b_cost.py --profile \
-      --variants ${VARIANTS:-compiled,compiled-split-kv,compiled-reduce-tuned,compiled-reduce-tuned-split-kv,compiled-sdpa} --out "$OUT/8b.json" \
+      --variants ${VARIANTS:-compiled-split-kv,compiled-reduce-tuned-split-kv,compiled-reduce-tuned,compiled,compiled-sdpa} --out "$OUT/8b.json" \
       > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
     tail -n 14 "$OUT/8b.log"
     ;;
