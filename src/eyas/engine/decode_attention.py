@@ -114,8 +114,8 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_
         v = tl.where(new[:, None], v_new, tl.load(v_at, mask=old[:, None], other=0.0))
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling  # [R, N] float32
         allowed = tl.load(mask_ptr + b[:, None] * stride_mb + p[None, :], mask=row_ok[:, None] & p_ok[None, :],
-                          other=0)
-        scores = tl.where(allowed != 0, scores, float("-inf"))
+                          other=False)  # [R, N] (a bool tensor: Triton's int1)
+        scores = tl.where(allowed, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet: exp(-inf) = 0
         alpha = tl.exp(m_i - m_use)  # [R]
@@ -172,9 +172,10 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
     out = torch.empty(B, HQ * D, dtype=q.dtype, device=dev)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # float32: exact products, no TF32
     _partial_kernel[(Hkv, S, triton.cdiv(G * B, BLOCK_R))](
-        q, k, v, cos, sin, keys, values, mask.view(torch.uint8), start, m, l, acc,
+        q, k, v, cos, sin, keys, values, mask, start, m, l, acc,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0), keys.stride(0), keys.stride(1),
         values.stride(0), values.stride(1), mask.stride(0), n, scaling,
-        B=B, G=G, HQ=HQ, D=D, S=S, CHUNK=chunk, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, PRECISION=precision)
+        B=B, G=G, HQ=HQ, D=D, S=S, CHUNK=chunk, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, PRECISION=precision,
+        num_stages=1)  # a chunk is one or two tiles: no loads to pipeline (float32 stages overflowed shared memory)
     _combine_kernel[(B * HQ,)](m, l, acc, out, out.stride(0), HQ=HQ, D=D, S=S, S_POW2=triton.next_power_of_2(S))
     return out
