@@ -65,9 +65,10 @@ def splits(n_keys: int) -> tuple[int, int]:
 @triton.jit
 def _partial_kernel(q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, start_ptr, m_ptr, l_ptr,
                     acc_ptr, stride_qb, stride_knb, stride_vnb, stride_cb, stride_sb, stride_kh, stride_kp,
-                    stride_vh, stride_vp, stride_mb, n_keys, scaling,
-                    B: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-                    CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                    stride_vh, stride_vp, stride_mb, n_keys,
+                    SCALING: tl.constexpr, B: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
+                    S: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISION: tl.constexpr):
     h = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R] rows b*G + g of key-value head h
@@ -112,7 +113,8 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_
         tl.store(v_at, v_new.to(v_ptr.dtype.element_ty), mask=new[:, None])
         k = tl.where(new[:, None], k_new, tl.load(k_at, mask=old[:, None], other=0.0))  # [N, D]
         v = tl.where(new[:, None], v_new, tl.load(v_at, mask=old[:, None], other=0.0))
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling  # [R, N] float32
+        # SCALING a constexpr: inductor passes a float argument as fp64, which would make the state fp64
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALING  # [R, N] float32
         allowed = tl.load(mask_ptr + b[:, None] * stride_mb + p[None, :], mask=row_ok[:, None] & p_ok[None, :],
                           other=False)  # [R, N] (a bool tensor: Triton's int1)
         scores = tl.where(allowed, scores, float("-inf"))
@@ -174,8 +176,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
     _partial_kernel[(Hkv, S, triton.cdiv(G * B, BLOCK_R))](
         q, k, v, cos, sin, keys, values, mask, start, m, l, acc,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0), keys.stride(0), keys.stride(1),
-        values.stride(0), values.stride(1), mask.stride(0), n, scaling,
-        B=B, G=G, HQ=HQ, D=D, S=S, CHUNK=chunk, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, PRECISION=precision,
+        values.stride(0), values.stride(1), mask.stride(0), n,
+        SCALING=float(scaling), B=B, G=G, HQ=HQ, D=D, S=S, CHUNK=chunk, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, PRECISION=precision,
         num_stages=1)  # a chunk is one or two tiles: no loads to pipeline (float32 stages overflowed shared memory)
     _combine_kernel[(B * HQ,)](m, l, acc, out, out.stride(0), HQ=HQ, D=D, S=S, S_POW2=triton.next_power_of_2(S))
     return out
