@@ -22,25 +22,25 @@ from eyas.engine.llama import rope  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _written(k, v, cos, sin, keys, values, start):
+def _written(k, v, cos, sin, kv, start) -> torch.Tensor:
     """The cache after the step: rope(k) and v at entries start .. start+B-1, in float64."""
     B = k.shape[0]
-    Hkv, _, D = keys.shape
+    Hkv, _, D = kv.shape[1:]
     s = int(start)
-    keys, values = keys.double().clone(), values.double().clone()
-    keys[:, s:s + B] = rope(k.reshape(B, Hkv, D).double(), cos[:, None].double(), sin[:, None].double()).transpose(0, 1)
-    values[:, s:s + B] = v.reshape(B, Hkv, D).double().transpose(0, 1)
-    return keys, values
+    kv = kv.double().clone()
+    kv[0, :, s:s + B] = rope(k.reshape(B, Hkv, D).double(), cos[:, None].double(), sin[:, None].double()).transpose(0, 1)
+    kv[1, :, s:s + B] = v.reshape(B, Hkv, D).double().transpose(0, 1)
+    return kv
 
 
-def _reference(q, k, v, cos, sin, keys, values, mask, start, scaling) -> torch.Tensor:
+def _reference(q, k, v, cos, sin, kv, mask, start, scaling) -> torch.Tensor:
     """The same attention in float64, eagerly, over the first n entries of the cache after the step
     under the mask: each query head j reads key-value head j // G."""
     B = q.shape[0]
-    Hkv, _, D = keys.shape
+    Hkv, _, D = kv.shape[1:]
     n = mask.shape[1]
     HQ = q.shape[1] // D
-    keys, values = _written(k, v, cos, sin, keys, values, start)
+    keys, values = _written(k, v, cos, sin, kv, start)  # [Hkv, C, D] each
     q = rope(q.reshape(B, HQ, D).double(), cos[:, None].double(), sin[:, None].double())
     k = keys[:, :n].repeat_interleave(HQ // Hkv, 0)  # [HQ, n, D]
     v = values[:, :n].repeat_interleave(HQ // Hkv, 0)
@@ -56,7 +56,7 @@ def _case(B, Hkv, G, D, C, n, start, dtype, tree: bool, seed: int = 0):
     HQ = Hkv * G
     qkv = torch.randn(B, (HQ + 2 * Hkv) * D, generator=g)
     q, k, v = qkv.split([HQ * D, Hkv * D, Hkv * D], dim=-1)
-    keys, values = torch.randn(Hkv, C, D, generator=g), torch.randn(Hkv, C, D, generator=g)
+    kv = torch.randn(2, Hkv, C, D, generator=g)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
     freqs = torch.arange(start, start + B).float()[:, None] * inv_freq[None]
     emb = torch.cat([freqs, freqs], -1)
@@ -69,21 +69,21 @@ def _case(B, Hkv, G, D, C, n, start, dtype, tree: bool, seed: int = 0):
     mask = (rel < 0) | ((rel < B) & block[:, rel.clamp(0, B - 1)])  # as LlamaTarget's prologue builds it
     qkv = qkv.to(DEVICE, dtype)
     q, k, v = qkv.split([HQ * D, Hkv * D, Hkv * D], dim=-1)
-    args = [q, k, v] + [t.to(DEVICE, dtype) for t in (emb.cos(), emb.sin(), keys, values)]
+    args = [q, k, v] + [t.to(DEVICE, dtype) for t in (emb.cos(), emb.sin(), kv)]
     return (*args, mask.to(DEVICE), torch.tensor([start], device=DEVICE), D ** -0.5)
 
 
 def _run_and_check(args, scaling, atol: float, rtol: float) -> torch.Tensor:
     """Run the kernels; their output equals the reference attention, and the cache afterwards holds
     rope(k) and v at the step's entries, every other entry untouched. Returns the output."""
-    q, k, v, cos, sin, keys, values, mask, start = args
+    q, k, v, cos, sin, kv, mask, start = args
     expected = _reference(*args, scaling).cpu()  # from the cache before the step
-    keys_after, values_after = (t.cpu() for t in _written(k, v, cos, sin, keys, values, start))
+    kv_after = _written(k, v, cos, sin, kv, start).cpu()
     out = decode_attention(*args, scaling)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.double().cpu(), expected, atol=atol, rtol=rtol)
-    torch.testing.assert_close(keys.double().cpu(), keys_after, atol=atol, rtol=rtol)
-    torch.testing.assert_close(values.double().cpu(), values_after, atol=0, rtol=0)
+    torch.testing.assert_close(kv[0].double().cpu(), kv_after[0], atol=atol, rtol=rtol)  # rotated keys
+    torch.testing.assert_close(kv[1].double().cpu(), kv_after[1], atol=0, rtol=0)  # values: copied
     return out
 
 
@@ -117,9 +117,9 @@ def test_split_kv_attention_in_half_precision_is_within_its_rounding_of_the_exac
 def test_entries_past_the_steps_own_are_never_read():
     """The cache past start + B holds stale values (NaN here): they must not reach the output."""
     *args, scaling = _case(2, 2, 2, 32, 256, 256, 60, torch.float32, tree=False)
-    q, k, v, cos, sin, keys, values, mask, start = args
+    kv = args[5]
     expected = _reference(*args, scaling).cpu()
-    keys[:, 62:], values[:, 62:] = float("nan"), float("nan")
+    kv[:, :, 62:] = float("nan")
     out = decode_attention(*args, scaling)
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-6, rtol=1e-5)
 

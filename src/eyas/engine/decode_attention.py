@@ -63,9 +63,9 @@ def splits(n_keys: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _partial_kernel(q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_ptr, start_ptr, m_ptr, l_ptr,
-                    acc_ptr, stride_qb, stride_knb, stride_vnb, stride_cb, stride_sb, stride_kh, stride_kp,
-                    stride_vh, stride_vp, stride_mb, n_keys,
+def _partial_kernel(q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, kv_ptr, mask_ptr, start_ptr, m_ptr, l_ptr,
+                    acc_ptr, stride_qb, stride_knb, stride_vnb, stride_cb, stride_sb, stride_kv, stride_kh, stride_kp,
+                    stride_mb, n_keys,
                     SCALING: tl.constexpr, B: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
                     S: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                     PRECISION: tl.constexpr):
@@ -84,7 +84,7 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_
     x_half = tl.load(q_row + partner[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     cos = tl.load(cos_ptr + b[:, None] * stride_cb + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + b[:, None] * stride_sb + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q = (x * cos + sign[None, :] * x_half * sin).to(k_ptr.dtype.element_ty)  # [R, D]
+    q = (x * cos + sign[None, :] * x_half * sin).to(kv_ptr.dtype.element_ty)  # [R, D]
 
     start = tl.load(start_ptr).to(tl.int32)
     lo = s * CHUNK
@@ -98,8 +98,8 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_
         j = p - start  # [N]: the step's own token j at entry start + j
         new = p_ok & (j >= 0)
         old = p_ok & (j < 0)
-        k_at = k_ptr + h * stride_kh + p[:, None] * stride_kp + d[None, :]  # [N, D]
-        v_at = v_ptr + h * stride_vh + p[:, None] * stride_vp + d[None, :]
+        k_at = kv_ptr + h * stride_kh + p[:, None] * stride_kp + d[None, :]  # [N, D]: kv[0, h, p]
+        v_at = k_at + stride_kv  # kv[1, h, p]
         # The step's own keys, rotated here, and values, from its projections; written to the cache
         # by every program whose tile holds them (the same values), read from it by none.
         kn_row = kn_ptr + j[:, None] * stride_knb + h * D  # [N, 1]
@@ -107,10 +107,10 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, mask_
         kx_half = tl.load(kn_row + partner[None, :], mask=new[:, None], other=0.0).to(tl.float32)
         k_cos = tl.load(cos_ptr + j[:, None] * stride_cb + d[None, :], mask=new[:, None], other=0.0).to(tl.float32)
         k_sin = tl.load(sin_ptr + j[:, None] * stride_sb + d[None, :], mask=new[:, None], other=0.0).to(tl.float32)
-        k_new = (kx * k_cos + sign[None, :] * kx_half * k_sin).to(k_ptr.dtype.element_ty)
+        k_new = (kx * k_cos + sign[None, :] * kx_half * k_sin).to(kv_ptr.dtype.element_ty)
         v_new = tl.load(vn_ptr + j[:, None] * stride_vnb + h * D + d[None, :], mask=new[:, None], other=0.0)
         tl.store(k_at, k_new, mask=new[:, None])
-        tl.store(v_at, v_new.to(v_ptr.dtype.element_ty), mask=new[:, None])
+        tl.store(v_at, v_new.to(kv_ptr.dtype.element_ty), mask=new[:, None])
         k = tl.where(new[:, None], k_new, tl.load(k_at, mask=old[:, None], other=0.0))  # [N, D]
         v = tl.where(new[:, None], v_new, tl.load(v_at, mask=old[:, None], other=0.0))
         # SCALING a constexpr: inductor passes a float argument as fp64, which would make the state fp64
@@ -149,20 +149,20 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob,
     tl.store(out_ptr + b * stride_ob + head * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
-                     mask: Tensor, start: Tensor, scaling: float) -> Tensor:
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, mask: Tensor,
+                     start: Tensor, scaling: float) -> Tensor:
     """Attention of B new tokens over a block's cache; their keys and values written to it here.
 
     q [B, Hq*D], k, v [B, Hkv*D]: the step's projections, q and k not yet rotated (rows may be
     strided: views of the fused q/k/v output); cos, sin [B, D] (the step's rotary tables, the
-    attention scaling included); keys, values [Hkv, C, D] the block's cache, into which rope(k) and
-    v go at entries start .. start+B-1; mask [B, n] bool (start + B <= n <= C: entry p allowed for
+    attention scaling included); kv [2, Hkv, C, D] the block's cache (keys, values), into which
+    rope(k) and v go at entries start .. start+B-1; mask [B, n] bool (start + B <= n <= C: entry p allowed for
     token b); start [1] long (cache_len, on the device: the step's shapes do not depend on it).
     Returns [B, Hq*D] in q's dtype, head j the ``j // G``-th key-value head's."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("keys", keys), ("values", values)):
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("kv", kv)):
         assert t.stride(-1) == 1, f"decode_attention: {name} must be contiguous in its last dimension"
     B = q.shape[0]
-    Hkv, _, D = keys.shape
+    Hkv, _, D = kv.shape[1:]
     n = mask.shape[1]
     HQ = q.shape[1] // D
     G = HQ // Hkv
@@ -174,9 +174,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
     out = torch.empty(B, HQ * D, dtype=q.dtype, device=dev)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # float32: exact products, no TF32
     _partial_kernel[(Hkv, S, triton.cdiv(G * B, BLOCK_R))](
-        q, k, v, cos, sin, keys, values, mask, start, m, l, acc,
-        q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0), keys.stride(0), keys.stride(1),
-        values.stride(0), values.stride(1), mask.stride(0), n,
+        q, k, v, cos, sin, kv, mask, start, m, l, acc,
+        q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0), kv.stride(0), kv.stride(1),
+        kv.stride(2), mask.stride(0), n,
         SCALING=float(scaling), B=B, G=G, HQ=HQ, D=D, S=S, CHUNK=chunk, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, PRECISION=precision,
         num_stages=1)  # a chunk is one or two tiles: no loads to pipeline (float32 stages overflowed shared memory)
     _combine_kernel[(B * HQ,)](m, l, acc, out, out.stride(0), HQ=HQ, D=D, S=S, S_POW2=triton.next_power_of_2(S))

@@ -370,13 +370,15 @@ def _prologue(ids: Tensor, pos: Tensor, block: Tensor, start: Tensor, embed: Ten
     return h, torch.zeros_like(h), cos, sin, slots, mask
 
 
-def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
-           values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
+def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, kv: Tensor,
+           w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
            matvec: bool = False, attention: str = "eager") -> tuple[Tensor, Tensor, Tensor]:
     """One decoder block for B tokens. The stream entering it is x + d [B, H] (the previous block's
     last residual add is done here, fused with this block's norm; d None: x alone); cos, sin
     [B, 1, D]; slots [B] (where the new keys/values go); mask [B, n] bool over the first n cache
-    entries; keys, values [Hkv, C, D] this block's cache, written in place at ``slots``.
+    entries; kv [2, Hkv, C, D] this block's cache (keys, values), written in place at ``slots``:
+    one tensor, so that a compiled step mutates one input (two aliasing views of the same buffer,
+    mutated by a Triton kernel, made inductor clone them and copy them back).
 
     Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
     attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects.
@@ -387,7 +389,7 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
     Triton kernels, which also rotate q (float32 scores, the probabilities rounded for PV)."""
     h_in = x if d is None else x + d  # [B, H]
     B = h_in.shape[0]
-    Hkv, _, D = keys.shape
+    Hkv, _, D = kv.shape[1:]
     Hq = w.o.shape[1] // D
     G = Hq // Hkv
     n = mask.shape[1]
@@ -400,8 +402,9 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
         from eyas.engine.decode_attention import decode_attention
 
         out = decode_attention(q.reshape(B, Hq * D), k.reshape(B, Hkv * D), v.reshape(B, Hkv * D), cos[:, 0],
-                               sin[:, 0], keys, values, mask, slots, scaling)
+                               sin[:, 0], kv, mask, slots, scaling)
         return _after_attention(h_in, out, w, eps=eps, matvec=matvec)
+    keys, values = kv[0], kv[1]  # [Hkv, C, D] views
     q, k = rope(q, cos, sin), rope(k, cos, sin)
     # Two writes: inductor fuses the keys' with rope (a stacked write of both took one kernel more)
     keys.index_copy_(1, slots, k.transpose(0, 1))  # [Hkv, B, D] into [Hkv, C, D]
@@ -720,7 +723,7 @@ class LlamaTarget(Target):
             d = None  # every block returns its output whole (see _down): one compilation of _layer
         captured: list[Tensor | None] = [None] * self.spec.num_slots
         for i, w in enumerate(self.weights):
-            h_in, h, act = layer(x, d, cos, sin, slots, mask, self.keys[i], self.values[i], w)
+            h_in, h, act = layer(x, d, cos, sin, slots, mask, self.kv[i], w)
             x, d = down(h, act, w.down, w.down_bias)
             if i in self._slot_of:  # boundary i = the input of block i
                 captured[self._slot_of[i]] = h_in
