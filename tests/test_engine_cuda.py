@@ -105,7 +105,7 @@ def test_greedy_fast_path_with_graphs_is_token_identical_to_plain_in_float32(lla
     with every fixed-shape step attending through the split-KV kernels."""
     model, drafter = llama_and_drafter
     fast = LlamaTarget(model, SPEC4, cuda_graphs=True, matvec=matvec, attention=attention)
-    assert fast.implementation.endswith("cuda-graphs")
+    assert "cuda-graphs" in fast.implementation
     accepted = 0
     for prompt in random_prompts(6, 128, seed=3):
         plain = plain_generate(fast, prompt, max_new_tokens=24).tokens

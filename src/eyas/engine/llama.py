@@ -370,41 +370,41 @@ def _prologue(ids: Tensor, pos: Tensor, block: Tensor, start: Tensor, embed: Ten
     return h, torch.zeros_like(h), cos, sin, slots, mask
 
 
-def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, kv: Tensor,
-           w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
-           matvec: bool = False, attention: str = "eager") -> tuple[Tensor, Tensor, Tensor]:
-    """One decoder block for B tokens. The stream entering it is x + d [B, H] (the previous block's
-    last residual add is done here, fused with this block's norm; d None: x alone); cos, sin
-    [B, 1, D]; slots [B] (where the new keys/values go); mask [B, n] bool over the first n cache
-    entries; kv [2, Hkv, C, D] this block's cache (keys, values), written in place at ``slots``:
-    one tensor, so that a compiled step mutates one input (two aliasing views of the same buffer,
-    mutated by a Triton kernel, made inductor clone them and copy them back).
-
-    Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
-    attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects.
-    ``matvec``: see :func:`linear`. ``attention``: ``"eager"``, the eager order's three steps (QK in
-    the model's dtype; scale, mask and softmax in float32, cast back; PV); ``"sdpa"``, one
-    ``scaled_dot_product_attention`` call (a fused kernel on a GPU, which keeps the probabilities in
-    float32 for PV); ``"split-kv"``, :func:`~eyas.engine.decode_attention.decode_attention`'s two
-    Triton kernels, which also rotate q (float32 scores, the probabilities rounded for PV)."""
+def _before_attention(x: Tensor, d: Tensor | None, w: BlockWeights, kv_heads: int, head_dim: int, *, eps: float,
+                      qk_eps: float, matvec: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A block's front for B tokens: the stream entering it h_in = x + d [B, H] (the previous
+    block's last residual add is done here, fused with this block's norm; d None: x alone), and its
+    queries, keys and values q [B, Hq, D], k, v [B, Hkv, D], not yet rotated (views of the fused
+    projection's output; Qwen3's per-head norms applied)."""
     h_in = x if d is None else x + d  # [B, H]
-    B = h_in.shape[0]
-    Hkv, _, D = kv.shape[1:]
+    B, Hkv, D = h_in.shape[0], kv_heads, head_dim
     Hq = w.o.shape[1] // D
-    G = Hq // Hkv
-    n = mask.shape[1]
     a = rms_norm(h_in, w.input_norm, eps)
     q, k, v = project(a, w.qkv, w.qkv_bias, (Hq * D, Hkv * D, Hkv * D), matvec=matvec)  # [B, Hq*D], [B, Hkv*D] x 2
     q, k, v = q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D)  # (views of the fused output too)
     if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
         q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
-    if attention == "split-kv":  # q and k rotated, k and v written at slots, in the kernels; slots[0] = cache_len
-        from eyas.engine.decode_attention import decode_attention
+    return h_in, q, k, v
 
-        out = decode_attention(q.reshape(B, Hq * D), k.reshape(B, Hkv * D), v.reshape(B, Hkv * D), cos[:, 0],
-                               sin[:, 0], kv, mask, slots, scaling)
-        return _after_attention(h_in, out, w, eps=eps, matvec=matvec)
-    keys, values = kv[0], kv[1]  # [Hkv, C, D] views
+
+def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
+           values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
+           matvec: bool = False, sdpa: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """One decoder block for B tokens. The stream entering it is x + d [B, H] (the previous block's
+    last residual add is done here, fused with this block's norm; d None: x alone); cos, sin
+    [B, 1, D]; slots [B] (where the new keys/values go); mask [B, n] bool over the first n cache
+    entries; keys, values [Hkv, C, D] this block's cache, written in place at ``slots``.
+
+    Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
+    attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects.
+    ``matvec``: see :func:`linear`. ``sdpa``: attention as one ``scaled_dot_product_attention`` call
+    (a fused kernel on a GPU, which keeps the probabilities in float32 for PV) instead of the eager
+    order's three steps (QK in the model's dtype; scale, mask and softmax in float32, cast back; PV)."""
+    Hkv, _, D = keys.shape
+    h_in, q, k, v = _before_attention(x, d, w, Hkv, D, eps=eps, qk_eps=qk_eps, matvec=matvec)
+    B, Hq = q.shape[:2]
+    G = Hq // Hkv
+    n = mask.shape[1]
     q, k = rope(q, cos, sin), rope(k, cos, sin)
     # Two writes: inductor fuses the keys' with rope (a stacked write of both took one kernel more)
     keys.index_copy_(1, slots, k.transpose(0, 1))  # [Hkv, B, D] into [Hkv, C, D]
@@ -413,7 +413,7 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
     # Grouped-query attention without copying the cache: query head j reads key/value head j // G,
     # so the G query heads of a group become G*B rows against their shared keys.
     qg = q.view(B, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * B, D)  # rows (g, b)
-    if attention == "sdpa":  # row (g, b) attends under mask[b]: the mask repeated per group, [G*B, n] (no row is all False)
+    if sdpa:  # row (g, b) attends under mask[b]: the mask repeated per group, [G*B, n] (no row is all False)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask.repeat(G, 1), scale=scaling)
     else:
         scores = torch.matmul(qg, keys.transpose(1, 2))  # [Hkv, G*B, n], the model's dtype
@@ -421,6 +421,26 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
         p = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, G * B, n)
         out = torch.matmul(p, values)  # [Hkv, G*B, D]
     out = out.view(Hkv, G, B, D).permute(2, 0, 1, 3).reshape(B, Hq * D)  # head j = g-th of group j // G
+    return _after_attention(h_in, out, w, eps=eps, matvec=matvec)
+
+
+def _layer_split_kv(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, kv: Tensor,
+                    w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
+                    matvec: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_layer` with attention by :func:`~eyas.engine.decode_attention.decode_attention`'s two
+    Triton kernels, which also rotate q and k and write k and v at slots (slots[0] = cache_len;
+    float32 scores, the probabilities rounded for PV). kv [2, Hkv, C, D]: the block's cache as ONE
+    tensor: handed to a Triton kernel that writes it, two aliasing views (keys, values) made
+    inductor clone them and copy them back (7 us a block on the H200), while the eager order's
+    index_copy_ writes are cheaper through two views (one tensor there cost a copy of the block's
+    cache a step: ``benchmarks/2026-12-02-split-kv-h200.md``)."""
+    from eyas.engine.decode_attention import decode_attention
+
+    Hkv, _, D = kv.shape[1:]
+    h_in, q, k, v = _before_attention(x, d, w, Hkv, D, eps=eps, qk_eps=qk_eps, matvec=matvec)
+    B, Hq = q.shape[:2]
+    out = decode_attention(q.reshape(B, Hq * D), k.reshape(B, Hkv * D), v.reshape(B, Hkv * D), cos[:, 0], sin[:, 0],
+                           kv, mask, slots, scaling)
     return _after_attention(h_in, out, w, eps=eps, matvec=matvec)
 
 
@@ -469,6 +489,7 @@ class _StepFunctions(NamedTuple):
     down: Callable
     head: Callable
     whole_output_one_row: bool
+    kv_whole: bool  # layer takes a block's cache as one tensor kv [2, Hkv, C, D] (else keys, values)
 
 
 class _Inputs(NamedTuple):
@@ -646,20 +667,22 @@ class LlamaTarget(Target):
         same compilation."""
         c = self._consts
         by_reduction = matvec != "gemm"
+        block = dict(eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=by_reduction)
+        kv_whole = attention == "split-kv"
         fns = (functools.partial(_prologue, rope_scaling=c["rope_scaling"]),
-               functools.partial(_layer, eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=by_reduction,
-                                 attention=attention),
+               (functools.partial(_layer_split_kv, **block) if kv_whole
+                else functools.partial(_layer, **block, sdpa=attention == "sdpa")),
                functools.partial(_down, matvec=by_reduction),
                functools.partial(_head, eps=c["eps"], matvec=by_reduction))
         if backend is None:
-            return _StepFunctions(*fns, by_reduction)
+            return _StepFunctions(*fns, by_reduction, kv_whole)
         # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _down and
         # _head: per token bucket; per model) are separate compilations of one code object (functools.partial's):
         # 6 token buckets x 4 key buckets = 24 of _layer for C = 4096.
         raise_recompile_limits()
         options = {"coordinate_descent_tuning": True} if matvec == "reduce-tuned" else None
         return _StepFunctions(*(torch.compile(f, backend=backend, fullgraph=True, dynamic=False, options=options)
-                                for f in fns), by_reduction)
+                                for f in fns), by_reduction, kv_whole)
 
     # -- cache --------------------------------------------------------------------------------
 
@@ -717,13 +740,14 @@ class LlamaTarget(Target):
         shapes depend only on those two numbers. Returns logits [B, V] and the captured boundaries
         [B, S*H] in the spec's slot order (boundary b = the residual stream entering block b;
         boundary L = the last block's output, before the final norm)."""
-        prologue, layer, down, head, whole_output_one_row = fns
+        prologue, layer, down, head, whole_output_one_row, kv_whole = fns
         x, d, cos, sin, slots, mask = prologue(*inputs, self.embed_weight, self.inv_freq, n_keys=n_keys)
         if whole_output_one_row and x.shape[0] == 1:
             d = None  # every block returns its output whole (see _down): one compilation of _layer
         captured: list[Tensor | None] = [None] * self.spec.num_slots
         for i, w in enumerate(self.weights):
-            h_in, h, act = layer(x, d, cos, sin, slots, mask, self.kv[i], w)
+            cache = (self.kv[i],) if kv_whole else (self.keys[i], self.values[i])
+            h_in, h, act = layer(x, d, cos, sin, slots, mask, *cache, w)
             x, d = down(h, act, w.down, w.down_bias)
             if i in self._slot_of:  # boundary i = the input of block i
                 captured[self._slot_of[i]] = h_in
