@@ -3,9 +3,9 @@
 A fixed-shape step of B new tokens attends the first n entries of a block's cache under the mask
 the step's prologue builds ([B, n] bool: every committed entry, then the step's own block). In the
 eager order that is three kernels a block on a GPU (QK, a float32 softmax, PV), each with only
-Hkv x G*B rows of work; on an 8B-shaped Llama in CUDA graphs, 8.7 us a block of a 4.4 ms step,
-plus the kernels that rotate q and k and write the step's keys and values to the cache
-(``benchmarks/2026-12-02-llama8b-h200.md``). Here it is two kernels:
+Hkv x G*B rows of work, plus three that rotate q and k and write the step's keys and values to
+the cache: on an 8B-shaped Llama in CUDA graphs on an H200, 11.8 us a block of a 4.9 ms step. Here
+it is two kernels, 7.7 us (``benchmarks/2026-12-02-split-kv-h200.md``):
 
 1. ``_partial_kernel``, grid (Hkv, S, row tiles). The n entries are cut into S chunks of ``chunk``
    keys. Program (h, s, t) takes the query rows r = b*G + g of key-value head h (token b, the g-th
@@ -17,10 +17,10 @@ plus the kernels that rotate q and k and write the step's keys and values to the
      ``BLOCK_N`` keys: entries p < start are read from the cache; the step's own, p = start + j,
      are token j's key (rotated the same way) and value, taken from the step's projections and
      written to the cache (by each program whose tile holds them: the same values; no program
-     reads them from the cache, so no program waits for another). Then scores = q . k_p * scaling in float32, -inf where mask[b, p] is False, and
-     the online-softmax state m (running max), l (sum of exp(score - m)), acc (sum of
-     exp(score - m) v_p, the probabilities rounded to the cache's dtype for the product, as
-     flash attention does);
+     reads them from the cache, so no program waits for another). Then scores = q . k_p *
+     scaling in float32, -inf where mask[b, p] is False, and the online-softmax state m (running
+     max), l (sum of exp(score - m)), acc (sum of exp(score - m) v_p, the probabilities rounded
+     to the cache's dtype for the product, as flash attention does);
    - writes (m, l, acc) of its rows and chunk, float32. A chunk with no entry to read writes
      m = -inf, l = 0, acc = 0.
 
@@ -156,9 +156,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
     q [B, Hq*D], k, v [B, Hkv*D]: the step's projections, q and k not yet rotated (rows may be
     strided: views of the fused q/k/v output); cos, sin [B, D] (the step's rotary tables, the
     attention scaling included); kv [2, Hkv, C, D] the block's cache (keys, values), into which
-    rope(k) and v go at entries start .. start+B-1; mask [B, n] bool (start + B <= n <= C: entry p allowed for
-    token b); start [1] long (cache_len, on the device: the step's shapes do not depend on it).
-    Returns [B, Hq*D] in q's dtype, head j the ``j // G``-th key-value head's."""
+    rope(k) and v go at entries start .. start+B-1; mask [B, n] bool (start + B <= n <= C: entry
+    p allowed for token b); start [1] long (cache_len, on the device: the step's shapes do not
+    depend on it). Returns [B, Hq*D] in q's dtype, query head j attending key-value head j // G."""
     for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("kv", kv)):
         assert t.stride(-1) == 1, f"decode_attention: {name} must be contiguous in its last dimension"
     B = q.shape[0]
@@ -177,7 +177,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
         q, k, v, cos, sin, kv, mask, start, m, l, acc,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0), kv.stride(0), kv.stride(1),
         kv.stride(2), mask.stride(0), n,
-        SCALING=float(scaling), B=B, G=G, HQ=HQ, D=D, S=S, CHUNK=chunk, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, PRECISION=precision,
-        num_stages=1)  # a chunk is one or two tiles: no loads to pipeline (float32 stages overflowed shared memory)
+        SCALING=float(scaling), B=B, G=G, HQ=HQ, D=D, S=S, CHUNK=chunk, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N,
+        PRECISION=precision,
+        num_stages=1)  # a chunk is one or two tiles: nothing to pipeline (float32 stages overflowed shared memory)
     _combine_kernel[(B * HQ,)](m, l, acc, out, out.stride(0), HQ=HQ, D=D, S=S, S_POW2=triton.next_power_of_2(S))
     return out
