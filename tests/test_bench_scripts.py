@@ -189,3 +189,20 @@ def test_spec_gpu_chooses_the_tree_at_every_temperature_served(toy_drafter, tmp_
                                             f"eyas speculative t=0: {t0}; t=1: {t1}")
     md = (out / "results.md").read_text()
     assert "## Tree selection (MT-bench, temperature 0," in md and "## Tree selection (MT-bench, temperature 1," in md
+
+
+def test_decode_attention_gpu_times_both_attentions_on_the_cpu_in_the_interpreter(tmp_path):
+    """--tiny: a toy block, eager attention and one split-KV tiling (Triton's interpreter), a plain
+    step and a tree bucket, written as JSON."""
+    import os
+
+    if not os.environ.get("CI"):
+        pytest.importorskip("triton", reason="the split-KV kernels need triton")
+    script = load_script("decode_attention_gpu")
+    out = tmp_path / "decode_attention.json"
+    assert script.main(["--tiny", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["tokens"]) for r in rows] == [("tiny", 1), ("tiny", 4)]
+    for r in rows:
+        assert r["eager"]["us"] > 0 and [t.get("error") for t in r["split_kv"]] == [None]
+        assert r["best_split_kv"]["block_n"] == 16 and r["best_split_kv"]["us"] > 0

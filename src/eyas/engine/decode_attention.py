@@ -54,11 +54,12 @@ def supported_head_dim(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def splits(n_keys: int) -> tuple[int, int]:
-    """(S, chunk) for n cache entries: chunks of whole tiles, at most MAX_SPLITS of them, S * chunk >= n."""
-    tiles = triton.cdiv(n_keys, BLOCK_N)
-    per_chunk = triton.cdiv(tiles, MAX_SPLITS)
-    chunk = per_chunk * BLOCK_N
+def splits(n_keys: int, block_n: int = BLOCK_N, max_splits: int = MAX_SPLITS) -> tuple[int, int]:
+    """(S, chunk) for n cache entries: chunks of whole tiles of ``block_n`` keys, at most
+    ``max_splits`` of them, S * chunk >= n."""
+    tiles = triton.cdiv(n_keys, block_n)
+    per_chunk = triton.cdiv(tiles, max_splits)
+    chunk = per_chunk * block_n
     return triton.cdiv(n_keys, chunk), chunk
 
 
@@ -150,7 +151,8 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob,
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, mask: Tensor,
-                     start: Tensor, scaling: float) -> Tensor:
+                     start: Tensor, scaling: float, *, block_n: int = BLOCK_N, max_splits: int = MAX_SPLITS,
+                     num_warps: int = 4) -> Tensor:
     """Attention of B new tokens over a block's cache; their keys and values written to it here.
 
     q [B, Hq*D], k, v [B, Hkv*D]: the step's projections, q and k not yet rotated (rows may be
@@ -158,7 +160,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
     attention scaling included); kv [2, Hkv, C, D] the block's cache (keys, values), into which
     rope(k) and v go at entries start .. start+B-1; mask [B, n] bool (start + B <= n <= C: entry
     p allowed for token b); start [1] long (cache_len, on the device: the step's shapes do not
-    depend on it). Returns [B, Hq*D] in q's dtype, query head j attending key-value head j // G."""
+    depend on it). Returns [B, Hq*D] in q's dtype, query head j attending key-value head j // G.
+    ``block_n``, ``max_splits``, ``num_warps``: the partial kernel's tiling (a power of two >= 16
+    keys a tile; ``benchmarks/decode_attention_gpu.py`` times the choices)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("kv", kv)):
         assert t.stride(-1) == 1, f"decode_attention: {name} must be contiguous in its last dimension"
     B = q.shape[0]
@@ -166,7 +170,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
     n = mask.shape[1]
     HQ = q.shape[1] // D
     G = HQ // Hkv
-    S, chunk = splits(n)
+    S, chunk = splits(n, block_n, max_splits)
     dev = q.device
     m = torch.empty(B * HQ * S, dtype=torch.float32, device=dev)
     l = torch.empty(B * HQ * S, dtype=torch.float32, device=dev)
@@ -177,8 +181,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
         q, k, v, cos, sin, kv, mask, start, m, l, acc,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0), kv.stride(0), kv.stride(1),
         kv.stride(2), mask.stride(0), n,
-        SCALING=float(scaling), B=B, G=G, HQ=HQ, D=D, S=S, CHUNK=chunk, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N,
-        PRECISION=precision,
+        SCALING=float(scaling), B=B, G=G, HQ=HQ, D=D, S=S, CHUNK=chunk, BLOCK_R=BLOCK_R, BLOCK_N=block_n,
+        PRECISION=precision, num_warps=num_warps,
         num_stages=1)  # a chunk is one or two tiles: nothing to pipeline (float32 stages overflowed shared memory)
     _combine_kernel[(B * HQ,)](m, l, acc, out, out.stride(0), HQ=HQ, D=D, S=S, S_POW2=triton.next_power_of_2(S))
     return out

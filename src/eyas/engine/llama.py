@@ -402,6 +402,16 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
     order's three steps (QK in the model's dtype; scale, mask and softmax in float32, cast back; PV)."""
     Hkv, _, D = keys.shape
     h_in, q, k, v = _before_attention(x, d, w, Hkv, D, eps=eps, qk_eps=qk_eps, matvec=matvec)
+    out = _attend(q, k, v, cos, sin, slots, mask, keys, values, scaling=scaling, sdpa=sdpa)
+    return _after_attention(h_in, out, w, eps=eps, matvec=matvec)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
+            values: Tensor, *, scaling: float, sdpa: bool = False) -> Tensor:
+    """:func:`_layer`'s attention: q [B, Hq, D] and k [B, Hkv, D] rotated, k and v [B, Hkv, D]
+    written to keys, values [Hkv, C, D] at ``slots``, then the B queries attend the first n entries
+    under mask [B, n]. Returns out [B, Hq*D], query head j attending key-value head j // G."""
+    Hkv, _, D = keys.shape
     B, Hq = q.shape[:2]
     G = Hq // Hkv
     n = mask.shape[1]
@@ -420,8 +430,7 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
         scores = (scores.float() * scaling).view(Hkv, G, B, n).masked_fill(~mask, float("-inf"))
         p = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, G * B, n)
         out = torch.matmul(p, values)  # [Hkv, G*B, D]
-    out = out.view(Hkv, G, B, D).permute(2, 0, 1, 3).reshape(B, Hq * D)  # head j = g-th of group j // G
-    return _after_attention(h_in, out, w, eps=eps, matvec=matvec)
+    return out.view(Hkv, G, B, D).permute(2, 0, 1, 3).reshape(B, Hq * D)  # head j = g-th of group j // G
 
 
 def _layer_split_kv(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, kv: Tensor,
