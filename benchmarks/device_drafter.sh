@@ -13,6 +13,7 @@
 #   collect      the drafter (bf16 shards + a tar of its small files), the summary and the logs into $OUT
 #   experiments  issue 10's 8B bar in one call, no GGUF: the split-KV kernels' tests on the GPU, then the 8B-shaped
 #                step with split-KV / SDPA attention, gemm and reduce-tuned (llama_8b_cost.py; VARIANTS=...)
+#   tiling       one block's attention alone, eager against the split-KV kernels per tiling (decode_attention_gpu.py)
 #   gputests     the engine's GPU tests, then the matvec='reduce' identity test run for its message
 #   attention    the shipped drafter with the fast target's attention eager, then split-kv (Triton): spec_gpu.py twice
 #   compare      the drafter just trained against the shipped one: spec_gpu.py on MT-bench, temperature 0, same
@@ -146,6 +147,12 @@ EOF
       --variants ${VARIANTS:-compiled-split-kv,compiled-reduce-tuned-split-kv,compiled-reduce-tuned,compiled,compiled-sdpa} --out "$OUT/8b.json" \
       > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
     tail -n 14 "$OUT/8b.log"
+    ;;
+  tiling)
+    # one block's attention alone: eager against the split-KV kernels per tiling (decode_attention_gpu.py)
+    timeout 300 python benchmarks/decode_attention_gpu.py --profile --out "$OUT/decode_attention.json" \
+      > "$OUT/decode_attention.log" 2>&1 || echo "tiling exit $?" >> "$OUT/decode_attention.log"
+    grep -E "eager|best" "$OUT/decode_attention.log" | tail -n 12
     ;;
   gputests)
     # the engine's GPU tests (split-kv included), then the float32 identity test with matvec='reduce' run for
