@@ -3,7 +3,8 @@
 - ``eager``: ``eyas.engine.llama._attend`` (rope of q and k, the two cache writes, QK, a float32
   softmax under the mask, PV), compiled by inductor as the target compiles it;
 - ``split-kv``: ``eyas.engine.decode_attention.decode_attention`` (two Triton kernels that also
-  rotate and write), once per tiling of ``--block-n`` x ``--warps`` x ``--max-splits``.
+  rotate and write), once per tiling of ``--block-n`` x ``--warps`` x ``--max-splits`` x
+  ``--prefetch``.
 
 The shapes are an 8B-shaped block (32/8 heads of 128) and a SmolLM2-shaped one (9/3 heads of 64),
 bf16. Each is timed for a plain step (1 token) and a tree bucket (``--tree`` tokens), at cache_len
@@ -68,11 +69,12 @@ def eager_call(x: dict, compile_: bool):
     return lambda: fn(q, k, v, cos, sin, x["slots"], x["mask"], x["kv"][0], x["kv"][1])
 
 
-def split_kv_call(x: dict, block_n: int, warps: int, max_splits: int):
+def split_kv_call(x: dict, block_n: int, warps: int, max_splits: int, prefetch: bool):
     from eyas.engine.decode_attention import decode_attention
 
     return lambda: decode_attention(x["q"], x["k"], x["v"], x["cos"], x["sin"], x["kv"], x["mask"], x["slots"],
-                                    x["scaling"], block_n=block_n, max_splits=max_splits, num_warps=warps)
+                                    x["scaling"], block_n=block_n, max_splits=max_splits, num_warps=warps,
+                                    prefetch=prefetch)
 
 
 def time_call(call, device: torch.device, reps: int, profile: bool) -> dict:
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-n", default="32,64,128")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--max-splits", default="16,32,64")
+    ap.add_argument("--prefetch", default="0,1", help="the cache loads issued before start is read (1) or not (0)")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--profile", action="store_true", help="also count the kernels a call (torch.profiler)")
     ap.add_argument("--tiny", action="store_true", help="the CPU smoke test: a toy shape, one tiling, the interpreter")
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("decode_attention_gpu.py: no GPU; --tiny runs the CPU smoke test")
     if device.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
-        a.shapes, a.block_n, a.warps, a.max_splits, a.reps, a.tree = "tiny", "16", "4", "4", 2, 4
+        a.shapes, a.block_n, a.warps, a.max_splits, a.prefetch, a.reps, a.tree = "tiny", "16", "4", "4", "0", 2, 4
         a.cache_len, a.keys = 40, 64
     say = (lambda *p, **k: None) if a.json else print
     ints = lambda s: [int(t) for t in s.split(",") if t]  # noqa: E731
@@ -145,14 +148,16 @@ def main(argv: list[str] | None = None) -> int:
                                                                   a.reps, a.profile), "split_kv": []}
             say(f"{shape} B={B}: eager {row['eager']['us']:.2f} us"
                 + (f", {row['eager']['kernels_per_call']:.0f} kernels" if "kernels_per_call" in row["eager"] else ""))
-            for block_n, warps, max_splits in itertools.product(ints(a.block_n), ints(a.warps), ints(a.max_splits)):
-                r = {"block_n": block_n, "warps": warps, "max_splits": max_splits}
+            for block_n, warps, max_splits, prefetch in itertools.product(ints(a.block_n), ints(a.warps),
+                                                                           ints(a.max_splits), ints(a.prefetch)):
+                r = {"block_n": block_n, "warps": warps, "max_splits": max_splits, "prefetch": bool(prefetch)}
                 try:
-                    r.update(time_call(split_kv_call(x, block_n, warps, max_splits), device, a.reps, a.profile))
+                    r.update(time_call(split_kv_call(x, block_n, warps, max_splits, bool(prefetch)), device, a.reps,
+                                       a.profile))
                 except Exception as e:  # a tiling that does not compile or fit: say so, go on
                     r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 row["split_kv"].append(r)
-                say(f"  split-kv block_n {block_n:3d} warps {warps} max_splits {max_splits:2d}: "
+                say(f"  split-kv block_n {block_n:3d} warps {warps} max_splits {max_splits:2d} prefetch {prefetch}: "
                     + (f"{r['us']:.2f} us" if "us" in r else r["error"]))
             ok = [r for r in row["split_kv"] if "us" in r]
             if ok:

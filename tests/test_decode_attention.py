@@ -3,8 +3,8 @@ under the step's mask) v, for one token and for a tree of several, over caches l
 entries attended, with strided queries and grouped heads; and LlamaTarget with attention="split-kv"
 equals the Hugging Face model through prefill, a tree, keep and decode.
 
-Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before the
-kernels are defined; CI installs triton for this); on a GPU they are compiled."""
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+tests/conftest.py before triton's import; CI installs triton for this); on a GPU they are compiled."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # read by triton at its import: before it
 if os.environ.get("CI"):  # CI installs triton (.ci/run checks it): these tests run there, never skip
     import triton  # noqa: F401
 else:
@@ -78,13 +76,13 @@ def _case(B, Hkv, G, D, C, n, start, dtype, tree: bool, seed: int = 0):
     return (*args, mask.to(DEVICE), torch.tensor([start], device=DEVICE), D ** -0.5)
 
 
-def _run_and_check(args, scaling, atol: float, rtol: float) -> torch.Tensor:
+def _run_and_check(args, scaling, atol: float, rtol: float, **tiling) -> torch.Tensor:
     """Run the kernels; their output equals the reference attention, and the cache afterwards holds
     rope(k) and v at the step's entries, every other entry untouched. Returns the output."""
     q, k, v, cos, sin, kv, mask, start = args
     expected = _reference(*args, scaling).cpu()  # from the cache before the step
     kv_after = _written(k, v, cos, sin, kv, start).cpu()
-    out = decode_attention(*args, scaling)
+    out = decode_attention(*args, scaling, **tiling)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.double().cpu(), expected, atol=atol, rtol=rtol)
     torch.testing.assert_close(kv[0].double().cpu(), kv_after[0], atol=atol, rtol=rtol)  # rotated keys
@@ -103,6 +101,19 @@ def _run_and_check(args, scaling, atol: float, rtol: float) -> torch.Tensor:
 def test_split_kv_attention_equals_softmax_attention_in_float32(B, Hkv, G, D, C, n, start, tree):
     *args, scaling = _case(B, Hkv, G, D, C, n, start, torch.float32, tree)
     _run_and_check(args, scaling, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("tiling", [dict(prefetch=True), dict(block_n=16, max_splits=8, num_warps=2),
+                                    dict(block_n=128, max_splits=4, prefetch=True)], ids=str)
+def test_every_tiling_computes_the_same_attention(tiling):
+    """The tiling the benchmark compares (decode_attention_gpu.py), on a tree over stale entries
+    (NaN past the step's own: prefetch loads them, and must zero them)."""
+    *args, scaling = _case(8, 2, 4, 32, 1100, 1024, 700, torch.float32, tree=True)
+    expected = _reference(*args, scaling).cpu()
+    args[5][:, :, 708:] = float("nan")
+    out = decode_attention(*args, scaling, **tiling)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-6, rtol=1e-5)
 
 
 # Half precision: bfloat16 on a GPU; float16 in the interpreter, whose tl.dot multiplies bfloat16
@@ -146,19 +157,19 @@ def test_the_target_with_split_kv_attention_equals_the_hf_model(kind):
     path of it, decode; logits and boundaries equal the Hugging Face model's at every step."""
     from eyas.engine import HFTarget, LlamaTarget
     from tests.support.tiny import tiny_model
-    from tests.test_engine_llama import KEYS, SPEC, _walk
+    from tests.support.walk import KEYS, SPEC, walk
 
     model = tiny_model(kind, 4).to(DEVICE)
     fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, attention="split-kv")
     assert fast.implementation.endswith("+attention-split-kv")
-    _walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(0), device=DEVICE)
+    walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(0), device=DEVICE)
 
 
 @pytest.mark.unit
 def test_split_kv_is_refused_where_its_kernels_cannot_run(monkeypatch):
     from eyas.engine.llama import LlamaTarget
     from tests.support.tiny import tiny_model
-    from tests.test_engine_llama import SPEC
+    from tests.support.walk import SPEC
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"split-kv' runs Triton kernels, on a GPU \(the model is on cpu\) or under "
@@ -166,10 +177,11 @@ def test_split_kv_is_refused_where_its_kernels_cannot_run(monkeypatch):
         LlamaTarget(tiny_model("llama", 4), SPEC, max_length=64, fixed_shapes=True, attention="split-kv")
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_greedy_speculative_with_split_kv_attention_is_token_identical_to_plain(llama, trained_drafter):
     """Verification (trees of up to 16 tokens, bucket 16) and one-token steps both attend through
-    the kernels; the output is the Hugging Face model's greedy output, token for token (float32)."""
+    the kernels; the output is the Hugging Face model's greedy output, token for token (float32).
+    Slow on the CPU: about 80 s of Triton's interpreter."""
     from eyas.engine import HFTarget, LlamaTarget, TreeSpec, plain_generate, speculative_generate
     from tests.support.tiny import SPEC4, random_prompts
 

@@ -14,57 +14,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.convention import CaptureSpec
 from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate
 from eyas.engine.llama import LlamaTarget, UnsupportedTarget, supports
 from tests.support.tiny import SPEC4, random_prompts, tiny_model
+from tests.support.walk import KEYS, L, SPEC, same, tree_of_five, walk
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-L = 4
-SPEC = CaptureSpec((0, 2, L), L)  # the embeddings, a middle boundary and the last block's output
-ATOL = 2e-5
-KEYS = (16, 32)  # key buckets for a 64-entry cache: 16, 32, 64 (the default ladder starts at 512)
-
 
 def _pair(kind: str, fixed_shapes: bool = False, attention: str = "eager"):
     model = tiny_model(kind, L)
     return (LlamaTarget(model, SPEC, max_length=64, fixed_shapes=fixed_shapes, key_buckets=KEYS, attention=attention),
             HFTarget(model, SPEC, max_length=64))
-
-
-def _tree(n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
-    """A tree of 5 tokens: 0 is the root's child; 1, 2 children of 0; 3 of 1; 4 of 2. Returns the
-    ancestor mask [5, 5] and each node's depth [5]."""
-    parent = [-1, 0, 0, 1, 2]
-    mask = torch.eye(5, dtype=torch.bool)
-    for i, p in enumerate(parent):
-        while p >= 0:
-            mask[i, p], p = True, parent[p]
-    return mask, mask.sum(1) - 1
-
-
-def _walk(fast, hf, g: torch.Generator, device="cpu") -> None:
-    """Prefill 9, a 5-token tree, keep a path of it, decode 2 then 1 then 1: equal at every step."""
-    prompt = torch.randint(0, 128, (1, 9), generator=g).to(device)
-    _same(fast.prefill(prompt), hf.prefill(prompt))
-    mask, depth = _tree()
-    ids = torch.randint(0, 128, (1, 5), generator=g).to(device)
-    positions = (9 + depth)[None].to(device)
-    _same(fast.forward(ids, positions, mask), hf.forward(ids, positions, mask))
-    for t in (fast, hf):  # accept the path 0 -> 2 -> 4 (not contiguous in the block)
-        t.keep([0, 2, 4])
-    assert fast.cache_len == hf.cache_len == 12
-    ids = torch.randint(0, 128, (1, 2), generator=g).to(device)
-    positions = torch.tensor([[12, 13]], device=device)
-    _same(fast.forward(ids, positions), hf.forward(ids, positions))
-    _same(fast.forward(ids[:, :1], positions[:, :1] + 2), hf.forward(ids[:, :1], positions[:, :1] + 2))
-
-
-def _same(a: tuple, b: tuple) -> None:
-    (la, fa), (lb, fb) = a, b
-    torch.testing.assert_close(la, lb, atol=ATOL, rtol=1e-4)
-    torch.testing.assert_close(fa, fb, atol=ATOL, rtol=1e-4)
 
 
 @pytest.mark.unit
@@ -78,7 +38,7 @@ def test_logits_and_boundaries_equal_the_hf_model_through_prefill_tree_keep_and_
     results (the tree mask and the padded rows included)."""
     fast, hf = _pair(kind, fixed_shapes, attention)
     assert fast.implementation.endswith("+attention-sdpa") == (attention == "sdpa")
-    _walk(fast, hf, torch.Generator().manual_seed(0))
+    walk(fast, hf, torch.Generator().manual_seed(0))
     logits, features = fast.forward(torch.tensor([[7]]), torch.tensor([[15]]), capture=False)
     assert features is None and logits.shape == (1, 1, 128)
 
@@ -98,12 +58,12 @@ def test_the_step_traced_by_torch_compile_computes_the_same_with_one_compilation
     torch._dynamo.reset()
     counters.clear()
     fast._fixed = fast._functions("aot_eager")
-    _walk(fast, hf, torch.Generator().manual_seed(0))
+    walk(fast, hf, torch.Generator().manual_seed(0))
     assert fast._ready == {(16, 16), (8, 32), (1, 16)}
     assert counters["stats"]["unique_graphs"] == 12
     ids = torch.tensor([[5]])
     for pos in (15, 16):  # cache_len 15 + 1 <= 16; then 16 + 1: key bucket 32
-        _same(fast.forward(ids, torch.tensor([[pos]])), hf.forward(ids, torch.tensor([[pos]])))
+        same(fast.forward(ids, torch.tensor([[pos]])), hf.forward(ids, torch.tensor([[pos]])))
     assert (1, 32) in fast._ready and counters["stats"]["unique_graphs"] == 14
 
 
@@ -119,7 +79,7 @@ def test_a_failing_compiler_leaves_the_eager_step_with_a_warning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # (the compiled path is a GPU's)
     prompt = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
     with pytest.warns(UserWarning, match="(?s)torch.compile failed .*Failed to find C compiler.*runs eagerly"):
-        _same(fast.prefill(prompt), hf.prefill(prompt))
+        same(fast.prefill(prompt), hf.prefill(prompt))
     assert fast.implementation == "fast" and not fast.compile and "C compiler" in fast.compile_error
 
 
@@ -138,7 +98,7 @@ def test_forward_and_keep_never_read_a_tensor_on_the_host(monkeypatch, fixed_sha
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 128, (1, 9), generator=g)
     fast.prefill(prompt)
-    mask, depth = _tree()
+    mask, depth = tree_of_five()
     fast.forward(torch.randint(0, 128, (1, 5), generator=g), (9 + depth)[None], mask)
     fast.keep([0, 2, 4])
     fast.forward(torch.randint(0, 128, (1, 1), generator=g), torch.tensor([[12]]))
@@ -236,16 +196,16 @@ def test_the_compiled_cuda_graphed_target_equals_the_hf_model_on_a_gpu(matvec, a
     warmed = [(B, K) for B in (1, 8, 16) for K in (16, 32, 64)]
     assert 0 < fast.compile_seconds <= seconds and sorted(fast._graphs) == warmed
     assert fast.compile_error is None, fast.compile_error  # compiled, not the eager fallback
-    _walk(fast, hf, torch.Generator().manual_seed(0), device="cuda")
+    walk(fast, hf, torch.Generator().manual_seed(0), device="cuda")
     ids = torch.randint(0, 128, (1, 20), device="cuda")
-    _same(fast.forward(ids, torch.arange(15, 35, device="cuda")[None]),
+    same(fast.forward(ids, torch.arange(15, 35, device="cuda")[None]),
           hf.forward(ids, torch.arange(15, 35, device="cuda")[None]))
     assert sorted(fast._graphs) == sorted(warmed + [(32, 64)])
     fast.keep(list(range(2)))  # cache_len 17: decode steps replay the graphs of key buckets 32, then 64
     hf.keep(list(range(2)))
     for pos in range(17, 40):
         one = torch.randint(0, 128, (1, 1), device="cuda")
-        _same(fast.forward(one, torch.tensor([[pos]], device="cuda")), hf.forward(one, torch.tensor([[pos]], device="cuda")))
+        same(fast.forward(one, torch.tensor([[pos]], device="cuda")), hf.forward(one, torch.tensor([[pos]], device="cuda")))
 
 
 # -- fused projections ------------------------------------------------------------------------------
@@ -308,9 +268,9 @@ def test_the_fused_model_still_trains_loads_and_saves_and_the_fast_target_follow
     assert q.weight.grad is not None and q.weight.grad.shape == q.weight.shape
     torch.optim.SGD(model.parameters(), lr=1.0).step()
     model.eval().zero_grad()
-    _same(fast.prefill(ids), HFTarget(model, SPEC).prefill(ids))
+    same(fast.prefill(ids), HFTarget(model, SPEC).prefill(ids))
     model.load_state_dict(other.state_dict())
-    _same(fast.prefill(ids), HFTarget(other, SPEC).prefill(ids))
+    same(fast.prefill(ids), HFTarget(other, SPEC).prefill(ids))
     model.save_pretrained(tmp_path)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
     assert all(torch.equal(saved[k], v) for k, v in other.state_dict().items())
@@ -339,7 +299,7 @@ def test_projections_that_cannot_be_stacked_are_left_alone_with_the_reason_and_t
     with pytest.warns(UserWarning, match="not fused .*Quantized"):
         fast = LlamaTarget(model, SPEC, max_length=64)
     assert fast.unfused_reason.startswith(f"block {L - 1}") and len(fast.weights[0].qkv) == 3
-    _walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(0))  # separate GEMMs
+    walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(0))  # separate GEMMs
 
 
 # -- key buckets --------------------------------------------------------------------------------------
@@ -354,14 +314,14 @@ def test_fixed_shape_steps_equal_the_hf_model_as_they_cross_key_buckets_mid_gene
     fast, hf = _pair(kind, fixed_shapes=True)
     assert fast.key_buckets == (16, 32, 64)
     g = torch.Generator().manual_seed(0)
-    _walk(fast, hf, g)
+    walk(fast, hf, g)
     for pos in range(15, 60):
         ids = torch.randint(0, 128, (1, 1), generator=g)
-        _same(fast.forward(ids, torch.tensor([[pos]])), hf.forward(ids, torch.tensor([[pos]])))
+        same(fast.forward(ids, torch.tensor([[pos]])), hf.forward(ids, torch.tensor([[pos]])))
     assert {(1, 16), (1, 32), (1, 64)} <= fast._ready
     assert fast.cache_len == 60 and fast.step_shape(1) == (1, 64) and fast.step_shape(3) is None
     ids = torch.randint(0, 128, (1, 3), generator=g)
-    _same(fast.forward(ids, torch.arange(60, 63)[None]), hf.forward(ids, torch.arange(60, 63)[None]))
+    same(fast.forward(ids, torch.arange(60, 63)[None]), hf.forward(ids, torch.arange(60, 63)[None]))
     assert not any(B == 8 and K == 64 for B, K in fast._ready)
 
 
@@ -378,7 +338,7 @@ def test_one_token_steps_multiplied_as_reductions_equal_the_hf_model_and_call_no
     hf = HFTarget(model, SPEC, max_length=64)
     assert fast.implementation == "fast+matvec-reduce"
     g = torch.Generator().manual_seed(0)
-    _walk(fast, hf, g)
+    walk(fast, hf, g)
     rows: list[int] = []  # the rows of every F.linear the fast target calls (the HF model's are not counted)
     real = llama.F.linear
 
@@ -389,10 +349,10 @@ def test_one_token_steps_multiplied_as_reductions_equal_the_hf_model_and_call_no
 
     for pos in range(15, 20):
         ids = torch.randint(0, 128, (1, 1), generator=g)
-        _same(fast_forward(ids, torch.tensor([[pos]])), hf.forward(ids, torch.tensor([[pos]])))
+        same(fast_forward(ids, torch.tensor([[pos]])), hf.forward(ids, torch.tensor([[pos]])))
     assert rows == []  # not one GEMM in the one-token steps: the fast target's products were reductions
     ids = torch.randint(0, 128, (1, 3), generator=g)
-    _same(fast_forward(ids, torch.arange(20, 23)[None]), hf.forward(ids, torch.arange(20, 23)[None]))
+    same(fast_forward(ids, torch.arange(20, 23)[None]), hf.forward(ids, torch.arange(20, 23)[None]))
     assert rows and set(rows) == {8}  # 3 tokens: token bucket 8, F.linear
     assert LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True).matvec == "gemm"  # auto
 

@@ -69,7 +69,7 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, kv_ptr, mask_ptr, s
                     stride_mb, n_keys,
                     SCALING: tl.constexpr, B: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
                     S: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
     h = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R] rows b*G + g of key-value head h
@@ -90,17 +90,33 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, kv_ptr, mask_ptr, s
     start = tl.load(start_ptr).to(tl.int32)
     lo = s * CHUNK
     hi = tl.minimum(tl.minimum(lo + CHUNK, start + B), n_keys)  # entries [lo, hi) read
+    end = hi
+    if PREFETCH:  # every tile of the chunk: its loads need not wait for start (see below)
+        end = lo + CHUNK
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
-    for p0 in range(lo, hi, BLOCK_N):
+    for p0 in range(lo, end, BLOCK_N):
         p = p0 + tl.arange(0, BLOCK_N)  # [N]
         p_ok = p < hi
+        # Which entries the cache and mask loads read: those attended (waiting for start's load),
+        # or, with PREFETCH, all of the tile within the key bucket (issued at once; the entries
+        # past the step's own are stale and zeroed, and no row attends them).
+        loaded = p_ok
+        loaded_old = p_ok & (p < start)
+        if PREFETCH:
+            loaded = p < n_keys
+            loaded_old = loaded
         j = p - start  # [N]: the step's own token j at entry start + j
         new = p_ok & (j >= 0)
         old = p_ok & (j < 0)
         k_at = kv_ptr + h * stride_kh + p[:, None] * stride_kp + d[None, :]  # [N, D]: kv[0, h, p]
         v_at = k_at + stride_kv  # kv[1, h, p]
+        # Loads before the stores below (the compiler keeps a load after a store it may alias)
+        k_old = tl.load(k_at, mask=loaded_old[:, None], other=0.0)
+        v_old = tl.load(v_at, mask=loaded_old[:, None], other=0.0)
+        allowed = tl.load(mask_ptr + b[:, None] * stride_mb + p[None, :], mask=row_ok[:, None] & loaded[None, :],
+                          other=False) & p_ok[None, :]  # [R, N] (a bool tensor: Triton's int1)
         # The step's own keys, rotated here, and values, from its projections; written to the cache
         # by every program whose tile holds them (the same values), read from it by none.
         kn_row = kn_ptr + j[:, None] * stride_knb + h * D  # [N, 1]
@@ -112,12 +128,11 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, kv_ptr, mask_ptr, s
         v_new = tl.load(vn_ptr + j[:, None] * stride_vnb + h * D + d[None, :], mask=new[:, None], other=0.0)
         tl.store(k_at, k_new, mask=new[:, None])
         tl.store(v_at, v_new.to(kv_ptr.dtype.element_ty), mask=new[:, None])
-        k = tl.where(new[:, None], k_new, tl.load(k_at, mask=old[:, None], other=0.0))  # [N, D]
-        v = tl.where(new[:, None], v_new, tl.load(v_at, mask=old[:, None], other=0.0))
+        zero = tl.full([BLOCK_N, D], 0.0, kv_ptr.dtype.element_ty)  # (prefetched stale entries must not reach PV)
+        k = tl.where(new[:, None], k_new, tl.where(old[:, None], k_old, zero))  # [N, D]
+        v = tl.where(new[:, None], v_new.to(kv_ptr.dtype.element_ty), tl.where(old[:, None], v_old, zero))
         # SCALING a constexpr: inductor passes a float argument as fp64, which would make the state fp64
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALING  # [R, N] float32
-        allowed = tl.load(mask_ptr + b[:, None] * stride_mb + p[None, :], mask=row_ok[:, None] & p_ok[None, :],
-                          other=False)  # [R, N] (a bool tensor: Triton's int1)
         scores = tl.where(allowed, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet: exp(-inf) = 0
@@ -152,7 +167,7 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob,
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, mask: Tensor,
                      start: Tensor, scaling: float, *, block_n: int = BLOCK_N, max_splits: int = MAX_SPLITS,
-                     num_warps: int = 4) -> Tensor:
+                     num_warps: int = 4, prefetch: bool = False) -> Tensor:
     """Attention of B new tokens over a block's cache; their keys and values written to it here.
 
     q [B, Hq*D], k, v [B, Hkv*D]: the step's projections, q and k not yet rotated (rows may be
@@ -162,7 +177,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
     p allowed for token b); start [1] long (cache_len, on the device: the step's shapes do not
     depend on it). Returns [B, Hq*D] in q's dtype, query head j attending key-value head j // G.
     ``block_n``, ``max_splits``, ``num_warps``: the partial kernel's tiling (a power of two >= 16
-    keys a tile; ``benchmarks/decode_attention_gpu.py`` times the choices)."""
+    keys a tile); ``prefetch``: its cache loads issued without waiting for start's (reading the
+    whole chunk, stale entries included, then zeroed). ``benchmarks/decode_attention_gpu.py``
+    times the choices."""
     for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("kv", kv)):
         assert t.stride(-1) == 1, f"decode_attention: {name} must be contiguous in its last dimension"
     B = q.shape[0]
@@ -182,7 +199,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0), kv.stride(0), kv.stride(1),
         kv.stride(2), mask.stride(0), n,
         SCALING=float(scaling), B=B, G=G, HQ=HQ, D=D, S=S, CHUNK=chunk, BLOCK_R=BLOCK_R, BLOCK_N=block_n,
-        PRECISION=precision, num_warps=num_warps,
+        PRECISION=precision, PREFETCH=bool(prefetch), num_warps=num_warps,
         num_stages=1)  # a chunk is one or two tiles: nothing to pipeline (float32 stages overflowed shared memory)
     _combine_kernel[(B * HQ,)](m, l, acc, out, out.stride(0), HQ=HQ, D=D, S=S, S_POW2=triton.next_power_of_2(S))
     return out
