@@ -196,3 +196,25 @@ def test_greedy_speculative_with_split_kv_attention_is_token_identical_to_plain(
         assert out.tokens == plain.tokens, prompt
         accepted += sum(out.stats.accept_lengths) - len(out.stats.accept_lengths)
     assert accepted > 5  # drafts were accepted: keep() moved tree paths the kernels then read
+
+
+@pytest.mark.integration
+def test_a_failed_compilation_with_split_kv_falls_back_to_the_eager_step(monkeypatch):
+    """The eager step takes a block's cache as two views, split-kv as one tensor: after the fallback
+    the step still equals the model, and says it runs eagerly."""
+    from eyas.engine import HFTarget, LlamaTarget
+    from tests.support.tiny import tiny_model
+    from tests.support.walk import KEYS, SPEC, walk
+
+    def no_compiler(gm, example_inputs):
+        raise RuntimeError("Failed to find C compiler")
+
+    model = tiny_model("llama", 4)
+    fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, attention="split-kv")
+    assert fast._fixed.kv_whole and not fast._eager.kv_whole
+    torch._dynamo.reset()
+    fast._fixed, fast.compile = fast._functions(no_compiler, attention="split-kv"), True
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # (the compiled path is a GPU's)
+    with pytest.warns(UserWarning, match="(?s)torch.compile failed .*Failed to find C compiler.*runs eagerly"):
+        walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(0))
+    assert fast.implementation == "fast" and fast._fixed is fast._eager
