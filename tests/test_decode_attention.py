@@ -76,13 +76,13 @@ def _case(B, Hkv, G, D, C, n, start, dtype, tree: bool, seed: int = 0):
     return (*args, mask.to(DEVICE), torch.tensor([start], device=DEVICE), D ** -0.5)
 
 
-def _run_and_check(args, scaling, atol: float, rtol: float, **tiling) -> torch.Tensor:
+def _run_and_check(args, scaling, atol: float, rtol: float) -> torch.Tensor:
     """Run the kernels; their output equals the reference attention, and the cache afterwards holds
     rope(k) and v at the step's entries, every other entry untouched. Returns the output."""
     q, k, v, cos, sin, kv, mask, start = args
     expected = _reference(*args, scaling).cpu()  # from the cache before the step
     kv_after = _written(k, v, cos, sin, kv, start).cpu()
-    out = decode_attention(*args, scaling, **tiling)
+    out = decode_attention(*args, scaling)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.double().cpu(), expected, atol=atol, rtol=rtol)
     torch.testing.assert_close(kv[0].double().cpu(), kv_after[0], atol=atol, rtol=rtol)  # rotated keys
