@@ -164,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                 row["best_split_kv"] = min(ok, key=lambda r: r["us"])
                 say(f"  best: {row['best_split_kv']}")
             report["rows"].append(row)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=1)
+            if a.out:  # after every row: a run cut short keeps what it measured
+                with open(a.out, "w") as f:
+                    json.dump(report, f, indent=1)
     if a.json:
         print(json.dumps(report))
     return 0

@@ -151,6 +151,7 @@ EOF
   tiling)
     # one block's attention alone: eager against the split-KV kernels per tiling (decode_attention_gpu.py)
     timeout 300 python benchmarks/decode_attention_gpu.py --profile --out "$OUT/decode_attention.json" \
+      --block-n ${BLOCK_N:-32,64} --warps ${WARPS:-2,4} --max-splits ${SPLITS:-16,32,64} --prefetch 0,1 \
       > "$OUT/decode_attention.log" 2>&1 || echo "tiling exit $?" >> "$OUT/decode_attention.log"
     grep -E "eager|best" "$OUT/decode_attention.log" | tail -n 12
     ;;
