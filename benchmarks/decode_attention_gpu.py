@@ -133,11 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu" and not a.tiny:
         raise SystemExit("decode_attention_gpu.py: no GPU; --tiny runs the CPU smoke test")
     if device.type == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton's import (lazy, through eyas' kernels)
         a.shapes, a.block_n, a.warps, a.max_splits, a.prefetch, a.reps, a.tree = "tiny", "16", "4", "4", "0", 2, 4
         a.cache_len, a.keys = 40, 64
     say = (lambda *p, **k: None) if a.json else print
-    ints = lambda s: [int(t) for t in s.split(",") if t]  # noqa: E731
+
+    def ints(text: str) -> list[int]:
+        return [int(t) for t in text.split(",") if t]
+
     report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "cache_len": a.cache_len, "keys": a.keys, "reps": a.reps, "rows": []}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -173,6 +176,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if "--tiny" in sys.argv and not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton's import (in main, through eyas' kernels)
     sys.exit(main())

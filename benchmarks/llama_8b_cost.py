@@ -116,7 +116,7 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 
 # variant -> (compile, matvec, attention): how LlamaTarget runs the step (matvec: how a one-token step
-# multiplies; attention: eager's three steps or one SDPA kernel)
+# multiplies; attention: eager's three steps, one SDPA kernel, or the split-KV Triton kernels)
 VARIANTS = {"compiled": (True, "gemm", "eager"), "compiled-reduce": (True, "reduce", "eager"),
             "compiled-reduce-tuned": (True, "reduce-tuned", "eager"), "graphs": (False, "gemm", "eager"),
             "compiled-sdpa": (True, "gemm", "sdpa"), "compiled-reduce-tuned-sdpa": (True, "reduce-tuned", "sdpa"),

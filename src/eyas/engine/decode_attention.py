@@ -99,17 +99,16 @@ def _partial_kernel(q_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, kv_ptr, mask_ptr, s
     for p0 in range(lo, end, BLOCK_N):
         p = p0 + tl.arange(0, BLOCK_N)  # [N]
         p_ok = p < hi
-        # Which entries the cache and mask loads read: those attended (waiting for start's load),
-        # or, with PREFETCH, all of the tile within the key bucket (issued at once; the entries
-        # past the step's own are stale and zeroed, and no row attends them).
-        loaded = p_ok
-        loaded_old = p_ok & (p < start)
-        if PREFETCH:
-            loaded = p < n_keys
-            loaded_old = loaded
         j = p - start  # [N]: the step's own token j at entry start + j
         new = p_ok & (j >= 0)
         old = p_ok & (j < 0)
+        # Which entries the cache and mask loads read: those attended (waiting for start's load),
+        # or, with PREFETCH, all of the tile within the key bucket (issued at once; the entries
+        # past the step's own are stale and zeroed, and no row attends them).
+        loaded, loaded_old = p_ok, old
+        if PREFETCH:
+            loaded = p < n_keys
+            loaded_old = loaded
         k_at = kv_ptr + h * stride_kh + p[:, None] * stride_kp + d[None, :]  # [N, D]: kv[0, h, p]
         v_at = k_at + stride_kv  # kv[1, h, p]
         # Loads before the stores below (the compiler keeps a load after a store it may alias)

@@ -87,6 +87,8 @@ down product's kernel instead: see :func:`_down`).
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -162,9 +164,6 @@ def supports(model: nn.Module) -> str | None:
 
 def _check_split_kv(head_dim: int, device: torch.device) -> None:
     """Refuse attention="split-kv" where its Triton kernels cannot run, saying what it needs."""
-    import importlib.util
-    import os
-
     if importlib.util.find_spec("triton") is None:
         raise ValueError("LlamaTarget: attention='split-kv' runs Triton kernels, and triton is not installed; "
                          "use attention='eager'")
@@ -650,9 +649,6 @@ class LlamaTarget(Target):
         if attention == "split-kv":
             _check_split_kv(self.head_dim, self.device)
         self.attention = attention
-        self.implementation = "+".join(["fast"] + ["compile"] * self.compile + ["cuda-graphs"] * self.cuda_graphs
-                                       + [f"matvec-{self.matvec}"] * (self.fixed_shapes and self.matvec != "gemm")
-                                       + [f"attention-{attention}"] * (attention != "eager"))
         # Exact-shape steps attend eagerly (or by SDPA); split-kv serves the fixed-shape steps only.
         self._eager = self._functions(None, attention="sdpa" if attention == "sdpa" else "eager")
         # Eager fixed-shape functions with matvec or split-kv (the CPU tests of the compiled code) are
@@ -661,6 +657,7 @@ class LlamaTarget(Target):
         self._fixed = (self._functions("inductor", self.matvec, attention) if self.compile
                        else self._functions(None, self.matvec, attention) if self.fixed_shapes and special
                        else self._eager)
+        self.implementation = self._implementation()
         self._inputs: dict[int, _Inputs] = {}  # token bucket B -> its input buffers (shared by its key buckets)
         self._ready: set[tuple[int, int]] = set()  # (B, K) steps compiled / captured
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
@@ -671,6 +668,16 @@ class LlamaTarget(Target):
         self._causal = torch.ones(top, top, dtype=torch.bool, device=self.device).tril_()
         self._eye = torch.eye(top, dtype=torch.bool, device=self.device)
         self.reset()
+
+    def _implementation(self) -> str:
+        """What runs, e.g. ``fast+compile+cuda-graphs+matvec-reduce-tuned+attention-split-kv``: the
+        matvec and split-kv parts only while the fixed-shape steps have their own functions (a failed
+        compilation leaves the eager ones, plain F.linear and eager or SDPA attention)."""
+        own = self._fixed is not self._eager
+        return "+".join(["fast"] + ["compile"] * self.compile + ["cuda-graphs"] * self.cuda_graphs
+                        + [f"matvec-{self.matvec}"] * (own and self.matvec != "gemm")
+                        + ["attention-sdpa"] * (self.attention == "sdpa")
+                        + ["attention-split-kv"] * (own and self._fixed.kv_whole))
 
     def _functions(self, backend: str | None, matvec: str = "gemm", attention: str = "eager") -> _StepFunctions:
         """(prologue, layer, head) with this model's constants, ``matvec`` and ``attention`` bound;
@@ -854,8 +861,7 @@ class LlamaTarget(Target):
             warnings.warn(f"LlamaTarget: torch.compile failed ({brief_error(self.compile_error)}); the step runs "
                           f"eagerly", stacklevel=3)
             self.compile, self._fixed = False, self._eager
-            self.implementation = "+".join(["fast"] + ["cuda-graphs"] * self.cuda_graphs
-                                           + ["attention-sdpa"] * (self.attention == "sdpa"))
+            self.implementation = self._implementation()
             self._step(buf, K, self._fixed)
 
     @torch.no_grad()
