@@ -13,6 +13,8 @@
 #   collect      the drafter (bf16 shards + a tar of its small files), the summary and the logs into $OUT
 #   experiments  issue 10's 8B bar in one call, no GGUF: the split-KV kernels' tests on the GPU, then the 8B-shaped
 #                step with split-KV / SDPA attention, gemm and reduce-tuned (llama_8b_cost.py; VARIANTS=...)
+#   matvec       issue 10's 8B bar with matvec='triton': the kernels' tests on the GPU, the products per tiling
+#                (matvec_gpu.py; SHAPES=8b,smollm2), the 8B-shaped step (VARIANTS=...; STEP_S=240 its time limit)
 #   tiling       one block's attention alone, eager against the split-KV kernels per tiling (decode_attention_gpu.py)
 #   gputests     the engine's GPU tests, then the matvec='reduce' identity test run for its message
 #   attention    the shipped drafter with the fast target's attention eager, then split-kv (Triton): spec_gpu.py twice
@@ -145,6 +147,20 @@ EOF
     tail -n 5 "$OUT/kernel_tests.log"
     (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout 440 python llama_8b_cost.py --profile \
       --variants ${VARIANTS:-compiled-split-kv,compiled-reduce-tuned-split-kv,compiled-reduce-tuned,compiled,compiled-sdpa} --out "$OUT/8b.json" \
+      > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
+    tail -n 14 "$OUT/8b.log"
+    ;;
+  matvec)
+    # issue 10's 8B bar with eyas.engine.matvec (matvec='triton'): the Triton kernels' tests compiled on the GPU,
+    # the 8B products per tiling (matvec_gpu.py), then the 8B-shaped step (llama_8b_cost.py; VARIANTS=...)
+    timeout 150 python -m pytest -q -p no:cacheprovider tests/test_matvec.py tests/test_decode_attention.py \
+      -k "not greedy" > "$OUT/kernel_tests.log" 2>&1 || true
+    tail -n 5 "$OUT/kernel_tests.log"
+    timeout 170 python benchmarks/matvec_gpu.py --shapes "${SHAPES:-8b}" --block-n 2,4,8,16 --out "$OUT/matvec.json" \
+      > "$OUT/matvec.log" 2>&1 || echo "matvec exit $?" >> "$OUT/matvec.log"
+    grep -E "floor|exit" "$OUT/matvec.log" | tail -n 12
+    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${STEP_S:-240} python llama_8b_cost.py --profile \
+      --variants ${VARIANTS:-compiled-triton-split-kv,compiled-triton,compiled} --out "$OUT/8b.json" \
       > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
     tail -n 14 "$OUT/8b.log"
     ;;

@@ -116,12 +116,14 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 
 # variant -> (compile, matvec, attention): how LlamaTarget runs the step (matvec: how a one-token step
-# multiplies; attention: eager's three steps, one SDPA kernel, or the split-KV Triton kernels)
+# multiplies, "triton": eyas.engine.matvec's kernels with the norms, SiLU and residual adds in them;
+# attention: eager's three steps, one SDPA kernel, or the split-KV Triton kernels)
 VARIANTS = {"compiled": (True, "gemm", "eager"), "compiled-reduce": (True, "reduce", "eager"),
             "compiled-reduce-tuned": (True, "reduce-tuned", "eager"), "graphs": (False, "gemm", "eager"),
             "compiled-sdpa": (True, "gemm", "sdpa"), "compiled-reduce-tuned-sdpa": (True, "reduce-tuned", "sdpa"),
             "compiled-split-kv": (True, "gemm", "split-kv"),
-            "compiled-reduce-tuned-split-kv": (True, "reduce-tuned", "split-kv")}
+            "compiled-reduce-tuned-split-kv": (True, "reduce-tuned", "split-kv"),
+            "compiled-triton": (True, "triton", "eager"), "compiled-triton-split-kv": (True, "triton", "split-kv")}
 
 
 @torch.no_grad()

@@ -180,17 +180,18 @@ def test_generate_on_the_fast_target_prints_it_and_equals_the_hf_target(toy_draf
 @pytest.mark.integration
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("matvec,attention", [("gemm", "eager"), ("reduce", "eager"), ("gemm", "sdpa"),
-                                              ("gemm", "split-kv"), ("reduce", "split-kv")])
+                                              ("gemm", "split-kv"), ("reduce", "split-kv"), ("triton", "eager"),
+                                              ("triton", "split-kv")])
 def test_the_compiled_cuda_graphed_target_equals_the_hf_model_on_a_gpu(matvec, attention):
     """float32 on the GPU, buckets compiled and captured up front (warmup), then the same walk; and
     a bucket first used later is compiled and captured then. With both ways of multiplying a
-    one-token step (cuBLAS; inductor's reduction kernel), and attention as one fused SDPA kernel or
-    as the split-KV Triton kernels."""
+    one-token step (cuBLAS; inductor's reduction kernel; our Triton kernels, eyas.engine.matvec), and
+    attention as one fused SDPA kernel or as the split-KV Triton kernels."""
     model = tiny_model("llama", L).cuda()
     fast = LlamaTarget(model, SPEC, max_length=64, cuda_graphs=True, buckets=(1, 8, 16, 32), key_buckets=KEYS,
                        matvec=matvec, attention=attention)
     hf = HFTarget(model, SPEC, max_length=64)
-    assert fast.implementation == ("fast+compile+cuda-graphs" + ("+matvec-reduce" if matvec == "reduce" else "")
+    assert fast.implementation == ("fast+compile+cuda-graphs" + (f"+matvec-{matvec}" if matvec != "gemm" else "")
                                    + (f"+attention-{attention}" if attention != "eager" else ""))
     seconds = fast.warmup(buckets=(1, 8, 16))  # with every key bucket (16, 32, 64: all within 2048)
     warmed = [(B, K) for B in (1, 8, 16) for K in (16, 32, 64)]

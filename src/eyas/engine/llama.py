@@ -110,7 +110,7 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
 # How a fixed-shape step of one token multiplies by the weights (LlamaTarget's matvec).
-MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned")
+MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned", "triton")
 
 # How a step attends over the cache (LlamaTarget's attention; see _layer).
 ATTENTION_CHOICES = ("eager", "sdpa", "split-kv")
@@ -162,14 +162,19 @@ def supports(model: nn.Module) -> str | None:
     return None
 
 
+def _check_triton(option: str, fallback: str, device: torch.device) -> None:
+    """Refuse an option that runs our Triton kernels (``option``, e.g. "attention='split-kv'") where
+    they cannot run, saying what it needs and what to use instead (``fallback``)."""
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError(f"LlamaTarget: {option} runs Triton kernels, and triton is not installed; use {fallback}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"LlamaTarget: {option} runs Triton kernels, on a GPU (the model is on "
+                         f"{device.type}) or under TRITON_INTERPRET=1; use {fallback}")
+
+
 def _check_split_kv(head_dim: int, device: torch.device) -> None:
     """Refuse attention="split-kv" where its Triton kernels cannot run, saying what it needs."""
-    if importlib.util.find_spec("triton") is None:
-        raise ValueError("LlamaTarget: attention='split-kv' runs Triton kernels, and triton is not installed; "
-                         "use attention='eager'")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"LlamaTarget: attention='split-kv' runs Triton kernels, on a GPU (the model is on "
-                         f"{device.type}) or under TRITON_INTERPRET=1; use attention='eager'")
+    _check_triton("attention='split-kv'", "attention='eager'", device)
     from eyas.engine.decode_attention import supported_head_dim
 
     if not supported_head_dim(head_dim):
@@ -370,16 +375,20 @@ def _prologue(ids: Tensor, pos: Tensor, block: Tensor, start: Tensor, embed: Ten
 
 
 def _before_attention(x: Tensor, d: Tensor | None, w: BlockWeights, kv_heads: int, head_dim: int, *, eps: float,
-                      qk_eps: float, matvec: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      qk_eps: float, matvec: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A block's front for B tokens: the stream entering it h_in = x + d [B, H] (the previous
     block's last residual add is done here, fused with this block's norm; d None: x alone), and its
     queries, keys and values q [B, Hq, D], k, v [B, Hkv, D], not yet rotated (views of the fused
-    projection's output; Qwen3's per-head norms applied)."""
+    projection's output; Qwen3's per-head norms applied). ``matvec``: see :func:`_one_row`."""
     h_in = x if d is None else x + d  # [B, H]
     B, Hkv, D = h_in.shape[0], kv_heads, head_dim
     Hq = w.o.shape[1] // D
-    a = rms_norm(h_in, w.input_norm, eps)
-    q, k, v = project(a, w.qkv, w.qkv_bias, (Hq * D, Hkv * D, Hkv * D), matvec=matvec)  # [B, Hq*D], [B, Hkv*D] x 2
+    sizes = (Hq * D, Hkv * D, Hkv * D)
+    if _one_row(matvec, h_in):  # the norm in the product's kernel
+        q, k, v = _triton_project(h_in, w.qkv, w.qkv_bias, sizes, norm=w.input_norm, eps=eps)
+    else:
+        q, k, v = project(rms_norm(h_in, w.input_norm, eps), w.qkv, w.qkv_bias, sizes,
+                          matvec=matvec == "reduce")  # [B, Hq*D], [B, Hkv*D] x 2
     q, k, v = q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D)  # (views of the fused output too)
     if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
         q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
@@ -388,15 +397,16 @@ def _before_attention(x: Tensor, d: Tensor | None, w: BlockWeights, kv_heads: in
 
 def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
            values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
-           matvec: bool = False, sdpa: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+           matvec: str = "gemm", sdpa: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """One decoder block for B tokens. The stream entering it is x + d [B, H] (the previous block's
     last residual add is done here, fused with this block's norm; d None: x alone); cos, sin
     [B, 1, D]; slots [B] (where the new keys/values go); mask [B, n] bool over the first n cache
     entries; keys, values [Hkv, C, D] this block's cache, written in place at ``slots``.
 
     Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
-    attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects.
-    ``matvec``: see :func:`linear`. ``sdpa``: attention as one ``scaled_dot_product_attention`` call
+    attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects
+    (with ``matvec="triton"`` and one row: the gate/up output [1, 2I], SiLU(gate) * up done in the
+    down product's kernel). ``matvec``: see :func:`_one_row`. ``sdpa``: attention as one ``scaled_dot_product_attention`` call
     (a fused kernel on a GPU, which keeps the probabilities in float32 for PV) instead of the eager
     order's three steps (QK in the model's dtype; scale, mask and softmax in float32, cast back; PV)."""
     Hkv, _, D = keys.shape
@@ -434,7 +444,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slots: Te
 
 def _layer_split_kv(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, kv: Tensor,
                     w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
-                    matvec: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                    matvec: str = "gemm") -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_layer` with attention by :func:`~eyas.engine.decode_attention.decode_attention`'s two
     Triton kernels, which also rotate q and k and write k and v at slots (slots[0] = cache_len;
     float32 scores, the probabilities rounded for PV). kv [2, Hkv, C, D]: the block's cache as ONE
@@ -453,20 +463,54 @@ def _layer_split_kv(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots
 
 
 def _after_attention(h_in: Tensor, out: Tensor, w: BlockWeights, *, eps: float,
-                     matvec: bool) -> tuple[Tensor, Tensor, Tensor]:
+                     matvec: str) -> tuple[Tensor, Tensor, Tensor]:
     """The rest of :func:`_layer` from the attention's output out [B, Hq*D]: the o projection and
-    its residual add, the post-attention norm, gate/up and SiLU(gate) * up."""
-    h = h_in + linear(out, w.o, w.o_bias, matvec=matvec)
+    its residual add, the post-attention norm, gate/up and SiLU(gate) * up (with ``matvec="triton"``
+    and one row: the o product with its residual add, then gate/up with its norm, two kernels; the
+    SiLU is left to :func:`_down`'s kernel)."""
     I = w.down.shape[1]
-    gate, up = project(rms_norm(h, w.post_norm, eps), w.gate_up, w.gate_up_bias, (I, I), matvec=matvec)  # [B, I] each
+    if _one_row(matvec, out):
+        from eyas.engine.matvec import matvec as triton_matvec
+
+        h = triton_matvec(out.contiguous(), w.o, bias=w.o_bias, residual=h_in)
+        gate_up = _triton_project(h, w.gate_up, w.gate_up_bias, (I, I), norm=w.post_norm, eps=eps)
+        return h_in, h, gate_up[0] if len(gate_up) == 1 else torch.cat(gate_up, dim=-1)  # [1, 2I]
+    by_reduction = matvec == "reduce"
+    h = h_in + linear(out, w.o, w.o_bias, matvec=by_reduction)
+    gate, up = project(rms_norm(h, w.post_norm, eps), w.gate_up, w.gate_up_bias, (I, I),
+                       matvec=by_reduction)  # [B, I] each
     return h_in, h, F.silu(gate) * up
 
 
+def _one_row(matvec: str, a: Tensor) -> bool:
+    """Whether a product of a [B, ...] runs our Triton kernels (:mod:`eyas.engine.matvec`): with
+    ``matvec="triton"`` and B = 1. The step's ``matvec`` (how its steps of one row multiply):
+    ``"gemm"`` (F.linear), ``"reduce"`` (see :func:`linear`), ``"triton"`` (the norms, SiLU and
+    residual adds in the products' kernels). Steps of more rows use F.linear."""
+    return matvec == "triton" and a.shape[0] == 1
+
+
+def _triton_project(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None,
+                    sizes: Sequence[int], *, norm: Tensor, eps: float) -> tuple[Tensor, ...]:
+    """:func:`project` of rms_norm(a) for one row a [1, H], the norm in the product's kernel:
+    [1, size] views of the fused weight's output, or one kernel per separate weight (each computes
+    the norm again)."""
+    from eyas.engine.matvec import matvec as triton_matvec
+
+    def product(w: Tensor, bias: Tensor | None) -> Tensor:
+        return triton_matvec(a, w, prologue="rms", norm=norm, eps=eps, bias=bias)
+
+    if len(weights) == 1:
+        return product(weights[0], None if biases is None else biases[0]).split(list(sizes), dim=-1)
+    return tuple(product(w, None if biases is None else biases[j]) for j, w in enumerate(weights))
+
+
 def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
-          matvec: bool = False) -> tuple[Tensor, Tensor | None]:
+          matvec: str = "gemm") -> tuple[Tensor, Tensor | None]:
     """A block's last product: the MLP's activation act [B, I] by down [H, I], m [B, H]. Returns the
     block's output as (x, d) for the next block: (h, m), the add left to the next norm, or with
-    ``matvec`` and one row (h + m, None), the add done in this product's kernel.
+    ``matvec`` "reduce" or "triton" and one row (h + m, None), the add done in this product's kernel
+    (with "triton", act is the gate/up output [1, 2I] and the kernel computes SiLU(gate) * up).
 
     A function of its own (compiled apart from :func:`_layer`) so that act reaches it as a buffer:
     compiled together, inductor inlines SiLU(gate) * up into the down reduction's loads, and every
@@ -475,17 +519,25 @@ def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
     written by a 1.2 us kernel; ``benchmarks/2026-12-02-llama8b-h200.md``). Saving that kernel by
     computing gate and up as two reductions that inductor fuses with SiLU was slower (63.5 us for
     gate/up against 56.1 us as one reduction of the fused weight, in one call)."""
-    m = linear(act, down, down_bias, matvec=matvec)
-    if matvec and act.shape[0] == 1:
+    if _one_row(matvec, act):
+        from eyas.engine.matvec import matvec as triton_matvec
+
+        return triton_matvec(act, down, prologue="silu", bias=down_bias, residual=h), None
+    m = linear(act, down, down_bias, matvec=matvec == "reduce")
+    if matvec == "reduce" and act.shape[0] == 1:
         return h + m, None
     return h, m
 
 
 def _head(x: Tensor, d: Tensor | None, norm: Tensor, lm_head: Tensor, lm_bias: Tensor | None, *,
-          eps: float, matvec: bool = False) -> tuple[Tensor, Tensor]:
+          eps: float, matvec: str = "gemm") -> tuple[Tensor, Tensor]:
     """The last block's output x + d [B, H] (boundary L; d None: x) and the logits [B, V]."""
     h = x if d is None else x + d
-    return h, linear(rms_norm(h, norm, eps), lm_head, lm_bias, matvec=matvec)
+    if _one_row(matvec, h):
+        from eyas.engine.matvec import matvec as triton_matvec
+
+        return h, triton_matvec(h, lm_head, prologue="rms", norm=norm, eps=eps, bias=lm_bias)
+    return h, linear(rms_norm(h, norm, eps), lm_head, lm_bias, matvec=matvec == "reduce")
 
 
 class _StepFunctions(NamedTuple):
@@ -644,6 +696,8 @@ class LlamaTarget(Target):
         if matvec not in MATVEC_CHOICES:
             raise ValueError(f"LlamaTarget: matvec must be one of {list(MATVEC_CHOICES)}, found {matvec!r}")
         self.matvec = "gemm" if matvec == "auto" else matvec
+        if self.matvec == "triton":
+            _check_triton("matvec='triton'", "matvec='gemm'", self.device)
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"LlamaTarget: attention must be one of {list(ATTENTION_CHOICES)}, found {attention!r}")
         if attention == "split-kv":
@@ -684,23 +738,24 @@ class LlamaTarget(Target):
         compiled with ``backend`` (None: eager). Compiled, every call with a bucket's shapes hits the
         same compilation."""
         c = self._consts
-        by_reduction = matvec != "gemm"
-        block = dict(eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=by_reduction)
+        how = "reduce" if matvec == "reduce-tuned" else matvec  # how the functions multiply one row
+        block = dict(eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=how)
         kv_whole = attention == "split-kv"
         fns = (functools.partial(_prologue, rope_scaling=c["rope_scaling"]),
                (functools.partial(_layer_split_kv, **block) if kv_whole
                 else functools.partial(_layer, **block, sdpa=attention == "sdpa")),
-               functools.partial(_down, matvec=by_reduction),
-               functools.partial(_head, eps=c["eps"], matvec=by_reduction))
+               functools.partial(_down, matvec=how),
+               functools.partial(_head, eps=c["eps"], matvec=how))
+        whole = how != "gemm"  # _down returns a row's output whole
         if backend is None:
-            return _StepFunctions(*fns, by_reduction, kv_whole)
+            return _StepFunctions(*fns, whole, kv_whole)
         # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _down and
         # _head: per token bucket; per model) are separate compilations of one code object (functools.partial's):
         # 6 token buckets x 4 key buckets = 24 of _layer for C = 4096.
         raise_recompile_limits()
         options = {"coordinate_descent_tuning": True} if matvec == "reduce-tuned" else None
         return _StepFunctions(*(torch.compile(f, backend=backend, fullgraph=True, dynamic=False, options=options)
-                                for f in fns), by_reduction, kv_whole)
+                                for f in fns), whole, kv_whole)
 
     # -- cache --------------------------------------------------------------------------------
 

@@ -1,0 +1,152 @@
+"""One-row products by a weight matrix in Triton, with the norm before them and the residual add after.
+
+A plain decoding step multiplies ONE row by every weight matrix of the model, so its time is the time
+to read the weights once: a matrix-vector product (matvec) is bound by memory bandwidth, and the
+kernels between the products (norms, SiLU, residual adds) cost little work but a launch and a gap
+each. On an 8B-shaped Llama in CUDA graphs on an H200 the step compiled by inductor runs 12 to 16
+kernels a block, ~1 us of gap each (``benchmarks/2026-12-02-split-kv-h200.md``). Here a block's
+four products are four kernels that also do what lies between them:
+
+- ``prologue="rms"``: y = W @ rmsnorm(x) (the block's input norm before q/k/v, its post-attention
+  norm before gate/up, the final norm before the head). Every program computes the norm's
+  sum of squares over the whole x [K] itself (K reads from L2, against its BLOCK_N x K weight
+  reads from memory): no kernel, and no gap, before the product.
+- ``prologue="silu"``: y = W @ (SiLU(gate) * up), x = [gate | up] [2K], the gate/up product's
+  output as it is (the down projection).
+- ``prologue=None``: y = W @ x (the o projection).
+- ``residual``: y = r + W @ x (the o and down projections: the block's two residual adds).
+- ``bias``: y = W @ x + b, before the residual (Qwen2's q/k/v).
+
+Program p owns the rows n in [p*BLOCK_N, (p+1)*BLOCK_N) of W [N, K] and streams them once, BLOCK_K
+columns at a time, into a float32 accumulator [BLOCK_N, BLOCK_K] (x's tile broadcast against W's),
+summed over its columns at the end: no two programs share a row, so no atomics and no second pass.
+
+Numerics are Hugging Face's, rounding where the model rounds (the model's dtype DT, float32
+arithmetic in between): rmsnorm(x) = DT(w_norm * DT(x * rsqrt(mean(x^2) + eps))); SiLU(gate) * up =
+DT(DT(SiLU(gate)) * up); the product and its bias in float32, rounded to DT; the residual add of two
+DT values, rounded. The float32 sums' order differs from cuBLAS's (and from one tiling to another).
+
+The tiling, (BLOCK_N, BLOCK_K, num_warps), comes from :func:`tiling` for a matrix's shape unless
+given; ``benchmarks/matvec_gpu.py`` times the choices. The kernels need Triton (a GPU, or
+``TRITON_INTERPRET=1`` on the CPU, as the tests run them).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+PROLOGUES = (None, "rms", "silu")
+
+
+class Tiling(NamedTuple):
+    """How :func:`matvec` cuts a product: rows per program, columns per loop step, warps per program."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def tiling(n_rows: int, n_cols: int, sms: int = 132) -> Tiling:
+    """The default tiling of W [n_rows, n_cols] on a GPU of ``sms`` multiprocessors (an H200's
+    132): 512 columns a step (one 1 KB bf16 read a row); 16 rows a program (the accumulator:
+    16 x 512 float32, 64 registers a thread with 4 warps), fewer until there are at least 4
+    programs per SM, so that every SM has reads in flight."""
+    block_k = min(512, triton.next_power_of_2(n_cols))
+    block_n = 16
+    while block_n > 1 and triton.cdiv(n_rows, block_n) < 4 * sms:
+        block_n //= 2
+    return Tiling(block_n, block_k, 4)
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+@torch.compiler.assume_constant_result  # a constant of the compiled step: torch.compile calls it once, tracing
+def _multiprocessors(device: torch.device) -> int:
+    """The SMs of a GPU; 1 elsewhere (Triton's interpreter runs the programs one by one)."""
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return _SMS[device]
+
+
+@triton.jit
+def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
+                   N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, PROLOGUE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # PROLOGUE: 0 none, 1 rms, 2 silu. EPS a constexpr: inductor passes a float argument as fp64.
+    DT = y_ptr.dtype.element_ty
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of W
+    n_ok = n < N
+    row = n * stride_w  # [BLOCK_N] offsets of the rows (int32 holds them up to 2^31 elements)
+    if N * K >= 2**31:
+        row = n.to(tl.int64) * stride_w
+    EVEN_K: tl.constexpr = K % BLOCK_K == 0  # then no column mask (its loads vectorise for sure)
+    if PROLOGUE == 1:  # the norm's 1 / rms over all of x [K], by every program (x is in L2)
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            squares += xk * xk
+        inv_rms = 1.0 / tl.sqrt(tl.sum(squares, 0) / K + EPS)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K] columns
+        if EVEN_K:
+            k_ok = tl.full([BLOCK_K], 1, tl.int1)
+        else:
+            k_ok = k < K
+        if PROLOGUE == 1:
+            xk = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            scale = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            a = (scale * (xk * inv_rms).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+        elif PROLOGUE == 2:  # x = [gate | up]
+            gate = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + K + k, mask=k_ok, other=0.0).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
+            a = (silu * up).to(DT).to(tl.float32)
+        else:
+            a = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + row[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    y = tl.sum(acc, 1)  # [BLOCK_N] float32
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    y = y.to(DT)
+    if HAS_RES:
+        y = (y.to(tl.float32) + tl.load(res_ptr + n, mask=n_ok, other=0.0).to(tl.float32)).to(DT)
+    tl.store(y_ptr + n, y, mask=n_ok)
+
+
+def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | None = None, eps: float = 0.0,
+           bias: Tensor | None = None, residual: Tensor | None = None, tile: Tiling | None = None) -> Tensor:
+    """One row through W [N, K]: y [1, N] = residual + W @ prologue(x) + bias (see the module's
+    docstring for the prologues and the rounding).
+
+    x [1, K] (``prologue="silu"``: [1, 2K], gate then up), contiguous; w [N, K] with unit stride
+    along K (a row slice of a fused weight is fine); norm [K] (``"rms"``) with ``eps``; bias [N],
+    residual [1, N]. y has x's dtype. ``tile``: the tiling (default :func:`tiling` of w's shape and
+    the GPU's multiprocessors)."""
+    N, K = w.shape
+    if prologue not in PROLOGUES:
+        raise ValueError(f"matvec: prologue must be one of {list(PROLOGUES)}, found {prologue!r}")
+    width = 2 * K if prologue == "silu" else K
+    if x.shape != (1, width) or not x.is_contiguous():
+        raise ValueError(f"matvec: x must be a contiguous [1, {width}] row for w {tuple(w.shape)} and prologue "
+                         f"{prologue!r}, found {tuple(x.shape)} with strides {x.stride()}")
+    if w.stride(1) != 1:
+        raise ValueError(f"matvec: w must have unit stride along its columns, found strides {w.stride()}")
+    if prologue == "rms" and (norm is None or norm.shape != (K,)):
+        raise ValueError(f"matvec: prologue 'rms' needs norm [{K}], found {None if norm is None else tuple(norm.shape)}")
+    tile = tile or tiling(N, K, _multiprocessors(x.device))
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    _matvec_kernel[(triton.cdiv(N, tile.block_n),)](
+        x, w, y, x if norm is None else norm, x if bias is None else bias,
+        x if residual is None else residual, w.stride(0),
+        N=N, K=K, EPS=float(eps), PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps)
+    return y

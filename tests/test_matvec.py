@@ -1,0 +1,170 @@
+"""eyas.engine.matvec: one row through a weight matrix with the norm before it (rms), SiLU(gate) * up
+(silu) or nothing, bias and residual add after, equal to the Hugging Face order of operations; and
+LlamaTarget with matvec="triton" equal to the Hugging Face model, its one-token steps calling no GEMM.
+
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+tests/conftest.py before triton's import; CI installs triton for this); on a GPU they are compiled."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if os.environ.get("CI"):  # CI installs triton (.ci/run checks it): these tests run there, never skip
+    import triton  # noqa: F401
+else:
+    pytest.importorskip("triton", reason="the matvec kernels need triton: pip install -e '.[test]' (Linux)")
+
+from eyas.engine.llama import rms_norm  # noqa: E402
+from eyas.engine.matvec import Tiling, matvec, tiling  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reference(x, w, prologue, norm, eps, bias, residual) -> torch.Tensor:
+    """The Hugging Face order: the prologue in x's dtype (rms_norm, F.silu(gate) * up), the product
+    and bias in float64 rounded to x's dtype, then the residual add rounded."""
+    K = w.shape[1]
+    a = rms_norm(x, norm, eps) if prologue == "rms" else F.silu(x[:, :K]) * x[:, K:] if prologue == "silu" else x
+    y = F.linear(a.double(), w.double(), None if bias is None else bias.double()).to(x.dtype)
+    return y if residual is None else y + residual
+
+
+CASES = [  # (N, K, prologue, bias, residual, tiling): uneven rows and columns, every prologue
+    (40, 96, None, False, True, Tiling(8, 32, 4)),
+    (37, 100, "rms", True, False, Tiling(16, 64, 4)),
+    (33, 64, "silu", False, True, Tiling(4, 64, 2)),
+    (64, 128, "rms", False, False, None),
+    (48, 80, "silu", True, True, Tiling(1, 16, 1)),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("N,K,prologue,with_bias,with_residual,tile", CASES)
+def test_matvec_equals_the_reference_in_float32(N, K, prologue, with_bias, with_residual, tile):
+    g = torch.Generator().manual_seed(N)
+    w = torch.randn(N, K, generator=g)
+    x = torch.randn(1, 2 * K if prologue == "silu" else K, generator=g)
+    norm, bias, residual = torch.randn(K, generator=g), torch.randn(N, generator=g), torch.randn(1, N, generator=g)
+    args = dict(prologue=prologue, norm=norm if prologue == "rms" else None, eps=1e-5,
+                bias=bias if with_bias else None, residual=residual if with_residual else None)
+    y = matvec(x.to(DEVICE), w.to(DEVICE), tile=tile, **{k: v.to(DEVICE) if torch.is_tensor(v) else v
+                                                           for k, v in args.items()})
+    assert y.shape == (1, N) and y.dtype == torch.float32
+    expected = _reference(x.double(), w.double(), **{k: v.double() if torch.is_tensor(v) else v
+                                                     for k, v in args.items()})
+    torch.testing.assert_close(y.double().cpu(), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("N,K,prologue,with_bias,with_residual,tile", CASES[:3])
+def test_matvec_rounds_where_the_model_rounds_in_half_precision(N, K, prologue, with_bias, with_residual, tile):
+    """float16 (the interpreter's Triton multiplies bfloat16 as raw bits in tl.dot; these kernels use
+    no tl.dot, but float16 keeps one dtype for both runs): the prologue's roundings are the model's,
+    so the result is the reference's up to one rounding of the float32 sum (1 ulp)."""
+    dt = torch.float16
+    g = torch.Generator().manual_seed(N)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dt)
+    x = torch.randn(1, 2 * K if prologue == "silu" else K, generator=g).to(dt)
+    norm, bias, residual = (torch.randn(K, generator=g).to(dt), torch.randn(N, generator=g).to(dt),
+                            torch.randn(1, N, generator=g).to(dt))
+    args = dict(prologue=prologue, norm=norm if prologue == "rms" else None, eps=1e-5,
+                bias=bias if with_bias else None, residual=residual if with_residual else None)
+    y = matvec(x.to(DEVICE), w.to(DEVICE), tile=tile, **{k: v.to(DEVICE) if torch.is_tensor(v) else v
+                                                           for k, v in args.items()}).cpu()
+    expected = _reference(x, w, **args)
+    assert y.dtype == dt
+    ulp = torch.finfo(dt).eps * expected.float().abs().clamp_min(1.0)
+    assert ((y.float() - expected.float()).abs() <= 2 * ulp).all()
+
+
+@pytest.mark.unit
+def test_matvec_reads_a_row_slice_of_a_fused_weight_and_refuses_bad_input():
+    g = torch.Generator().manual_seed(0)
+    fused = torch.randn(96, 64, generator=g).to(DEVICE)
+    x = torch.randn(1, 64, generator=g).to(DEVICE)
+    torch.testing.assert_close(matvec(x, fused[32:80]), x @ fused[32:80].T, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"x must be a contiguous \[1, 128\] row for w \(96, 64\) and prologue "
+                                         r"'silu', found \(1, 64\)"):
+        matvec(x, fused, prologue="silu")
+    with pytest.raises(ValueError, match=r"prologue 'rms' needs norm \[64\], found None"):
+        matvec(x, fused, prologue="rms")
+    with pytest.raises(ValueError, match=r"prologue must be one of \[None, 'rms', 'silu'\], found 'gelu'"):
+        matvec(x, fused, prologue="gelu")
+    with pytest.raises(ValueError, match=r"w must have unit stride along its columns, found strides \(1, 64\)"):
+        matvec(x, fused[:64].T)  # a transposed matrix
+
+
+@pytest.mark.unit
+def test_the_default_tiling_gives_an_h200_enough_programs():
+    """512 columns a step; at most 16 rows a program, fewer until there are 4 programs per SM."""
+    assert tiling(4096, 4096) == Tiling(4, 512, 4)  # 1024 programs on an H200's 132 SMs
+    assert tiling(28672, 4096) == Tiling(16, 512, 4) and tiling(128256, 4096).block_n == 16
+    assert tiling(6144, 4096).block_n == 8 and tiling(576, 1536) == Tiling(1, 512, 4)
+    assert tiling(4096, 4096, sms=1) == Tiling(16, 512, 4) and tiling(64, 100).block_k == 128
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: per-head norms
+def test_one_token_steps_through_the_triton_kernels_equal_the_hf_model_and_call_no_gemm(kind, monkeypatch):
+    """matvec="triton": every product of a fixed-shape step of one token is a Triton kernel (the
+    norms, SiLU and residual adds in them), with the model's results; steps of more tokens keep
+    F.linear. The walk: prefill, a tree, keep, decode."""
+    import eyas.engine.llama as llama
+    from eyas.engine import HFTarget, LlamaTarget
+    from tests.support.tiny import tiny_model
+    from tests.support.walk import KEYS, SPEC, same, walk
+
+    model = tiny_model(kind, 4).to(DEVICE)
+    fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, matvec="triton")
+    hf = HFTarget(model, SPEC, max_length=64)
+    assert fast.implementation == "fast+matvec-triton"
+    g = torch.Generator().manual_seed(0)
+    walk(fast, hf, g, device=DEVICE)
+    rows: list[int] = []  # the rows of every F.linear the fast target calls
+    real = llama.F.linear
+
+    def fast_forward(ids, positions):
+        with monkeypatch.context() as m:
+            m.setattr(llama.F, "linear", lambda a, *w: rows.append(a.shape[0]) or real(a, *w))
+            return fast.forward(ids, positions)
+
+    for pos in range(fast.cache_len, fast.cache_len + 4):
+        ids = torch.randint(0, 128, (1, 1), generator=g).to(DEVICE)
+        position = torch.tensor([[pos]], device=DEVICE)
+        same(fast_forward(ids, position), hf.forward(ids, position))
+    assert rows == []  # not one GEMM in the one-token steps
+    ids = torch.randint(0, 128, (1, 3), generator=g).to(DEVICE)
+    positions = torch.arange(fast.cache_len, fast.cache_len + 3, device=DEVICE)[None]
+    same(fast_forward(ids, positions), hf.forward(ids, positions))
+    assert rows and set(rows) == {8}  # 3 tokens: token bucket 8, F.linear
+
+
+@pytest.mark.integration
+def test_triton_products_with_split_kv_attention_equal_the_hf_model():
+    """The step of one token as a GPU runs it with both options: per block, 4 products and 2
+    attention kernels."""
+    from eyas.engine import HFTarget, LlamaTarget
+    from tests.support.tiny import tiny_model
+    from tests.support.walk import KEYS, SPEC, walk
+
+    model = tiny_model("llama", 4).to(DEVICE)
+    fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, matvec="triton",
+                       attention="split-kv")
+    assert fast.implementation == "fast+matvec-triton+attention-split-kv"
+    walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(1), device=DEVICE)
+
+
+@pytest.mark.unit
+def test_matvec_triton_is_refused_where_its_kernels_cannot_run(monkeypatch):
+    from eyas.engine.llama import LlamaTarget
+    from tests.support.tiny import tiny_model
+    from tests.support.walk import SPEC
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"matvec='triton' runs Triton kernels, on a GPU \(the model is on cpu\) or "
+                                         r"under TRITON_INTERPRET=1; use matvec='gemm'"):
+        LlamaTarget(tiny_model("llama", 4), SPEC, max_length=64, fixed_shapes=True, matvec="triton")
