@@ -14,7 +14,8 @@
 #   experiments  issue 10's 8B bar in one call, no GGUF: the split-KV kernels' tests on the GPU, then the 8B-shaped
 #                step with split-KV / SDPA attention, gemm and reduce-tuned (llama_8b_cost.py; VARIANTS=...)
 #   matvec       issue 10's 8B bar with matvec='triton': the kernels' tests on the GPU, the products per tiling
-#                (matvec_gpu.py; SHAPES=8b,smollm2), the 8B-shaped step (VARIANTS=...; STEP_S=240 its time limit)
+#                (matvec_gpu.py; SHAPES=8b,smollm2, TILINGS=...), the best written to $OUT/tilings.json, then the
+#                8B-shaped step with them (VARIANTS=...; STEP_S=220 its time limit)
 #   tiling       one block's attention alone, eager against the split-KV kernels per tiling (decode_attention_gpu.py)
 #   gputests     the engine's GPU tests, then the matvec='reduce' identity test run for its message
 #   attention    the shipped drafter with the fast target's attention eager, then split-kv (Triton): spec_gpu.py twice
@@ -152,15 +153,20 @@ EOF
     ;;
   matvec)
     # issue 10's 8B bar with eyas.engine.matvec (matvec='triton'): the Triton kernels' tests compiled on the GPU,
-    # the 8B products per tiling (matvec_gpu.py), then the 8B-shaped step (llama_8b_cost.py; VARIANTS=...)
-    timeout 150 python -m pytest -q -p no:cacheprovider tests/test_matvec.py tests/test_decode_attention.py \
+    # the 8B products per tiling (matvec_gpu.py, the best of each written to $OUT/tilings.json), then the
+    # 8B-shaped step with those tilings (llama_8b_cost.py; VARIANTS=...)
+    timeout 120 python -m pytest -q -p no:cacheprovider tests/test_matvec.py tests/test_decode_attention.py \
       -k "not greedy" > "$OUT/kernel_tests.log" 2>&1 || true
-    tail -n 5 "$OUT/kernel_tests.log"
-    timeout 170 python benchmarks/matvec_gpu.py --shapes "${SHAPES:-8b}" --block-n 2,4,8,16 --out "$OUT/matvec.json" \
-      > "$OUT/matvec.log" 2>&1 || echo "matvec exit $?" >> "$OUT/matvec.log"
+    tail -n 3 "$OUT/kernel_tests.log"
+    T=1/1024/4,1/2048/4,1/2048/8,2/1024/4,2/1024/8,2/2048/4,2/2048/8,4/1024/4,4/1024/8,4/2048/8,8/512/4,8/1024/4
+    T=$T,8/1024/8,16/1024/4,16/1024/8,1/4096/8
+    TILINGS=${TILINGS:-$(echo "$T" | tr ',' '\n' | sed 's|$|/1|;p;s|/1$|/0|' | paste -sd,)}
+    timeout ${MATVEC_S:-200} python benchmarks/matvec_gpu.py --shapes "${SHAPES:-8b}" --tilings "$TILINGS" \
+      --out "$OUT/matvec.json" --write-tilings "$OUT/tilings.json" > "$OUT/matvec.log" 2>&1 \
+      || echo "matvec exit $?" >> "$OUT/matvec.log"
     grep -E "floor|exit" "$OUT/matvec.log" | tail -n 12
-    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${STEP_S:-240} python llama_8b_cost.py --profile \
-      --variants ${VARIANTS:-compiled-triton-split-kv,compiled-triton,compiled} --out "$OUT/8b.json" \
+    (cd benchmarks && EYAS_MATVEC_TILINGS="$OUT/tilings.json" PYTHONPATH=$PWD/../src:/tmp/deps timeout ${STEP_S:-220} \
+      python llama_8b_cost.py --profile --variants ${VARIANTS:-compiled-triton-split-kv,compiled} --out "$OUT/8b.json" \
       > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
     tail -n 14 "$OUT/8b.log"
     ;;

@@ -10,12 +10,16 @@ Each product of an 8B-shaped Llama block (and of SmolLM2-135M's) is timed as Lla
     head     rmsnorm(x) [1, H]   by [V, H]
 
 beside ``F.linear`` on the same row (cuBLAS, the product alone: no norm, no add), and the
-bandwidth floor: the weight's bytes / the copy bandwidth. The tilings are ``--block-n`` x
-``--block-k`` x ``--warps``, plus the default (``eyas.engine.matvec.tiling``). To read the weights
+bandwidth floor: the weight's bytes / the copy bandwidth. The tilings are ``--tilings`` (rows/columns/
+warps/evict-first, e.g. ``2/1024/4/1``), or else ``--block-n`` x ``--block-k`` x ``--warps`` (evict-first),
+plus the one the engine would use (``eyas.engine.matvec``: measured, or the default). To read the weights
 from memory and not from L2, each product cycles through enough copies of its weight (at least
 ``--min-bytes`` in all) within one captured CUDA graph; a call's time is the graph's over the
-copies, the gaps between kernels included, as in a step. Prints microseconds a call and x floor,
-the best tiling per product, and ``--json`` the report.
+copies, the gaps between kernels included, as in a step: the fastest of ``--trials`` runs of ``--reps``
+replays. Prints microseconds a call and x floor, the best tiling per product, and ``--json`` the
+report. ``--write-tilings FILE`` adds the best tiling of each product, under this GPU's name, to a
+table of tilings that the engine reads (``src/eyas/engine/matvec_tilings.json``, or any file named by
+``EYAS_MATVEC_TILINGS``).
 
 On the CPU, ``--tiny`` runs a toy shape and one tiling in Triton's interpreter (``TRITON_INTERPRET=1``,
 set here before triton is imported): a smoke test, not a timing.
@@ -90,9 +94,9 @@ def cublas_call(ops: dict):
     return call
 
 
-def time_call(call, device: torch.device, reps: int) -> float:
-    """Microseconds of one call of ``call`` (all its launches), replayed from a CUDA graph (on the
-    CPU: the host clock)."""
+def time_call(call, device: torch.device, reps: int, trials: int = 3) -> float:
+    """Microseconds of one call of ``call`` (all its launches), replayed from a CUDA graph: the
+    fastest of ``trials`` runs of ``reps`` replays (on the CPU: the host clock)."""
     for _ in range(2):  # compile and allocate before capturing
         call()
     if device.type != "cuda":
@@ -105,24 +109,40 @@ def time_call(call, device: torch.device, reps: int) -> float:
     graph, _ = capture(call, torch.cuda.graph_pool_handle())
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
+    best = float("inf")
+    for _ in range(trials):
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / reps * 1e3)
+    return best
+
+
+def write_tiling(path: str, device_name: str, key: str, best: dict) -> None:
+    """Add one product's tiling to a table of them ({GPU name: {key: [rows, columns, warps, evict]}}),
+    written to a temporary file and renamed (a table read meanwhile is whole)."""
+    table = json.loads(open(path).read()) if os.path.exists(path) else {}
+    table.setdefault(device_name, {})[key] = [best["block_n"], best["block_k"], best["warps"], best["evict_first"]]
+    with open(path + ".tmp", "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="8b,smollm2", help=f"comma-separated, of {', '.join(SHAPES)}")
-    ap.add_argument("--products", default="qkv,o,gate_up,down,head")
+    ap.add_argument("--products", default="gate_up,down,qkv,o,head")
+    ap.add_argument("--tilings", default=None, help="comma-separated rows/columns/warps/evict, e.g. 2/1024/4/1")
     ap.add_argument("--block-n", default="1,2,4,8,16")
     ap.add_argument("--block-k", default="256,512,1024")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--min-bytes", type=int, default=400 << 20, help="the weight copies a call cycles through, in all")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--write-tilings", default=None, help="add each product's best tiling to this table (JSON)")
     ap.add_argument("--tiny", action="store_true", help="the CPU smoke test: a toy shape, one tiling, the interpreter")
     ap.add_argument("--out", default=None, help="write the report as JSON here (after every product)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON alone")
@@ -132,9 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("matvec_gpu.py: no GPU; --tiny runs the CPU smoke test")
     if device.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton's import (lazy, through eyas' kernels)
-        a.shapes, a.products, a.block_n, a.block_k, a.warps, a.reps = "tiny", "qkv,down", "4", "32", "4", 2
+        a.shapes, a.products, a.tilings, a.reps, a.trials = "tiny", "qkv,down", "4/32/4/1,2/64/4/0", 2, 1
     say = (lambda *p, **k: None) if a.json else print
-    from eyas.engine.matvec import Tiling, _multiprocessors, tiling
+    from eyas.engine.matvec import Tiling, _key, _tiling_on
 
     def ints(text: str) -> list[int]:
         return [int(t) for t in text.split(",") if t]
@@ -154,15 +174,17 @@ def main(argv: list[str] | None = None) -> int:
             ops = operands(N, K, prologue, residual, copies, dtype, device)
             floor_us = nbytes / (bw * 1e9) * 1e6 if bw else None
             row = {"shape": shape, "product": product, "N": N, "K": K, "prologue": prologue, "residual": residual,
-                   "copies": copies, "floor_us": floor_us, "cublas_us": time_call(cublas_call(ops), device, a.reps) / copies,
-                   "tilings": []}
-            default = tiling(N, K, _multiprocessors(device))
-            grid = [Tiling(*t) for t in itertools.product(ints(a.block_n), ints(a.block_k), ints(a.warps))]
+                   "copies": copies, "floor_us": floor_us,
+                   "cublas_us": time_call(cublas_call(ops), device, a.reps, a.trials) / copies, "tilings": []}
+            default = _tiling_on(device, N, K, prologue)  # what the engine would run
+            grid = ([Tiling(*(int(v) for v in t.split("/"))) for t in a.tilings.split(",")] if a.tilings else
+                    [Tiling(*t) for t in itertools.product(ints(a.block_n), ints(a.block_k), ints(a.warps))])
+            grid = [t._replace(evict_first=bool(t.evict_first)) for t in grid]
             for tile in [default] + [t for t in grid if t != default]:
                 r = {"block_n": tile.block_n, "block_k": tile.block_k, "warps": tile.num_warps,
-                     "default": tile == default}
+                     "evict_first": tile.evict_first, "default": tile == default}
                 try:
-                    r["us"] = time_call(triton_call(ops, prologue, tile), device, a.reps) / copies
+                    r["us"] = time_call(triton_call(ops, prologue, tile), device, a.reps, a.trials) / copies
                 except Exception as e:  # a tiling that does not compile or fit: say so, go on
                     r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 row["tilings"].append(r)
@@ -174,12 +196,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{x(row['cublas_us'])}, default {default} " + (f"{row['default_us']:.2f}{x(row['default_us'])}"
                                                                 if row["default_us"] else "failed")
                 + (f", best {row['best']['us']:.2f}{x(row['best']['us'])} at block_n {row['best']['block_n']} "
-                   f"block_k {row['best']['block_k']} warps {row['best']['warps']}" if row["best"] else ""))
+                   f"block_k {row['best']['block_k']} warps {row['best']['warps']} evict_first "
+                   f"{row['best']['evict_first']}" if row["best"] else ""))
             report["rows"].append(row)
             del ops
             if a.out:
                 with open(a.out, "w") as f:
                     json.dump(report, f, indent=1)
+            if a.write_tilings and row["best"]:
+                write_tiling(a.write_tilings, report["device"], _key(N, K, prologue), row["best"])
     if a.json:
         print(json.dumps(report))
     return 0

@@ -206,3 +206,25 @@ def test_decode_attention_gpu_times_both_attentions_on_the_cpu_in_the_interprete
     for r in rows:
         assert r["eager"]["us"] > 0 and [t.get("error") for t in r["split_kv"]] == [None]
         assert r["best_split_kv"]["block_n"] == 16 and r["best_split_kv"]["us"] > 0
+
+
+def test_matvec_gpu_times_the_products_on_the_cpu_in_the_interpreter_and_writes_the_best_tilings(tmp_path):
+    """--tiny: two toy products, cuBLAS and two tilings each plus the engine's own (Triton's
+    interpreter), the report as JSON and the best tiling of each added to a table of tilings."""
+    import os
+
+    if not os.environ.get("CI"):
+        pytest.importorskip("triton", reason="the matvec kernels need triton")
+    script = load_script("matvec_gpu")
+    out, table = tmp_path / "matvec.json", tmp_path / "tilings.json"
+    table.write_text(json.dumps({"cpu": {"1x1/none": [1, 16, 1, True]}}))  # kept: the table is added to
+    assert script.main(["--tiny", "--out", str(out), "--write-tilings", str(table)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["product"], r["N"], r["K"], r["prologue"]) for r in rows] == [("qkv", 48, 64, "rms"),
+                                                                           ("down", 64, 40, "silu")]
+    for r in rows:
+        assert r["cublas_us"] > 0 and len(r["tilings"]) == 3 and all(t["us"] > 0 for t in r["tilings"])
+        assert r["best"]["us"] == min(t["us"] for t in r["tilings"]) and sum(t["default"] for t in r["tilings"]) == 1
+    written = json.loads(table.read_text())["cpu"]
+    assert set(written) == {"1x1/none", "48x64/rms", "64x40/silu"}
+    assert written["48x64/rms"] == [rows[0]["best"][k] for k in ("block_n", "block_k", "warps", "evict_first")]

@@ -209,12 +209,12 @@ def test_a_failed_compilation_with_split_kv_falls_back_to_the_eager_step(monkeyp
     def no_compiler(gm, example_inputs):
         raise RuntimeError("Failed to find C compiler")
 
-    model = tiny_model("llama", 4)
+    model = tiny_model("llama", 4).to(DEVICE)
     fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, attention="split-kv")
     assert fast._fixed.kv_whole and not fast._eager.kv_whole
     torch._dynamo.reset()
     fast._fixed, fast.compile = fast._functions(no_compiler, attention="split-kv"), True
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # (the compiled path is a GPU's)
     with pytest.warns(UserWarning, match="(?s)torch.compile failed .*Failed to find C compiler.*runs eagerly"):
-        walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(0))
+        walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(0), device=DEVICE)
     assert fast.implementation == "fast" and fast._fixed is fast._eager

@@ -99,12 +99,24 @@ def test_matvec_reads_a_row_slice_of_a_fused_weight_and_refuses_bad_input():
 
 
 @pytest.mark.unit
-def test_the_default_tiling_gives_an_h200_enough_programs():
-    """512 columns a step; at most 16 rows a program, fewer until there are 4 programs per SM."""
-    assert tiling(4096, 4096) == Tiling(4, 512, 4)  # 1024 programs on an H200's 132 SMs
-    assert tiling(28672, 4096) == Tiling(16, 512, 4) and tiling(128256, 4096).block_n == 16
-    assert tiling(6144, 4096).block_n == 8 and tiling(576, 1536) == Tiling(1, 512, 4)
-    assert tiling(4096, 4096, sms=1) == Tiling(16, 512, 4) and tiling(64, 100).block_k == 128
+def test_the_default_tiling_and_the_measured_ones(tmp_path, monkeypatch):
+    """1024 columns a step; 2 rows a program (8 under SiLU), fewer until there are 2 programs per
+    SM. A table of measured tilings (per GPU name, as benchmarks/matvec_gpu.py writes it) wins
+    for the products it names; EYAS_MATVEC_TILINGS adds a file of them."""
+    import json
+
+    import eyas.engine.matvec as mv
+
+    assert tiling(4096, 4096) == Tiling(2, 1024, 4) and tiling(4096, 14336, "silu") == Tiling(8, 1024, 4)
+    assert tiling(576, 1536, "silu") == Tiling(2, 1024, 4) and tiling(64, 100).block_k == 128
+    assert tiling(4096, 14336, "silu", sms=1) == Tiling(8, 1024, 4)
+    path = tmp_path / "tilings.json"
+    path.write_text(json.dumps({"GPU X": {"4096x4096/none": [4, 512, 8, False], "6144x4096/rms": [16, 1024, 4, True]}}))
+    monkeypatch.setenv("EYAS_MATVEC_TILINGS", str(path))
+    monkeypatch.setattr(mv, "_TABLES", {})
+    table = mv._measured("GPU X")
+    assert table["4096x4096/none"] == Tiling(4, 512, 8, False) and table[mv._key(6144, 4096, "rms")].block_n == 16
+    assert mv._measured("GPU Y") == {} or "GPU Y" in json.loads(mv.TILINGS_FILE.read_text())
 
 
 @pytest.mark.integration

@@ -473,7 +473,8 @@ def _after_attention(h_in: Tensor, out: Tensor, w: BlockWeights, *, eps: float,
         from eyas.engine.matvec import matvec as triton_matvec
 
         h = triton_matvec(out.contiguous(), w.o, bias=w.o_bias, residual=h_in)
-        gate_up = _triton_project(h, w.gate_up, w.gate_up_bias, (I, I), norm=w.post_norm, eps=eps)
+        gate_up = _triton_project(h, w.gate_up, w.gate_up_bias, (2 * I,) if len(w.gate_up) == 1 else (I, I),
+                                  norm=w.post_norm, eps=eps)
         return h_in, h, gate_up[0] if len(gate_up) == 1 else torch.cat(gate_up, dim=-1)  # [1, 2I]
     by_reduction = matvec == "reduce"
     h = h_in + linear(out, w.o, w.o_bias, matvec=by_reduction)

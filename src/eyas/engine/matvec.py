@@ -26,13 +26,17 @@ arithmetic in between): rmsnorm(x) = DT(w_norm * DT(x * rsqrt(mean(x^2) + eps)))
 DT(DT(SiLU(gate)) * up); the product and its bias in float32, rounded to DT; the residual add of two
 DT values, rounded. The float32 sums' order differs from cuBLAS's (and from one tiling to another).
 
-The tiling, (BLOCK_N, BLOCK_K, num_warps), comes from :func:`tiling` for a matrix's shape unless
-given; ``benchmarks/matvec_gpu.py`` times the choices. The kernels need Triton (a GPU, or
+The tiling (rows a program, columns a step, warps, eviction) is the one measured for the GPU and the
+product in ``matvec_tilings.json`` (``benchmarks/matvec_gpu.py --write-tilings`` times the choices
+and writes the fastest), else :func:`tiling`'s default for the shape. The kernels need Triton (a GPU, or
 ``TRITON_INTERPRET=1`` on the CPU, as the tests run them).
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -44,40 +48,66 @@ PROLOGUES = (None, "rms", "silu")
 
 
 class Tiling(NamedTuple):
-    """How :func:`matvec` cuts a product: rows per program, columns per loop step, warps per program."""
+    """How :func:`matvec` cuts a product: rows per program, columns per loop step, warps per program,
+    and whether the weight's loads are marked evict-first (read once: keep x and the rest in L2)."""
 
     block_n: int
     block_k: int
     num_warps: int
+    evict_first: bool = True
 
 
-def tiling(n_rows: int, n_cols: int, sms: int = 132) -> Tiling:
-    """The default tiling of W [n_rows, n_cols] on a GPU of ``sms`` multiprocessors (an H200's
-    132): 512 columns a step (one 1 KB bf16 read a row); 16 rows a program (the accumulator:
-    16 x 512 float32, 64 registers a thread with 4 warps), fewer until there are at least 4
-    programs per SM, so that every SM has reads in flight."""
-    block_k = min(512, triton.next_power_of_2(n_cols))
-    block_n = 16
-    while block_n > 1 and triton.cdiv(n_rows, block_n) < 4 * sms:
+def tiling(n_rows: int, n_cols: int, prologue: str | None = None, sms: int = 132) -> Tiling:
+    """The default tiling of W [n_rows, n_cols] (for a GPU and shape without a measured one in
+    ``matvec_tilings.json``): 1024 columns a step (2 KB of bf16 a row); 2 rows a program, 8 with
+    ``prologue="silu"`` (whose loads and exponentials every program repeats for its columns: more
+    rows share them), fewer while there are under 2 programs per SM (``sms``). Measured on an H200
+    over 24 tilings (``benchmarks/2026-12-03-matvec-h200.md``): 2 x 1024 with 4 warps was within 3%
+    of the best on four of the five products of an 8B-shaped step, 8 x 1024 the best on down."""
+    block_k = min(1024, triton.next_power_of_2(n_cols))
+    block_n = 8 if prologue == "silu" else 2
+    while block_n > 1 and triton.cdiv(n_rows, block_n) < 2 * sms:
         block_n //= 2
     return Tiling(block_n, block_k, 4)
 
 
-_SMS: dict[torch.device, int] = {}
+def _key(n_rows: int, n_cols: int, prologue: str | None) -> str:
+    """A product's key in a table of tilings: "rows x columns / prologue"."""
+    return f"{n_rows}x{n_cols}/{prologue or 'none'}"
+
+
+TILINGS_FILE = Path(__file__).with_name("matvec_tilings.json")  # per GPU name: product key -> tiling
+_TABLES: dict[str, dict] = {}
+
+
+def _measured(device_name: str) -> dict[str, Tiling]:
+    """The tilings measured on a GPU of this name (``benchmarks/matvec_gpu.py --write-tilings``):
+    those shipped in ``matvec_tilings.json``, updated by the file ``EYAS_MATVEC_TILINGS`` names."""
+    if device_name not in _TABLES:
+        table: dict[str, Tiling] = {}
+        for path in (TILINGS_FILE, os.environ.get("EYAS_MATVEC_TILINGS")):
+            if path and Path(path).is_file():
+                entries = json.loads(Path(path).read_text()).get(device_name, {})
+                table.update({k: Tiling(*v) for k, v in entries.items()})
+        _TABLES[device_name] = table
+    return _TABLES[device_name]
 
 
 @torch.compiler.assume_constant_result  # a constant of the compiled step: torch.compile calls it once, tracing
-def _multiprocessors(device: torch.device) -> int:
-    """The SMs of a GPU; 1 elsewhere (Triton's interpreter runs the programs one by one)."""
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return _SMS[device]
+def _tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | None) -> Tiling:
+    """The tiling of a product on ``device``: the measured one for its GPU, else :func:`tiling` (on
+    the CPU, for Triton's interpreter, which runs programs one by one: 16 rows a program, few programs)."""
+    if device.type != "cuda":
+        return tiling(n_rows, n_cols, prologue)._replace(block_n=16)
+    found = _measured(torch.cuda.get_device_name(device)).get(_key(n_rows, n_cols, prologue))
+    return found or tiling(n_rows, n_cols, prologue, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 @triton.jit
 def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
                    N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, PROLOGUE: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVICT: tl.constexpr):
     # PROLOGUE: 0 none, 1 rms, 2 silu. EPS a constexpr: inductor passes a float argument as fp64.
     DT = y_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of W
@@ -111,7 +141,8 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
             a = (silu * up).to(DT).to(tl.float32)
         else:
             a = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + row[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + row[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy=EVICT)
         acc += w.to(tl.float32) * a[None, :]
     y = tl.sum(acc, 1)  # [BLOCK_N] float32
     if HAS_BIAS:
@@ -129,8 +160,8 @@ def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | 
 
     x [1, K] (``prologue="silu"``: [1, 2K], gate then up), contiguous; w [N, K] with unit stride
     along K (a row slice of a fused weight is fine); norm [K] (``"rms"``) with ``eps``; bias [N],
-    residual [1, N]. y has x's dtype. ``tile``: the tiling (default :func:`tiling` of w's shape and
-    the GPU's multiprocessors)."""
+    residual [1, N]. y has x's dtype. ``tile``: the tiling (default: the one measured for this GPU
+    and product, else :func:`tiling`)."""
     N, K = w.shape
     if prologue not in PROLOGUES:
         raise ValueError(f"matvec: prologue must be one of {list(PROLOGUES)}, found {prologue!r}")
@@ -142,11 +173,12 @@ def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | 
         raise ValueError(f"matvec: w must have unit stride along its columns, found strides {w.stride()}")
     if prologue == "rms" and (norm is None or norm.shape != (K,)):
         raise ValueError(f"matvec: prologue 'rms' needs norm [{K}], found {None if norm is None else tuple(norm.shape)}")
-    tile = tile or tiling(N, K, _multiprocessors(x.device))
+    tile = tile or _tiling_on(x.device, N, K, prologue)
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _matvec_kernel[(triton.cdiv(N, tile.block_n),)](
         x, w, y, x if norm is None else norm, x if bias is None else bias,
         x if residual is None else residual, w.stride(0),
         N=N, K=K, EPS=float(eps), PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps)
+        HAS_RES=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVICT="evict_first" if tile.evict_first else "", num_warps=tile.num_warps)
     return y
