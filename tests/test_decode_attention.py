@@ -179,8 +179,9 @@ def test_split_kv_is_refused_where_its_kernels_cannot_run(monkeypatch):
 
 @pytest.mark.slow
 def test_greedy_speculative_with_split_kv_attention_is_token_identical_to_plain(llama, trained_drafter):
-    """Verification (trees of up to 16 tokens, bucket 16) and one-token steps both attend through
-    the kernels; the output is the Hugging Face model's greedy output, token for token (float32).
+    """The one-token steps attend through the kernels, verification (trees of up to 16 tokens,
+    bucket 16) in the eager order, and keep() moves the accepted entries between them; the output
+    is the Hugging Face model's greedy output, token for token (float32).
     Slow on the CPU: about 80 s of Triton's interpreter."""
     from eyas.engine import HFTarget, LlamaTarget, TreeSpec, plain_generate, speculative_generate
     from tests.support.tiny import SPEC4, random_prompts
@@ -200,7 +201,7 @@ def test_greedy_speculative_with_split_kv_attention_is_token_identical_to_plain(
 
 @pytest.mark.integration
 def test_a_failed_compilation_with_split_kv_falls_back_to_the_eager_step(monkeypatch):
-    """The eager step takes a block's cache as two views, split-kv as one tensor: after the fallback
+    """The eager step takes a block's cache as two views, split-kv's one-token step as one tensor: after the fallback
     the step still equals the model, and says it runs eagerly."""
     from eyas.engine import HFTarget, LlamaTarget
     from tests.support.tiny import tiny_model
@@ -211,7 +212,7 @@ def test_a_failed_compilation_with_split_kv_falls_back_to_the_eager_step(monkeyp
 
     model = tiny_model("llama", 4).to(DEVICE)
     fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, attention="split-kv")
-    assert fast._fixed.kv_whole and not fast._eager.kv_whole
+    assert fast._fixed.one_token_layer is not None and fast._eager.one_token_layer is None
     torch._dynamo.reset()
     fast._fixed, fast.compile = fast._functions(no_compiler, attention="split-kv"), True
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # (the compiled path is a GPU's)

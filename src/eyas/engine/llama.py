@@ -550,7 +550,9 @@ class _StepFunctions(NamedTuple):
     down: Callable
     head: Callable
     whole_output_one_row: bool
-    kv_whole: bool  # layer takes a block's cache as one tensor kv [2, Hkv, C, D] (else keys, values)
+    # The layer of the steps of one token when it is another: split-kv's (_layer_split_kv), which takes a
+    # block's cache as one tensor kv [2, Hkv, C, D] (``layer`` takes keys, values); None: ``layer``.
+    one_token_layer: Callable | None = None
 
 
 class _Inputs(NamedTuple):
@@ -732,7 +734,7 @@ class LlamaTarget(Target):
         return "+".join(["fast"] + ["compile"] * self.compile + ["cuda-graphs"] * self.cuda_graphs
                         + [f"matvec-{self.matvec}"] * (own and self.matvec != "gemm")
                         + ["attention-sdpa"] * (self.attention == "sdpa")
-                        + ["attention-split-kv"] * (own and self._fixed.kv_whole))
+                        + ["attention-split-kv"] * (own and self._fixed.one_token_layer is not None))
 
     def _functions(self, backend: str | None, matvec: str = "gemm", attention: str = "eager") -> _StepFunctions:
         """(prologue, layer, head) with this model's constants, ``matvec`` and ``attention`` bound;
@@ -741,22 +743,25 @@ class LlamaTarget(Target):
         c = self._consts
         how = "reduce" if matvec == "reduce-tuned" else matvec  # how the functions multiply one row
         block = dict(eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=how)
-        kv_whole = attention == "split-kv"
         fns = (functools.partial(_prologue, rope_scaling=c["rope_scaling"]),
-               (functools.partial(_layer_split_kv, **block) if kv_whole
-                else functools.partial(_layer, **block, sdpa=attention == "sdpa")),
+               functools.partial(_layer, **block, sdpa=attention == "sdpa"),
                functools.partial(_down, matvec=how),
                functools.partial(_head, eps=c["eps"], matvec=how))
+        # split-kv: the steps of one token only; more tokens (verification) attend faster in the eager order
+        split = functools.partial(_layer_split_kv, **block) if attention == "split-kv" else None
         whole = how != "gemm"  # _down returns a row's output whole
         if backend is None:
-            return _StepFunctions(*fns, whole, kv_whole)
+            return _StepFunctions(*fns, whole, split)
         # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _down and
         # _head: per token bucket; per model) are separate compilations of one code object (functools.partial's):
         # 6 token buckets x 4 key buckets = 24 of _layer for C = 4096.
         raise_recompile_limits()
         options = {"coordinate_descent_tuning": True} if matvec == "reduce-tuned" else None
-        return _StepFunctions(*(torch.compile(f, backend=backend, fullgraph=True, dynamic=False, options=options)
-                                for f in fns), whole, kv_whole)
+
+        def compiled(f: Callable) -> Callable:
+            return torch.compile(f, backend=backend, fullgraph=True, dynamic=False, options=options)
+
+        return _StepFunctions(*map(compiled, fns), whole, None if split is None else compiled(split))
 
     # -- cache --------------------------------------------------------------------------------
 
@@ -814,10 +819,12 @@ class LlamaTarget(Target):
         shapes depend only on those two numbers. Returns logits [B, V] and the captured boundaries
         [B, S*H] in the spec's slot order (boundary b = the residual stream entering block b;
         boundary L = the last block's output, before the final norm)."""
-        prologue, layer, down, head, whole_output_one_row, kv_whole = fns
+        prologue, layer, down, head, whole_output_one_row, one_token_layer = fns
         x, d, cos, sin, slots, mask = prologue(*inputs, self.embed_weight, self.inv_freq, n_keys=n_keys)
         if whole_output_one_row and x.shape[0] == 1:
             d = None  # every block returns its output whole (see _down): one compilation of _layer
+        kv_whole = one_token_layer is not None and x.shape[0] == 1
+        layer = one_token_layer if kv_whole else layer
         captured: list[Tensor | None] = [None] * self.spec.num_slots
         for i, w in enumerate(self.weights):
             cache = (self.kv[i],) if kv_whole else (self.keys[i], self.values[i])
