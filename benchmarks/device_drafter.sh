@@ -16,7 +16,7 @@
 #   matvec       issue 10's 8B bar with matvec='triton': the kernels' tests on the GPU, the products per tiling
 #                (matvec_gpu.py; SHAPES=8b,smollm2, TILINGS=...), the best written to $OUT/tilings.json, then the
 #                8B-shaped step with them (VARIANTS=...; STEP_S=220 its time limit)
-#   confirm      matvec='triton' with the shipped tilings: the engine's GPU tests, the 8B- and SmolLM2-shaped steps
+#   confirm      matvec='triton' with the shipped tilings: the 8B- and SmolLM2-shaped steps, the engine's GPU tests
 #   tiling       one block's attention alone, eager against the split-KV kernels per tiling (decode_attention_gpu.py)
 #   gputests     the engine's GPU tests, then the matvec='reduce' identity test run for its message
 #   attention    the shipped drafter with the fast target's attention eager, then split-kv (Triton): spec_gpu.py twice
@@ -172,19 +172,19 @@ EOF
     tail -n 14 "$OUT/8b.log"
     ;;
   confirm)
-    # matvec='triton' with the shipped tilings on another machine: the engine's GPU tests (greedy identity with
-    # every option), then the 8B-shaped step and the SmolLM2-shaped one (llama_8b_cost.py)
-    timeout ${TESTS_S:-220} python -m pytest -v -p no:cacheprovider tests/test_engine_cuda.py tests/test_engine_llama.py \
-      -k 'cuda or gpu' > "$OUT/gpu_tests.log" 2>&1 || true
-    grep -E "PASSED|FAILED|ERROR|XFAIL|XPASS|passed|failed" "$OUT/gpu_tests.log" | tail -n 30
-    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${STEP_S:-200} python llama_8b_cost.py --profile \
-      --variants ${VARIANTS:-compiled-triton-split-kv,compiled,compiled-triton} --out "$OUT/8b.json" \
+    # matvec='triton' with the shipped tilings on another machine, in order of importance: the 8B-shaped step, the
+    # SmolLM2-shaped one (llama_8b_cost.py), then the engine's GPU tests (greedy identity with every option)
+    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${STEP_S:-150} python llama_8b_cost.py --profile \
+      --variants ${VARIANTS:-compiled-triton-split-kv,compiled} --out "$OUT/8b.json" \
       > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
-    grep -E "tokens:|floor|x the floor" "$OUT/8b.log" | tail -n 24
-    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${SMOL_S:-120} python llama_8b_cost.py --shape smollm2 \
+    grep -E "tokens:|floor|x the floor" "$OUT/8b.log" | tail -n 16
+    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${SMOL_S:-100} python llama_8b_cost.py --shape smollm2 \
       --profile --variants compiled-triton-split-kv,compiled --out "$OUT/smollm2.json" > "$OUT/smollm2.log" 2>&1) \
       || echo "smollm2 exit $?" >> "$OUT/smollm2.log"
-    grep -E "tokens:|floor|x the floor|kernels" "$OUT/smollm2.log" | tail -n 20
+    grep -E "tokens:|floor|x the floor|kernels" "$OUT/smollm2.log" | tail -n 16
+    timeout ${TESTS_S:-200} python -m pytest -v -p no:cacheprovider tests/test_engine_cuda.py tests/test_engine_llama.py \
+      -k 'cuda or gpu' > "$OUT/gpu_tests.log" 2>&1 || true
+    grep -E "PASSED|FAILED|ERROR|XFAIL|XPASS|passed|failed" "$OUT/gpu_tests.log" | tail -n 30
     ;;
   tiling)
     # one block's attention alone: eager against the split-KV kernels per tiling (decode_attention_gpu.py)
