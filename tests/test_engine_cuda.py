@@ -95,10 +95,8 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-@pytest.mark.parametrize("matvec,attention", [("gemm", "eager"), pytest.param("reduce", "eager", marks=pytest.mark.xfail(
-    strict=True, reason="failed on the H200 on 2026-12-01 (not diagnosed: which of its asserts failed is not "
-    "known; eager and inductor-compiled on the CPU it passes); matvec='reduce' stays opt-in until it passes, "
-    "and a pass fails here (strict) so that the marker goes with the fix")), ("gemm", "split-kv"), ("triton", "split-kv")])
+@pytest.mark.parametrize("matvec,attention", [("gemm", "eager"), ("reduce", "eager"), ("gemm", "split-kv"),
+                                              ("triton", "split-kv")])
 def test_greedy_fast_path_with_graphs_is_token_identical_to_plain_in_float32(llama_and_drafter, matvec, attention):
     """Also when plain decoding's one-token steps multiply by reductions (matvec="reduce") while
     verification's steps multiply by GEMMs: float32 sums in another order, the same tokens; and

@@ -84,11 +84,14 @@ def capture(run: Callable[[], T], pool: object, warmups: int = 2,
 def raise_recompile_limits() -> None:
     """One code object compiled per shape (the fast target's functions x (token bucket, key bucket)
     pairs, the drafter's steps x trees): torch's default limit (8) would fall back to eager
-    silently, so raise it."""
+    silently, so raise it. And every compiled functools.partial runs through one wrapper code
+    object of torch's (``external_utils.inner``), so all the targets a process builds share its
+    cache: at 128 the 16th compiled target of one test run on the H200 failed with
+    ``FailOnRecompileLimitHit`` (2026-12-02); hence 1024."""
     import torch._dynamo.config as dynamo_config
 
-    for name, least in (("recompile_limit", 128), ("cache_size_limit", 128),
-                        ("accumulated_recompile_limit", 1024), ("accumulated_cache_size_limit", 1024)):
+    for name, least in (("recompile_limit", 1024), ("cache_size_limit", 1024),
+                        ("accumulated_recompile_limit", 8192), ("accumulated_cache_size_limit", 8192)):
         if isinstance(getattr(dynamo_config, name, None), int):
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), least))
 
