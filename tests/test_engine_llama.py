@@ -152,6 +152,9 @@ def test_build_target_picks_the_implementation_and_says_which():
         build_target(model, SPEC, "x")
     with pytest.raises(UnsupportedTarget, match="deepseek_v3"):
         build_target(tiny_model("deepseek_v3", L), SPEC, "fast")
+    with pytest.raises(UnsupportedTarget, match=r"--matvec triton: options of the fast Llama-family target, and this "
+                                                r"model runs on the Hugging Face target \(model_type 'deepseek_v3'"):
+        build_target(tiny_model("deepseek_v3", L), SPEC, "auto", matvec="triton")
 
 
 @pytest.mark.integration
@@ -175,6 +178,17 @@ def test_generate_on_the_fast_target_prints_it_and_equals_the_hf_target(toy_draf
     r = CliRunner().invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hi",
                                  "--device", "cpu", "--target-impl", "turbo"])
     assert r.exit_code == 2 and "--target-impl: expected one of" in r.stderr
+    # the fast target's kernels: passed through, checked, refused where the Hugging Face target runs
+    for extra, message in ((["--matvec", "gemv"], "--matvec: expected one of ['auto', 'gemm', 'reduce', "
+                                                  "'reduce-tuned', 'triton'], found 'gemv'"),
+                           (["--attention", "flash"], "--attention: expected one of ['eager', 'sdpa', 'split-kv'], "
+                                                      "found 'flash'"),
+                           (["--target-impl", "hf", "--matvec", "triton", "--attention", "split-kv"],
+                            "--matvec triton --attention split-kv: options of the fast Llama-family target, and this "
+                            "model runs on the Hugging Face target (--target-impl hf); leave them out")):
+        r = CliRunner().invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hi",
+                                     "--device", "cpu", *extra])
+        assert r.exit_code == 2 and message in " ".join(r.stderr.split()), r.stderr
 
 
 @pytest.mark.integration

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
-from eyas.cli.common import DRAFT_DTYPE_HELP, DRAFT_HELP, TARGET_HELP, TARGET_IMPL_HELP, console, err
+from eyas.cli.common import (ATTENTION_HELP, DRAFT_DTYPE_HELP, DRAFT_HELP, MATVEC_HELP, TARGET_HELP, TARGET_IMPL_HELP,
+                             console, err)
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
 
@@ -22,13 +23,15 @@ TREE_HELP = ("DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24), DEPTH for a 
              "short greedy calibration, and use the tree with the best predicted speedup")
 
 
-def load_for_serving(target: str, draft: Path, device: str, force: bool,
-                     target_impl: str = "auto", draft_dtype: str = "auto") -> tuple[LoadedTarget, Any, Any, Any]:
+def load_for_serving(target: str, draft: Path, device: str, force: bool, target_impl: str = "auto",
+                     draft_dtype: str = "auto", matvec: str = "auto",
+                     attention: str = "eager") -> tuple[LoadedTarget, Any, Any, Any]:
     """(the loaded target, drafter, engine target, contract), the drafter checked against the target's
     contract. ``--device auto`` and the dtype follow eyas.targets.placement: bf16 on a GPU, float32 on
     the CPU (bf16 matmuls are slow there and greedy equality is exact in float32); ``target_impl``
     picks the engine's target (:func:`eyas.engine.build_target`); ``draft_dtype`` the drafter's
-    (:func:`eyas.targets.placement.resolve_draft_dtype`: bf16 on a CPU with native bf16)."""
+    (:func:`eyas.targets.placement.resolve_draft_dtype`: bf16 on a CPU with native bf16); ``matvec`` and
+    ``attention`` the fast target's kernels."""
     from eyas.convention import CaptureSpec
     from eyas.engine import build_target
     from eyas.interop import load_drafter
@@ -39,7 +42,7 @@ def load_for_serving(target: str, draft: Path, device: str, force: bool,
     drafter, contract = _run(load_drafter, draft, target=loaded, tokenizer=loaded.tokenizer, force=force)
     drafter = drafter.to(loaded.device, dtype=_run(resolve_draft_dtype, draft_dtype, loaded.dtype, loaded.device)).eval()
     spec = CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks)
-    tgt = _run(build_target, loaded.model, spec, target_impl)
+    tgt = _run(build_target, loaded.model, spec, target_impl, matvec=matvec, attention=attention)
     if getattr(tgt, "cuda_graphs", False):  # compile and capture every bucket now, not mid-generation
         with err.status("[dim]fast target: compiling its steps and capturing CUDA graphs (once per bucket)...[/]"):
             seconds = tgt.warmup()
@@ -80,6 +83,8 @@ def generate_cmd(
     seed: int = typer.Option(0),
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
+    matvec: str = typer.Option("auto", help=MATVEC_HELP),
+    attention: str = typer.Option("eager", help=ATTENTION_HELP),
     draft_dtype: str = typer.Option("auto", help=DRAFT_DTYPE_HELP),
     force: bool = typer.Option(False, help="serve even when the contract does not match the target"),
     json_out: bool = typer.Option(False, "--json"),
@@ -92,7 +97,8 @@ def generate_cmd(
 
     sampling = _run(SamplingParams, temperature, top_p, top_k)  # checked before anything loads
     draft = str(_run(resolve_draft, draft, target))
-    loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl, draft_dtype)
+    loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl, draft_dtype,
+                                                        matvec, attention)
     tokenizer = loaded.tokenizer
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = render_prompt(messages, tokenizer).to(tgt.device)[None]
@@ -140,6 +146,8 @@ def bench_cmd(
     seed: int = typer.Option(0),
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
+    matvec: str = typer.Option("auto", help=MATVEC_HELP),
+    attention: str = typer.Option("eager", help=ATTENTION_HELP),
     draft_dtype: str = typer.Option("auto", help=DRAFT_DTYPE_HELP),
     png: Optional[Path] = typer.Option(None, help="accept-length histogram (default: next to --out or ./bench.png)"),
     out: Optional[Path] = typer.Option(None, help="also write the JSON report here"),
@@ -158,7 +166,8 @@ def bench_cmd(
 
     sampling = _run(SamplingParams, temperature)  # checked before anything loads
     draft = str(_run(resolve_draft, draft, target))
-    loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl, draft_dtype)
+    loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl, draft_dtype,
+                                                        matvec, attention)
     tokenizer = loaded.tokenizer
     err.print(f"[dim]target implementation: {tgt.implementation}; drafter in {str(drafter.fc.weight.dtype)[6:]}[/]")
     sets = [(name, _run(load_prompts, name, limit)) for name in prompts]

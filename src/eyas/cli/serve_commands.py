@@ -15,7 +15,7 @@ from typing import Optional
 
 import typer
 
-from eyas.cli.common import DRAFT_HELP, TARGET_HELP, TARGET_IMPL_HELP, console, err
+from eyas.cli.common import ATTENTION_HELP, DRAFT_HELP, MATVEC_HELP, TARGET_HELP, TARGET_IMPL_HELP, console, err
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
 
@@ -30,6 +30,8 @@ def serve_cmd(
     force: bool = typer.Option(False, help="start even when the start-up checks fail (/health and /metrics say so)"),
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
+    matvec: str = typer.Option("auto", help=MATVEC_HELP),
+    attention: str = typer.Option("eager", help=ATTENTION_HELP),
     served_model_name: Optional[str] = typer.Option(None, help="the model id clients send (default: --target)"),
     max_tokens: int = typer.Option(256, min=1, help="new tokens when a request does not say (capped by the context)"),
     max_body_bytes: int = typer.Option(1 << 20, min=1024, help="larger request bodies get 413"),
@@ -45,7 +47,7 @@ def serve_cmd(
     log = (lambda m: err.print(f"[dim]serve: {m}[/]", highlight=False))
     try:
         served = _run(load_served, target, draft, tree=tree, force=force, device=device, target_impl=target_impl,
-                      model_name=served_model_name, log=log)
+                      matvec=matvec, attention=attention, model_name=served_model_name, log=log)
     except RefusedError as e:
         err.print(str(e), highlight=False, markup=False)
         raise typer.Exit(1) from None

@@ -34,7 +34,9 @@ finite and empty chunks weigh e^-inf = 0; a masked tile leaves the state unchang
 under the mask) v up to float32 summation order and the rounding of q and of the probabilities.
 
 The kernels need Triton (a GPU, or ``TRITON_INTERPRET=1`` on the CPU, as the tests run them). The
-head dimension must be a power of two (``supported_head_dim``).
+head dimension must be a power of two (``supported_head_dim``). They take any B; LlamaTarget runs
+them on its steps of one token (``attention="split-kv"``), where they are faster than the eager
+order, and verifies trees in the eager order, which was faster at 24 tokens.
 """
 
 from __future__ import annotations

@@ -166,10 +166,11 @@ def _check_triton(option: str, fallback: str, device: torch.device) -> None:
     """Refuse an option that runs our Triton kernels (``option``, e.g. "attention='split-kv'") where
     they cannot run, saying what it needs and what to use instead (``fallback``)."""
     if importlib.util.find_spec("triton") is None:
-        raise ValueError(f"LlamaTarget: {option} runs Triton kernels, and triton is not installed; use {fallback}")
+        raise UnsupportedTarget(f"LlamaTarget: {option} runs Triton kernels, and triton is not installed; use "
+                                f"{fallback}")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"LlamaTarget: {option} runs Triton kernels, on a GPU (the model is on "
-                         f"{device.type}) or under TRITON_INTERPRET=1; use {fallback}")
+        raise UnsupportedTarget(f"LlamaTarget: {option} runs Triton kernels, on a GPU (the model is on "
+                                f"{device.type}) or under TRITON_INTERPRET=1; use {fallback}")
 
 
 def _check_split_kv(head_dim: int, device: torch.device) -> None:
@@ -178,8 +179,8 @@ def _check_split_kv(head_dim: int, device: torch.device) -> None:
     from eyas.engine.decode_attention import supported_head_dim
 
     if not supported_head_dim(head_dim):
-        raise ValueError(f"LlamaTarget: attention='split-kv' needs a power-of-two head dimension of at least 16, "
-                         f"found {head_dim}; use attention='eager'")
+        raise UnsupportedTarget(f"LlamaTarget: attention='split-kv' needs a power-of-two head dimension of at "
+                                f"least 16, found {head_dim}; use attention='eager'")
 
 
 # -- fused projections ---------------------------------------------------------------------------
@@ -583,26 +584,33 @@ class LlamaTarget(Target):
     ``matvec`` says how the fixed-shape steps of ONE token multiply by the weights: ``"gemm"``
     (``F.linear``: cuBLAS), ``"reduce"`` (a float32 reduction that inductor compiles into one
     weight-streaming kernel, see :func:`linear`), ``"reduce-tuned"`` (the same, with inductor's
-    coordinate-descent tuning of every kernel's block sizes: a longer compilation), or ``"auto"``
-    (``"gemm"``). Steps of more tokens and exact-shape steps always use ``F.linear``. Measured on
+    coordinate-descent tuning of every kernel's block sizes: a longer compilation), ``"triton"``
+    (:mod:`eyas.engine.matvec`: one Triton kernel per product that also does the norm before it,
+    SiLU(gate) * up and the residual add, 4 kernels a block; it needs Triton, like split-kv), or
+    ``"auto"`` (``"gemm"``). Steps of more tokens and exact-shape steps always use ``F.linear``. Measured on
     an H200 in bf16 (``benchmarks/2026-12-01-matvec-h200.md``): a SmolLM2-shaped plain
     step 1.229 ms (gemm), 0.976 (reduce), 0.933 (reduce-tuned); an 8B-shaped one 4.949, 6.458 and
     4.849 ms, warm-up 27, 4 and 89 s; with the down product compiled apart (:func:`_down`), 4.878
     (gemm) and 4.427 ms (reduce-tuned) on one machine (``benchmarks/2026-12-02-llama8b-h200.md``:
     1.37x and 1.24x the floor). Not the default: the float32 greedy identity test with the HF
-    model failed once on that GPU with ``"reduce"`` (it passes on the CPU, eager and compiled), and
-    the cause is not known yet.
+    model failed once on that GPU with ``"reduce"`` and passed on 2026-12-02. With ``"triton"`` and
+    split-kv attention the 8B-shaped plain step took 4.244 and 4.206 ms on two machines, 1.19x the
+    floor, against 5.190 and 5.073 ms for the default (``benchmarks/2026-12-02-matvec-triton-h200.md``);
+    a SmolLM2-shaped one 0.614 ms against 1.404. Not the default: verification and the drafter do not
+    gain, so speculative decoding's lead over plain decoding would shrink below issue 10's 1.3x on
+    SmolLM2 (estimated, to be measured).
 
     ``attention`` says how the steps attend over the cache: ``"eager"`` (Hugging Face's eager
     order: QK, a float32 softmax under the mask, PV; three kernels a block on a GPU), ``"sdpa"``
     (one ``scaled_dot_product_attention`` call a block, a fused kernel on a GPU; equal to the model
-    in float32 on the CPU), or ``"split-kv"`` (the fixed-shape steps only: two Triton kernels a
-    block that also rotate q and k and write the cache, :mod:`eyas.engine.decode_attention`; it
-    needs Triton, a GPU or ``TRITON_INTERPRET=1``, and a power-of-two head dimension; exact-shape
-    steps stay eager). On an H200, 8B-shaped, bf16 (``benchmarks/2026-12-02-split-kv-h200.md``):
-    SDPA 6.245 ms a plain step against 5.391 eager (gemm, one call); split-kv with gemm 4.769 ms
-    and 400 kernels (1.34x the floor, another machine). Both stay opt-in: SDPA is slower, and
-    split-kv's GPU identity tests and its SmolLM2 benchmark have not run yet."""
+    in float32 on the CPU), or ``"split-kv"`` (the fixed-shape steps of one token only: two Triton
+    kernels a block that also rotate q and k and write the cache, :mod:`eyas.engine.decode_attention`;
+    it needs Triton, a GPU or ``TRITON_INTERPRET=1``, and a power-of-two head dimension; steps of
+    more tokens attend in the eager order, which was faster for 24 tokens: 5.59 against 5.98 ms,
+    one call). On an H200, 8B-shaped, bf16 (``benchmarks/2026-12-02-split-kv-h200.md``): SDPA
+    6.245 ms a plain step against 5.391 eager (gemm, one call); split-kv with gemm 4.769 ms and 400
+    kernels (1.34x the floor, another machine). Both opt-in: SDPA is slower, and split-kv goes with
+    ``matvec="triton"`` (above)."""
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
                  default_capacity: int = 4096, fixed_shapes: bool = False, cuda_graphs: bool = False,
@@ -976,14 +984,23 @@ def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "aut
       its static cache still beats the Hugging Face model: SmolLM2 in float32 on 2 cores, 22.6
       against 20.0 tok/s plain and 20.0 against 17.6 speculative), else ``hf``.
     The returned target's ``implementation`` says which one runs. ``matvec`` and ``attention``: the
-    fast target's one-token products and its attention (:class:`LlamaTarget`).
+    fast target's one-token products and its attention (:class:`LlamaTarget`); asking for one that
+    is not the default where the Hugging Face target runs is refused, with the reason.
     """
     from eyas.engine.target import HFTarget
 
     impl = str(implementation).lower()
     if impl not in TARGET_IMPLEMENTATIONS:
         raise UnsupportedTarget(f"--target-impl: expected one of {list(TARGET_IMPLEMENTATIONS)}, found {implementation!r}")
+    for flag, value, choices in (("--matvec", matvec, MATVEC_CHOICES), ("--attention", attention, ATTENTION_CHOICES)):
+        if value not in choices:
+            raise UnsupportedTarget(f"{flag}: expected one of {list(choices)}, found {value!r}")
     on_gpu = next(model.parameters()).device.type == "cuda"
     if impl == "hf" or (impl == "auto" and supports(model) is not None):
+        asked = [f"--{k} {v}" for k, v in (("matvec", matvec), ("attention", attention)) if v not in ("auto", "eager")]
+        if asked:
+            why = "--target-impl hf" if impl == "hf" else supports(model)
+            raise UnsupportedTarget(f"{' '.join(asked)}: options of the fast Llama-family target, and this model runs "
+                                    f"on the Hugging Face target ({why}); leave them out")
         return HFTarget(model, spec)
     return LlamaTarget(model, spec, cuda_graphs=on_gpu, matvec=matvec, attention=attention)

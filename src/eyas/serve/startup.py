@@ -125,10 +125,11 @@ def check_pair(loaded: LoadedTarget, draft_path: Path, log: Callable[[str], None
 
 
 def load_served(target: str, draft: str | None, *, tree: str = "5", force: bool = False, device: str = "auto",
-                target_impl: str = "auto", model_name: str | None = None,
-                log: Callable[[str], None] = lambda m: None) -> Served:
+                target_impl: str = "auto", matvec: str = "auto", attention: str = "eager",
+                model_name: str | None = None, log: Callable[[str], None] = lambda m: None) -> Served:
     """Load and check the pair (see the module docstring); raises :class:`RefusedError` on a mismatch
-    without ``force``, and eyas' own errors (a missing directory, a bad ``--tree``) as they are."""
+    without ``force``, and eyas' own errors (a missing directory, a bad ``--tree``) as they are.
+    ``target_impl``, ``matvec`` and ``attention``: the engine's target (:func:`eyas.engine.build_target`)."""
     auto = tree.strip().lower() == "auto"
     spec_tree = None if auto else TreeSpec.parse(tree)
     draft_path = resolve_draft(draft, target)
@@ -150,7 +151,7 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", force: bool 
     from eyas.convention import CaptureSpec
 
     engine_target = build_target(loaded.model, CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks),
-                                 target_impl)
+                                 target_impl, matvec=matvec, attention=attention)
     if getattr(engine_target, "cuda_graphs", False):
         # Every key bucket up to the capacity: a server's long requests should not pay a compilation.
         log("compiling the fast target's steps and capturing CUDA graphs")
