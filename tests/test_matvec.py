@@ -100,16 +100,17 @@ def test_matvec_reads_a_row_slice_of_a_fused_weight_and_refuses_bad_input():
 
 @pytest.mark.unit
 def test_the_default_tiling_and_the_measured_ones(tmp_path, monkeypatch):
-    """1024 columns a step; 2 rows a program (8 under SiLU), fewer until there are 2 programs per
-    SM. A table of measured tilings (per GPU name, as benchmarks/matvec_gpu.py writes it) wins
-    for the products it names; EYAS_MATVEC_TILINGS adds a file of them."""
+    """4 rows of 2048 columns with 8 warps (2 of 1024 with 4 for fewer columns, 8 of 1024 with 4
+    under SiLU), fewer rows until there are 2 programs per SM. A table of measured tilings (per GPU name, as benchmarks/matvec_gpu.py writes
+    it) wins for the products it names; EYAS_MATVEC_TILINGS adds a file of them."""
     import json
 
     import eyas.engine.matvec as mv
 
-    assert tiling(4096, 4096) == Tiling(2, 1024, 4) and tiling(4096, 14336, "silu") == Tiling(8, 1024, 4)
-    assert tiling(576, 1536, "silu") == Tiling(2, 1024, 4) and tiling(64, 100).block_k == 128
-    assert tiling(4096, 14336, "silu", sms=1) == Tiling(8, 1024, 4)
+    assert tiling(4096, 4096) == Tiling(4, 2048, 8) and tiling(4096, 14336, "silu") == Tiling(8, 1024, 4)
+    assert tiling(576, 1536, "silu") == Tiling(2, 1024, 4) and tiling(960, 576) == Tiling(2, 1024, 4)
+    assert tiling(400, 4096) == Tiling(1, 2048, 8)  # 400 programs of one row (of 2 rows, 200 < 2 x 132)
+    assert tiling(4096, 14336, "silu", sms=1) == Tiling(8, 1024, 4) and tiling(64, 100).block_k == 128
     path = tmp_path / "tilings.json"
     path.write_text(json.dumps({"GPU X": {"4096x4096/none": [4, 512, 8, False], "6144x4096/rms": [16, 1024, 4, True]}}))
     monkeypatch.setenv("EYAS_MATVEC_TILINGS", str(path))

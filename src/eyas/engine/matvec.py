@@ -64,18 +64,26 @@ class Tiling(NamedTuple):
 
 def tiling(n_rows: int, n_cols: int, prologue: str | None = None, sms: int = 132) -> Tiling:
     """The default tiling of W [n_rows, n_cols] (for a GPU and shape without a measured one in
-    ``matvec_tilings.json``): 1024 columns a step (2 KB of bf16 a row); 2 rows a program, 8 with
-    ``prologue="silu"`` (whose loads and exponentials every program repeats for its columns: more
-    rows share them), fewer while there are under 2 programs per SM (``sms``). Measured on an H200
-    over 24 tilings (``benchmarks/2026-12-02-matvec-triton-h200.json``, call 1): 2 x 1024 with 4
-    warps was within 3% of the best on four of the five products of an 8B-shaped step, 8 x 1024 the
-    best on down; wider tilings of 2048 columns and 8 warps, measured later, won on an H200 and are
-    in ``matvec_tilings.json``."""
-    block_k = min(1024, triton.next_power_of_2(n_cols))
-    block_n = 8 if prologue == "silu" else 2
+    ``matvec_tilings.json``), from two H200 calls (``benchmarks/2026-12-02-matvec-triton-h200.md``):
+
+    - at least 2048 columns: 4 rows a program, 2048 columns a step (4 KB of bf16 a row), 8 warps,
+      the fastest of 32 tilings for gate/up, q/k/v and the head of an 8B-shaped step, 2% off it
+      for o (call 2);
+    - fewer columns: 2 rows of 1024 columns, 4 warps (the SmolLM2-shaped step of call 3 ran so);
+    - ``prologue="silu"`` (whose loads and exponentials every program repeats for its columns, so
+      more rows share them): 8 rows of 1024 columns, 4 warps, the fastest for down (call 2);
+
+    then fewer rows while there are under 2 programs per SM (``sms``)."""
+    if prologue == "silu":
+        block_n, block_k, warps = 8, 1024, 4
+    elif n_cols >= 2048:
+        block_n, block_k, warps = 4, 2048, 8
+    else:
+        block_n, block_k, warps = 2, 1024, 4
+    block_k = min(block_k, triton.next_power_of_2(n_cols))
     while block_n > 1 and triton.cdiv(n_rows, block_n) < 2 * sms:
         block_n //= 2
-    return Tiling(block_n, block_k, 4)
+    return Tiling(block_n, block_k, warps)
 
 
 def _key(n_rows: int, n_cols: int, prologue: str | None) -> str:
