@@ -118,6 +118,14 @@ def test_the_default_tiling_and_the_measured_ones(tmp_path, monkeypatch):
     table = mv._measured("GPU X")
     assert table["4096x4096/none"] == Tiling(4, 512, 8, False) and table[mv._key(6144, 4096, "rms")].block_n == 16
     assert mv._measured("GPU Y") == {} or "GPU Y" in json.loads(mv.TILINGS_FILE.read_text())
+    assert mv.read_tilings(mv.TILINGS_FILE)  # the shipped table reads
+    path.write_text(json.dumps({"GPU X": {"4096x4096/none": [3, 512, 8]}}))
+    with pytest.raises(ValueError, match=r"tilings.json: entry 'GPU X' / '4096x4096/none': expected \[rows, columns, "
+                                         r"warps, evict_first\] \(powers of two, then true or false\), found \[3, 512, 8\]"):
+        mv.read_tilings(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=r"tilings.json: expected a JSON object .* found JSONDecodeError"):
+        mv.read_tilings(path)
 
 
 @pytest.mark.integration

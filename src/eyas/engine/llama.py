@@ -407,9 +407,10 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
     Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
     attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects
     (with ``matvec="triton"`` and one row: the gate/up output [1, 2I], SiLU(gate) * up done in the
-    down product's kernel). ``matvec``: see :func:`_one_row`. ``sdpa``: attention as one ``scaled_dot_product_attention`` call
-    (a fused kernel on a GPU, which keeps the probabilities in float32 for PV) instead of the eager
-    order's three steps (QK in the model's dtype; scale, mask and softmax in float32, cast back; PV)."""
+    down product's kernel). ``matvec``: see :func:`_one_row`. ``sdpa``: attention as one
+    ``scaled_dot_product_attention`` call (a fused kernel on a GPU, which keeps the probabilities in
+    float32 for PV) instead of the eager order's three steps (QK in the model's dtype; scale, mask
+    and softmax in float32, cast back; PV)."""
     Hkv, _, D = keys.shape
     h_in, q, k, v = _before_attention(x, d, w, Hkv, D, eps=eps, qk_eps=qk_eps, matvec=matvec)
     out = _attend(q, k, v, cos, sin, slots, mask, keys, values, scaling=scaling, sdpa=sdpa)
@@ -471,9 +472,7 @@ def _after_attention(h_in: Tensor, out: Tensor, w: BlockWeights, *, eps: float,
     SiLU is left to :func:`_down`'s kernel)."""
     I = w.down.shape[1]
     if _one_row(matvec, out):
-        from eyas.engine.matvec import matvec as triton_matvec
-
-        h = triton_matvec(out.contiguous(), w.o, bias=w.o_bias, residual=h_in)
+        h = _fused_matvec(out.contiguous(), w.o, bias=w.o_bias, residual=h_in)
         gate_up = _triton_project(h, w.gate_up, w.gate_up_bias, (2 * I,) if len(w.gate_up) == 1 else (I, I),
                                   norm=w.post_norm, eps=eps)
         return h_in, h, gate_up[0] if len(gate_up) == 1 else torch.cat(gate_up, dim=-1)  # [1, 2I]
@@ -482,6 +481,14 @@ def _after_attention(h_in: Tensor, out: Tensor, w: BlockWeights, *, eps: float,
     gate, up = project(rms_norm(h, w.post_norm, eps), w.gate_up, w.gate_up_bias, (I, I),
                        matvec=by_reduction)  # [B, I] each
     return h_in, h, F.silu(gate) * up
+
+
+def _fused_matvec(x: Tensor, w: Tensor, **options) -> Tensor:
+    """:func:`eyas.engine.matvec.matvec`, imported at its first use: Triton is needed only where
+    ``matvec="triton"`` is asked for (and checked then, by :func:`_check_triton`)."""
+    from eyas.engine.matvec import matvec
+
+    return matvec(x, w, **options)
 
 
 def _one_row(matvec: str, a: Tensor) -> bool:
@@ -497,10 +504,8 @@ def _triton_project(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor
     """:func:`project` of rms_norm(a) for one row a [1, H], the norm in the product's kernel:
     [1, size] views of the fused weight's output, or one kernel per separate weight (each computes
     the norm again)."""
-    from eyas.engine.matvec import matvec as triton_matvec
-
     def product(w: Tensor, bias: Tensor | None) -> Tensor:
-        return triton_matvec(a, w, prologue="rms", norm=norm, eps=eps, bias=bias)
+        return _fused_matvec(a, w, prologue="rms", norm=norm, eps=eps, bias=bias)
 
     if len(weights) == 1:
         return product(weights[0], None if biases is None else biases[0]).split(list(sizes), dim=-1)
@@ -522,9 +527,7 @@ def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
     computing gate and up as two reductions that inductor fuses with SiLU was slower (63.5 us for
     gate/up against 56.1 us as one reduction of the fused weight, in one call)."""
     if _one_row(matvec, act):
-        from eyas.engine.matvec import matvec as triton_matvec
-
-        return triton_matvec(act, down, prologue="silu", bias=down_bias, residual=h), None
+        return _fused_matvec(act, down, prologue="silu", bias=down_bias, residual=h), None
     m = linear(act, down, down_bias, matvec=matvec == "reduce")
     if matvec == "reduce" and act.shape[0] == 1:
         return h + m, None
@@ -536,9 +539,7 @@ def _head(x: Tensor, d: Tensor | None, norm: Tensor, lm_head: Tensor, lm_bias: T
     """The last block's output x + d [B, H] (boundary L; d None: x) and the logits [B, V]."""
     h = x if d is None else x + d
     if _one_row(matvec, h):
-        from eyas.engine.matvec import matvec as triton_matvec
-
-        return h, triton_matvec(h, lm_head, prologue="rms", norm=norm, eps=eps, bias=lm_bias)
+        return h, _fused_matvec(h, lm_head, prologue="rms", norm=norm, eps=eps, bias=lm_bias)
     return h, linear(rms_norm(h, norm, eps), lm_head, lm_bias, matvec=matvec == "reduce")
 
 
@@ -587,18 +588,18 @@ class LlamaTarget(Target):
     coordinate-descent tuning of every kernel's block sizes: a longer compilation), ``"triton"``
     (:mod:`eyas.engine.matvec`: one Triton kernel per product that also does the norm before it,
     SiLU(gate) * up and the residual add, 4 kernels a block; it needs Triton, like split-kv), or
-    ``"auto"`` (``"gemm"``). Steps of more tokens and exact-shape steps always use ``F.linear``. Measured on
-    an H200 in bf16 (``benchmarks/2026-12-01-matvec-h200.md``): a SmolLM2-shaped plain
+    ``"auto"`` (``"gemm"``). Steps of more tokens and exact-shape steps always use ``F.linear``.
+    Measured on an H200 in bf16 (``benchmarks/2026-12-01-matvec-h200.md``): a SmolLM2-shaped plain
     step 1.229 ms (gemm), 0.976 (reduce), 0.933 (reduce-tuned); an 8B-shaped one 4.949, 6.458 and
     4.849 ms, warm-up 27, 4 and 89 s; with the down product compiled apart (:func:`_down`), 4.878
     (gemm) and 4.427 ms (reduce-tuned) on one machine (``benchmarks/2026-12-02-llama8b-h200.md``:
     1.37x and 1.24x the floor). Not the default: the float32 greedy identity test with the HF
     model failed once on that GPU with ``"reduce"`` and passed on 2026-12-02. With ``"triton"`` and
     split-kv attention the 8B-shaped plain step took 4.244 and 4.206 ms on two machines, 1.19x the
-    floor, against 5.190 and 5.073 ms for the default (``benchmarks/2026-12-02-matvec-triton-h200.md``);
-    a SmolLM2-shaped one 0.614 ms against 1.404. Not the default: verification and the drafter do not
-    gain, so speculative decoding's lead over plain decoding would shrink below issue 10's 1.3x on
-    SmolLM2 (estimated, to be measured).
+    floor, against 5.190 and 5.073 ms for the default
+    (``benchmarks/2026-12-02-matvec-triton-h200.md``); a SmolLM2-shaped one 0.614 ms against 1.404.
+    Not the default: verification and the drafter do not gain, so speculative decoding's lead over
+    plain decoding would shrink below issue 10's 1.3x on SmolLM2 (estimated, to be measured).
 
     ``attention`` says how the steps attend over the cache: ``"eager"`` (Hugging Face's eager
     order: QK, a float32 softmax under the mask, PV; three kernels a block on a GPU), ``"sdpa"``
@@ -997,7 +998,8 @@ def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "aut
             raise UnsupportedTarget(f"{flag}: expected one of {list(choices)}, found {value!r}")
     on_gpu = next(model.parameters()).device.type == "cuda"
     if impl == "hf" or (impl == "auto" and supports(model) is not None):
-        asked = [f"--{k} {v}" for k, v in (("matvec", matvec), ("attention", attention)) if v not in ("auto", "eager")]
+        asked = [f"--{k} {v}" for k, v in (("matvec", matvec), ("attention", attention))
+                 if v not in ("auto", "gemm", "eager")]  # what the fast target would change
         if asked:
             why = "--target-impl hf" if impl == "hf" else supports(model)
             raise UnsupportedTarget(f"{' '.join(asked)}: options of the fast Llama-family target, and this model runs "

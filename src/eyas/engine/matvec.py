@@ -101,11 +101,32 @@ def _measured(device_name: str) -> dict[str, Tiling]:
     if device_name not in _TABLES:
         table: dict[str, Tiling] = {}
         for path in (TILINGS_FILE, os.environ.get("EYAS_MATVEC_TILINGS")):
-            if path and Path(path).is_file():
-                entries = json.loads(Path(path).read_text()).get(device_name, {})
-                table.update({k: Tiling(*v) for k, v in entries.items()})
+            if path:
+                table.update(read_tilings(Path(path)).get(device_name, {}))
         _TABLES[device_name] = table
     return _TABLES[device_name]
+
+
+def read_tilings(path: Path) -> dict[str, dict[str, Tiling]]:
+    """A table of tilings, {GPU name: {"ROWSxCOLUMNS/PROLOGUE": [rows, columns, warps, evict_first]}},
+    checked: a bad entry raises ValueError naming the file, the entry, what was expected and found."""
+    expected = 'a JSON object {GPU name: {"ROWSxCOLUMNS/PROLOGUE": [rows, columns, warps, evict_first]}}'
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: expected {expected}, found {type(e).__name__}: {e}") from e
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise ValueError(f"{path}: expected {expected}, found {type(raw).__name__} {str(raw)[:80]}")
+    tables: dict[str, dict[str, Tiling]] = {}
+    for gpu, entries in raw.items():
+        for key, value in entries.items():
+            ok = (isinstance(value, list) and len(value) in (3, 4) and all(isinstance(v, int) for v in value)
+                  and all(v > 0 and v & (v - 1) == 0 for v in value[:3]))
+            if not ok:
+                raise ValueError(f"{path}: entry {gpu!r} / {key!r}: expected [rows, columns, warps, evict_first] "
+                                 f"(powers of two, then true or false), found {value!r}")
+            tables.setdefault(gpu, {})[key] = Tiling(*value[:3], *(bool(v) for v in value[3:]))
+    return tables
 
 
 @torch.compiler.assume_constant_result  # a constant of the compiled step: torch.compile calls it once, tracing
