@@ -88,17 +88,10 @@ def time_call(call, device: torch.device, reps: int, profile: bool) -> dict:
         for _ in range(reps):
             call()
         return {"us": (time.perf_counter() - t0) / reps * 1e6}
-    from eyas.engine.graphs import capture
+    from eyas.engine.graphs import capture, replay_us
 
     graph, _ = capture(call, torch.cuda.graph_pool_handle())
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    out = {"us": start.elapsed_time(end) / reps * 1e3}
+    out = {"us": replay_us(graph, reps)}
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as profiler

@@ -104,21 +104,10 @@ def time_call(call, device: torch.device, reps: int, trials: int = 3) -> float:
         for _ in range(reps):
             call()
         return (time.perf_counter() - t0) / reps * 1e6
-    from eyas.engine.graphs import capture
+    from eyas.engine.graphs import capture, replay_us
 
     graph, _ = capture(call, torch.cuda.graph_pool_handle())
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    best = float("inf")
-    for _ in range(trials):
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / reps * 1e3)
-    return best
+    return replay_us(graph, reps, trials)
 
 
 def write_tiling(path: str, device_name: str, key: str, best: dict) -> None:

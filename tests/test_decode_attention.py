@@ -8,20 +8,15 @@ tests/conftest.py before triton's import; CI installs triton for this); on a GPU
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if os.environ.get("CI"):  # CI installs triton (.ci/run checks it): these tests run there, never skip
-    import triton  # noqa: F401
-else:
-    pytest.importorskip("triton", reason="the split-KV kernels need triton: pip install -e '.[test]' (Linux)")
+from tests.support.triton_kernels import DEVICE, require_triton
+
+require_triton("the split-KV kernels")
 
 from eyas.engine.decode_attention import decode_attention, splits, supported_head_dim  # noqa: E402
 from eyas.engine.llama import rope  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _written(k, v, cos, sin, kv, start) -> torch.Tensor:

@@ -7,21 +7,16 @@ tests/conftest.py before triton's import; CI installs triton for this); on a GPU
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if os.environ.get("CI"):  # CI installs triton (.ci/run checks it): these tests run there, never skip
-    import triton  # noqa: F401
-else:
-    pytest.importorskip("triton", reason="the matvec kernels need triton: pip install -e '.[test]' (Linux)")
+from tests.support.triton_kernels import DEVICE, require_triton
+
+require_triton("the matvec kernels")
 
 from eyas.engine.llama import rms_norm  # noqa: E402
 from eyas.engine.matvec import Tiling, matvec, tiling  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _reference(x, w, prologue, norm, eps, bias, residual) -> torch.Tensor:

@@ -81,6 +81,24 @@ def capture(run: Callable[[], T], pool: object, warmups: int = 2,
     return graph, out
 
 
+def replay_us(graph: torch.cuda.CUDAGraph, reps: int, trials: int = 1) -> float:
+    """Microseconds of one replay of a captured ``graph`` between two CUDA events: what its kernels
+    and the gaps between them cost, without the host. The fastest of ``trials`` runs of ``reps``
+    replays, after one replay that is not timed (benchmarks/matvec_gpu.py, decode_attention_gpu.py)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    best = float("inf")
+    for _ in range(trials):
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / reps * 1e3)
+    return best
+
+
 def raise_recompile_limits() -> None:
     """One code object compiled per shape (the fast target's functions x (token bucket, key bucket)
     pairs, the drafter's steps x trees): torch's default limit (8) would fall back to eager
