@@ -160,6 +160,20 @@ def test_one_token_steps_through_the_triton_kernels_equal_the_hf_model_and_call_
 
 
 @pytest.mark.integration
+def test_triton_products_of_unfused_projections_equal_the_hf_model():
+    """fuse=False: q, k and v are three kernels (each with the norm), gate and up two, concatenated
+    for the down kernel's SiLU."""
+    from eyas.engine import HFTarget, LlamaTarget
+    from tests.support.tiny import tiny_model
+    from tests.support.walk import KEYS, SPEC, walk
+
+    model = tiny_model("qwen2", 4).to(DEVICE)
+    fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, matvec="triton", fuse=False)
+    assert fast.unfused_reason == "fuse=False" and len(fast.weights[0].qkv) == 3
+    walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(2), device=DEVICE)
+
+
+@pytest.mark.integration
 def test_triton_products_with_split_kv_attention_equal_the_hf_model():
     """The step of one token as a GPU runs it with both options: per block, 4 products and 2
     attention kernels."""
