@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.support import DATA
+from tests.support.triton_kernels import require_triton
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
@@ -194,10 +195,7 @@ def test_spec_gpu_chooses_the_tree_at_every_temperature_served(toy_drafter, tmp_
 def test_decode_attention_gpu_times_both_attentions_on_the_cpu_in_the_interpreter(tmp_path):
     """--tiny: a toy block, eager attention and one split-KV tiling (Triton's interpreter), a plain
     step and a tree bucket, written as JSON."""
-    import os
-
-    if not os.environ.get("CI"):
-        pytest.importorskip("triton", reason="the split-KV kernels need triton")
+    require_triton("the split-KV kernels")
     script = load_script("decode_attention_gpu")
     out = tmp_path / "decode_attention.json"
     assert script.main(["--tiny", "--out", str(out)]) == 0
@@ -211,10 +209,7 @@ def test_decode_attention_gpu_times_both_attentions_on_the_cpu_in_the_interprete
 def test_matvec_gpu_times_the_products_on_the_cpu_in_the_interpreter_and_writes_the_best_tilings(tmp_path):
     """--tiny: two toy products, cuBLAS and two tilings each plus the engine's own (Triton's
     interpreter), the report as JSON and the best tiling of each added to a table of tilings."""
-    import os
-
-    if not os.environ.get("CI"):
-        pytest.importorskip("triton", reason="the matvec kernels need triton")
+    require_triton("the matvec kernels")
     script = load_script("matvec_gpu")
     out, table = tmp_path / "matvec.json", tmp_path / "tilings.json"
     table.write_text(json.dumps({"cpu": {"1x1/none": [1, 16, 1, True]}}))  # kept: the table is added to

@@ -196,8 +196,8 @@ def test_greedy_speculative_with_split_kv_attention_is_token_identical_to_plain(
 
 @pytest.mark.integration
 def test_a_failed_compilation_with_split_kv_falls_back_to_the_eager_step(monkeypatch):
-    """The eager step takes a block's cache as two views, split-kv's one-token step as one tensor: after the fallback
-    the step still equals the model, and says it runs eagerly."""
+    """The eager step takes a block's cache as two views, split-kv's one-token step as one tensor:
+    after the fallback the step still equals the model, and says it runs eagerly."""
     from eyas.engine import HFTarget, LlamaTarget
     from tests.support.tiny import tiny_model
     from tests.support.walk import KEYS, SPEC, walk

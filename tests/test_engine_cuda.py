@@ -100,8 +100,8 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 def test_greedy_fast_path_with_graphs_is_token_identical_to_plain_in_float32(llama_and_drafter, matvec, attention):
     """Also when plain decoding's one-token steps multiply by reductions (matvec="reduce") while
     verification's steps multiply by GEMMs: float32 sums in another order, the same tokens; and
-    with every fixed-shape step attending through the split-KV kernels (with cuBLAS, or with our
-    Triton products for the one-token steps: matvec="triton")."""
+    with the one-token steps attending through the split-KV kernels (with cuBLAS, or with our
+    Triton products: matvec="triton")."""
     model, drafter = llama_and_drafter
     fast = LlamaTarget(model, SPEC4, cuda_graphs=True, matvec=matvec, attention=attention)
     assert "cuda-graphs" in fast.implementation
