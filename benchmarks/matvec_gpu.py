@@ -10,15 +10,17 @@ Each product of an 8B-shaped Llama block (and of SmolLM2-135M's) is timed as Lla
     head     rmsnorm(x) [1, H]   by [V, H]
 
 beside ``F.linear`` on the same row (cuBLAS, the product alone: no norm, no add), and the
-bandwidth floor: the weight's bytes / the copy bandwidth. The tilings are ``--tilings`` (rows/columns/
-warps/evict-first, e.g. ``2/1024/4/1``), or else ``--block-n`` x ``--block-k`` x ``--warps`` (evict-first),
-plus the one the engine would use (``eyas.engine.matvec``: measured, or the default). To read the weights
-from memory and not from L2, each product cycles through enough copies of its weight (at least
-``--min-bytes`` in all) within one captured CUDA graph; a call's time is the graph's over the
-copies, the gaps between kernels included, as in a step: the fastest of ``--trials`` runs of ``--reps``
-replays. Prints microseconds a call and x floor, the best tiling per product, and ``--json`` the
-report. ``--write-tilings FILE`` adds the best tiling of each product, under this GPU's name, to a
-table of tilings that the engine reads (``src/eyas/engine/matvec_tilings.json``, or any file named by
+bandwidth floor: the weight's bytes / the copy bandwidth.
+
+The tilings are ``--tilings`` (rows/columns/warps/evict-first, e.g. ``2/1024/4/1``), or else
+``--block-n`` x ``--block-k`` x ``--warps`` (evict-first), plus the one the engine would use
+(``eyas.engine.matvec``: measured, or the default). To read the weights from memory and not from
+L2, each product cycles through enough copies of its weight (at least ``--min-bytes`` in all)
+within one captured CUDA graph; a call's time is the graph's over the copies, the gaps between
+kernels included, as in a step: the fastest of ``--trials`` runs of ``--reps`` replays. Prints
+microseconds a call and x floor, the best tiling per product, and ``--json`` the report.
+``--write-tilings FILE`` adds the best tiling of each product, under this GPU's name, to a table
+of tilings that the engine reads (``src/eyas/engine/matvec_tilings.json``, or any file named by
 ``EYAS_MATVEC_TILINGS``).
 
 On the CPU, ``--tiny`` runs a toy shape and one tiling in Triton's interpreter (``TRITON_INTERPRET=1``,
