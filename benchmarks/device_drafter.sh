@@ -20,6 +20,8 @@
 #   tiling       one block's attention alone, eager against the split-KV kernels per tiling (decode_attention_gpu.py)
 #   gputests     the engine's GPU tests, then the matvec='reduce' identity test run for its message
 #   attention    the shipped drafter with the fast target's attention eager, then split-kv (Triton): spec_gpu.py twice
+#   kernels      the shipped drafter on SmolLM2, default kernels then --matvec triton --attention split-kv: spec_gpu.py
+#                twice (after setup and part, like attention; COMMIT=sha)
 #   compare      the drafter just trained against the shipped one: spec_gpu.py on MT-bench, temperature 0, same
 #                prompts and trees, HF generate compiled beside the new one ($OUT/compare.tar, compare.log)
 #   bench [ARGS] benchmarks/spec_gpu.py on MT-bench with the drafter, results into $OUT/spec (COMMIT=sha)
@@ -220,6 +222,26 @@ EOF
     done
     (cd /tmp && tar cf "$OUT/attention.tar" attention) || true
     tail -n 40 "$OUT/attention.log"
+    ;;
+  kernels)
+    shift
+    # the shipped drafter on SmolLM2 with the fast target's default kernels, then with --matvec triton --attention
+    # split-kv (one process each, same prompts and trees, MT-bench at temperature 0; HF generate compiled beside the
+    # first): what the Triton one-token steps do to eyas plain and to speculative decoding's lead over it.
+    # Results: $OUT/kernels.tar, kernels.log; carry the GGUF's last part (COMMIT=sha)
+    keep_parts
+    join_gguf
+    C=${COMMIT:?set COMMIT to the commit whose tree was sent}
+    for how in default triton; do
+      SKIP=hf_eager EXTRA=""
+      [ "$how" = triton ] && SKIP=hf_eager,hf_compiled EXTRA="--matvec triton --attention split-kv"
+      timeout 262 python benchmarks/spec_gpu.py --target /tmp/smol.gguf --draft src/eyas/interop/embedded/smollm2-135m-instruct \
+        --out-dir "/tmp/kernels/$how" --commit "$C" $EXTRA --sets mt_bench --prompts-per-set 24 \
+        --temperatures 0 --trees 6,10,60 4,8,24 --chains 4 --select-prompts 4 --skip "$SKIP" --no-tree-auto \
+        --budget-s 235 "$@" >> "$OUT/kernels.log" 2>&1 || echo "kernels $how exit $?" >> "$OUT/kernels.log"
+    done
+    (cd /tmp && tar cf "$OUT/kernels.tar" kernels) || true
+    tail -n 40 "$OUT/kernels.log"
     ;;
   compare)
     shift
