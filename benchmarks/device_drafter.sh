@@ -61,6 +61,28 @@ join_gguf() {  # /tmp/smol.gguf from the parts kept (two-part or three-part spli
   echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
 }
 
+spec_pair() {  # NAME LABEL_A "ARGS_A" LABEL_B "ARGS_B" [spec_gpu.py ARGS]
+  # the shipped drafter on SmolLM2, MT-bench at temperature 0, with the fast target built with ARGS_A, then with
+  # ARGS_B: one process each, the same prompts and trees; HF generate compiled beside A. Results:
+  # $OUT/NAME.tar (/tmp/NAME/LABEL_*), NAME.log; carry the GGUF's last part (COMMIT=sha)
+  local name=$1 label_a=$2 args_a=$3 label_b=$4 args_b=$5 side label args skip
+  shift 5
+  keep_parts
+  join_gguf
+  local C=${COMMIT:?set COMMIT to the commit whose tree was sent}
+  for side in a b; do
+    label=$label_a args=$args_a skip=hf_eager
+    [ "$side" = b ] && label=$label_b args=$args_b skip=hf_eager,hf_compiled
+    # shellcheck disable=SC2086  # args: several options
+    timeout 262 python benchmarks/spec_gpu.py --target /tmp/smol.gguf --draft src/eyas/interop/embedded/smollm2-135m-instruct \
+      --out-dir "/tmp/$name/$label" --commit "$C" $args --sets mt_bench --prompts-per-set 24 \
+      --temperatures 0 --trees 6,10,60 4,8,24 --chains 4 --select-prompts 4 --skip "$skip" --no-tree-auto \
+      --budget-s 235 "$@" >> "$OUT/$name.log" 2>&1 || echo "$name $label exit $?" >> "$OUT/$name.log"
+  done
+  (cd /tmp && tar cf "$OUT/$name.tar" "$name") || true
+  tail -n 40 "$OUT/$name.log"
+}
+
 wait_run() {
   local limit=${1:-540} t=0
   while [ ! -f /tmp/drafter/DONE ] && [ "$t" -lt "$limit" ]; do sleep 10; t=$((t + 10)); done
@@ -206,42 +228,14 @@ EOF
     ;;
   attention)
     shift
-    # the shipped drafter with the fast target's attention eager, then split-kv (its Triton kernels), one process
-    # each, same prompts and trees, MT-bench at temperature 0; HF generate compiled beside the first. Results:
-    # $OUT/attention.tar, attention.log; carry the GGUF's last part (COMMIT=sha)
-    keep_parts
-    join_gguf
-    C=${COMMIT:?set COMMIT to the commit whose tree was sent}
-    for how in eager split-kv; do
-      SKIP=hf_eager
-      [ "$how" = split-kv ] && SKIP=hf_eager,hf_compiled
-      timeout 262 python benchmarks/spec_gpu.py --target /tmp/smol.gguf --draft src/eyas/interop/embedded/smollm2-135m-instruct \
-        --out-dir "/tmp/attention/$how" --commit "$C" --attention "$how" --sets mt_bench --prompts-per-set 24 \
-        --temperatures 0 --trees 6,10,60 4,8,24 --chains 4 --select-prompts 4 --skip "$SKIP" --no-tree-auto \
-        --budget-s 235 "$@" >> "$OUT/attention.log" 2>&1 || echo "attention $how exit $?" >> "$OUT/attention.log"
-    done
-    (cd /tmp && tar cf "$OUT/attention.tar" attention) || true
-    tail -n 40 "$OUT/attention.log"
+    # the fast target's attention eager, then split-kv (its Triton kernels); see spec_pair
+    spec_pair attention eager "--attention eager" split-kv "--attention split-kv" "$@"
     ;;
   kernels)
     shift
-    # the shipped drafter on SmolLM2 with the fast target's default kernels, then with --matvec triton --attention
-    # split-kv (one process each, same prompts and trees, MT-bench at temperature 0; HF generate compiled beside the
-    # first): what the Triton one-token steps do to eyas plain and to speculative decoding's lead over it.
-    # Results: $OUT/kernels.tar, kernels.log; carry the GGUF's last part (COMMIT=sha)
-    keep_parts
-    join_gguf
-    C=${COMMIT:?set COMMIT to the commit whose tree was sent}
-    for how in default triton; do
-      SKIP=hf_eager EXTRA=""
-      [ "$how" = triton ] && SKIP=hf_eager,hf_compiled EXTRA="--matvec triton --attention split-kv"
-      timeout 262 python benchmarks/spec_gpu.py --target /tmp/smol.gguf --draft src/eyas/interop/embedded/smollm2-135m-instruct \
-        --out-dir "/tmp/kernels/$how" --commit "$C" $EXTRA --sets mt_bench --prompts-per-set 24 \
-        --temperatures 0 --trees 6,10,60 4,8,24 --chains 4 --select-prompts 4 --skip "$SKIP" --no-tree-auto \
-        --budget-s 235 "$@" >> "$OUT/kernels.log" 2>&1 || echo "kernels $how exit $?" >> "$OUT/kernels.log"
-    done
-    (cd /tmp && tar cf "$OUT/kernels.tar" kernels) || true
-    tail -n 40 "$OUT/kernels.log"
+    # the fast target's default kernels, then --matvec triton --attention split-kv: what the Triton one-token
+    # steps do to eyas plain and to speculative decoding's lead over it; see spec_pair
+    spec_pair kernels default "" triton "--matvec triton --attention split-kv" "$@"
     ;;
   compare)
     shift

@@ -11,9 +11,11 @@ Candidates (run in this order; each is checked against ``F.linear(x.float(), w.f
 error / max abs value < 1e-2, before it is timed):
 
 - ``cublas``: ``F.linear(x, w)``;
-- ``triton``: a hand-written Triton GEMV (each program computes BLOCK_N outputs, loops over K in
-  BLOCK_K chunks with a float32 [BLOCK_N, BLOCK_K] accumulator, reduces along K at the end),
-  ``triton.autotune`` over ~50 configs keyed on (N, K); the chosen config per matrix is reported;
+- ``triton``: the engine's Triton GEMV (``eyas.engine.matvec``, no prologue or residual: each
+  program computes BLOCK_N outputs, loops over K in BLOCK_K chunks with a float32 [BLOCK_N, BLOCK_K]
+  accumulator, reduces along K at the end), ``triton.autotune`` over ~50 configs keyed on (N, K);
+  the chosen config per matrix is reported. (Until 2026-12-02 this script had its own copy of the
+  kernel, which the 2026-12-01 results used; the engine's is the same loop.)
 - ``triton_op``: the same kernel, with the config ``triton`` chose for that (N, K), registered as the
   custom op ``eyas_bench::gemv`` (``torch.library.triton_op`` + ``wrap_triton``) and called inside
   ``torch.compile(fullgraph=True)``: does it compose with compilation, and at what cost;
@@ -92,25 +94,19 @@ def log(msg: str) -> None:
 
 # ---------------------------------------------------------------------------------------- kernel
 
+# The engine's one-row kernel (eyas.engine.matvec) with no prologue, bias, residual or eviction hint:
+# y[n] = sum_k w[n, k] * x[k] for BLOCK_N rows n, BLOCK_K columns at a time, float32 accumulator.
+PLAIN = dict(EPS=0.0, PROLOGUE=0, HAS_BIAS=False, HAS_RES=False, EVICT="")
 if triton is not None:
-    @triton.jit
-    def gemv_kernel(w_ptr, x_ptr, y_ptr, N, K, stride_wn,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """y[n] = sum_k w[n, k] * x[k] for BLOCK_N rows n; w rows are contiguous along K."""
-        pid = tl.program_id(0)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        mask_n = rn < N
-        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            mask_k = kk < K
-            xv = tl.load(x_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)
-            wv = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            acc += wv.to(tl.float32) * xv[None, :]
-        y = tl.sum(acc, axis=1)
-        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+    from eyas.engine.matvec import _matvec_kernel as gemv_kernel
+
+
+def launch(kernel, x: torch.Tensor, w: torch.Tensor, grid, **meta) -> torch.Tensor:
+    """y [1, N] = x @ w^T by ``kernel`` (gemv_kernel, autotuned or wrapped) on ``grid``, ``meta`` its tiling."""
+    N, K = w.shape
+    y = torch.empty((1, N), device=w.device, dtype=w.dtype)
+    kernel[grid](x, w, y, x, x, x, w.stride(0), N=N, K=K, **PLAIN, **meta)
+    return y
 
 
 META_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -174,20 +170,14 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int]:
 
 def gemv_fixed(x: torch.Tensor, w: torch.Tensor, meta: dict = DEFAULT_META) -> torch.Tensor:
     """The plain kernel with one config (no autotune)."""
-    N, K = _check_operands(x, w)
-    y = torch.empty((1, N), device=w.device, dtype=w.dtype)
-    gemv_kernel[(triton.cdiv(N, meta["BLOCK_N"]),)](
-        w, x, y, N, K, w.stride(0), BLOCK_N=meta["BLOCK_N"], BLOCK_K=meta["BLOCK_K"],
-        num_warps=meta["num_warps"], num_stages=meta["num_stages"])
-    return y
+    N, _ = _check_operands(x, w)
+    return launch(gemv_kernel, x, w, (triton.cdiv(N, meta["BLOCK_N"]),), **meta)
 
 
 def gemv_autotuned_fn(kernel):
     def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        N, K = _check_operands(x, w)
-        y = torch.empty((1, N), device=w.device, dtype=w.dtype)
-        kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](w, x, y, N, K, w.stride(0))
-        return y
+        N, _ = _check_operands(x, w)
+        return launch(kernel, x, w, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),))
     return gemv
 
 
@@ -210,11 +200,7 @@ def register_triton_op() -> None:
     def gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         N, K = w.shape
         meta = TUNED.get((N, K), DEFAULT_META)
-        y = torch.empty((1, N), device=w.device, dtype=w.dtype)
-        wrap_triton(gemv_kernel)[(triton.cdiv(N, meta["BLOCK_N"]),)](
-            w, x, y, N, K, w.stride(0), BLOCK_N=meta["BLOCK_N"], BLOCK_K=meta["BLOCK_K"],
-            num_warps=meta["num_warps"], num_stages=meta["num_stages"])
-        return y
+        return launch(wrap_triton(gemv_kernel), x, w, (triton.cdiv(N, meta["BLOCK_N"]),), **meta)
 
     _OP_REGISTERED = True
 

@@ -146,30 +146,21 @@ def test_splits_cover_the_keys_with_whole_tiles():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_the_target_with_split_kv_attention_equals_the_hf_model(kind):
+@pytest.mark.parametrize("kind,matvec", [("llama", "gemm"), ("qwen2", "gemm"), ("qwen3", "gemm"), ("llama", "triton")])
+def test_the_target_with_split_kv_attention_equals_the_hf_model(kind, matvec):
     """Fixed shapes (the buckets a GPU compiles), float32: prefill 9 tokens, a 5-token tree, keep a
-    path of it, decode; logits and boundaries equal the Hugging Face model's at every step."""
+    path of it, decode; logits and boundaries equal the Hugging Face model's at every step. With
+    matvec="triton" the one-token steps are what a GPU runs with both options: per block, 4
+    products (eyas.engine.matvec) and the 2 attention kernels."""
     from eyas.engine import HFTarget, LlamaTarget
     from tests.support.tiny import tiny_model
     from tests.support.walk import KEYS, SPEC, walk
 
     model = tiny_model(kind, 4).to(DEVICE)
-    fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, attention="split-kv")
-    assert fast.implementation.endswith("+attention-split-kv")
+    fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, matvec=matvec,
+                       attention="split-kv")
+    assert fast.implementation == "fast" + ("+matvec-triton" if matvec == "triton" else "") + "+attention-split-kv"
     walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(0), device=DEVICE)
-
-
-@pytest.mark.unit
-def test_split_kv_is_refused_where_its_kernels_cannot_run(monkeypatch):
-    from eyas.engine.llama import LlamaTarget
-    from tests.support.tiny import tiny_model
-    from tests.support.walk import SPEC
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match=r"split-kv' runs Triton kernels, on a GPU \(the model is on cpu\) or under "
-                                         r"TRITON_INTERPRET=1; use attention='eager'"):
-        LlamaTarget(tiny_model("llama", 4), SPEC, max_length=64, fixed_shapes=True, attention="split-kv")
 
 
 @pytest.mark.slow

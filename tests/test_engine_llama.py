@@ -179,10 +179,10 @@ def test_generate_on_the_fast_target_prints_it_and_equals_the_hf_target(toy_draf
                                  "--device", "cpu", "--target-impl", "turbo"])
     assert r.exit_code == 2 and "--target-impl: expected one of" in r.stderr
     # the fast target's kernels: passed through, checked, refused where the Hugging Face target runs
-    for extra, message in ((["--matvec", "gemv"], "--matvec: expected one of ['auto', 'gemm', 'reduce', "
+    for extra, message in ((["--matvec", "gemv"], "LlamaTarget: matvec must be one of ['auto', 'gemm', 'reduce', "
                                                   "'reduce-tuned', 'triton'], found 'gemv'"),
-                           (["--attention", "flash"], "--attention: expected one of ['eager', 'sdpa', 'split-kv'], "
-                                                      "found 'flash'"),
+                           (["--attention", "flash"], "LlamaTarget: attention must be one of ['eager', 'sdpa', "
+                                                      "'split-kv'], found 'flash'"),
                            (["--target-impl", "hf", "--matvec", "triton", "--attention", "split-kv"],
                             "--matvec triton --attention split-kv: options of the fast Llama-family target, and this "
                             "model runs on the Hugging Face target (--target-impl hf); leave them out")):

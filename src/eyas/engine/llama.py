@@ -92,7 +92,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +111,9 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 # How a fixed-shape step of one token multiplies by the weights (LlamaTarget's matvec).
 MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned", "triton")
+# What the step's functions do with a row (see _one_row): "reduce-tuned" is "reduce" with other
+# compiler options, "auto" is "gemm".
+OneRow = Literal["gemm", "reduce", "triton"]
 
 # How a step attends over the cache (LlamaTarget's attention; see _layer).
 ATTENTION_CHOICES = ("eager", "sdpa", "split-kv")
@@ -376,7 +379,7 @@ def _prologue(ids: Tensor, pos: Tensor, block: Tensor, start: Tensor, embed: Ten
 
 
 def _before_attention(x: Tensor, d: Tensor | None, w: BlockWeights, kv_heads: int, head_dim: int, *, eps: float,
-                      qk_eps: float, matvec: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      qk_eps: float, matvec: OneRow) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A block's front for B tokens: the stream entering it h_in = x + d [B, H] (the previous
     block's last residual add is done here, fused with this block's norm; d None: x alone), and its
     queries, keys and values q [B, Hq, D], k, v [B, Hkv, D], not yet rotated (views of the fused
@@ -386,7 +389,7 @@ def _before_attention(x: Tensor, d: Tensor | None, w: BlockWeights, kv_heads: in
     Hq = w.o.shape[1] // D
     sizes = (Hq * D, Hkv * D, Hkv * D)
     if _one_row(matvec, h_in):  # the norm in the product's kernel
-        q, k, v = _triton_project(h_in, w.qkv, w.qkv_bias, sizes, norm=w.input_norm, eps=eps)
+        q, k, v = _rms_product(h_in, w.qkv, w.qkv_bias, norm=w.input_norm, eps=eps).split(sizes, dim=-1)
     else:
         q, k, v = project(rms_norm(h_in, w.input_norm, eps), w.qkv, w.qkv_bias, sizes,
                           matvec=matvec == "reduce")  # [B, Hq*D], [B, Hkv*D] x 2
@@ -398,7 +401,7 @@ def _before_attention(x: Tensor, d: Tensor | None, w: BlockWeights, kv_heads: in
 
 def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
            values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
-           matvec: str = "gemm", sdpa: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+           matvec: OneRow = "gemm", sdpa: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """One decoder block for B tokens. The stream entering it is x + d [B, H] (the previous block's
     last residual add is done here, fused with this block's norm; d None: x alone); cos, sin
     [B, 1, D]; slots [B] (where the new keys/values go); mask [B, n] bool over the first n cache
@@ -446,7 +449,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slots: Te
 
 def _layer_split_kv(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, kv: Tensor,
                     w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
-                    matvec: str = "gemm") -> tuple[Tensor, Tensor, Tensor]:
+                    matvec: OneRow = "gemm") -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_layer` with attention by :func:`~eyas.engine.decode_attention.decode_attention`'s two
     Triton kernels, which also rotate q and k and write k and v at slots (slots[0] = cache_len;
     float32 scores, the probabilities rounded for PV). kv [2, Hkv, C, D]: the block's cache as ONE
@@ -465,7 +468,7 @@ def _layer_split_kv(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots
 
 
 def _after_attention(h_in: Tensor, out: Tensor, w: BlockWeights, *, eps: float,
-                     matvec: str) -> tuple[Tensor, Tensor, Tensor]:
+                     matvec: OneRow) -> tuple[Tensor, Tensor, Tensor]:
     """The rest of :func:`_layer` from the attention's output out [B, Hq*D]: the o projection and
     its residual add, the post-attention norm, gate/up and SiLU(gate) * up (with ``matvec="triton"``
     and one row: the o product with its residual add, then gate/up with its norm, two kernels; the
@@ -473,9 +476,7 @@ def _after_attention(h_in: Tensor, out: Tensor, w: BlockWeights, *, eps: float,
     I = w.down.shape[1]
     if _one_row(matvec, out):
         h = _fused_matvec(out.contiguous(), w.o, bias=w.o_bias, residual=h_in)
-        gate_up = _triton_project(h, w.gate_up, w.gate_up_bias, (2 * I,) if len(w.gate_up) == 1 else (I, I),
-                                  norm=w.post_norm, eps=eps)
-        return h_in, h, gate_up[0] if len(gate_up) == 1 else torch.cat(gate_up, dim=-1)  # [1, 2I]
+        return h_in, h, _rms_product(h, w.gate_up, w.gate_up_bias, norm=w.post_norm, eps=eps)  # [1, 2I]
     by_reduction = matvec == "reduce"
     h = h_in + linear(out, w.o, w.o_bias, matvec=by_reduction)
     gate, up = project(rms_norm(h, w.post_norm, eps), w.gate_up, w.gate_up_bias, (I, I),
@@ -491,7 +492,7 @@ def _fused_matvec(x: Tensor, w: Tensor, **options) -> Tensor:
     return matvec(x, w, **options)
 
 
-def _one_row(matvec: str, a: Tensor) -> bool:
+def _one_row(matvec: OneRow, a: Tensor) -> bool:
     """Whether a product of a [B, ...] runs our Triton kernels (:mod:`eyas.engine.matvec`): with
     ``matvec="triton"`` and B = 1. The step's ``matvec`` (how its steps of one row multiply):
     ``"gemm"`` (F.linear), ``"reduce"`` (see :func:`linear`), ``"triton"`` (the norms, SiLU and
@@ -499,21 +500,18 @@ def _one_row(matvec: str, a: Tensor) -> bool:
     return matvec == "triton" and a.shape[0] == 1
 
 
-def _triton_project(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None,
-                    sizes: Sequence[int], *, norm: Tensor, eps: float) -> tuple[Tensor, ...]:
-    """:func:`project` of rms_norm(a) for one row a [1, H], the norm in the product's kernel:
-    [1, size] views of the fused weight's output, or one kernel per separate weight (each computes
-    the norm again)."""
-    def product(w: Tensor, bias: Tensor | None) -> Tensor:
-        return _fused_matvec(a, w, prologue="rms", norm=norm, eps=eps, bias=bias)
-
-    if len(weights) == 1:
-        return product(weights[0], None if biases is None else biases[0]).split(list(sizes), dim=-1)
-    return tuple(product(w, None if biases is None else biases[j]) for j, w in enumerate(weights))
+def _rms_product(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None, *, norm: Tensor,
+                 eps: float) -> Tensor:
+    """rms_norm(a) for one row a [1, H] through stacked projections, the norm in the product's
+    kernel: [1, sum of their rows], one kernel for a fused weight, else one per separate weight
+    (each computes the norm again), concatenated."""
+    rows = [_fused_matvec(a, w, prologue="rms", norm=norm, eps=eps, bias=None if biases is None else biases[j])
+            for j, w in enumerate(weights)]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=-1)
 
 
 def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
-          matvec: str = "gemm") -> tuple[Tensor, Tensor | None]:
+          matvec: OneRow = "gemm") -> tuple[Tensor, Tensor | None]:
     """A block's last product: the MLP's activation act [B, I] by down [H, I], m [B, H]. Returns the
     block's output as (x, d) for the next block: (h, m), the add left to the next norm, or with
     ``matvec`` "reduce" or "triton" and one row (h + m, None), the add done in this product's kernel
@@ -535,7 +533,7 @@ def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
 
 
 def _head(x: Tensor, d: Tensor | None, norm: Tensor, lm_head: Tensor, lm_bias: Tensor | None, *,
-          eps: float, matvec: str = "gemm") -> tuple[Tensor, Tensor]:
+          eps: float, matvec: OneRow = "gemm") -> tuple[Tensor, Tensor]:
     """The last block's output x + d [B, H] (boundary L; d None: x) and the logits [B, V]."""
     h = x if d is None else x + d
     if _one_row(matvec, h):
@@ -706,12 +704,13 @@ class LlamaTarget(Target):
         ladder = key_ladder(self.max_length) if key_buckets is None else key_buckets
         self.key_buckets = tuple(sorted({int(k) for k in ladder if 0 < int(k) < self.max_length} | {self.max_length}))
         if matvec not in MATVEC_CHOICES:
-            raise ValueError(f"LlamaTarget: matvec must be one of {list(MATVEC_CHOICES)}, found {matvec!r}")
+            raise UnsupportedTarget(f"LlamaTarget: matvec must be one of {list(MATVEC_CHOICES)}, found {matvec!r}")
         self.matvec = "gemm" if matvec == "auto" else matvec
         if self.matvec == "triton":
             _check_triton("matvec='triton'", "matvec='gemm'", self.device)
         if attention not in ATTENTION_CHOICES:
-            raise ValueError(f"LlamaTarget: attention must be one of {list(ATTENTION_CHOICES)}, found {attention!r}")
+            raise UnsupportedTarget(f"LlamaTarget: attention must be one of {list(ATTENTION_CHOICES)}, "
+                                    f"found {attention!r}")
         if attention == "split-kv":
             _check_split_kv(self.head_dim, self.device)
         self.attention = attention
@@ -746,11 +745,11 @@ class LlamaTarget(Target):
                         + ["attention-split-kv"] * (own and self._fixed.one_token_layer is not None))
 
     def _functions(self, backend: str | None, matvec: str = "gemm", attention: str = "eager") -> _StepFunctions:
-        """(prologue, layer, head) with this model's constants, ``matvec`` and ``attention`` bound;
-        compiled with ``backend`` (None: eager). Compiled, every call with a bucket's shapes hits the
-        same compilation."""
+        """The step's functions (prologue, layer, down, head, and split-kv's one-token layer) with this
+        model's constants, ``matvec`` and ``attention`` bound; compiled with ``backend`` (None:
+        eager). Compiled, every call with a bucket's shapes hits the same compilation."""
         c = self._consts
-        how = "reduce" if matvec == "reduce-tuned" else matvec  # how the functions multiply one row
+        how: OneRow = "reduce" if matvec == "reduce-tuned" else matvec  # type: ignore[assignment]
         block = dict(eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=how)
         fns = (functools.partial(_prologue, rope_scaling=c["rope_scaling"]),
                functools.partial(_layer, **block, sdpa=attention == "sdpa"),
@@ -985,17 +984,15 @@ def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "aut
       its static cache still beats the Hugging Face model: SmolLM2 in float32 on 2 cores, 22.6
       against 20.0 tok/s plain and 20.0 against 17.6 speculative), else ``hf``.
     The returned target's ``implementation`` says which one runs. ``matvec`` and ``attention``: the
-    fast target's one-token products and its attention (:class:`LlamaTarget`); asking for one that
-    is not the default where the Hugging Face target runs is refused, with the reason.
+    fast target's one-token products and its attention (:class:`LlamaTarget`, which checks them);
+    asking for one that is not the default where the Hugging Face target runs is refused, with the
+    reason.
     """
     from eyas.engine.target import HFTarget
 
     impl = str(implementation).lower()
     if impl not in TARGET_IMPLEMENTATIONS:
         raise UnsupportedTarget(f"--target-impl: expected one of {list(TARGET_IMPLEMENTATIONS)}, found {implementation!r}")
-    for flag, value, choices in (("--matvec", matvec, MATVEC_CHOICES), ("--attention", attention, ATTENTION_CHOICES)):
-        if value not in choices:
-            raise UnsupportedTarget(f"{flag}: expected one of {list(choices)}, found {value!r}")
     on_gpu = next(model.parameters()).device.type == "cuda"
     if impl == "hf" or (impl == "auto" and supports(model) is not None):
         asked = [f"--{k} {v}" for k, v in (("matvec", matvec), ("attention", attention))

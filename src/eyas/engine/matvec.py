@@ -129,14 +129,23 @@ def read_tilings(path: Path) -> dict[str, dict[str, Tiling]]:
     return tables
 
 
+_CHOSEN: dict[tuple, Tiling] = {}  # (device, rows, columns, prologue) -> its tiling
+
+
 @torch.compiler.assume_constant_result  # a constant of the compiled step: torch.compile calls it once, tracing
 def _tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | None) -> Tiling:
     """The tiling of a product on ``device``: the measured one for its GPU, else :func:`tiling` (on
-    the CPU, for Triton's interpreter, which runs programs one by one: 16 rows a program, few programs)."""
-    if device.type != "cuda":
-        return tiling(n_rows, n_cols, prologue)._replace(block_n=16)
-    found = _measured(torch.cuda.get_device_name(device)).get(_key(n_rows, n_cols, prologue))
-    return found or tiling(n_rows, n_cols, prologue, torch.cuda.get_device_properties(device).multi_processor_count)
+    the CPU, for Triton's interpreter, which runs programs one by one: 16 rows a program, few
+    programs). Chosen once per product and device: an eager step calls this for every product."""
+    key = (device, n_rows, n_cols, prologue)
+    if key not in _CHOSEN:
+        if device.type != "cuda":
+            _CHOSEN[key] = tiling(n_rows, n_cols, prologue)._replace(block_n=16)
+        else:
+            found = _measured(torch.cuda.get_device_name(device)).get(_key(n_rows, n_cols, prologue))
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            _CHOSEN[key] = found or tiling(n_rows, n_cols, prologue, sms)
+    return _CHOSEN[key]
 
 
 @triton.jit
