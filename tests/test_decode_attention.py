@@ -150,8 +150,8 @@ def test_splits_cover_the_keys_with_whole_tiles():
 def test_the_target_with_split_kv_attention_equals_the_hf_model(kind, matvec):
     """Fixed shapes (the buckets a GPU compiles), float32: prefill 9 tokens, a 5-token tree, keep a
     path of it, decode; logits and boundaries equal the Hugging Face model's at every step. With
-    matvec="triton" the one-token steps are what a GPU runs with both options: per block, 4
-    products (eyas.engine.matvec) and the 2 attention kernels."""
+    matvec="triton" the steps are what a GPU runs with both options: per block, 4 products
+    (eyas.engine.matvec, one row or a few) and the 2 attention kernels."""
     from eyas.engine import HFTarget, LlamaTarget
     from tests.support.tiny import tiny_model
     from tests.support.walk import KEYS, SPEC, walk
@@ -165,15 +165,16 @@ def test_the_target_with_split_kv_attention_equals_the_hf_model(kind, matvec):
 
 @pytest.mark.slow
 def test_greedy_speculative_with_split_kv_attention_is_token_identical_to_plain(llama, trained_drafter):
-    """The one-token steps attend through the kernels, verification (trees of up to 16 tokens,
-    bucket 16) in the eager order, and keep() moves the accepted entries between them; the output
-    is the Hugging Face model's greedy output, token for token (float32).
-    Slow on the CPU: about 80 s of Triton's interpreter."""
+    """Every fixed-shape step (one token, and trees of up to 16 tokens, bucket 16) attends through
+    the kernels and multiplies through eyas.engine.matvec's (matvec="triton": what a GPU runs with
+    both options), and keep() moves the accepted entries between rounds; the output is the Hugging
+    Face model's greedy output, token for token (float32). Slow on the CPU: Triton's interpreter."""
     from eyas.engine import HFTarget, LlamaTarget, TreeSpec, plain_generate, speculative_generate
     from tests.support.tiny import SPEC4, random_prompts
 
     llama = llama.to(DEVICE)
-    fast = LlamaTarget(llama, SPEC4, max_length=128, fixed_shapes=True, key_buckets=(32, 64), attention="split-kv")
+    fast = LlamaTarget(llama, SPEC4, max_length=128, fixed_shapes=True, key_buckets=(32, 64), attention="split-kv",
+                       matvec="triton")
     hf = HFTarget(llama, SPEC4)
     accepted = 0
     for prompt in random_prompts(3, 128, seed=11):
@@ -187,8 +188,8 @@ def test_greedy_speculative_with_split_kv_attention_is_token_identical_to_plain(
 
 @pytest.mark.integration
 def test_a_failed_compilation_with_split_kv_falls_back_to_the_eager_step(monkeypatch):
-    """The eager step takes a block's cache as two views, split-kv's one-token step as one tensor:
-    after the fallback the step still equals the model, and says it runs eagerly."""
+    """The eager step takes a block's cache as two views, split-kv's steps as one tensor: after the
+    fallback the step still equals the model, and says it runs eagerly."""
     from eyas.engine import HFTarget, LlamaTarget
     from tests.support.tiny import tiny_model
     from tests.support.walk import KEYS, SPEC, walk
@@ -198,7 +199,7 @@ def test_a_failed_compilation_with_split_kv_falls_back_to_the_eager_step(monkeyp
 
     model = tiny_model("llama", 4).to(DEVICE)
     fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, attention="split-kv")
-    assert fast._fixed.one_token_layer is not None and fast._eager.one_token_layer is None
+    assert fast._fixed.layer_takes_kv and not fast._eager.layer_takes_kv
     torch._dynamo.reset()
     fast._fixed, fast.compile = fast._functions(no_compiler, attention="split-kv"), True
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # (the compiled path is a GPU's)

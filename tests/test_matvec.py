@@ -1,6 +1,7 @@
-"""eyas.engine.matvec: one row through a weight matrix with the norm before it (rms), SiLU(gate) * up
-(silu) or nothing, bias and residual add after, equal to the Hugging Face order of operations; and
-LlamaTarget with matvec="triton" equal to the Hugging Face model, its one-token steps calling no GEMM.
+"""eyas.engine.matvec: one row (the one-row kernel) or a few (the few-row kernel) through a weight
+matrix with the norm before it (rms), SiLU(gate) * up (silu) or nothing, bias and residual add after,
+equal to the Hugging Face order of operations; and LlamaTarget with matvec="triton" equal to the
+Hugging Face model, its fixed-shape steps of up to 64 tokens calling no GEMM.
 
 Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
 tests/conftest.py before triton's import; CI installs triton for this); on a GPU they are compiled."""
@@ -16,7 +17,7 @@ from tests.support.triton_kernels import DEVICE, require_triton
 require_triton("the matvec kernels")
 
 from eyas.engine.llama import rms_norm  # noqa: E402
-from eyas.engine.matvec import Tiling, matvec, tiling  # noqa: E402
+from eyas.engine.matvec import MAX_ROWS, Tiling, matvec, rows_tiling, tiling  # noqa: E402
 
 
 def _reference(x, w, prologue, norm, eps, bias, residual) -> torch.Tensor:
@@ -28,44 +29,48 @@ def _reference(x, w, prologue, norm, eps, bias, residual) -> torch.Tensor:
     return y if residual is None else y + residual
 
 
-CASES = [  # (N, K, prologue, bias, residual, tiling): uneven rows and columns, every prologue
-    (40, 96, None, False, True, Tiling(8, 32, 4)),
-    (37, 100, "rms", True, False, Tiling(16, 64, 4)),
-    (33, 64, "silu", False, True, Tiling(4, 64, 2)),
-    (64, 128, "rms", False, False, None),
-    (48, 80, "silu", True, True, Tiling(1, 16, 1)),
+CASES = [  # (R, N, K, prologue, bias, residual, tiling): uneven rows and columns, every prologue, 1 to 64 rows
+    (1, 40, 96, None, False, True, Tiling(8, 32, 4)),
+    (1, 37, 100, "rms", True, False, Tiling(16, 64, 4)),
+    (1, 33, 64, "silu", False, True, Tiling(4, 64, 2)),
+    (1, 64, 128, "rms", False, False, None),
+    (1, 48, 80, "silu", True, True, Tiling(1, 16, 1)),
+    (3, 40, 96, None, True, True, Tiling(16, 32, 4)),
+    (8, 37, 100, "rms", True, True, None),
+    (17, 33, 64, "silu", False, True, Tiling(32, 16, 2)),
+    (64, 70, 576, "rms", False, False, None),
 ]
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("N,K,prologue,with_bias,with_residual,tile", CASES)
-def test_matvec_equals_the_reference_in_float32(N, K, prologue, with_bias, with_residual, tile):
+@pytest.mark.parametrize("R,N,K,prologue,with_bias,with_residual,tile", CASES)
+def test_matvec_equals_the_reference_in_float32(R, N, K, prologue, with_bias, with_residual, tile):
     g = torch.Generator().manual_seed(N)
     w = torch.randn(N, K, generator=g)
-    x = torch.randn(1, 2 * K if prologue == "silu" else K, generator=g)
-    norm, bias, residual = torch.randn(K, generator=g), torch.randn(N, generator=g), torch.randn(1, N, generator=g)
+    x = torch.randn(R, 2 * K if prologue == "silu" else K, generator=g)
+    norm, bias, residual = torch.randn(K, generator=g), torch.randn(N, generator=g), torch.randn(R, N, generator=g)
     args = dict(prologue=prologue, norm=norm if prologue == "rms" else None, eps=1e-5,
                 bias=bias if with_bias else None, residual=residual if with_residual else None)
     y = matvec(x.to(DEVICE), w.to(DEVICE), tile=tile, **{k: v.to(DEVICE) if torch.is_tensor(v) else v
                                                            for k, v in args.items()})
-    assert y.shape == (1, N) and y.dtype == torch.float32
+    assert y.shape == (R, N) and y.dtype == torch.float32
     expected = _reference(x.double(), w.double(), **{k: v.double() if torch.is_tensor(v) else v
                                                      for k, v in args.items()})
     torch.testing.assert_close(y.double().cpu(), expected, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("N,K,prologue,with_bias,with_residual,tile", CASES[:3])
-def test_matvec_rounds_where_the_model_rounds_in_half_precision(N, K, prologue, with_bias, with_residual, tile):
-    """float16 (the interpreter's Triton multiplies bfloat16 as raw bits in tl.dot; these kernels use
-    no tl.dot, but float16 keeps one dtype for both runs): the prologue's roundings are the model's,
-    so the result is the reference's up to one rounding of the float32 sum (1 ulp)."""
+@pytest.mark.parametrize("R,N,K,prologue,with_bias,with_residual,tile", CASES[:3] + CASES[5:8])
+def test_matvec_rounds_where_the_model_rounds_in_half_precision(R, N, K, prologue, with_bias, with_residual, tile):
+    """float16 (the interpreter's Triton multiplies bfloat16 as raw bits in tl.dot, which the
+    few-row kernel uses): the prologue's roundings are the model's, so the result is the
+    reference's up to one rounding of the float32 sum (1 ulp)."""
     dt = torch.float16
     g = torch.Generator().manual_seed(N)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dt)
-    x = torch.randn(1, 2 * K if prologue == "silu" else K, generator=g).to(dt)
+    x = torch.randn(R, 2 * K if prologue == "silu" else K, generator=g).to(dt)
     norm, bias, residual = (torch.randn(K, generator=g).to(dt), torch.randn(N, generator=g).to(dt),
-                            torch.randn(1, N, generator=g).to(dt))
+                            torch.randn(R, N, generator=g).to(dt))
     args = dict(prologue=prologue, norm=norm if prologue == "rms" else None, eps=1e-5,
                 bias=bias if with_bias else None, residual=residual if with_residual else None)
     y = matvec(x.to(DEVICE), w.to(DEVICE), tile=tile, **{k: v.to(DEVICE) if torch.is_tensor(v) else v
@@ -82,9 +87,15 @@ def test_matvec_reads_a_row_slice_of_a_fused_weight_and_refuses_bad_input():
     fused = torch.randn(96, 64, generator=g).to(DEVICE)
     x = torch.randn(1, 64, generator=g).to(DEVICE)
     torch.testing.assert_close(matvec(x, fused[32:80]), x @ fused[32:80].T, atol=2e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match=r"x must be a contiguous \[1, 128\] row for w \(96, 64\) and prologue "
-                                         r"'silu', found \(1, 64\)"):
+    rows = torch.randn(5, 64, generator=g).to(DEVICE)
+    torch.testing.assert_close(matvec(rows, fused[32:80]), rows @ fused[32:80].T, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"x must be contiguous \[R, 128\] rows \(1 <= R <= 64\) for w \(96, 64\) "
+                                         r"and prologue 'silu', found \(1, 64\)"):
         matvec(x, fused, prologue="silu")
+    with pytest.raises(ValueError, match=r"x must be contiguous \[R, 64\] rows \(1 <= R <= 64\) .* found \(65, 64\)"):
+        matvec(torch.zeros(MAX_ROWS + 1, 64, device=DEVICE), fused)
+    with pytest.raises(ValueError, match=r"residual must be contiguous \[5, 96\], found \(1, 96\)"):
+        matvec(rows, fused, residual=torch.zeros(1, 96, device=DEVICE))
     with pytest.raises(ValueError, match=r"prologue 'rms' needs norm \[64\], found None"):
         matvec(x, fused, prologue="rms")
     with pytest.raises(ValueError, match=r"prologue must be one of \[None, 'rms', 'silu'\], found 'gelu'"):
@@ -106,6 +117,9 @@ def test_the_default_tiling_and_the_measured_ones(tmp_path, monkeypatch):
     assert tiling(576, 1536, "silu") == Tiling(2, 1024, 4) and tiling(960, 576) == Tiling(2, 1024, 4)
     assert tiling(400, 4096) == Tiling(1, 2048, 8)  # 400 programs of one row (of 2 rows, 200 < 2 x 132)
     assert tiling(4096, 14336, "silu", sms=1) == Tiling(8, 1024, 4) and tiling(64, 100).block_k == 128
+    # the few-row kernel: 128 columns a step where they divide K (else 64), 64 rows down to 16 for 2 programs an SM
+    assert rows_tiling(28672, 4096) == Tiling(64, 128, 4) and rows_tiling(576, 576) == Tiling(16, 64, 4)
+    assert rows_tiling(6144, 4096, "rms") == Tiling(16, 128, 4) and rows_tiling(40, 20).block_k == 32
     path = tmp_path / "tilings.json"
     path.write_text(json.dumps({"GPU X": {"4096x4096/none": [4, 512, 8, False], "6144x4096/rms": [16, 1024, 4, True]}}))
     monkeypatch.setenv("EYAS_MATVEC_TILINGS", str(path))
@@ -126,9 +140,10 @@ def test_the_default_tiling_and_the_measured_ones(tmp_path, monkeypatch):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: per-head norms
-def test_one_token_steps_through_the_triton_kernels_equal_the_hf_model_and_call_no_gemm(kind, monkeypatch):
-    """matvec="triton": every product of a fixed-shape step of one token is a Triton kernel (the
-    norms, SiLU and residual adds in them), with the model's results; steps of more tokens keep
+def test_fixed_shape_steps_through_the_triton_kernels_equal_the_hf_model_and_call_no_gemm(kind, monkeypatch):
+    """matvec="triton": every product of a fixed-shape step of up to 64 tokens is a Triton kernel
+    (the norms, SiLU and residual adds in them; one token by the one-row kernel, more by the few-row
+    one), with the model's results; exact-shape steps (here: a prompt past the largest bucket) keep
     F.linear. The walk: prefill, a tree, keep, decode."""
     import eyas.engine.llama as llama
     from eyas.engine import HFTarget, LlamaTarget
@@ -136,28 +151,31 @@ def test_one_token_steps_through_the_triton_kernels_equal_the_hf_model_and_call_
     from tests.support.walk import KEYS, SPEC, same, walk
 
     model = tiny_model(kind, 4).to(DEVICE)
-    fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, matvec="triton")
+    fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, matvec="triton",
+                       buckets=(1, 8, 16))
     hf = HFTarget(model, SPEC, max_length=64)
     assert fast.implementation == "fast+matvec-triton"
     g = torch.Generator().manual_seed(0)
-    walk(fast, hf, g, device=DEVICE)
     rows: list[int] = []  # the rows of every F.linear the fast target calls
-    real = llama.F.linear
+    real, real_forward = llama.F.linear, fast.forward
 
-    def fast_forward(ids, positions):
+    def fast_forward(*args, **kwargs):  # F.linear counted in the fast target's forward only
         with monkeypatch.context() as m:
             m.setattr(llama.F, "linear", lambda a, *w: rows.append(a.shape[0]) or real(a, *w))
-            return fast.forward(ids, positions)
+            return real_forward(*args, **kwargs)
 
-    for pos in range(fast.cache_len, fast.cache_len + 4):
-        ids = torch.randint(0, 128, (1, 1), generator=g).to(DEVICE)
-        position = torch.tensor([[pos]], device=DEVICE)
-        same(fast_forward(ids, position), hf.forward(ids, position))
-    assert rows == []  # not one GEMM in the one-token steps
-    ids = torch.randint(0, 128, (1, 3), generator=g).to(DEVICE)
-    positions = torch.arange(fast.cache_len, fast.cache_len + 3, device=DEVICE)[None]
-    same(fast_forward(ids, positions), hf.forward(ids, positions))
-    assert rows and set(rows) == {8}  # 3 tokens: token bucket 8, F.linear
+    with monkeypatch.context() as m:
+        m.setattr(fast, "forward", fast_forward)
+        walk(fast, hf, g, device=DEVICE)  # token buckets 16 (the prompt of 9), 8 (the tree, 2 tokens), 1
+        for pos in range(fast.cache_len, fast.cache_len + 3):
+            ids = torch.randint(0, 128, (1, 1), generator=g).to(DEVICE)
+            position = torch.tensor([[pos]], device=DEVICE)
+            same(fast.forward(ids, position), hf.forward(ids, position))
+        assert rows == []  # not one GEMM in the fixed-shape steps
+        ids = torch.randint(0, 128, (1, 20), generator=g).to(DEVICE)  # past the largest bucket: exact shapes
+        positions = torch.arange(fast.cache_len, fast.cache_len + 20, device=DEVICE)[None]
+        same(fast.forward(ids, positions), hf.forward(ids, positions))
+    assert rows and set(rows) == {20}
 
 
 @pytest.mark.integration

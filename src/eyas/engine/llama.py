@@ -80,8 +80,8 @@ Boundary capture follows the contract's convention (docs/conventions.md): bounda
 block 0 (the embeddings), boundary b the output of block b-1 (``hidden + residual``), boundary L the
 last block's output before the final norm. ``_layer`` returns the stream entering its block (its
 boundary), and ``_down`` leaves the block's last residual add to the next block (or ``_head``),
-where it fuses with the next norm (a compiled step of one token with ``matvec`` adds it in the
-down product's kernel instead: see :func:`_down`).
+where it fuses with the next norm (a fixed-shape step with ``matvec="triton"``, or of one token
+with ``"reduce"``, adds it in the down product's kernel instead: see :func:`_down`).
 """
 
 from __future__ import annotations
@@ -109,11 +109,14 @@ from eyas.targets.structure import find_decoder_blocks, text_config
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
-# How a fixed-shape step of one token multiplies by the weights (LlamaTarget's matvec).
+# How the fixed-shape steps multiply by the weights (LlamaTarget's matvec).
 MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned", "triton")
-# What the step's functions do with a row (see _one_row): "reduce-tuned" is "reduce" with other
-# compiler options, "auto" is "gemm".
+# What the step's functions do with their rows (see _in_kernels): "reduce-tuned" is "reduce" with
+# other compiler options, "auto" is "gemm".
 OneRow = Literal["gemm", "reduce", "triton"]
+# With matvec="triton", the fixed-shape steps of up to this many tokens run every product through
+# eyas.engine.matvec's kernels (its MAX_ROWS): a plain step, and trees of up to 63 drafted tokens.
+KERNEL_ROWS = 64
 
 # How a step attends over the cache (LlamaTarget's attention; see _layer).
 ATTENTION_CHOICES = ("eager", "sdpa", "split-kv")
@@ -383,12 +386,12 @@ def _before_attention(x: Tensor, d: Tensor | None, w: BlockWeights, kv_heads: in
     """A block's front for B tokens: the stream entering it h_in = x + d [B, H] (the previous
     block's last residual add is done here, fused with this block's norm; d None: x alone), and its
     queries, keys and values q [B, Hq, D], k, v [B, Hkv, D], not yet rotated (views of the fused
-    projection's output; Qwen3's per-head norms applied). ``matvec``: see :func:`_one_row`."""
+    projection's output; Qwen3's per-head norms applied). ``matvec``: see :func:`_in_kernels`."""
     h_in = x if d is None else x + d  # [B, H]
     B, Hkv, D = h_in.shape[0], kv_heads, head_dim
     Hq = w.o.shape[1] // D
     sizes = (Hq * D, Hkv * D, Hkv * D)
-    if _one_row(matvec, h_in):  # the norm in the product's kernel
+    if _in_kernels(matvec, h_in):  # the norm in the product's kernel
         q, k, v = _rms_product(h_in, w.qkv, w.qkv_bias, norm=w.input_norm, eps=eps).split(sizes, dim=-1)
     else:
         q, k, v = project(rms_norm(h_in, w.input_norm, eps), w.qkv, w.qkv_bias, sizes,
@@ -409,8 +412,8 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
 
     Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
     attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects
-    (with ``matvec="triton"`` and one row: the gate/up output [1, 2I], SiLU(gate) * up done in the
-    down product's kernel). ``matvec``: see :func:`_one_row`. ``sdpa``: attention as one
+    (with ``matvec="triton"`` and at most ``KERNEL_ROWS`` rows: the gate/up output [B, 2I], SiLU(gate)
+    * up done in the down product's kernel). ``matvec``: see :func:`_in_kernels`. ``sdpa``: attention as one
     ``scaled_dot_product_attention`` call (a fused kernel on a GPU, which keeps the probabilities in
     float32 for PV) instead of the eager order's three steps (QK in the model's dtype; scale, mask
     and softmax in float32, cast back; PV)."""
@@ -471,12 +474,12 @@ def _after_attention(h_in: Tensor, out: Tensor, w: BlockWeights, *, eps: float,
                      matvec: OneRow) -> tuple[Tensor, Tensor, Tensor]:
     """The rest of :func:`_layer` from the attention's output out [B, Hq*D]: the o projection and
     its residual add, the post-attention norm, gate/up and SiLU(gate) * up (with ``matvec="triton"``
-    and one row: the o product with its residual add, then gate/up with its norm, two kernels; the
-    SiLU is left to :func:`_down`'s kernel)."""
+    and at most ``KERNEL_ROWS`` rows: the o product with its residual add, then gate/up with its
+    norm, two kernels; the SiLU is left to :func:`_down`'s kernel)."""
     I = w.down.shape[1]
-    if _one_row(matvec, out):
+    if _in_kernels(matvec, out):
         h = _fused_matvec(out.contiguous(), w.o, bias=w.o_bias, residual=h_in)
-        return h_in, h, _rms_product(h, w.gate_up, w.gate_up_bias, norm=w.post_norm, eps=eps)  # [1, 2I]
+        return h_in, h, _rms_product(h, w.gate_up, w.gate_up_bias, norm=w.post_norm, eps=eps)  # [B, 2I]
     by_reduction = matvec == "reduce"
     h = h_in + linear(out, w.o, w.o_bias, matvec=by_reduction)
     gate, up = project(rms_norm(h, w.post_norm, eps), w.gate_up, w.gate_up_bias, (I, I),
@@ -492,18 +495,19 @@ def _fused_matvec(x: Tensor, w: Tensor, **options) -> Tensor:
     return matvec(x, w, **options)
 
 
-def _one_row(matvec: OneRow, a: Tensor) -> bool:
+def _in_kernels(matvec: OneRow, a: Tensor) -> bool:
     """Whether a product of a [B, ...] runs our Triton kernels (:mod:`eyas.engine.matvec`): with
-    ``matvec="triton"`` and B = 1. The step's ``matvec`` (how its steps of one row multiply):
-    ``"gemm"`` (F.linear), ``"reduce"`` (see :func:`linear`), ``"triton"`` (the norms, SiLU and
-    residual adds in the products' kernels). Steps of more rows use F.linear."""
-    return matvec == "triton" and a.shape[0] == 1
+    ``matvec="triton"`` and B <= ``KERNEL_ROWS``. The step's ``matvec``: ``"gemm"`` (F.linear),
+    ``"reduce"`` (one row as a float32 reduction, see :func:`linear`), ``"triton"`` (the norms, SiLU
+    and residual adds in the products' kernels: one row by the one-row kernel, more by the few-row
+    kernel). Other steps use F.linear."""
+    return matvec == "triton" and a.shape[0] <= KERNEL_ROWS
 
 
 def _rms_product(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None, *, norm: Tensor,
                  eps: float) -> Tensor:
-    """rms_norm(a) for one row a [1, H] through stacked projections, the norm in the product's
-    kernel: [1, sum of their rows], one kernel for a fused weight, else one per separate weight
+    """rms_norm(a) for the rows a [B, H] through stacked projections, the norm in the product's
+    kernel: [B, sum of their rows], one kernel for a fused weight, else one per separate weight
     (each computes the norm again), concatenated."""
     rows = [_fused_matvec(a, w, prologue="rms", norm=norm, eps=eps, bias=None if biases is None else biases[j])
             for j, w in enumerate(weights)]
@@ -514,8 +518,9 @@ def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
           matvec: OneRow = "gemm") -> tuple[Tensor, Tensor | None]:
     """A block's last product: the MLP's activation act [B, I] by down [H, I], m [B, H]. Returns the
     block's output as (x, d) for the next block: (h, m), the add left to the next norm, or with
-    ``matvec`` "reduce" or "triton" and one row (h + m, None), the add done in this product's kernel
-    (with "triton", act is the gate/up output [1, 2I] and the kernel computes SiLU(gate) * up).
+    ``matvec="reduce"`` and one row, or ``"triton"`` and at most ``KERNEL_ROWS`` rows, (h + m, None),
+    the add done in this product's kernel (with "triton", act is the gate/up output [B, 2I] and the
+    kernel computes SiLU(gate) * up).
 
     A function of its own (compiled apart from :func:`_layer`) so that act reaches it as a buffer:
     compiled together, inductor inlines SiLU(gate) * up into the down reduction's loads, and every
@@ -524,7 +529,7 @@ def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
     written by a 1.2 us kernel; ``benchmarks/2026-12-02-llama8b-h200.md``). Saving that kernel by
     computing gate and up as two reductions that inductor fuses with SiLU was slower (63.5 us for
     gate/up against 56.1 us as one reduction of the fused weight, in one call)."""
-    if _one_row(matvec, act):
+    if _in_kernels(matvec, act):
         return _fused_matvec(act, down, prologue="silu", bias=down_bias, residual=h), None
     m = linear(act, down, down_bias, matvec=matvec == "reduce")
     if matvec == "reduce" and act.shape[0] == 1:
@@ -536,23 +541,23 @@ def _head(x: Tensor, d: Tensor | None, norm: Tensor, lm_head: Tensor, lm_bias: T
           eps: float, matvec: OneRow = "gemm") -> tuple[Tensor, Tensor]:
     """The last block's output x + d [B, H] (boundary L; d None: x) and the logits [B, V]."""
     h = x if d is None else x + d
-    if _one_row(matvec, h):
+    if _in_kernels(matvec, h):
         return h, _fused_matvec(h, lm_head, prologue="rms", norm=norm, eps=eps, bias=lm_bias)
     return h, linear(rms_norm(h, norm, eps), lm_head, lm_bias, matvec=matvec == "reduce")
 
 
 class _StepFunctions(NamedTuple):
-    """A step's four functions (eager or compiled) and whether their steps of one row (``matvec``)
-    return each block's output whole (see :func:`_down`): the blocks then pass no residual along."""
+    """A step's four functions (eager or compiled), up to how many rows their blocks return their
+    output whole (see :func:`_down`: the blocks then pass no residual along; 0: never), and whether
+    ``layer`` takes a block's cache as one tensor kv [2, Hkv, C, D] (split-kv's
+    :func:`_layer_split_kv`) rather than as keys, values."""
 
     prologue: Callable
     layer: Callable
     down: Callable
     head: Callable
-    whole_output_one_row: bool
-    # The layer of the steps of one token when it is another: split-kv's (_layer_split_kv), which takes a
-    # block's cache as one tensor kv [2, Hkv, C, D] (``layer`` takes keys, values); None: ``layer``.
-    one_token_layer: Callable | None = None
+    whole_output_rows: int
+    layer_takes_kv: bool = False
 
 
 class _Inputs(NamedTuple):
@@ -580,13 +585,14 @@ class LlamaTarget(Target):
     the last rung) that holds cache_len + the token bucket. ``compile`` (default: with
     ``cuda_graphs``) compiles the fixed-shape step with inductor; it applies on a GPU only.
 
-    ``matvec`` says how the fixed-shape steps of ONE token multiply by the weights: ``"gemm"``
-    (``F.linear``: cuBLAS), ``"reduce"`` (a float32 reduction that inductor compiles into one
+    ``matvec`` says how the fixed-shape steps multiply by the weights: ``"gemm"`` (``F.linear``:
+    cuBLAS), ``"reduce"`` (steps of one token: a float32 reduction that inductor compiles into one
     weight-streaming kernel, see :func:`linear`), ``"reduce-tuned"`` (the same, with inductor's
     coordinate-descent tuning of every kernel's block sizes: a longer compilation), ``"triton"``
-    (:mod:`eyas.engine.matvec`: one Triton kernel per product that also does the norm before it,
+    (steps of up to ``KERNEL_ROWS`` = 64 tokens, a plain step and the verification of a tree:
+    :mod:`eyas.engine.matvec`, one Triton kernel per product that also does the norm before it,
     SiLU(gate) * up and the residual add, 4 kernels a block; it needs Triton, like split-kv), or
-    ``"auto"`` (``"gemm"``). Steps of more tokens and exact-shape steps always use ``F.linear``.
+    ``"auto"`` (``"gemm"``). Other steps (more tokens, exact shapes) use ``F.linear``.
     Measured on an H200 in bf16 (``benchmarks/2026-12-01-matvec-h200.md``): a SmolLM2-shaped plain
     step 1.229 ms (gemm), 0.976 (reduce), 0.933 (reduce-tuned); an 8B-shaped one 4.949, 6.458 and
     4.849 ms, warm-up 27, 4 and 89 s; with the down product compiled apart (:func:`_down`), 4.878
@@ -596,20 +602,19 @@ class LlamaTarget(Target):
     split-kv attention the 8B-shaped plain step took 4.244 and 4.206 ms on two machines, 1.19x the
     floor, against 5.190 and 5.073 ms for the default
     (``benchmarks/2026-12-02-matvec-triton-h200.md``); a SmolLM2-shaped one 0.614 ms against 1.404.
-    Not the default: verification and the drafter do not gain, so speculative decoding's lead over
-    plain decoding would shrink below issue 10's 1.3x on SmolLM2 (estimated, to be measured).
+    Those figures are from before the few-row kernel, when verification kept cuBLAS.
 
     ``attention`` says how the steps attend over the cache: ``"eager"`` (Hugging Face's eager
     order: QK, a float32 softmax under the mask, PV; three kernels a block on a GPU), ``"sdpa"``
     (one ``scaled_dot_product_attention`` call a block, a fused kernel on a GPU; equal to the model
-    in float32 on the CPU), or ``"split-kv"`` (the fixed-shape steps of one token only: two Triton
-    kernels a block that also rotate q and k and write the cache, :mod:`eyas.engine.decode_attention`;
-    it needs Triton, a GPU or ``TRITON_INTERPRET=1``, and a power-of-two head dimension; steps of
-    more tokens attend in the eager order, which was faster for 24 tokens: 5.59 against 5.98 ms,
-    one call). On an H200, 8B-shaped, bf16 (``benchmarks/2026-12-02-split-kv-h200.md``): SDPA
-    6.245 ms a plain step against 5.391 eager (gemm, one call); split-kv with gemm 4.769 ms and 400
-    kernels (1.34x the floor, another machine). Both opt-in: SDPA is slower, and split-kv goes with
-    ``matvec="triton"`` (above)."""
+    in float32 on the CPU), or ``"split-kv"`` (the fixed-shape steps, plain and verification: two
+    Triton kernels a block that also rotate q and k and write the cache,
+    :mod:`eyas.engine.decode_attention`; it needs Triton, a GPU or ``TRITON_INTERPRET=1``, and a
+    power-of-two head dimension). On an H200, 8B-shaped, bf16
+    (``benchmarks/2026-12-02-split-kv-h200.md``): SDPA 6.245 ms a plain step against 5.391 eager
+    (gemm, one call); split-kv with gemm 4.769 ms and 400 kernels (1.34x the floor, another
+    machine); verifying 24 tokens with gemm, 5.98 ms split-kv against 5.59 eager (one call). Both
+    opt-in: SDPA is slower, and split-kv goes with ``matvec="triton"`` (above)."""
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
                  default_capacity: int = 4096, fixed_shapes: bool = False, cuda_graphs: bool = False,
@@ -742,34 +747,29 @@ class LlamaTarget(Target):
         return "+".join(["fast"] + ["compile"] * self.compile + ["cuda-graphs"] * self.cuda_graphs
                         + [f"matvec-{self.matvec}"] * (own and self.matvec != "gemm")
                         + ["attention-sdpa"] * (self.attention == "sdpa")
-                        + ["attention-split-kv"] * (own and self._fixed.one_token_layer is not None))
+                        + ["attention-split-kv"] * (own and self._fixed.layer_takes_kv))
 
     def _functions(self, backend: str | None, matvec: str = "gemm", attention: str = "eager") -> _StepFunctions:
-        """The step's functions (prologue, layer, down, head, and split-kv's one-token layer) with this
-        model's constants, ``matvec`` and ``attention`` bound; compiled with ``backend`` (None:
-        eager). Compiled, every call with a bucket's shapes hits the same compilation."""
+        """The step's functions (prologue, layer, down, head) with this model's constants, ``matvec``
+        and ``attention`` bound; compiled with ``backend`` (None: eager). Compiled, every call with a
+        bucket's shapes hits the same compilation."""
         c = self._consts
         how: OneRow = "reduce" if matvec == "reduce-tuned" else matvec  # type: ignore[assignment]
         block = dict(eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=how)
-        fns = (functools.partial(_prologue, rope_scaling=c["rope_scaling"]),
-               functools.partial(_layer, **block, sdpa=attention == "sdpa"),
-               functools.partial(_down, matvec=how),
-               functools.partial(_head, eps=c["eps"], matvec=how))
-        # split-kv: the steps of one token only; more tokens (verification) attend faster in the eager order
-        split = functools.partial(_layer_split_kv, **block) if attention == "split-kv" else None
-        whole = how != "gemm"  # _down returns a row's output whole
-        if backend is None:
-            return _StepFunctions(*fns, whole, split)
-        # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _down and
-        # _head: per token bucket; per model) are separate compilations of one code object (functools.partial's):
-        # 6 token buckets x 4 key buckets = 24 of _layer for C = 4096.
-        raise_recompile_limits()
-        options = {"coordinate_descent_tuning": True} if matvec == "reduce-tuned" else None
-
-        def compiled(f: Callable) -> Callable:
-            return torch.compile(f, backend=backend, fullgraph=True, dynamic=False, options=options)
-
-        return _StepFunctions(*map(compiled, fns), whole, None if split is None else compiled(split))
+        split_kv = attention == "split-kv"
+        layer = (functools.partial(_layer_split_kv, **block) if split_kv
+                 else functools.partial(_layer, **block, sdpa=attention == "sdpa"))
+        fns = (functools.partial(_prologue, rope_scaling=c["rope_scaling"]), layer,
+               functools.partial(_down, matvec=how), functools.partial(_head, eps=c["eps"], matvec=how))
+        whole_rows = {"gemm": 0, "reduce": 1, "triton": KERNEL_ROWS}[how]  # see _down
+        if backend is not None:
+            # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _down and
+            # _head: per token bucket; per model) are separate compilations of one code object
+            # (functools.partial's): 6 token buckets x 4 key buckets = 24 of _layer for C = 4096.
+            raise_recompile_limits()
+            options = {"coordinate_descent_tuning": True} if matvec == "reduce-tuned" else None
+            fns = tuple(torch.compile(f, backend=backend, fullgraph=True, dynamic=False, options=options) for f in fns)
+        return _StepFunctions(*fns, whole_rows, split_kv)
 
     # -- cache --------------------------------------------------------------------------------
 
@@ -827,15 +827,13 @@ class LlamaTarget(Target):
         shapes depend only on those two numbers. Returns logits [B, V] and the captured boundaries
         [B, S*H] in the spec's slot order (boundary b = the residual stream entering block b;
         boundary L = the last block's output, before the final norm)."""
-        prologue, layer, down, head, whole_output_one_row, one_token_layer = fns
+        prologue, layer, down, head, whole_output_rows, layer_takes_kv = fns
         x, d, cos, sin, slots, mask = prologue(*inputs, self.embed_weight, self.inv_freq, n_keys=n_keys)
-        if whole_output_one_row and x.shape[0] == 1:
+        if x.shape[0] <= whole_output_rows:
             d = None  # every block returns its output whole (see _down): one compilation of _layer
-        kv_whole = one_token_layer is not None and x.shape[0] == 1
-        layer = one_token_layer if kv_whole else layer
         captured: list[Tensor | None] = [None] * self.spec.num_slots
         for i, w in enumerate(self.weights):
-            cache = (self.kv[i],) if kv_whole else (self.keys[i], self.values[i])
+            cache = (self.kv[i],) if layer_takes_kv else (self.keys[i], self.values[i])
             h_in, h, act = layer(x, d, cos, sin, slots, mask, *cache, w)
             x, d = down(h, act, w.down, w.down_bias)
             if i in self._slot_of:  # boundary i = the input of block i

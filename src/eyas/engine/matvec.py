@@ -1,4 +1,5 @@
-"""One-row products by a weight matrix in Triton, with the norm before them and the residual add after.
+"""Products of one row, or a few, by a weight matrix in Triton, with the norm before them and the
+residual add after.
 
 A plain decoding step multiplies ONE row by every weight matrix of the model, so its time is the time
 to read the weights once: a matrix-vector product (matvec) is bound by memory bandwidth, and the
@@ -18,8 +19,16 @@ four products are four kernels that also do what lies between them:
 - ``bias``: y = W @ x + b, before the residual (Qwen2's q/k/v).
 
 Program p owns the rows n in [p*BLOCK_N, (p+1)*BLOCK_N) of W [N, K] and streams them once, BLOCK_K
-columns at a time, into a float32 accumulator [BLOCK_N, BLOCK_K] (x's tile broadcast against W's),
-summed over its columns at the end: no two programs share a row, so no atomics and no second pass.
+columns at a time, into a float32 accumulator: no two programs share a row, so no atomics and no
+second pass.
+
+- One row (``_matvec_kernel``, CUDA cores): the accumulator is [BLOCK_N, BLOCK_K] (x's tile
+  broadcast against W's), summed over its columns at the end.
+- R rows, 2 <= R <= ``MAX_ROWS`` (``_rows_kernel``: the verification of a tree, a drafter's
+  frontier): the accumulator is [R', BLOCK_N] (R' = R padded to a power of two, at least 16), and
+  each step adds prologue(x)'s tile [R', BLOCK_K] times W's tile transposed on the tensor cores
+  (``tl.dot``): the weights are read once for all R rows. The rms prologue's per-row 1 / rms is
+  a first pass over x [R, K] (from L2) by every program.
 
 Numerics are Hugging Face's, rounding where the model rounds (the model's dtype DT, float32
 arithmetic in between): rmsnorm(x) = DT(w_norm * DT(x * rsqrt(mean(x^2) + eps))); SiLU(gate) * up =
@@ -31,8 +40,8 @@ the product in ``matvec_tilings.json`` (``benchmarks/matvec_gpu.py --write-tilin
 choices and writes the fastest), else :func:`tiling`'s default for the shape. The kernels need
 Triton (a GPU, or ``TRITON_INTERPRET=1`` on the CPU, as the tests run them).
 
-Measured (``benchmarks/2026-12-02-matvec-triton-h200.md``): with split-KV attention, 6 kernels a
-block, an 8B-shaped plain step took 4.21-4.24 ms on two H200s, 1.19x the bandwidth floor, against
+Measured (``benchmarks/2026-12-02-matvec-triton-h200.md``, the one-row kernel): with split-KV
+attention, 6 kernels a block, an 8B-shaped plain step took 4.21-4.24 ms on two H200s, 1.19x the bandwidth floor, against
 5.07-5.19 ms (1.44-1.46x) for cuBLAS and inductor's kernels; its gate/up product alone runs at the
 floor, down and q/k/v at 1.20x, o at 1.26x.
 """
@@ -50,6 +59,7 @@ import triton.language as tl
 from torch import Tensor
 
 PROLOGUES = (None, "rms", "silu")
+MAX_ROWS = 64  # the most rows a product takes (the few-row kernel holds them all in one tile)
 
 
 class Tiling(NamedTuple):
@@ -148,6 +158,29 @@ def _tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | N
     return _CHOSEN[key]
 
 
+def rows_tiling(n_rows: int, n_cols: int, prologue: str | None = None, sms: int = 132) -> Tiling:
+    """The few-row kernel's tiling of W [n_rows, n_cols] (not measured yet: a first choice, from
+    the one-row kernel's measurements and the tensor cores' tile sizes): 128 columns a step when
+    they divide K, else 64 (SmolLM2's 576 columns: 9 whole steps); 64 weight rows a program, fewer
+    (down to 16, a tl.dot's least) while there are under 2 programs per SM; 4 warps."""
+    block_k = 128 if n_cols % 128 == 0 else 64
+    block_k = min(block_k, max(16, triton.next_power_of_2(n_cols)))
+    block_n = 64
+    while block_n > 16 and triton.cdiv(n_rows, block_n) < 2 * sms:
+        block_n //= 2
+    return Tiling(block_n, block_k, 4)
+
+
+@torch.compiler.assume_constant_result
+def _rows_tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | None) -> Tiling:
+    """:func:`rows_tiling` for a product on ``device`` (its SM count), chosen once."""
+    key = (device, n_rows, n_cols, prologue, "rows")
+    if key not in _CHOSEN:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        _CHOSEN[key] = rows_tiling(n_rows, n_cols, prologue, sms)
+    return _CHOSEN[key]
+
+
 @triton.jit
 def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
                    N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, PROLOGUE: tl.constexpr,
@@ -198,33 +231,107 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
     tl.store(y_ptr + n, y, mask=n_ok)
 
 
+
+@triton.jit
+def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
+                 N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, PROLOGUE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, PRECISION: tl.constexpr):
+    # The few-row kernel: R rows of x (padded to BLOCK_R >= 16 for tl.dot) against BLOCK_N rows of W,
+    # acc [BLOCK_R, BLOCK_N] += a [BLOCK_R, BLOCK_K] @ w^T [BLOCK_K, BLOCK_N] on the tensor cores,
+    # a = prologue(x) rounded to DT as the model rounds it (the one-row kernel's roundings).
+    DT = y_ptr.dtype.element_ty
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of W
+    n_ok = n < N
+    row = n * stride_w
+    if N * K >= 2**31:
+        row = n.to(tl.int64) * stride_w
+    r = tl.arange(0, BLOCK_R)  # [BLOCK_R] rows of x
+    r_ok = r < R
+    WIDTH: tl.constexpr = 2 * K if PROLOGUE == 2 else K  # x's row length
+    EVEN_K: tl.constexpr = K % BLOCK_K == 0
+    if PROLOGUE == 1:  # each row's 1 / rms over all of x [R, K] (x is in L2), before the product
+        squares = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_ptr + r[:, None] * WIDTH + k[None, :], mask=r_ok[:, None] & (k < K)[None, :],
+                         other=0.0).to(tl.float32)
+            squares += xk * xk
+        inv_rms = 1.0 / tl.sqrt(tl.sum(squares, 1) / K + EPS)  # [BLOCK_R]
+    acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K] columns
+        if EVEN_K:
+            k_ok = tl.full([BLOCK_K], 1, tl.int1)
+        else:
+            k_ok = k < K
+        x_at = x_ptr + r[:, None] * WIDTH + k[None, :]  # [BLOCK_R, BLOCK_K]
+        x_ok = r_ok[:, None] & k_ok[None, :]
+        if PROLOGUE == 1:
+            xk = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
+            scale = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            a = (scale[None, :] * (xk * inv_rms[:, None]).to(DT).to(tl.float32)).to(DT)
+        elif PROLOGUE == 2:  # x = [gate | up]
+            gate = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
+            up = tl.load(x_at + K, mask=x_ok, other=0.0).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
+            a = (silu * up).to(DT)
+        else:
+            a = tl.load(x_at, mask=x_ok, other=0.0).to(DT)
+        w = tl.load(w_ptr + row[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy=EVICT)  # [BLOCK_N, BLOCK_K]
+        acc += tl.dot(a, tl.trans(w.to(DT)), input_precision=PRECISION)
+    y = acc  # [BLOCK_R, BLOCK_N] float32
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = y.to(DT)
+    at = r[:, None] * N + n[None, :]
+    ok = r_ok[:, None] & n_ok[None, :]
+    if HAS_RES:
+        y = (y.to(tl.float32) + tl.load(res_ptr + at, mask=ok, other=0.0).to(tl.float32)).to(DT)
+    tl.store(y_ptr + at, y, mask=ok)
+
+
 def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | None = None, eps: float = 0.0,
            bias: Tensor | None = None, residual: Tensor | None = None, tile: Tiling | None = None) -> Tensor:
-    """One row through W [N, K]: y [1, N] = residual + W @ prologue(x) + bias (see the module's
-    docstring for the prologues and the rounding).
+    """R rows through W [N, K] (1 <= R <= ``MAX_ROWS``): y [R, N] = residual + W @ prologue(x) + bias,
+    row by row (see the module's docstring for the prologues and the rounding).
 
-    x [1, K] (``prologue="silu"``: [1, 2K], gate then up), contiguous; w [N, K] with unit stride
+    x [R, K] (``prologue="silu"``: [R, 2K], gate then up), contiguous; w [N, K] with unit stride
     along K (a row slice of a fused weight is fine); norm [K] (``"rms"``) with ``eps``; bias [N],
-    residual [1, N]. y has x's dtype. ``tile``: the tiling (default: the one measured for this GPU
-    and product, else :func:`tiling`)."""
+    residual [R, N] contiguous. y has x's dtype. One row runs the one-row kernel (CUDA cores, its
+    tiling measured per GPU); more rows run the few-row kernel (tensor cores, the rows padded to
+    16). ``tile``: the tiling (default: the one measured for this GPU and product, else
+    :func:`tiling` for one row, :func:`rows_tiling` for more)."""
     N, K = w.shape
     if prologue not in PROLOGUES:
         raise ValueError(f"matvec: prologue must be one of {list(PROLOGUES)}, found {prologue!r}")
     width = 2 * K if prologue == "silu" else K
-    if x.shape != (1, width) or not x.is_contiguous():
-        raise ValueError(f"matvec: x must be a contiguous [1, {width}] row for w {tuple(w.shape)} and prologue "
-                         f"{prologue!r}, found {tuple(x.shape)} with strides {x.stride()}")
+    R = x.shape[0] if x.dim() == 2 else 0
+    if x.dim() != 2 or x.shape[1] != width or not 1 <= R <= MAX_ROWS or not x.is_contiguous():
+        raise ValueError(f"matvec: x must be contiguous [R, {width}] rows (1 <= R <= {MAX_ROWS}) for w "
+                         f"{tuple(w.shape)} and prologue {prologue!r}, found {tuple(x.shape)} with strides {x.stride()}")
     if w.stride(1) != 1:
         raise ValueError(f"matvec: w must have unit stride along its columns, found strides {w.stride()}")
     if prologue == "rms" and (norm is None or norm.shape != (K,)):
         found = None if norm is None else tuple(norm.shape)
         raise ValueError(f"matvec: prologue 'rms' needs norm [{K}], found {found}")
-    tile = tile or _tiling_on(x.device, N, K, prologue)
-    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    _matvec_kernel[(triton.cdiv(N, tile.block_n),)](
-        x, w, y, x if norm is None else norm, x if bias is None else bias,
-        x if residual is None else residual, w.stride(0),
-        N=N, K=K, EPS=float(eps), PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVICT="evict_first" if tile.evict_first else "", num_warps=tile.num_warps)
+    if residual is not None and (residual.shape != (R, N) or not residual.is_contiguous()):
+        raise ValueError(f"matvec: residual must be contiguous [{R}, {N}], found {tuple(residual.shape)} with "
+                         f"strides {residual.stride()}")
+    y = torch.empty(R, N, dtype=x.dtype, device=x.device)
+    common = dict(N=N, K=K, EPS=float(eps), PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None,
+                  HAS_RES=residual is not None)
+    pointers = (x, w, y, x if norm is None else norm, x if bias is None else bias, x if residual is None else residual)
+    if R == 1:
+        tile = tile or _tiling_on(x.device, N, K, prologue)
+        _matvec_kernel[(triton.cdiv(N, tile.block_n),)](
+            *pointers, w.stride(0), **common, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            EVICT="evict_first" if tile.evict_first else "", num_warps=tile.num_warps)
+        return y
+    tile = tile or _rows_tiling_on(x.device, N, K, prologue)
+    _rows_kernel[(triton.cdiv(N, tile.block_n),)](
+        *pointers, w.stride(0), **common, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, EVICT="evict_first" if tile.evict_first else "",
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=tile.num_warps)
     return y
