@@ -20,8 +20,9 @@
 #   tiling       one block's attention alone, eager against the split-KV kernels per tiling (decode_attention_gpu.py)
 #   gputests     the engine's GPU tests, then the matvec='reduce' identity test run for its message
 #   attention    the shipped drafter with the fast target's attention eager, then split-kv (Triton): spec_gpu.py twice
-#   kernels      the shipped drafter on SmolLM2, default kernels then --matvec triton --attention split-kv: spec_gpu.py
-#                twice (after setup and part, like attention; COMMIT=sha)
+#   kernels      the shipped drafter on SmolLM2, cuBLAS and eager attention (--matvec gemm --attention eager), then
+#                the default (auto: eyas' Triton kernels on a GPU): spec_gpu.py twice (after setup and part, like
+#                attention; COMMIT=sha)
 #   compare      the drafter just trained against the shipped one: spec_gpu.py on MT-bench, temperature 0, same
 #                prompts and trees, HF generate compiled beside the new one ($OUT/compare.tar, compare.log)
 #   bench [ARGS] benchmarks/spec_gpu.py on MT-bench with the drafter, results into $OUT/spec (COMMIT=sha)
@@ -233,9 +234,9 @@ EOF
     ;;
   kernels)
     shift
-    # the fast target's default kernels, then --matvec triton --attention split-kv: what the Triton one-token
-    # steps do to eyas plain and to speculative decoding's lead over it; see spec_pair
-    spec_pair kernels default "" triton "--matvec triton --attention split-kv" "$@"
+    # the fast target on cuBLAS and the eager order, then on its default (auto: the Triton kernels for plain steps,
+    # verification and the drafter's steps): what they do to eyas plain and to speculative decoding; see spec_pair
+    spec_pair kernels cublas "--matvec gemm --attention eager" auto "" "$@"
     ;;
   compare)
     shift

@@ -181,8 +181,8 @@ def test_generate_on_the_fast_target_prints_it_and_equals_the_hf_target(toy_draf
     # the fast target's kernels: passed through, checked, refused where the Hugging Face target runs
     for extra, message in ((["--matvec", "gemv"], "LlamaTarget: matvec must be one of ['auto', 'gemm', 'reduce', "
                                                   "'reduce-tuned', 'triton'], found 'gemv'"),
-                           (["--attention", "flash"], "LlamaTarget: attention must be one of ['eager', 'sdpa', "
-                                                      "'split-kv'], found 'flash'"),
+                           (["--attention", "flash"], "LlamaTarget: attention must be one of ['auto', 'eager', "
+                                                      "'sdpa', 'split-kv'], found 'flash'"),
                            (["--target-impl", "hf", "--matvec", "triton", "--attention", "split-kv"],
                             "--matvec triton --attention split-kv: options of the fast Llama-family target, and this "
                             "model runs on the Hugging Face target (--target-impl hf); leave them out")):
@@ -373,6 +373,24 @@ def test_one_token_steps_multiplied_as_reductions_equal_the_hf_model_and_call_no
 
 
 @pytest.mark.unit
+def test_auto_picks_the_triton_kernels_on_the_compiled_gpu_path_only(monkeypatch):
+    """matvec and attention "auto": eyas' Triton kernels where the steps are compiled on a GPU and
+    triton is installed (split-kv where the head dimension is a power of two of at least 16),
+    cuBLAS and the eager order elsewhere (the CPU's eager steps here)."""
+    import importlib.util
+
+    from eyas.engine.llama import _auto_kernels
+
+    fast = LlamaTarget(tiny_model("llama", L), SPEC, max_length=64, fixed_shapes=True)
+    assert (fast.matvec, fast.attention, fast.implementation) == ("gemm", "eager", "fast")
+    assert _auto_kernels(False, 64) == ("gemm", "eager")
+    if importlib.util.find_spec("triton") is not None:
+        assert _auto_kernels(True, 64) == ("triton", "split-kv") and _auto_kernels(True, 80) == ("triton", "eager")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else object())
+    assert _auto_kernels(True, 64) == ("gemm", "eager")  # no triton: cuBLAS
+
+
+@pytest.mark.unit
 def test_linear_on_the_cpu_transposed_for_few_rows_equals_f_linear():
     """Up to CPU_TRANSPOSED_ROWS rows the CPU computes y^T = w a^T (one row as two), more rows with
     F.linear: the same products, contiguous [B, out], bias included."""
@@ -402,7 +420,7 @@ def test_linear_as_a_reduction_equals_f_linear_and_a_wrong_matvec_is_refused():
     torch.testing.assert_close(linear(a16, w16, matvec=True).float(), (a16.float() @ w16.float().T).bfloat16().float())
     with pytest.raises(ValueError, match=r"matvec must be one of .*'gemm'.*found 'gemv'"):
         LlamaTarget(tiny_model("llama", L), SPEC, max_length=64, matvec="gemv")
-    with pytest.raises(ValueError, match=r"attention must be one of \['eager', 'sdpa', 'split-kv'\], found 'flash'"):
+    with pytest.raises(ValueError, match=r"attention must be one of \['auto', 'eager', 'sdpa', 'split-kv'\], found 'flash'"):
         LlamaTarget(tiny_model("llama", L), SPEC, max_length=64, attention="flash")
 
 

@@ -30,12 +30,13 @@ DRAFT_DTYPE_HELP = ("the drafter's dtype: auto (bfloat16 on a CPU with native bf
                     "verifies in its own dtype")
 TARGET_IMPL_HELP = ("auto (the fast Llama-family target where it applies: with CUDA graphs on a GPU, eager on "
                     "a CPU; else the Hugging Face one) | fast | hf")  # eyas generate / bench / trace --target-impl
-MATVEC_HELP = ("the fast target's one-token products on a GPU: auto (= gemm, cuBLAS) | gemm | reduce | reduce-tuned "
-               "(inductor's reductions) | triton (eyas's kernels with the norms, SiLU and residual adds in them: "
+MATVEC_HELP = ("the fast target's products on a GPU: auto (= triton on a GPU with triton installed, else gemm) | "
+               "gemm (cuBLAS) | reduce | reduce-tuned (inductor's reductions, one-token steps) | triton (eyas's "
+               "kernels with the norms, SiLU and residual adds in them, for plain steps and tree verification: "
                "with --attention split-kv, 1.19x the bandwidth floor on an 8B-shaped Llama on an H200, against "
-               "1.44x; plain decoding gains more than speculative)")
-ATTENTION_HELP = ("the fast target's attention: eager | sdpa | split-kv (Triton kernels on the one-token steps of "
-                  "a GPU)")
+               "1.44x with gemm)")
+ATTENTION_HELP = ("the fast target's attention: auto (= split-kv where --matvec auto picks triton, else eager) | "
+                  "eager | sdpa | split-kv (Triton kernels on the fixed-shape steps of a GPU)")
 
 
 def _choice(name: str, values: list[str]) -> type[Enum]:

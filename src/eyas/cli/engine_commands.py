@@ -25,7 +25,7 @@ TREE_HELP = ("DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24), DEPTH for a 
 
 def load_for_serving(target: str, draft: Path, device: str, force: bool, target_impl: str = "auto",
                      draft_dtype: str = "auto", matvec: str = "auto",
-                     attention: str = "eager") -> tuple[LoadedTarget, Any, Any, Any]:
+                     attention: str = "auto") -> tuple[LoadedTarget, Any, Any, Any]:
     """(the loaded target, drafter, engine target, contract), the drafter checked against the target's
     contract. ``--device auto`` and the dtype follow eyas.targets.placement: bf16 on a GPU, float32 on
     the CPU (bf16 matmuls are slow there and greedy equality is exact in float32); ``target_impl``
@@ -84,7 +84,7 @@ def generate_cmd(
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
     matvec: str = typer.Option("auto", help=MATVEC_HELP),
-    attention: str = typer.Option("eager", help=ATTENTION_HELP),
+    attention: str = typer.Option("auto", help=ATTENTION_HELP),
     draft_dtype: str = typer.Option("auto", help=DRAFT_DTYPE_HELP),
     force: bool = typer.Option(False, help="serve even when the contract does not match the target"),
     json_out: bool = typer.Option(False, "--json"),
@@ -147,7 +147,7 @@ def bench_cmd(
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
     matvec: str = typer.Option("auto", help=MATVEC_HELP),
-    attention: str = typer.Option("eager", help=ATTENTION_HELP),
+    attention: str = typer.Option("auto", help=ATTENTION_HELP),
     draft_dtype: str = typer.Option("auto", help=DRAFT_DTYPE_HELP),
     png: Optional[Path] = typer.Option(None, help="accept-length histogram (default: next to --out or ./bench.png)"),
     out: Optional[Path] = typer.Option(None, help="also write the JSON report here"),

@@ -31,7 +31,7 @@ def serve_cmd(
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
     matvec: str = typer.Option("auto", help=MATVEC_HELP),
-    attention: str = typer.Option("eager", help=ATTENTION_HELP),
+    attention: str = typer.Option("auto", help=ATTENTION_HELP),
     served_model_name: Optional[str] = typer.Option(None, help="the model id clients send (default: --target)"),
     max_tokens: int = typer.Option(256, min=1, help="new tokens when a request does not say (capped by the context)"),
     max_body_bytes: int = typer.Option(1 << 20, min=1024, help="larger request bodies get 413"),

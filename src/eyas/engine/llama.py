@@ -112,14 +112,14 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # How the fixed-shape steps multiply by the weights (LlamaTarget's matvec).
 MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned", "triton")
 # What the step's functions do with their rows (see _in_kernels): "reduce-tuned" is "reduce" with
-# other compiler options, "auto" is "gemm".
+# other compiler options; "auto" is "triton" on the compiled GPU path, else "gemm" (see _auto_kernels).
 OneRow = Literal["gemm", "reduce", "triton"]
 # With matvec="triton", the fixed-shape steps of up to this many tokens run every product through
 # eyas.engine.matvec's kernels (its MAX_ROWS): a plain step, and trees of up to 63 drafted tokens.
 KERNEL_ROWS = 64
 
 # How a step attends over the cache (LlamaTarget's attention; see _layer).
-ATTENTION_CHOICES = ("eager", "sdpa", "split-kv")
+ATTENTION_CHOICES = ("auto", "eager", "sdpa", "split-kv")  # auto: split-kv with matvec's auto triton, else eager
 
 # Products of at most this many rows run transposed on the CPU (see linear).
 CPU_TRANSPOSED_ROWS = 7
@@ -177,6 +177,19 @@ def _check_triton(option: str, fallback: str, device: torch.device) -> None:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise UnsupportedTarget(f"LlamaTarget: {option} runs Triton kernels, on a GPU (the model is on "
                                 f"{device.type}) or under TRITON_INTERPRET=1; use {fallback}")
+
+
+def _auto_kernels(compiled: bool, head_dim: int) -> tuple[str, str]:
+    """(matvec, attention) for "auto": eyas' Triton kernels ("triton", "split-kv") where the fixed-shape
+    steps are compiled on a GPU (the fast path) and triton is installed, split-kv where the head
+    dimension is one its kernels take; else cuBLAS and the eager order ("gemm", "eager"). The
+    kernels make a block 6 kernels instead of 16 (plain steps and the verification of trees alike),
+    which is what a launch-bound step needs."""
+    if not compiled or importlib.util.find_spec("triton") is None:
+        return "gemm", "eager"
+    from eyas.engine.decode_attention import supported_head_dim
+
+    return "triton", "split-kv" if supported_head_dim(head_dim) else "eager"
 
 
 def _check_split_kv(head_dim: int, device: torch.device) -> None:
@@ -592,7 +605,9 @@ class LlamaTarget(Target):
     (steps of up to ``KERNEL_ROWS`` = 64 tokens, a plain step and the verification of a tree:
     :mod:`eyas.engine.matvec`, one Triton kernel per product that also does the norm before it,
     SiLU(gate) * up and the residual add, 4 kernels a block; it needs Triton, like split-kv), or
-    ``"auto"`` (``"gemm"``). Other steps (more tokens, exact shapes) use ``F.linear``.
+    ``"auto"`` (the default: ``"triton"`` where the steps are compiled on a GPU and triton is
+    installed, else ``"gemm"``; :func:`_auto_kernels`). Other steps (more tokens, exact shapes) use
+    ``F.linear``.
     Measured on an H200 in bf16 (``benchmarks/2026-12-01-matvec-h200.md``): a SmolLM2-shaped plain
     step 1.229 ms (gemm), 0.976 (reduce), 0.933 (reduce-tuned); an 8B-shaped one 4.949, 6.458 and
     4.849 ms, warm-up 27, 4 and 89 s; with the down product compiled apart (:func:`_down`), 4.878
@@ -604,7 +619,9 @@ class LlamaTarget(Target):
     (``benchmarks/2026-12-02-matvec-triton-h200.md``); a SmolLM2-shaped one 0.614 ms against 1.404.
     Those figures are from before the few-row kernel, when verification kept cuBLAS.
 
-    ``attention`` says how the steps attend over the cache: ``"eager"`` (Hugging Face's eager
+    ``attention`` says how the steps attend over the cache: ``"auto"`` (the default: ``"split-kv"``
+    where ``matvec``'s auto picks ``"triton"`` and the head dimension is a power of two of at least
+    16, else ``"eager"``), ``"eager"`` (Hugging Face's eager
     order: QK, a float32 softmax under the mask, PV; three kernels a block on a GPU), ``"sdpa"``
     (one ``scaled_dot_product_attention`` call a block, a fused kernel on a GPU; equal to the model
     in float32 on the CPU), or ``"split-kv"`` (the fixed-shape steps, plain and verification: two
@@ -614,13 +631,13 @@ class LlamaTarget(Target):
     (``benchmarks/2026-12-02-split-kv-h200.md``): SDPA 6.245 ms a plain step against 5.391 eager
     (gemm, one call); split-kv with gemm 4.769 ms and 400 kernels (1.34x the floor, another
     machine); verifying 24 tokens with gemm, 5.98 ms split-kv against 5.59 eager (one call). Both
-    opt-in: SDPA is slower, and split-kv goes with ``matvec="triton"`` (above)."""
+    SDPA is opt-in (slower); split-kv goes with ``matvec="triton"`` (above)."""
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
                  default_capacity: int = 4096, fixed_shapes: bool = False, cuda_graphs: bool = False,
                  buckets: Sequence[int] = (1, 8, 16, 32, 64, 128), compile: bool | None = None,
                  fuse: bool = True, key_buckets: Sequence[int] | None = None, matvec: str = "auto",
-                 attention: str = "eager") -> None:
+                 attention: str = "auto") -> None:
         why_not = supports(model)
         if why_not is not None:
             raise UnsupportedTarget(f"LlamaTarget: {why_not}; use the Hugging Face target (HFTarget)")
@@ -710,12 +727,14 @@ class LlamaTarget(Target):
         self.key_buckets = tuple(sorted({int(k) for k in ladder if 0 < int(k) < self.max_length} | {self.max_length}))
         if matvec not in MATVEC_CHOICES:
             raise UnsupportedTarget(f"LlamaTarget: matvec must be one of {list(MATVEC_CHOICES)}, found {matvec!r}")
-        self.matvec = "gemm" if matvec == "auto" else matvec
-        if self.matvec == "triton":
-            _check_triton("matvec='triton'", "matvec='gemm'", self.device)
         if attention not in ATTENTION_CHOICES:
             raise UnsupportedTarget(f"LlamaTarget: attention must be one of {list(ATTENTION_CHOICES)}, "
                                     f"found {attention!r}")
+        auto_matvec, auto_attention = _auto_kernels(self.compile, self.head_dim)
+        self.matvec = auto_matvec if matvec == "auto" else matvec
+        if self.matvec == "triton":
+            _check_triton("matvec='triton'", "matvec='gemm'", self.device)
+        attention = auto_attention if attention == "auto" else attention
         if attention == "split-kv":
             _check_split_kv(self.head_dim, self.device)
         self.attention = attention
@@ -972,7 +991,7 @@ TARGET_IMPLEMENTATIONS = ("auto", "fast", "hf")
 
 
 def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "auto", matvec: str = "auto",
-                 attention: str = "eager") -> Target:
+                 attention: str = "auto") -> Target:
     """The target the engine serves ``model`` with (``--target-impl``).
 
     - ``fast``: :class:`LlamaTarget` (fixed shapes, compiled, CUDA graphs on a GPU; refused, with the

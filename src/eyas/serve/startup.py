@@ -125,7 +125,7 @@ def check_pair(loaded: LoadedTarget, draft_path: Path, log: Callable[[str], None
 
 
 def load_served(target: str, draft: str | None, *, tree: str = "5", force: bool = False, device: str = "auto",
-                target_impl: str = "auto", matvec: str = "auto", attention: str = "eager",
+                target_impl: str = "auto", matvec: str = "auto", attention: str = "auto",
                 model_name: str | None = None, log: Callable[[str], None] = lambda m: None) -> Served:
     """Load and check the pair (see the module docstring); raises :class:`RefusedError` on a mismatch
     without ``force``, and eyas' own errors (a missing directory, a bad ``--tree``) as they are.
