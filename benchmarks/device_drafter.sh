@@ -17,6 +17,8 @@
 #                (matvec_gpu.py; SHAPES=8b,smollm2, TILINGS=...), the best written to $OUT/tilings.json, then the
 #                8B-shaped step with them (VARIANTS=...; STEP_S=220 its time limit)
 #   confirm      matvec='triton' with the shipped tilings: the 8B- and SmolLM2-shaped steps, the engine's GPU tests
+#   rows         the few-row kernel (verification through eyas' kernels): the kernels' tests on the GPU, then the 8B- and
+#                SmolLM2-shaped steps, the default (auto) against cuBLAS + eager and triton + eager (llama_8b_cost.py)
 #   tiling       one block's attention alone, eager against the split-KV kernels per tiling (decode_attention_gpu.py)
 #   gputests     the engine's GPU tests, then the matvec='reduce' identity test run for its message
 #   attention    the shipped drafter with the fast target's attention eager, then split-kv (Triton): spec_gpu.py twice
@@ -210,6 +212,21 @@ EOF
     timeout ${TESTS_S:-200} python -m pytest -v -p no:cacheprovider tests/test_engine_cuda.py tests/test_engine_llama.py \
       -k 'cuda or gpu' > "$OUT/gpu_tests.log" 2>&1 || true
     grep -E "PASSED|FAILED|ERROR|XFAIL|XPASS|passed|failed" "$OUT/gpu_tests.log" | tail -n 30
+    ;;
+  rows)
+    # the Triton kernels for every fixed-shape step (one row and a few): their tests compiled on the GPU, then the
+    # 8B-shaped step and verification, then the SmolLM2-shaped ones (llama_8b_cost.py), each result into $OUT as done
+    timeout ${TESTS_S:-120} python -m pytest -q -p no:cacheprovider tests/test_matvec.py tests/test_decode_attention.py \
+      -k "not greedy" > "$OUT/kernel_tests.log" 2>&1 || true
+    tail -n 3 "$OUT/kernel_tests.log"
+    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${STEP_S:-250} python llama_8b_cost.py --profile \
+      --variants ${VARIANTS:-compiled-triton-split-kv,compiled,compiled-triton} --out "$OUT/8b.json" \
+      > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
+    tail -n 24 "$OUT/8b.log"
+    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${SMOL_S:-120} python llama_8b_cost.py --shape smollm2 \
+      --profile --variants compiled-triton-split-kv,compiled --out "$OUT/smollm2.json" > "$OUT/smollm2.log" 2>&1) \
+      || echo "smollm2 exit $?" >> "$OUT/smollm2.log"
+    grep -E "tokens:|floor|x the floor|kernels" "$OUT/smollm2.log" | tail -n 16
     ;;
   tiling)
     # one block's attention alone: eager against the split-KV kernels per tiling (decode_attention_gpu.py)
