@@ -23,6 +23,11 @@ microseconds a call and x floor, the best tiling per product, and ``--json`` the
 of tilings that the engine reads (``src/eyas/engine/matvec_tilings.json``, or any file named by
 ``EYAS_MATVEC_TILINGS``).
 
+``--rows R`` (2 to 64) times the few-row kernel instead (a tree's verification: R rows through
+the same products, cuBLAS on the same R rows beside it; a grid such as ``--block-n 16,32,64
+--block-k 64,128``); its tilings are not written to the table (the engine takes
+``eyas.engine.matvec.rows_tiling``'s).
+
 On the CPU, ``--tiny`` runs a toy shape and one tiling in Triton's interpreter (``TRITON_INTERPRET=1``,
 set here before triton is imported): a smoke test, not a timing.
 
@@ -67,13 +72,13 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) 
 
 
 def operands(N: int, K: int, prologue: str | None, residual: bool, copies: int, dtype: torch.dtype,
-             device: torch.device, seed: int = 0) -> dict:
+             device: torch.device, seed: int = 0, rows: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
     w = [(torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype) for _ in range(min(copies, 2))]
     w += [w[i % 2].clone() for i in range(2, copies)]  # copies: distinct memory, the same values
-    x = torch.randn(1, 2 * K if prologue == "silu" else K, generator=g).to(device, dtype)
+    x = torch.randn(rows, 2 * K if prologue == "silu" else K, generator=g).to(device, dtype)
     return {"w": w, "x": x, "norm": torch.rand(K, generator=g).to(device, dtype) + 0.5,
-            "residual": torch.randn(1, N, generator=g).to(device, dtype) if residual else None}
+            "residual": torch.randn(rows, N, generator=g).to(device, dtype) if residual else None}
 
 
 def triton_call(ops: dict, prologue: str | None, tile):
@@ -134,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--write-tilings", default=None, help="add each product's best tiling to this table (JSON)")
+    ap.add_argument("--rows", type=int, default=1, help="rows a product takes: 1 (a plain step), or 2..64 (the few-row kernel)")
     ap.add_argument("--tiny", action="store_true", help="the CPU smoke test: a toy shape, one tiling, the interpreter")
     ap.add_argument("--out", default=None, help="write the report as JSON here (after every product)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON alone")
@@ -143,9 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("matvec_gpu.py: no GPU; --tiny runs the CPU smoke test")
     if device.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton's import (lazy, through eyas' kernels)
-        a.shapes, a.products, a.tilings, a.reps, a.trials = "tiny", "qkv,down", "4/32/4/1,2/64/4/0", 2, 1
+        tilings = "4/32/4/1,2/64/4/0" if a.rows == 1 else "16/32/4/1,32/16/4/0"  # (tl.dot: 16 rows at least)
+        a.shapes, a.products, a.tilings, a.reps, a.trials = "tiny", "qkv,down", tilings, 2, 1
     say = (lambda *p, **k: None) if a.json else print
-    from eyas.engine.matvec import Tiling, _key, _tiling_on
+    from eyas.engine.matvec import MAX_ROWS, Tiling, _key, _rows_tiling_on, _tiling_on
+
+    if not 1 <= a.rows <= MAX_ROWS or (a.rows > 1 and a.write_tilings):
+        raise SystemExit(f"--rows: expected 1..{MAX_ROWS} (and --write-tilings with 1 row only), found {a.rows}")
 
     def ints(text: str) -> list[int]:
         return [int(t) for t in text.split(",") if t]
@@ -153,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bw = copy_bandwidth(device) if device.type == "cuda" else None
     report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "copy_GBps": bw, "reps": a.reps, "rows": []}
+                    "torch": torch.__version__, "copy_GBps": bw, "reps": a.reps, "x_rows": a.rows, "rows": []}
     say(f"copy bandwidth {bw:.0f} GB/s" if bw else "cpu (interpreter): no timing worth reading")
     for shape in a.shapes.split(","):
         for product in a.products.split(","):
@@ -162,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
             N, K, prologue, residual = SHAPES[shape][product]
             nbytes = N * K * torch.tensor([], dtype=dtype).element_size()
             copies = 1 if device.type == "cpu" else max(2, -(-a.min_bytes // nbytes))
-            ops = operands(N, K, prologue, residual, copies, dtype, device)
+            ops = operands(N, K, prologue, residual, copies, dtype, device, rows=a.rows)
             floor_us = nbytes / (bw * 1e9) * 1e6 if bw else None
             row = {"shape": shape, "product": product, "N": N, "K": K, "prologue": prologue, "residual": residual,
                    "copies": copies, "floor_us": floor_us,
                    "cublas_us": time_call(cublas_call(ops), device, a.reps, a.trials) / copies, "tilings": []}
-            default = _tiling_on(device, N, K, prologue)  # what the engine would run
+            default = (_tiling_on if a.rows == 1 else _rows_tiling_on)(device, N, K, prologue)  # what the engine runs
             grid = ([Tiling(*(int(v) for v in t.split("/"))) for t in a.tilings.split(",")] if a.tilings else
                     [Tiling(*t) for t in itertools.product(ints(a.block_n), ints(a.block_k), ints(a.warps))])
             grid = [t._replace(evict_first=bool(t.evict_first)) for t in grid]

@@ -223,3 +223,8 @@ def test_matvec_gpu_times_the_products_on_the_cpu_in_the_interpreter_and_writes_
     written = json.loads(table.read_text())["cpu"]
     assert set(written) == {"1x1/none", "48x64/rms", "64x40/silu"}
     assert written["48x64/rms"] == [rows[0]["best"][k] for k in ("block_n", "block_k", "warps", "evict_first")]
+    few = json.loads(out.read_text()) if script.main(["--tiny", "--rows", "5", "--out", str(out)]) == 0 else None
+    assert few["x_rows"] == 5 and [len(r["tilings"]) for r in few["rows"]] == [3, 3]  # the few-row kernel's
+    assert all(t["us"] > 0 for r in few["rows"] for t in r["tilings"])
+    with pytest.raises(SystemExit, match=r"--rows: expected 1..64 \(and --write-tilings with 1 row only\), found 5"):
+        script.main(["--tiny", "--rows", "5", "--write-tilings", str(table)])
