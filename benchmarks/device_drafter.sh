@@ -77,10 +77,10 @@ spec_pair() {  # NAME LABEL_A "ARGS_A" LABEL_B "ARGS_B" [spec_gpu.py ARGS]
     label=$label_a args=$args_a skip=hf_eager
     [ "$side" = b ] && label=$label_b args=$args_b skip=hf_eager,hf_compiled
     # shellcheck disable=SC2086  # args: several options
-    timeout 262 python benchmarks/spec_gpu.py --target /tmp/smol.gguf --draft src/eyas/interop/embedded/smollm2-135m-instruct \
+    timeout "${SPEC_S:-262}" python benchmarks/spec_gpu.py --target /tmp/smol.gguf --draft src/eyas/interop/embedded/smollm2-135m-instruct \
       --out-dir "/tmp/$name/$label" --commit "$C" $args --sets mt_bench --prompts-per-set 24 \
       --temperatures 0 --trees 6,10,60 4,8,24 --chains 4 --select-prompts 4 --skip "$skip" --no-tree-auto \
-      --budget-s 235 "$@" >> "$OUT/$name.log" 2>&1 || echo "$name $label exit $?" >> "$OUT/$name.log"
+      --budget-s $(( ${SPEC_S:-262} - 27 )) "$@" >> "$OUT/$name.log" 2>&1 || echo "$name $label exit $?" >> "$OUT/$name.log"
   done
   (cd /tmp && tar cf "$OUT/$name.tar" "$name") || true
   tail -n 40 "$OUT/$name.log"

@@ -78,24 +78,38 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class KVCache(nn.Module):
     """A static, preallocated KV cache written by index (gpt-fast style).
 
-    k, v: [B, n_kv_heads, max_len, head_dim]. ``update`` writes T new entries at cache slots
-    ``slots`` [T] and returns the whole cache; the caller's mask says which slots a query sees.
+    One buffer ``kv`` [2, B, n_kv_heads, max_len, head_dim] holds the keys (``kv[0]``) and the
+    values (``kv[1]``); ``k`` and ``v`` [B, n_kv_heads, max_len, head_dim] are views of it. One
+    tensor, so that a batch's cache ``kv[:, b]`` [2, n_kv_heads, max_len, head_dim] is what the
+    split-KV attention kernel takes (values at keys + ``kv.stride(0)``:
+    :func:`eyas.engine.decode_attention.decode_attention`, the drafter's Triton step in
+    :mod:`eyas.engine.draft_kernels`). ``update`` writes T new entries at cache slots ``slots`` [T]
+    and returns the whole cache (k, v); the caller's mask says which slots a query sees.
     """
 
     def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         super().__init__()
-        shape = (batch, n_kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        shape = (2, batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    # Properties, not attributes: views taken at each use follow the buffer through .to() and _apply.
+    @property
+    def k(self) -> Tensor:
+        return self.kv[0]  # [B, n_kv_heads, max_len, head_dim]
+
+    @property
+    def v(self) -> Tensor:
+        return self.kv[1]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.kv.shape[3]
 
     def update(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.k[:, :, slots] = k.to(self.k.dtype)
-        self.v[:, :, slots] = v.to(self.v.dtype)
+        # k, v [B, n_kv_heads, T, head_dim] -> kv[:, :, :, slots]: one write into the buffer itself
+        # (not through a view: a compiler then writes the T entries in place)
+        self.kv[:, :, :, slots] = torch.stack([k, v]).to(self.kv.dtype)
         return self.k, self.v
 
 

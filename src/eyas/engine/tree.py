@@ -35,6 +35,7 @@ The greedy draft is one function of tensors, captured as one CUDA graph per (spe
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eyas.drafter.model import Eagle3Drafter
+from eyas.engine.draft_kernels import check_kernels, fuse_drafter_projections, kernel_step
 from eyas.engine.graphs import CompiledOrEager, StepGraphs
 from eyas.engine.sampling import CounterStream, Draws, SamplingParams, gumbel_top_k, probabilities
 from eyas.errors import EyasError
@@ -184,7 +186,8 @@ class DraftState:
     back to the host until acceptance has decided."""
 
     def __init__(self, drafter: Eagle3Drafter, max_len: int, fixed_shapes: bool = False,
-                 cuda_graphs: bool = False, extend_bucket: int = 0, compile: bool | str | Callable | None = None) -> None:
+                 cuda_graphs: bool = False, extend_bucket: int = 0, compile: bool | str | Callable | None = None,
+                 kernels: str = "torch") -> None:
         """max_len: cache slots (committed entries + one round's scratch). Fixed shapes: ``extend``
         of n <= extend_bucket tokens runs padded to extend_bucket (the re-read after a round), so
         with ``cuda_graphs`` (on a GPU) both of the drafter's round steps are captured once per
@@ -194,7 +197,23 @@ class DraftState:
         (``graphs.CompiledOrEager``) before they are captured: None = with inductor where CUDA graphs
         are on, False = never, True = inductor, a string = that torch.compile backend (the CPU
         tests use "aot_eager": the same tracing, no C compiler). A prompt's extend (any length)
-        stays eager."""
+        stays eager.
+
+        kernels: what the fixed-shape steps run. "torch": the drafter's forward (compiled by
+        inductor: 20 kernels a step on a GPU). "triton": :func:`eyas.engine.draft_kernels.draft_step`,
+        the fast target's Triton kernels (products with the norm before them and the residual add
+        after, split-KV attention that also writes the cache: 10 kernels a step); it needs Triton, a
+        GPU or ``TRITON_INTERPRET=1``, and a head dimension the attention kernel supports (refused
+        otherwise, :class:`~eyas.engine.draft_kernels.UnsupportedDraftKernels`), and first stacks the
+        drafter's q/k/v and gate/up weights in place (``fuse_drafter_projections``: views, no
+        second copy; ``unfused_reason`` says why not, when not). The prompt's exact-shape extend,
+        and a step of more rows than the kernels take (64), run the drafter's forward either way."""
+        check_kernels(kernels, drafter)
+        self.kernels = kernels
+        self.unfused_reason = fuse_drafter_projections(drafter) if kernels == "triton" else None
+        if self.unfused_reason is not None:
+            warnings.warn(f"DraftState: the drafter's q/k/v and gate/up not stacked ({self.unfused_reason}); its "
+                          f"steps run them as 5 products instead of 2", stacklevel=2)
         self.drafter = drafter
         self.device = drafter.fc.weight.device
         self.dtype = drafter.fc.weight.dtype
@@ -229,6 +248,12 @@ class DraftState:
         self.root_token = self.root_logits = self.root_hidden = None
 
     def _step_fn(self, from_target: bool):
+        """The step ``fn(tokens [1, r], hidden [1, r, W], positions [1, r], slots [r], mask [1, 1, r,
+        max_len]) -> (logits [1, r, Vd], hidden [1, r, H])`` that writes the step's K/V into the cache
+        at ``slots``: the drafter's forward, or its Triton step (``kernels``)."""
+        if self.kernels == "triton":
+            return kernel_step(self.drafter, self.cache, from_target)
+
         def fn(tokens: Tensor, hidden: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
             out = self.drafter(tokens, hidden, positions, cache=self.cache, cache_slots=slots, mask=mask,
                                from_target=from_target)
