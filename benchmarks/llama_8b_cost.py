@@ -123,7 +123,8 @@ VARIANTS = {"compiled": (True, "gemm", "eager"), "compiled-reduce": (True, "redu
             "compiled-sdpa": (True, "gemm", "sdpa"), "compiled-reduce-tuned-sdpa": (True, "reduce-tuned", "sdpa"),
             "compiled-split-kv": (True, "gemm", "split-kv"),
             "compiled-reduce-tuned-split-kv": (True, "reduce-tuned", "split-kv"),
-            "compiled-triton": (True, "triton", "eager"), "compiled-triton-split-kv": (True, "triton", "split-kv")}
+            "compiled-triton": (True, "triton", "eager"), "compiled-triton-split-kv": (True, "triton", "split-kv"),
+            "compiled-triton-verify-split-kv": (True, "triton-verify", "split-kv")}
 
 
 @torch.no_grad()

@@ -1098,7 +1098,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto: bf16 on a GPU, fp32 on the CPU")
     ap.add_argument("--target-impl", default="fast", help="fast | auto | hf (eyas.engine.build_target)")
-    ap.add_argument("--matvec", default="auto", help="the fast target's products: auto | gemm | reduce | reduce-tuned | triton")
+    ap.add_argument("--matvec", default="auto", help="the fast target's products: auto | gemm | reduce | reduce-tuned | triton | triton-verify")
     ap.add_argument("--attention", default="auto", help="the fast target's attention: auto | eager | sdpa | split-kv")
     ap.add_argument("--out-dir", default=str(REPO / "benchmarks" / "out" / "spec_gpu"))
     ap.add_argument("--commit", default=None, help="the git commit (default: git rev-parse, else unknown)")

@@ -146,12 +146,14 @@ def test_splits_cover_the_keys_with_whole_tiles():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("kind,matvec", [("llama", "gemm"), ("qwen2", "gemm"), ("qwen3", "gemm"), ("llama", "triton")])
+@pytest.mark.parametrize("kind,matvec", [("llama", "gemm"), ("qwen2", "gemm"), ("qwen3", "gemm"), ("llama", "triton"),
+                                         ("qwen2", "triton-verify")])
 def test_the_target_with_split_kv_attention_equals_the_hf_model(kind, matvec):
     """Fixed shapes (the buckets a GPU compiles), float32: prefill 9 tokens, a 5-token tree, keep a
     path of it, decode; logits and boundaries equal the Hugging Face model's at every step. With
-    matvec="triton" the steps are what a GPU runs with both options: per block, 4 products
-    (eyas.engine.matvec, one row or a few) and the 2 attention kernels."""
+    matvec="triton" the one-token steps are what a GPU runs with both options: per block, 4
+    products (eyas.engine.matvec) and the 2 attention kernels; with "triton-verify" every fixed-shape
+    step (the few-row kernel for more rows)."""
     from eyas.engine import HFTarget, LlamaTarget
     from tests.support.tiny import tiny_model
     from tests.support.walk import KEYS, SPEC, walk
@@ -159,22 +161,22 @@ def test_the_target_with_split_kv_attention_equals_the_hf_model(kind, matvec):
     model = tiny_model(kind, 4).to(DEVICE)
     fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, matvec=matvec,
                        attention="split-kv")
-    assert fast.implementation == "fast" + ("+matvec-triton" if matvec == "triton" else "") + "+attention-split-kv"
+    assert fast.implementation == "fast" + (f"+matvec-{matvec}" if matvec != "gemm" else "") + "+attention-split-kv"
     walk(fast, HFTarget(model, SPEC, max_length=64), torch.Generator().manual_seed(0), device=DEVICE)
 
 
 @pytest.mark.slow
 def test_greedy_speculative_with_split_kv_attention_is_token_identical_to_plain(llama, trained_drafter):
     """Every fixed-shape step (one token, and trees of up to 16 tokens, bucket 16) attends through
-    the kernels and multiplies through eyas.engine.matvec's (matvec="triton": what a GPU runs with
-    both options), and keep() moves the accepted entries between rounds; the output is the Hugging
+    the kernels and multiplies through eyas.engine.matvec's (matvec="triton-verify": what a GPU runs
+    with both options; the drafter's steps too, eyas.engine.draft_kernels), and keep() moves the accepted entries between rounds; the output is the Hugging
     Face model's greedy output, token for token (float32). Slow on the CPU: Triton's interpreter."""
     from eyas.engine import HFTarget, LlamaTarget, TreeSpec, plain_generate, speculative_generate
     from tests.support.tiny import SPEC4, random_prompts
 
     llama = llama.to(DEVICE)
     fast = LlamaTarget(llama, SPEC4, max_length=128, fixed_shapes=True, key_buckets=(32, 64), attention="split-kv",
-                       matvec="triton")
+                       matvec="triton-verify")
     hf = HFTarget(llama, SPEC4)
     accepted = 0
     for prompt in random_prompts(3, 128, seed=11):
@@ -199,7 +201,7 @@ def test_a_failed_compilation_with_split_kv_falls_back_to_the_eager_step(monkeyp
 
     model = tiny_model("llama", 4).to(DEVICE)
     fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, attention="split-kv")
-    assert fast._fixed.layer_takes_kv and not fast._eager.layer_takes_kv
+    assert fast._fixed.split_kv_layer is not None and fast._eager.split_kv_layer is None
     torch._dynamo.reset()
     fast._fixed, fast.compile = fast._functions(no_compiler, attention="split-kv"), True
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # (the compiled path is a GPU's)

@@ -3,7 +3,7 @@ equals Eagle3Drafter's forward with a KVCache (logits, the hidden state fed back
 from target features and from fed-back states, for one row and for several under a tree mask, for
 every variant flag; the stacked projections change no output and hold no second copy; DraftState
 with kernels="triton" drafts what kernels="torch" does, and refuses where the kernels cannot run;
-speculative decoding on a target with matvec="triton" runs them and emits the plain greedy tokens.
+speculative decoding on a target with matvec="triton-verify" runs them and emits the plain greedy tokens.
 
 Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
 tests/conftest.py before triton's import); on a GPU they are compiled. float32 throughout (the
@@ -188,7 +188,7 @@ def test_triton_kernels_are_refused_where_they_cannot_run(monkeypatch):
 
 @pytest.mark.unit
 def test_the_drafter_follows_the_targets_matvec_where_it_can():
-    """speculative's DraftState runs the kernels on a target with matvec="triton", the forward on
+    """speculative's DraftState runs the kernels on a target with matvec="triton-verify", the forward on
     others, and on such a target with a drafter the kernels cannot run (head_dim 8), the forward with
     a warning saying why."""
     from eyas.engine.speculative import _draft_state
@@ -198,12 +198,13 @@ def test_the_drafter_follows_the_targets_matvec_where_it_can():
             self.matvec, self.fixed_shapes, self.cuda_graphs, self.max_length = matvec, False, False, 64
 
     d = make_drafter()
-    assert _draft_state(Target("triton"), d, TreeSpec.chain(3), 32).kernels == "triton"
+    assert _draft_state(Target("triton-verify"), d, TreeSpec.chain(3), 32).kernels == "triton"
     assert _draft_state(Target("gemm"), d, TreeSpec.chain(3), 32).kernels == "torch"
+    assert _draft_state(Target("triton"), d, TreeSpec.chain(3), 64).kernels == "torch"  # plain steps only
     with pytest.warns(UserWarning, match=r"the drafter's steps run its forward, not the Triton kernels of the "
-                                         r"target's matvec='triton': its attention kernel needs a power-of-two "
+                                         r"target's matvec='triton-verify': its attention kernel needs a power-of-two "
                                          r"head dimension of at least 16, found 8"):
-        state = _draft_state(Target("triton"), make_drafter(fuse=False, head_dim=8), TreeSpec.chain(3), 32)
+        state = _draft_state(Target("triton-verify"), make_drafter(fuse=False, head_dim=8), TreeSpec.chain(3), 32)
     assert state.kernels == "torch"
     assert why_not_kernels(d) is None
 
@@ -247,7 +248,7 @@ def test_a_draft_state_with_triton_kernels_drafts_what_the_torch_one_does():
 
 @pytest.mark.slow
 def test_greedy_speculative_with_the_drafters_triton_step_is_token_identical_to_plain(llama, trained_drafter):
-    """On a target with matvec="triton" (fixed shapes) the drafter's fixed-shape steps run through the
+    """On a target with matvec="triton-verify" (fixed shapes) the drafter's fixed-shape steps run through the
     kernels (its re-reads and expansions), and greedy speculative decoding emits the plain greedy
     tokens, as with the drafter's forward (float32). Slow on the CPU: Triton's interpreter."""
     from eyas.engine import LlamaTarget, plain_generate, speculative_generate
@@ -255,7 +256,7 @@ def test_greedy_speculative_with_the_drafters_triton_step_is_token_identical_to_
     from tests.support.tiny import SPEC4, random_prompts
 
     llama, drafter = llama.to(DEVICE), trained_drafter.to(DEVICE)
-    fast = LlamaTarget(llama, SPEC4, max_length=96, fixed_shapes=True, key_buckets=(32, 96), matvec="triton")
+    fast = LlamaTarget(llama, SPEC4, max_length=96, fixed_shapes=True, key_buckets=(32, 96), matvec="triton-verify")
     accepted = 0
     for prompt in random_prompts(2, 128, seed=11):
         plain = plain_generate(LlamaTarget(llama, SPEC4, max_length=96), prompt, max_new_tokens=12)

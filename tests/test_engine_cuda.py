@@ -96,12 +96,13 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 
 @pytest.mark.parametrize("matvec,attention", [("gemm", "eager"), ("reduce", "eager"), ("gemm", "split-kv"),
-                                              ("triton", "split-kv")])
+                                              ("triton", "split-kv"), ("triton-verify", "split-kv")])
 def test_greedy_fast_path_with_graphs_is_token_identical_to_plain_in_float32(llama_and_drafter, matvec, attention):
     """Also when plain decoding's one-token steps multiply by reductions (matvec="reduce") while
     verification's steps multiply by GEMMs: float32 sums in another order, the same tokens; and
     with the one-token steps attending through the split-KV kernels (with cuBLAS, or with our
-    Triton products: matvec="triton")."""
+    Triton products: matvec="triton"; and verification and the drafter through them too:
+    "triton-verify")."""
     model, drafter = llama_and_drafter
     fast = LlamaTarget(model, SPEC4, cuda_graphs=True, matvec=matvec, attention=attention)
     assert "cuda-graphs" in fast.implementation

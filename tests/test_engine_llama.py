@@ -180,7 +180,7 @@ def test_generate_on_the_fast_target_prints_it_and_equals_the_hf_target(toy_draf
     assert r.exit_code == 2 and "--target-impl: expected one of" in r.stderr
     # the fast target's kernels: passed through, checked, refused where the Hugging Face target runs
     for extra, message in ((["--matvec", "gemv"], "LlamaTarget: matvec must be one of ['auto', 'gemm', 'reduce', "
-                                                  "'reduce-tuned', 'triton'], found 'gemv'"),
+                                                  "'reduce-tuned', 'triton', 'triton-verify'], found 'gemv'"),
                            (["--attention", "flash"], "LlamaTarget: attention must be one of ['auto', 'eager', "
                                                       "'sdpa', 'split-kv'], found 'flash'"),
                            (["--target-impl", "hf", "--matvec", "triton", "--attention", "split-kv"],
@@ -195,7 +195,7 @@ def test_generate_on_the_fast_target_prints_it_and_equals_the_hf_target(toy_draf
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("matvec,attention", [("gemm", "eager"), ("reduce", "eager"), ("gemm", "sdpa"),
                                               ("gemm", "split-kv"), ("reduce", "split-kv"), ("triton", "eager"),
-                                              ("triton", "split-kv")])
+                                              ("triton", "split-kv"), ("triton-verify", "split-kv")])
 def test_the_compiled_cuda_graphed_target_equals_the_hf_model_on_a_gpu(matvec, attention):
     """float32 on the GPU, buckets compiled and captured up front (warmup), then the same walk; and
     a bucket first used later is compiled and captured then. With both ways of multiplying a

@@ -32,11 +32,13 @@ TARGET_IMPL_HELP = ("auto (the fast Llama-family target where it applies: with C
                     "a CPU; else the Hugging Face one) | fast | hf")  # eyas generate / bench / trace --target-impl
 MATVEC_HELP = ("the fast target's products on a GPU: auto (= triton on a GPU with triton installed, else gemm) | "
                "gemm (cuBLAS) | reduce | reduce-tuned (inductor's reductions, one-token steps) | triton (eyas's "
-               "kernels with the norms, SiLU and residual adds in them, for plain steps and tree verification: "
+               "kernels with the norms, SiLU and residual adds in them, for the one-token steps of plain decoding: "
                "with --attention split-kv, 1.19x the bandwidth floor on an 8B-shaped Llama on an H200, against "
-               "1.44x with gemm)")
+               "1.44x with gemm) | triton-verify (those kernels for tree verification and the drafter too; slower "
+               "than cuBLAS there today)")
 ATTENTION_HELP = ("the fast target's attention: auto (= split-kv where --matvec auto picks triton, else eager) | "
-                  "eager | sdpa | split-kv (Triton kernels on the fixed-shape steps of a GPU)")
+                  "eager | sdpa | split-kv (Triton kernels on the one-token steps of a GPU; with --matvec "
+                  "triton-verify, on verification too)")
 
 
 def _choice(name: str, values: list[str]) -> type[Enum]:

@@ -80,8 +80,9 @@ Boundary capture follows the contract's convention (docs/conventions.md): bounda
 block 0 (the embeddings), boundary b the output of block b-1 (``hidden + residual``), boundary L the
 last block's output before the final norm. ``_layer`` returns the stream entering its block (its
 boundary), and ``_down`` leaves the block's last residual add to the next block (or ``_head``),
-where it fuses with the next norm (a fixed-shape step with ``matvec="triton"``, or of one token
-with ``"reduce"``, adds it in the down product's kernel instead: see :func:`_down`).
+where it fuses with the next norm (a fixed-shape step whose products run eyas' Triton kernels, or
+one of one token with ``matvec="reduce"``, adds it in the down product's kernel instead: see
+:func:`_down`).
 """
 
 from __future__ import annotations
@@ -110,12 +111,13 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
 # How the fixed-shape steps multiply by the weights (LlamaTarget's matvec).
-MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned", "triton")
+MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned", "triton", "triton-verify")
 # What the step's functions do with their rows (see _in_kernels): "reduce-tuned" is "reduce" with
 # other compiler options; "auto" is "triton" on the compiled GPU path, else "gemm" (see _auto_kernels).
-OneRow = Literal["gemm", "reduce", "triton"]
-# With matvec="triton", the fixed-shape steps of up to this many tokens run every product through
-# eyas.engine.matvec's kernels (its MAX_ROWS): a plain step, and trees of up to 63 drafted tokens.
+OneRow = Literal["gemm", "reduce", "triton", "triton-verify"]
+# With matvec="triton-verify", the fixed-shape steps of up to this many tokens run every product
+# through eyas.engine.matvec's kernels (its MAX_ROWS): a plain step, and trees of up to 63 drafted
+# tokens (with "triton", the plain steps only).
 KERNEL_ROWS = 64
 
 # How a step attends over the cache (LlamaTarget's attention; see _layer).
@@ -425,8 +427,8 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
 
     Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
     attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects
-    (with ``matvec="triton"`` and at most ``KERNEL_ROWS`` rows: the gate/up output [B, 2I], SiLU(gate)
-    * up done in the down product's kernel). ``matvec``: see :func:`_in_kernels`. ``sdpa``: attention as one
+    (where :func:`_in_kernels`: the gate/up output [B, 2I], SiLU(gate) * up done in the down
+    product's kernel). ``matvec``: see :func:`_in_kernels`. ``sdpa``: attention as one
     ``scaled_dot_product_attention`` call (a fused kernel on a GPU, which keeps the probabilities in
     float32 for PV) instead of the eager order's three steps (QK in the model's dtype; scale, mask
     and softmax in float32, cast back; PV)."""
@@ -486,9 +488,9 @@ def _layer_split_kv(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots
 def _after_attention(h_in: Tensor, out: Tensor, w: BlockWeights, *, eps: float,
                      matvec: OneRow) -> tuple[Tensor, Tensor, Tensor]:
     """The rest of :func:`_layer` from the attention's output out [B, Hq*D]: the o projection and
-    its residual add, the post-attention norm, gate/up and SiLU(gate) * up (with ``matvec="triton"``
-    and at most ``KERNEL_ROWS`` rows: the o product with its residual add, then gate/up with its
-    norm, two kernels; the SiLU is left to :func:`_down`'s kernel)."""
+    its residual add, the post-attention norm, gate/up and SiLU(gate) * up (where :func:`_in_kernels`:
+    the o product with its residual add, then gate/up with its norm, two kernels; the SiLU is left
+    to :func:`_down`'s kernel)."""
     I = w.down.shape[1]
     if _in_kernels(matvec, out):
         h = _fused_matvec(out.contiguous(), w.o, bias=w.o_bias, residual=h_in)
@@ -509,12 +511,13 @@ def _fused_matvec(x: Tensor, w: Tensor, **options) -> Tensor:
 
 
 def _in_kernels(matvec: OneRow, a: Tensor) -> bool:
-    """Whether a product of a [B, ...] runs our Triton kernels (:mod:`eyas.engine.matvec`): with
-    ``matvec="triton"`` and B <= ``KERNEL_ROWS``. The step's ``matvec``: ``"gemm"`` (F.linear),
-    ``"reduce"`` (one row as a float32 reduction, see :func:`linear`), ``"triton"`` (the norms, SiLU
-    and residual adds in the products' kernels: one row by the one-row kernel, more by the few-row
-    kernel). Other steps use F.linear."""
-    return matvec == "triton" and a.shape[0] <= KERNEL_ROWS
+    """Whether a product of a [B, ...] runs our Triton kernels (:mod:`eyas.engine.matvec`, the norms,
+    SiLU and residual adds in the products' kernels): with ``matvec="triton"`` and B = 1 (the
+    one-row kernel), or ``"triton-verify"`` and B <= ``KERNEL_ROWS`` (more rows by the few-row
+    kernel). ``"gemm"``: F.linear; ``"reduce"``: one row as a float32 reduction (see :func:`linear`).
+    Other steps use F.linear."""
+    B = a.shape[0]
+    return (matvec == "triton" and B == 1) or (matvec == "triton-verify" and B <= KERNEL_ROWS)
 
 
 def _rms_product(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None, *, norm: Tensor,
@@ -531,9 +534,9 @@ def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
           matvec: OneRow = "gemm") -> tuple[Tensor, Tensor | None]:
     """A block's last product: the MLP's activation act [B, I] by down [H, I], m [B, H]. Returns the
     block's output as (x, d) for the next block: (h, m), the add left to the next norm, or with
-    ``matvec="reduce"`` and one row, or ``"triton"`` and at most ``KERNEL_ROWS`` rows, (h + m, None),
-    the add done in this product's kernel (with "triton", act is the gate/up output [B, 2I] and the
-    kernel computes SiLU(gate) * up).
+    ``matvec="reduce"`` and one row, or where :func:`_in_kernels`, (h + m, None), the add done in
+    this product's kernel (with the Triton kernels, act is the gate/up output [B, 2I] and the kernel
+    computes SiLU(gate) * up).
 
     A function of its own (compiled apart from :func:`_layer`) so that act reaches it as a buffer:
     compiled together, inductor inlines SiLU(gate) * up into the down reduction's loads, and every
@@ -561,16 +564,17 @@ def _head(x: Tensor, d: Tensor | None, norm: Tensor, lm_head: Tensor, lm_bias: T
 
 class _StepFunctions(NamedTuple):
     """A step's four functions (eager or compiled), up to how many rows their blocks return their
-    output whole (see :func:`_down`: the blocks then pass no residual along; 0: never), and whether
-    ``layer`` takes a block's cache as one tensor kv [2, Hkv, C, D] (split-kv's
-    :func:`_layer_split_kv`) rather than as keys, values."""
+    output whole (see :func:`_down`: the blocks then pass no residual along; 0: never), and
+    split-kv's layer (:func:`_layer_split_kv`, which takes a block's cache as one tensor kv
+    [2, Hkv, C, D]; ``layer`` takes keys, values) with the most rows a step runs it for."""
 
     prologue: Callable
     layer: Callable
     down: Callable
     head: Callable
     whole_output_rows: int
-    layer_takes_kv: bool = False
+    split_kv_layer: Callable | None = None
+    split_kv_rows: int = 0
 
 
 class _Inputs(NamedTuple):
@@ -602,12 +606,14 @@ class LlamaTarget(Target):
     cuBLAS), ``"reduce"`` (steps of one token: a float32 reduction that inductor compiles into one
     weight-streaming kernel, see :func:`linear`), ``"reduce-tuned"`` (the same, with inductor's
     coordinate-descent tuning of every kernel's block sizes: a longer compilation), ``"triton"``
-    (steps of up to ``KERNEL_ROWS`` = 64 tokens, a plain step and the verification of a tree:
-    :mod:`eyas.engine.matvec`, one Triton kernel per product that also does the norm before it,
-    SiLU(gate) * up and the residual add, 4 kernels a block; it needs Triton, like split-kv), or
+    (steps of one token, plain decoding: :mod:`eyas.engine.matvec`'s one-row kernel, one Triton
+    kernel per product that also does the norm before it, SiLU(gate) * up and the residual add, 4
+    kernels a block; it needs Triton, like split-kv), ``"triton-verify"`` (those kernels for every
+    fixed-shape step of up to ``KERNEL_ROWS`` = 64 tokens, the verification of a tree included,
+    more rows by the few-row kernel; with split-kv attention, verification attends through it
+    too; and the drafter's steps run the same kernels, :mod:`eyas.engine.draft_kernels`), or
     ``"auto"`` (the default: ``"triton"`` where the steps are compiled on a GPU and triton is
-    installed, else ``"gemm"``; :func:`_auto_kernels`). Other steps (more tokens, exact shapes) use
-    ``F.linear``.
+    installed, else ``"gemm"``; :func:`_auto_kernels`). Other steps use ``F.linear``.
     Measured on an H200 in bf16 (``benchmarks/2026-12-01-matvec-h200.md``): a SmolLM2-shaped plain
     step 1.229 ms (gemm), 0.976 (reduce), 0.933 (reduce-tuned); an 8B-shaped one 4.949, 6.458 and
     4.849 ms, warm-up 27, 4 and 89 s; with the down product compiled apart (:func:`_down`), 4.878
@@ -617,21 +623,24 @@ class LlamaTarget(Target):
     split-kv attention the 8B-shaped plain step took 4.244 and 4.206 ms on two machines, 1.19x the
     floor, against 5.190 and 5.073 ms for the default
     (``benchmarks/2026-12-02-matvec-triton-h200.md``); a SmolLM2-shaped one 0.614 ms against 1.404.
-    Those figures are from before the few-row kernel, when verification kept cuBLAS.
+    ``"triton-verify"`` is opt-in: in one H200 call (``benchmarks/2026-12-02-verify-kernels-h200.md``)
+    verifying 24 tokens took 13.02 ms on the 8B shape against 5.49 with cuBLAS, and on SmolLM2
+    with MT-bench speculative decoding ran at 1164.5 tok/s against 1299.9 with cuBLAS (the few-row
+    kernel is slower than cuBLAS on every product there, its SiLU prologue 6-8x).
 
     ``attention`` says how the steps attend over the cache: ``"auto"`` (the default: ``"split-kv"``
     where ``matvec``'s auto picks ``"triton"`` and the head dimension is a power of two of at least
     16, else ``"eager"``), ``"eager"`` (Hugging Face's eager
     order: QK, a float32 softmax under the mask, PV; three kernels a block on a GPU), ``"sdpa"``
     (one ``scaled_dot_product_attention`` call a block, a fused kernel on a GPU; equal to the model
-    in float32 on the CPU), or ``"split-kv"`` (the fixed-shape steps, plain and verification: two
-    Triton kernels a block that also rotate q and k and write the cache,
-    :mod:`eyas.engine.decode_attention`; it needs Triton, a GPU or ``TRITON_INTERPRET=1``, and a
-    power-of-two head dimension). On an H200, 8B-shaped, bf16
+    in float32 on the CPU), or ``"split-kv"`` (the fixed-shape steps of one token, and with
+    ``matvec="triton-verify"`` those of up to 64: two Triton kernels a block that also rotate q and
+    k and write the cache, :mod:`eyas.engine.decode_attention`; it needs Triton, a GPU or
+    ``TRITON_INTERPRET=1``, and a power-of-two head dimension). On an H200, 8B-shaped, bf16
     (``benchmarks/2026-12-02-split-kv-h200.md``): SDPA 6.245 ms a plain step against 5.391 eager
     (gemm, one call); split-kv with gemm 4.769 ms and 400 kernels (1.34x the floor, another
-    machine); verifying 24 tokens with gemm, 5.98 ms split-kv against 5.59 eager (one call). Both
-    SDPA is opt-in (slower); split-kv goes with ``matvec="triton"`` (above)."""
+    machine); verifying 24 tokens with gemm, 5.98 ms split-kv against 5.59 eager (one call). SDPA
+    is opt-in (slower); split-kv goes with ``matvec="triton"`` (above)."""
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
                  default_capacity: int = 4096, fixed_shapes: bool = False, cuda_graphs: bool = False,
@@ -732,8 +741,8 @@ class LlamaTarget(Target):
                                     f"found {attention!r}")
         auto_matvec, auto_attention = _auto_kernels(self.compile, self.head_dim)
         self.matvec = auto_matvec if matvec == "auto" else matvec
-        if self.matvec == "triton":
-            _check_triton("matvec='triton'", "matvec='gemm'", self.device)
+        if self.matvec in ("triton", "triton-verify"):
+            _check_triton(f"matvec={self.matvec!r}", "matvec='gemm'", self.device)
         attention = auto_attention if attention == "auto" else attention
         if attention == "split-kv":
             _check_split_kv(self.head_dim, self.device)
@@ -766,7 +775,7 @@ class LlamaTarget(Target):
         return "+".join(["fast"] + ["compile"] * self.compile + ["cuda-graphs"] * self.cuda_graphs
                         + [f"matvec-{self.matvec}"] * (own and self.matvec != "gemm")
                         + ["attention-sdpa"] * (self.attention == "sdpa")
-                        + ["attention-split-kv"] * (own and self._fixed.layer_takes_kv))
+                        + ["attention-split-kv"] * (own and self._fixed.split_kv_layer is not None))
 
     def _functions(self, backend: str | None, matvec: str = "gemm", attention: str = "eager") -> _StepFunctions:
         """The step's functions (prologue, layer, down, head) with this model's constants, ``matvec``
@@ -775,20 +784,22 @@ class LlamaTarget(Target):
         c = self._consts
         how: OneRow = "reduce" if matvec == "reduce-tuned" else matvec  # type: ignore[assignment]
         block = dict(eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=how)
-        split_kv = attention == "split-kv"
-        layer = (functools.partial(_layer_split_kv, **block) if split_kv
-                 else functools.partial(_layer, **block, sdpa=attention == "sdpa"))
-        fns = (functools.partial(_prologue, rope_scaling=c["rope_scaling"]), layer,
-               functools.partial(_down, matvec=how), functools.partial(_head, eps=c["eps"], matvec=how))
-        whole_rows = {"gemm": 0, "reduce": 1, "triton": KERNEL_ROWS}[how]  # see _down
+        fns = [functools.partial(_prologue, rope_scaling=c["rope_scaling"]),
+               functools.partial(_layer, **block, sdpa=attention == "sdpa"),
+               functools.partial(_down, matvec=how), functools.partial(_head, eps=c["eps"], matvec=how)]
+        whole_rows = {"gemm": 0, "reduce": 1, "triton": 1, "triton-verify": KERNEL_ROWS}[how]  # see _down
+        # split-kv: the steps of one token; with the Triton kernels for verification, those steps too
+        split_rows = 0 if attention != "split-kv" else KERNEL_ROWS if how == "triton-verify" else 1
+        if split_rows:
+            fns.append(functools.partial(_layer_split_kv, **block))
         if backend is not None:
             # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _down and
             # _head: per token bucket; per model) are separate compilations of one code object
             # (functools.partial's): 6 token buckets x 4 key buckets = 24 of _layer for C = 4096.
             raise_recompile_limits()
             options = {"coordinate_descent_tuning": True} if matvec == "reduce-tuned" else None
-            fns = tuple(torch.compile(f, backend=backend, fullgraph=True, dynamic=False, options=options) for f in fns)
-        return _StepFunctions(*fns, whole_rows, split_kv)
+            fns = [torch.compile(f, backend=backend, fullgraph=True, dynamic=False, options=options) for f in fns]
+        return _StepFunctions(*fns[:4], whole_rows, fns[4] if split_rows else None, split_rows)
 
     # -- cache --------------------------------------------------------------------------------
 
@@ -846,10 +857,12 @@ class LlamaTarget(Target):
         shapes depend only on those two numbers. Returns logits [B, V] and the captured boundaries
         [B, S*H] in the spec's slot order (boundary b = the residual stream entering block b;
         boundary L = the last block's output, before the final norm)."""
-        prologue, layer, down, head, whole_output_rows, layer_takes_kv = fns
+        prologue, layer, down, head, whole_output_rows, split_kv_layer, split_kv_rows = fns
         x, d, cos, sin, slots, mask = prologue(*inputs, self.embed_weight, self.inv_freq, n_keys=n_keys)
         if x.shape[0] <= whole_output_rows:
             d = None  # every block returns its output whole (see _down): one compilation of _layer
+        layer_takes_kv = split_kv_layer is not None and x.shape[0] <= split_kv_rows
+        layer = split_kv_layer if layer_takes_kv else layer
         captured: list[Tensor | None] = [None] * self.spec.num_slots
         for i, w in enumerate(self.weights):
             cache = (self.kv[i],) if layer_takes_kv else (self.keys[i], self.values[i])

@@ -191,8 +191,9 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
     compiled and captured steps are made once per (drafter, tree), never inside a later request. Its shapes
     follow the target's: fixed (and graphed) when the target's are, and compiled with them unless the
     target says otherwise (an optional ``compile_drafter`` attribute: False, True or a backend). Its
-    steps run through the Triton kernels (``DraftState(kernels="triton")``) when the target's do
-    (``LlamaTarget(matvec="triton")``) and the drafter can (else, with a warning, its forward)."""
+    steps run through the Triton kernels (``DraftState(kernels="triton")``) when the target verifies
+    through them (``LlamaTarget(matvec="triton-verify")``) and the drafter can (else, with a warning,
+    its forward)."""
     states = _rounds(target).draft_states
     key = (id(drafter), tree)
     need = max_len + tree.scratch_slots + tree.depth + 1
@@ -207,7 +208,7 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
         size = -(-need // 256) * 256
     if key not in states or states[key][0] is not drafter or states[key][1].max_len < need:
         kernels = "torch"
-        if getattr(target, "matvec", None) == "triton":
+        if getattr(target, "matvec", None) == "triton-verify":
             from eyas.engine.draft_kernels import why_not_kernels
 
             why = why_not_kernels(drafter)
@@ -217,7 +218,7 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
                 import warnings
 
                 warnings.warn(f"the drafter's steps run its forward, not the Triton kernels of the target's "
-                              f"matvec='triton': {why}", stacklevel=3)
+                              f"matvec='triton-verify': {why}", stacklevel=3)
         states[key] = (drafter, DraftState(drafter, size,
                                            fixed_shapes=getattr(target, "fixed_shapes", False),
                                            cuda_graphs=getattr(target, "cuda_graphs", False),
