@@ -216,17 +216,21 @@ EOF
   rows)
     # the Triton kernels for every fixed-shape step (one row and a few): their tests compiled on the GPU, then the
     # 8B-shaped step and verification, then the SmolLM2-shaped ones (llama_8b_cost.py), each result into $OUT as done
-    timeout ${TESTS_S:-120} python -m pytest -q -p no:cacheprovider tests/test_matvec.py tests/test_decode_attention.py \
-      -k "not greedy" > "$OUT/kernel_tests.log" 2>&1 || true
+    timeout ${TESTS_S:-120} python -m pytest -q -p no:cacheprovider tests/test_matvec.py tests/test_draft_kernels.py \
+      tests/test_decode_attention.py -k "not greedy" > "$OUT/kernel_tests.log" 2>&1 || true
     tail -n 3 "$OUT/kernel_tests.log"
     (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${STEP_S:-250} python llama_8b_cost.py --profile \
       --variants ${VARIANTS:-compiled-triton-split-kv,compiled,compiled-triton} --out "$OUT/8b.json" \
       > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
     tail -n 24 "$OUT/8b.log"
     (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${SMOL_S:-120} python llama_8b_cost.py --shape smollm2 \
-      --profile --variants compiled-triton-split-kv,compiled --out "$OUT/smollm2.json" > "$OUT/smollm2.log" 2>&1) \
-      || echo "smollm2 exit $?" >> "$OUT/smollm2.log"
-    grep -E "tokens:|floor|x the floor|kernels" "$OUT/smollm2.log" | tail -n 16
+      --profile --variants ${SMOL_VARIANTS:-compiled-triton-split-kv,compiled} --out "$OUT/smollm2.json" \
+      > "$OUT/smollm2.log" 2>&1) || echo "smollm2 exit $?" >> "$OUT/smollm2.log"
+    tail -n 16 "$OUT/smollm2.log"
+    if [ -n "${GREEDY:-}" ]; then  # the float32 greedy identity tests of these options (-k GREEDY)
+      timeout 100 python -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py -k "$GREEDY" > "$OUT/greedy.log" 2>&1 || true
+      tail -n 5 "$OUT/greedy.log"
+    fi
     ;;
   tiling)
     # one block's attention alone: eager against the split-KV kernels per tiling (decode_attention_gpu.py)

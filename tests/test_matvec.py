@@ -84,6 +84,30 @@ def test_matvec_rounds_where_the_model_rounds_in_half_precision(R, N, K, prologu
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("R,I,K,dtype", [(1, 40, 96, torch.float32), (7, 33, 64, torch.float32),
+                                         (24, 70, 576, torch.float16)])
+def test_glu_computes_silu_of_gate_times_up_in_the_gate_up_products_epilogue(R, I, K, dtype):
+    """glu: w = [gate; up] [2I, K] (and its bias), y [R, I] = SiLU(gate) * up with the model's
+    roundings: gate and up (bias added) rounded to the dtype, then SiLU, then the product. float16:
+    the interpreter's tl.dot multiplies bfloat16 as raw bits."""
+    g = torch.Generator().manual_seed(R)
+    w = (torch.randn(2 * I, K, generator=g) / K ** 0.5).to(dtype)
+    x, norm, bias = torch.randn(R, K, generator=g).to(dtype), torch.randn(K, generator=g).to(dtype), \
+        torch.randn(2 * I, generator=g).to(dtype)
+    y = matvec(x.to(DEVICE), w.to(DEVICE), prologue="rms", norm=norm.to(DEVICE), eps=1e-5, bias=bias.to(DEVICE),
+               glu=True).cpu()
+    wide = torch.float64 if dtype == torch.float32 else dtype
+    gate_up = F.linear(rms_norm(x.to(wide), norm.to(wide), 1e-5).double(), w.double(), bias.double()).to(wide)
+    expected = F.silu(gate_up[:, :I]) * gate_up[:, I:]
+    assert y.shape == (R, I) and y.dtype == dtype
+    ulp = torch.finfo(dtype).eps * expected.float().abs().clamp_min(1.0)
+    assert ((y.double() - expected.double()).abs() <= 2 * ulp.double() + 1e-6).all()
+    with pytest.raises(ValueError, match=r"glu needs w \[gate; up\] with an even number of rows, no silu prologue and "
+                                         r"no residual, found w \(139, 96\)"):
+        matvec(torch.zeros(R, 96, dtype=dtype, device=DEVICE), torch.zeros(139, 96, dtype=dtype, device=DEVICE), glu=True)
+
+
+@pytest.mark.unit
 def test_matvec_reads_a_row_slice_of_a_fused_weight_and_refuses_bad_input():
     g = torch.Generator().manual_seed(0)
     fused = torch.randn(96, 64, generator=g).to(DEVICE)
@@ -119,9 +143,9 @@ def test_the_default_tiling_and_the_measured_ones(tmp_path, monkeypatch):
     assert tiling(576, 1536, "silu") == Tiling(2, 1024, 4) and tiling(960, 576) == Tiling(2, 1024, 4)
     assert tiling(400, 4096) == Tiling(1, 2048, 8)  # 400 programs of one row (of 2 rows, 200 < 2 x 132)
     assert tiling(4096, 14336, "silu", sms=1) == Tiling(8, 1024, 4) and tiling(64, 100).block_k == 128
-    # the few-row kernel: 128 columns a step where they divide K (else 64), 64 rows down to 16 for 2 programs an SM
-    assert rows_tiling(28672, 4096) == Tiling(64, 128, 4) and rows_tiling(576, 576) == Tiling(16, 64, 4)
-    assert rows_tiling(6144, 4096, "rms") == Tiling(16, 128, 4) and rows_tiling(40, 20).block_k == 32
+    # the few-row kernel: 128 columns a step, 8 warps, 128 rows down to 16 for half as many programs as SMs
+    assert rows_tiling(28672, 4096) == Tiling(128, 128, 8) and rows_tiling(576, 576) == Tiling(16, 128, 8)
+    assert rows_tiling(6144, 4096, "rms") == Tiling(64, 128, 8) and rows_tiling(40, 20).block_k == 32
     path = tmp_path / "tilings.json"
     path.write_text(json.dumps({"GPU X": {"4096x4096/none": [4, 512, 8, False], "6144x4096/rms": [16, 1024, 4, True]}}))
     monkeypatch.setenv("EYAS_MATVEC_TILINGS", str(path))

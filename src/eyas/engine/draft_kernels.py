@@ -15,8 +15,8 @@ fast target runs its one-token steps with:
     attention     decode_attention (2)   rotates q and k, writes rope(k) and v at the step's slots,
                                          attends the cache under the step's mask
     o             matvec                 h = residual + o(attn)
-    gate/up       matvec, "rms"          post_attention_layernorm(h) @ [Wgate; Wup]^T
-    down          matvec, "silu"         h = h + down(SiLU(gate) * up)
+    gate/up       matvec, "rms", glu     SiLU(gate) * up, gate/up = post_attention_layernorm(h) @ [Wgate; Wup]^T
+    down          matvec                 h = h + down(SiLU(gate) * up) (unstacked gate/up: "silu" here)
     head          matvec, "rms"          logits = lm_head(norm(h))
 
 The hidden state fed back is h (pre-norm), or norm(h) with ``norm_output`` (then computed in torch).
@@ -278,8 +278,13 @@ def draft_step(w: DraftWeights, s: DraftShape, tokens: Tensor, hidden: Tensor, p
     h = matvec(attn, w.o, bias=w.o_bias, residual=residual.contiguous())  # [r, H] residual + o(attn)
 
     # MLP: gate/up with the post-attention norm, down with SiLU(gate) * up and the residual add
-    gate_up = _products(h, w.gate_up, w.gate_up_bias, prologue="rms", norm=w.post_norm, eps=s.eps)  # [r, 2I]
-    h = matvec(gate_up, w.down, prologue="silu", bias=w.down_bias, residual=h)  # [r, H]
+    if len(w.gate_up) == 1:  # stacked: SiLU(gate) * up [r, I] in the gate/up kernel's epilogue (glu)
+        act = matvec(h, w.gate_up[0], prologue="rms", norm=w.post_norm, eps=s.eps,
+                     bias=None if w.gate_up_bias is None else w.gate_up_bias[0], glu=True)
+        h = matvec(act, w.down, bias=w.down_bias, residual=h)  # [r, H]
+    else:  # separate: [gate | up] [r, 2I], the SiLU in the down kernel
+        gate_up = _products(h, w.gate_up, w.gate_up_bias, prologue="rms", norm=w.post_norm, eps=s.eps)
+        h = matvec(gate_up, w.down, prologue="silu", bias=w.down_bias, residual=h)  # [r, H]
 
     logits = matvec(h, w.lm_head, prologue="rms", norm=w.norm, eps=s.eps)  # [r, Vd]
     return logits[None], (rms_norm(h, w.norm, s.eps) if s.norm_output else h)[None]

@@ -489,11 +489,15 @@ def _after_attention(h_in: Tensor, out: Tensor, w: BlockWeights, *, eps: float,
                      matvec: OneRow) -> tuple[Tensor, Tensor, Tensor]:
     """The rest of :func:`_layer` from the attention's output out [B, Hq*D]: the o projection and
     its residual add, the post-attention norm, gate/up and SiLU(gate) * up (where :func:`_in_kernels`:
-    the o product with its residual add, then gate/up with its norm, two kernels; the SiLU is left
-    to :func:`_down`'s kernel)."""
+    the o product with its residual add, then gate/up with its norm, two kernels; one row leaves the
+    SiLU to :func:`_down`'s kernel and returns the gate/up output [1, 2I], more rows of a fused
+    gate/up compute SiLU(gate) * up [B, I] in the gate/up kernel's epilogue, ``glu``)."""
     I = w.down.shape[1]
     if _in_kernels(matvec, out):
         h = _fused_matvec(out.contiguous(), w.o, bias=w.o_bias, residual=h_in)
+        if h.shape[0] > 1 and len(w.gate_up) == 1:  # few rows: the SiLU once, in the gate/up kernel
+            return h_in, h, _fused_matvec(h, w.gate_up[0], prologue="rms", norm=w.post_norm, eps=eps,
+                                          bias=None if w.gate_up_bias is None else w.gate_up_bias[0], glu=True)
         return h_in, h, _rms_product(h, w.gate_up, w.gate_up_bias, norm=w.post_norm, eps=eps)  # [B, 2I]
     by_reduction = matvec == "reduce"
     h = h_in + linear(out, w.o, w.o_bias, matvec=by_reduction)
@@ -535,8 +539,8 @@ def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
     """A block's last product: the MLP's activation act [B, I] by down [H, I], m [B, H]. Returns the
     block's output as (x, d) for the next block: (h, m), the add left to the next norm, or with
     ``matvec="reduce"`` and one row, or where :func:`_in_kernels`, (h + m, None), the add done in
-    this product's kernel (with the Triton kernels, act is the gate/up output [B, 2I] and the kernel
-    computes SiLU(gate) * up).
+    this product's kernel (with the Triton kernels, act may be the gate/up output [B, 2I], and the
+    kernel computes SiLU(gate) * up: see :func:`_after_attention`).
 
     A function of its own (compiled apart from :func:`_layer`) so that act reaches it as a buffer:
     compiled together, inductor inlines SiLU(gate) * up into the down reduction's loads, and every
@@ -545,8 +549,9 @@ def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
     written by a 1.2 us kernel; ``benchmarks/2026-12-02-llama8b-h200.md``). Saving that kernel by
     computing gate and up as two reductions that inductor fuses with SiLU was slower (63.5 us for
     gate/up against 56.1 us as one reduction of the fused weight, in one call)."""
-    if _in_kernels(matvec, act):
-        return _fused_matvec(act, down, prologue="silu", bias=down_bias, residual=h), None
+    if _in_kernels(matvec, act):  # act: the gate/up output [B, 2I] (SiLU in this kernel), or SiLU(gate) * up
+        prologue = "silu" if act.shape[1] == 2 * down.shape[1] else None
+        return _fused_matvec(act, down, prologue=prologue, bias=down_bias, residual=h), None
     m = linear(act, down, down_bias, matvec=matvec == "reduce")
     if matvec == "reduce" and act.shape[0] == 1:
         return h + m, None

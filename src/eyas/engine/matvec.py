@@ -159,16 +159,18 @@ def _tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | N
 
 
 def rows_tiling(n_rows: int, n_cols: int, prologue: str | None = None, sms: int = 132) -> Tiling:
-    """The few-row kernel's tiling of W [n_rows, n_cols] (not measured yet: a first choice, from
-    the one-row kernel's measurements and the tensor cores' tile sizes): 128 columns a step when
-    they divide K, else 64 (SmolLM2's 576 columns: 9 whole steps); 64 weight rows a program, fewer
-    (down to 16, a tl.dot's least) while there are under 2 programs per SM; 4 warps."""
-    block_k = 128 if n_cols % 128 == 0 else 64
-    block_k = min(block_k, max(16, triton.next_power_of_2(n_cols)))
-    block_n = 64
-    while block_n > 16 and triton.cdiv(n_rows, block_n) < 2 * sms:
+    """The few-row kernel's tiling of W [n_rows, n_cols], from one H200 call's grid at 24 rows
+    (``benchmarks/2026-12-02-verify-kernels-h200.md``): 128 columns a step (64 below 128 columns),
+    8 warps, and 128 weight rows a program, fewer (down to 16, a tl.dot's least) while there are
+    under half as many programs as SMs. Of the 10 products of the 8B- and SmolLM2-shaped steps it
+    is the grid's fastest for 6, within 12% for the two o products, 29% off for SmolLM2's head
+    (which 64 columns a step suited) and 55% off for the down products' SiLU prologue (which
+    :func:`matvec`'s ``glu`` replaces)."""
+    block_k = 128 if n_cols >= 128 else max(16, triton.next_power_of_2(n_cols))
+    block_n = 128
+    while block_n > 16 and triton.cdiv(n_rows, block_n) < sms // 2:
         block_n //= 2
-    return Tiling(block_n, block_k, 4)
+    return Tiling(block_n, block_k, 8)
 
 
 @torch.compiler.assume_constant_result
@@ -236,10 +238,13 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
 def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
                  N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, PROLOGUE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, PRECISION: tl.constexpr,
+                 GLU: tl.constexpr):
     # The few-row kernel: R rows of x (padded to BLOCK_R >= 16 for tl.dot) against BLOCK_N rows of W,
     # acc [BLOCK_R, BLOCK_N] += a [BLOCK_R, BLOCK_K] @ w^T [BLOCK_K, BLOCK_N] on the tensor cores,
     # a = prologue(x) rounded to DT as the model rounds it (the one-row kernel's roundings).
+    # GLU: W is [gate; up] [2N, K]; the program also streams the up rows n + N into a second
+    # accumulator, and its epilogue is SiLU(gate) * up, so no later kernel recomputes the SiLU.
     DT = y_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of W
     n_ok = n < N
@@ -259,6 +264,7 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
             squares += xk * xk
         inv_rms = 1.0 / tl.sqrt(tl.sum(squares, 1) / K + EPS)  # [BLOCK_R]
     acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)  # (GLU only)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K] columns
         if EVEN_K:
@@ -281,10 +287,21 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
         w = tl.load(w_ptr + row[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
                     eviction_policy=EVICT)  # [BLOCK_N, BLOCK_K]
         acc += tl.dot(a, tl.trans(w.to(DT)), input_precision=PRECISION)
+        if GLU:
+            w_up = tl.load(w_ptr + N * stride_w + row[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                           other=0.0, eviction_policy=EVICT)
+            acc_up += tl.dot(a, tl.trans(w_up.to(DT)), input_precision=PRECISION)
     y = acc  # [BLOCK_R, BLOCK_N] float32
     if HAS_BIAS:
         y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = y.to(DT)
+    if GLU:  # DT(DT(SiLU(gate)) * up), gate and up rounded to DT first (with their biases)
+        up = acc_up
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        gate = y.to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
+        y = (silu * up.to(DT).to(tl.float32)).to(DT)
     at = r[:, None] * N + n[None, :]
     ok = r_ok[:, None] & n_ok[None, :]
     if HAS_RES:
@@ -293,9 +310,17 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
 
 
 def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | None = None, eps: float = 0.0,
-           bias: Tensor | None = None, residual: Tensor | None = None, tile: Tiling | None = None) -> Tensor:
+           bias: Tensor | None = None, residual: Tensor | None = None, glu: bool = False,
+           tile: Tiling | None = None) -> Tensor:
     """R rows through W [N, K] (1 <= R <= ``MAX_ROWS``): y [R, N] = residual + W @ prologue(x) + bias,
     row by row (see the module's docstring for the prologues and the rounding).
+
+    ``glu``: W is [gate; up] [2N', K] (the fused gate/up projection, bias [2N']) and y [R, N'] =
+    SiLU(gate) * up, computed in the product's epilogue (rounded as the model rounds: gate and up
+    to x's dtype, SiLU(gate) to it, the product to it); always the few-row kernel (any R), no
+    residual. The down product then takes y with no prologue, where ``prologue="silu"`` would make
+    every program of the down product recompute the SiLU of all of x (6-8x cuBLAS's time for R = 24
+    on an H200, ``benchmarks/2026-12-02-verify-kernels-h200.md``).
 
     x [R, K] (``prologue="silu"``: [R, 2K], gate then up), contiguous; w [N, K] with unit stride
     along K (a row slice of a fused weight is fine); norm [K] (``"rms"``) with ``eps``; bias [N],
@@ -306,6 +331,10 @@ def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | 
     N, K = w.shape
     if prologue not in PROLOGUES:
         raise ValueError(f"matvec: prologue must be one of {list(PROLOGUES)}, found {prologue!r}")
+    if glu and (N % 2 or prologue == "silu" or residual is not None):
+        raise ValueError(f"matvec: glu needs w [gate; up] with an even number of rows, no silu prologue and no "
+                         f"residual, found w {tuple(w.shape)}, prologue {prologue!r}, residual "
+                         f"{None if residual is None else tuple(residual.shape)}")
     width = 2 * K if prologue == "silu" else K
     R = x.shape[0] if x.dim() == 2 else 0
     if x.dim() != 2 or x.shape[1] != width or not 1 <= R <= MAX_ROWS or not x.is_contiguous():
@@ -319,11 +348,12 @@ def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | 
     if residual is not None and (residual.shape != (R, N) or not residual.is_contiguous()):
         raise ValueError(f"matvec: residual must be contiguous [{R}, {N}], found {tuple(residual.shape)} with "
                          f"strides {residual.stride()}")
+    N = N // 2 if glu else N  # the output's width (GLU: the gate's rows)
     y = torch.empty(R, N, dtype=x.dtype, device=x.device)
     common = dict(N=N, K=K, EPS=float(eps), PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None,
                   HAS_RES=residual is not None)
     pointers = (x, w, y, x if norm is None else norm, x if bias is None else bias, x if residual is None else residual)
-    if R == 1:
+    if R == 1 and not glu:
         tile = tile or _tiling_on(x.device, N, K, prologue)
         _matvec_kernel[(triton.cdiv(N, tile.block_n),)](
             *pointers, w.stride(0), **common, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
@@ -333,5 +363,5 @@ def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | 
     _rows_kernel[(triton.cdiv(N, tile.block_n),)](
         *pointers, w.stride(0), **common, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, EVICT="evict_first" if tile.evict_first else "",
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=tile.num_warps)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, num_warps=tile.num_warps)
     return y
