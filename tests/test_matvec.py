@@ -18,7 +18,7 @@ from tests.support.triton_kernels import DEVICE, require_triton
 require_triton("the matvec kernels")
 
 from eyas.engine.llama import rms_norm  # noqa: E402
-from eyas.engine.matvec import MAX_ROWS, Tiling, matvec, rows_tiling, tiling  # noqa: E402
+from eyas.engine.matvec import MAX_ROWS, Tiling, matvec, rows_stages, rows_tiling, tiling  # noqa: E402
 
 
 def _reference(x, w, prologue, norm, eps, bias, residual) -> torch.Tensor:
@@ -146,6 +146,9 @@ def test_the_default_tiling_and_the_measured_ones(tmp_path, monkeypatch):
     # the few-row kernel: 128 columns a step, 8 warps, 128 rows down to 16 for half as many programs as SMs
     assert rows_tiling(28672, 4096) == Tiling(128, 128, 8) and rows_tiling(576, 576) == Tiling(16, 128, 8)
     assert rows_tiling(6144, 4096, "rms") == Tiling(64, 128, 8) and rows_tiling(40, 20).block_k == 32
+    # pipelined as deep as 160 KB of shared memory holds: the 8B gate/up with glu (2 x 128 + 32 rows of 128 bf16) 2 deep
+    assert rows_stages(Tiling(128, 128, 8), 32, True, 2) == 2 and rows_stages(Tiling(32, 128, 8), 32, True, 2) == 3
+    assert rows_stages(Tiling(128, 128, 8), 64, True, 4) == 1
     path = tmp_path / "tilings.json"
     path.write_text(json.dumps({"GPU X": {"4096x4096/none": [4, 512, 8, False], "6144x4096/rms": [16, 1024, 4, True]}}))
     monkeypatch.setenv("EYAS_MATVEC_TILINGS", str(path))

@@ -173,6 +173,19 @@ def rows_tiling(n_rows: int, n_cols: int, prologue: str | None = None, sms: int 
     return Tiling(block_n, block_k, 8)
 
 
+SHARED_BYTES = 160 << 10  # what the few-row kernel's pipelined tiles may take (an H200 SM has 227 KB)
+
+
+def rows_stages(tile: Tiling, block_r: int, glu: bool, itemsize: int) -> int:
+    """How many tiles deep the few-row kernel pipelines its loads (Triton's num_stages, at most 3):
+    as many as fit ``SHARED_BYTES``, a stage holding W's tile [BLOCK_N, BLOCK_K] (two with ``glu``)
+    and x's [BLOCK_R, BLOCK_K]. Three stages of the 8B gate/up's tiles with glu (128 rows, 128
+    columns, 32 x rows) needed 246 KB, past the H200's 227 KB, and inductor's compilation failed
+    (``benchmarks/2026-12-02-verify-kernels-h200.md``)."""
+    stage = ((2 if glu else 1) * tile.block_n + block_r) * tile.block_k * itemsize
+    return max(1, min(3, SHARED_BYTES // stage))
+
+
 @torch.compiler.assume_constant_result
 def _rows_tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | None) -> Tiling:
     """:func:`rows_tiling` for a product on ``device`` (its SM count), chosen once."""
@@ -360,8 +373,10 @@ def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | 
             EVICT="evict_first" if tile.evict_first else "", num_warps=tile.num_warps)
         return y
     tile = tile or _rows_tiling_on(x.device, N, K, prologue)
+    block_r = max(16, triton.next_power_of_2(R))
     _rows_kernel[(triton.cdiv(N, tile.block_n),)](
-        *pointers, w.stride(0), **common, R=R, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_N=tile.block_n,
+        *pointers, w.stride(0), **common, R=R, BLOCK_R=block_r, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, EVICT="evict_first" if tile.evict_first else "",
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, num_warps=tile.num_warps)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, num_warps=tile.num_warps,
+        num_stages=rows_stages(tile, block_r, glu, x.element_size()))
     return y
