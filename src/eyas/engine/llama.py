@@ -628,10 +628,14 @@ class LlamaTarget(Target):
     split-kv attention the 8B-shaped plain step took 4.244 and 4.206 ms on two machines, 1.19x the
     floor, against 5.190 and 5.073 ms for the default
     (``benchmarks/2026-12-02-matvec-triton-h200.md``); a SmolLM2-shaped one 0.614 ms against 1.404.
-    ``"triton-verify"`` is opt-in: in one H200 call (``benchmarks/2026-12-02-verify-kernels-h200.md``)
-    verifying 24 tokens took 13.02 ms on the 8B shape against 5.49 with cuBLAS, and on SmolLM2
-    with MT-bench speculative decoding ran at 1164.5 tok/s against 1299.9 with cuBLAS (the few-row
-    kernel is slower than cuBLAS on every product there, its SiLU prologue 6-8x).
+    ``"triton-verify"`` is opt-in (``benchmarks/2026-12-02-verify-kernels-h200.md``): its first
+    version verified 24 tokens in 13.02 ms on the 8B shape against 5.49 with cuBLAS, and on
+    SmolLM2's MT-bench speculative decoding ran at 1164.5 tok/s against 1299.9 (one call; the down
+    product's SiLU prologue took 4-7x cuBLAS's time). With the SiLU in the gate/up kernel (glu) and
+    measured tilings, SmolLM2-shaped verification of 24 tokens took 1.146 ms against 1.365 with
+    cuBLAS (another call), while the 8B step's compilation ran out of shared memory (since fixed,
+    not yet measured). With the default, eyas plain decoded SmolLM2 at 1415.6 tok/s against 860.4
+    with cuBLAS, and speculative decoding (cuBLAS verification) at 1299.9.
 
     ``attention`` says how the steps attend over the cache: ``"auto"`` (the default: ``"split-kv"``
     where ``matvec``'s auto picks ``"triton"`` and the head dimension is a power of two of at least
