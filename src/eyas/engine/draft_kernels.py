@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eyas.drafter.model import Eagle3Drafter, KVCache
-from eyas.engine.llama import _stacked, _why_not_stackable, rms_norm
+from eyas.engine.llama import rms_norm, stack_rows, stacked_rows, why_not_stackable
 from eyas.errors import EyasError
 
 KERNELS = ("torch", "triton")  # DraftState's choices: the module's forward, or draft_step
@@ -116,20 +116,10 @@ def fuse_drafter_projections(drafter: Eagle3Drafter) -> str | None:
     and the reason is returned; None when both groups are stacked."""
     groups = _projection_groups(drafter)
     for group, names in zip(groups, ("q/k/v", "gate/up")):
-        why = _why_not_stackable(group)
+        why = why_not_stackable(group)
         if why is not None:
             return f"{names}: {why}"
-    with torch.no_grad():
-        for group in groups:
-            for name in ("weight", "bias"):
-                params = [getattr(m, name) for m in group]
-                if params[0] is None or _stacked(params) is not None:  # no bias, or already stacked
-                    continue
-                fused = torch.cat([p.detach() for p in params])  # [sum of rows, in] (or [sum of rows])
-                start = 0
-                for p in params:
-                    p.data = fused[start:start + p.shape[0]]  # a contiguous row slice: a view
-                    start += p.shape[0]
+    stack_rows(groups)
     return None
 
 
@@ -187,7 +177,7 @@ def draft_weights(drafter: Eagle3Drafter) -> DraftWeights:
         parts = [w(m, name) for m in group]
         if all(p is None for p in parts):
             return None
-        stacked = None if any(p is None for p in parts) else _stacked(parts)  # type: ignore[arg-type]
+        stacked = None if any(p is None for p in parts) else stacked_rows(parts)  # type: ignore[arg-type]
         return tuple(parts) if stacked is None else (stacked,)
 
     qkv, gate_up = _projection_groups(drafter)

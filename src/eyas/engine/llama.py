@@ -207,7 +207,7 @@ def _check_split_kv(head_dim: int, device: torch.device) -> None:
 # -- fused projections ---------------------------------------------------------------------------
 
 
-def _stacked(parts: Sequence[Tensor]) -> Tensor | None:
+def stacked_rows(parts: Sequence[Tensor]) -> Tensor | None:
     """The rows of ``parts`` (weights [r_i, H] or biases [r_i]) as one tensor [sum r_i, ...] when
     they already lie one after another in one storage (as :func:`fuse_projections` leaves them): a
     view, no copy. None when they do not."""
@@ -226,7 +226,7 @@ def _stacked(parts: Sequence[Tensor]) -> Tensor | None:
     return torch.as_strided(first.detach(), shape, stride)  # from first's storage offset on
 
 
-def _why_not_stackable(linears: Sequence[nn.Module]) -> str | None:
+def why_not_stackable(linears: Sequence[nn.Module]) -> str | None:
     """None when these projections' weights (and biases) can be stacked into one tensor; else why not."""
     for m in linears:
         if not isinstance(m, nn.Linear):
@@ -282,22 +282,31 @@ def fuse_projections(model: nn.Module) -> str | None:
         except AttributeError as e:
             return f"block {i}: {e}"
         for group, names in ((qkv, "q/k/v"), (gate_up, "gate/up")):
-            why = _why_not_stackable(group)
+            why = why_not_stackable(group)
             if why is not None:
                 return f"block {i} {names}: {why}"
             groups.append(group)
+    stack_rows(groups)
+    return None
+
+
+def stack_rows(groups: Sequence[Sequence[nn.Module]]) -> None:
+    """For each group of projections (checked stackable: :func:`why_not_stackable`), one new
+    contiguous tensor holding their weights' rows one after another (and their biases'), each
+    parameter becoming a view of its rows (``param.data = fused[rows]``: the same Parameter, its
+    old tensor freed). Groups already stacked are left alone (:func:`fuse_projections`; the
+    drafter's, :func:`eyas.engine.draft_kernels.fuse_drafter_projections`)."""
     with torch.no_grad():
         for group in groups:
             for name in ("weight", "bias"):
                 params = [getattr(m, name) for m in group]
-                if params[0] is None or _stacked(params) is not None:  # no bias, or already fused
+                if params[0] is None or stacked_rows(params) is not None:  # no bias, or already stacked
                     continue
-                fused = torch.cat([p.detach() for p in params])  # [sum of rows, H] (or [sum of rows])
+                fused = torch.cat([p.detach() for p in params])  # [sum of rows, in] (or [sum of rows])
                 start = 0
                 for p in params:
                     p.data = fused[start:start + p.shape[0]]  # a contiguous row slice: a view
                     start += p.shape[0]
-    return None
 
 
 # -- the step's pure functions (eager on the CPU, compiled on a GPU) ----------------------------------
@@ -692,7 +701,7 @@ class LlamaTarget(Target):
             if parts[0] is None:
                 return None
             if self.unfused_reason is None:
-                fused = _stacked(parts)
+                fused = stacked_rows(parts)
                 assert fused is not None, "fuse_projections left rows apart"
                 return (fused,)
             return tuple(parts)  # type: ignore[arg-type]
