@@ -185,8 +185,8 @@ def _auto_kernels(compiled: bool, head_dim: int) -> tuple[str, str]:
     """(matvec, attention) for "auto": eyas' Triton kernels ("triton", "split-kv") where the fixed-shape
     steps are compiled on a GPU (the fast path) and triton is installed, split-kv where the head
     dimension is one its kernels take; else cuBLAS and the eager order ("gemm", "eager"). The
-    kernels make a block 6 kernels instead of 16 (plain steps and the verification of trees alike),
-    which is what a launch-bound step needs."""
+    kernels make a plain step's block 6 kernels instead of 16, which is what a launch-bound step
+    needs; verification keeps cuBLAS ("triton-verify" is opt-in: see :class:`LlamaTarget`)."""
     if not compiled or importlib.util.find_spec("triton") is None:
         return "gemm", "eager"
     from eyas.engine.decode_attention import supported_head_dim
