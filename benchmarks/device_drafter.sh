@@ -86,6 +86,18 @@ spec_pair() {  # NAME LABEL_A "ARGS_A" LABEL_B "ARGS_B" [spec_gpu.py ARGS]
   tail -n 40 "$OUT/$name.log"
 }
 
+step_cost() {  # NAME SHAPE VARIANTS LIMIT_S: llama_8b_cost.py --profile (8b or smollm2) into $OUT/NAME.json, .log
+  (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout "$4" python llama_8b_cost.py --shape "$2" --profile \
+    --variants "$3" --out "$OUT/$1.json" > "$OUT/$1.log" 2>&1) || echo "$1 exit $?" >> "$OUT/$1.log"
+  tail -n 16 "$OUT/$1.log"
+}
+
+kernel_tests() {  # LIMIT_S: the Triton kernels' tests compiled on the GPU (the slow greedy walks left out)
+  timeout "$1" python -m pytest -q -p no:cacheprovider tests/test_matvec.py tests/test_draft_kernels.py \
+    tests/test_decode_attention.py -k "not greedy" > "$OUT/kernel_tests.log" 2>&1 || true
+  tail -n 3 "$OUT/kernel_tests.log"
+}
+
 wait_run() {
   local limit=${1:-540} t=0
   while [ ! -f /tmp/drafter/DONE ] && [ "$t" -lt "$limit" ]; do sleep 10; t=$((t + 10)); done
@@ -172,20 +184,14 @@ EOF
   experiments)
     # issue 10's 8B bar, one call, no GGUF: the split-KV kernels' tests compiled on the GPU, then the 8B-shaped
     # step with split-KV attention against the eager order (gemm and reduce-tuned) and SDPA
-    timeout 120 python -m pytest -q -p no:cacheprovider tests/test_decode_attention.py > "$OUT/kernel_tests.log" 2>&1 || true
-    tail -n 5 "$OUT/kernel_tests.log"
-    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout 440 python llama_8b_cost.py --profile \
-      --variants ${VARIANTS:-compiled-split-kv,compiled-reduce-tuned-split-kv,compiled-reduce-tuned,compiled,compiled-sdpa} --out "$OUT/8b.json" \
-      > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
-    tail -n 14 "$OUT/8b.log"
+    kernel_tests 120
+    step_cost 8b 8b "${VARIANTS:-compiled-split-kv,compiled-reduce-tuned-split-kv,compiled-reduce-tuned,compiled,compiled-sdpa}" 440
     ;;
   matvec)
     # issue 10's 8B bar with eyas.engine.matvec (matvec='triton'): the Triton kernels' tests compiled on the GPU,
     # the 8B products per tiling (matvec_gpu.py, the best of each written to $OUT/tilings.json), then the
     # 8B-shaped step with those tilings (llama_8b_cost.py; VARIANTS=...)
-    timeout 120 python -m pytest -q -p no:cacheprovider tests/test_matvec.py tests/test_decode_attention.py \
-      -k "not greedy" > "$OUT/kernel_tests.log" 2>&1 || true
-    tail -n 3 "$OUT/kernel_tests.log"
+    kernel_tests 120
     T=1/1024/4,1/2048/4,1/2048/8,2/1024/4,2/1024/8,2/2048/4,2/2048/8,4/1024/4,4/1024/8,4/2048/8,8/512/4,8/1024/4
     T=$T,8/1024/8,16/1024/4,16/1024/8,1/4096/8
     TILINGS=${TILINGS:-$(echo "$T" | tr ',' '\n' | sed 's|$|/1|;p;s|/1$|/0|' | paste -sd,)}
@@ -193,22 +199,13 @@ EOF
       --out "$OUT/matvec.json" --write-tilings "$OUT/tilings.json" > "$OUT/matvec.log" 2>&1 \
       || echo "matvec exit $?" >> "$OUT/matvec.log"
     grep -E "floor|exit" "$OUT/matvec.log" | tail -n 12
-    (cd benchmarks && EYAS_MATVEC_TILINGS="$OUT/tilings.json" PYTHONPATH=$PWD/../src:/tmp/deps timeout ${STEP_S:-220} \
-      python llama_8b_cost.py --profile --variants ${VARIANTS:-compiled-triton-split-kv,compiled} --out "$OUT/8b.json" \
-      > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
-    tail -n 14 "$OUT/8b.log"
+    EYAS_MATVEC_TILINGS="$OUT/tilings.json" step_cost 8b 8b "${VARIANTS:-compiled-triton-split-kv,compiled}" "${STEP_S:-220}"
     ;;
   confirm)
     # matvec='triton' with the shipped tilings on another machine, in order of importance: the 8B-shaped step, the
     # SmolLM2-shaped one (llama_8b_cost.py), then the engine's GPU tests (greedy identity with every option)
-    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${STEP_S:-150} python llama_8b_cost.py --profile \
-      --variants ${VARIANTS:-compiled-triton-split-kv,compiled} --out "$OUT/8b.json" \
-      > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
-    grep -E "tokens:|floor|x the floor" "$OUT/8b.log" | tail -n 16
-    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${SMOL_S:-100} python llama_8b_cost.py --shape smollm2 \
-      --profile --variants compiled-triton-split-kv,compiled --out "$OUT/smollm2.json" > "$OUT/smollm2.log" 2>&1) \
-      || echo "smollm2 exit $?" >> "$OUT/smollm2.log"
-    grep -E "tokens:|floor|x the floor|kernels" "$OUT/smollm2.log" | tail -n 16
+    step_cost 8b 8b "${VARIANTS:-compiled-triton-split-kv,compiled}" "${STEP_S:-150}"
+    step_cost smollm2 smollm2 compiled-triton-split-kv,compiled "${SMOL_S:-100}"
     timeout ${TESTS_S:-200} python -m pytest -v -p no:cacheprovider tests/test_engine_cuda.py tests/test_engine_llama.py \
       -k 'cuda or gpu' > "$OUT/gpu_tests.log" 2>&1 || true
     grep -E "PASSED|FAILED|ERROR|XFAIL|XPASS|passed|failed" "$OUT/gpu_tests.log" | tail -n 30
@@ -216,17 +213,9 @@ EOF
   rows)
     # the Triton kernels for every fixed-shape step (one row and a few): their tests compiled on the GPU, then the
     # 8B-shaped step and verification, then the SmolLM2-shaped ones (llama_8b_cost.py), each result into $OUT as done
-    timeout ${TESTS_S:-120} python -m pytest -q -p no:cacheprovider tests/test_matvec.py tests/test_draft_kernels.py \
-      tests/test_decode_attention.py -k "not greedy" > "$OUT/kernel_tests.log" 2>&1 || true
-    tail -n 3 "$OUT/kernel_tests.log"
-    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${STEP_S:-250} python llama_8b_cost.py --profile \
-      --variants ${VARIANTS:-compiled-triton-split-kv,compiled,compiled-triton} --out "$OUT/8b.json" \
-      > "$OUT/8b.log" 2>&1) || echo "8b exit $?" >> "$OUT/8b.log"
-    tail -n 24 "$OUT/8b.log"
-    (cd benchmarks && PYTHONPATH=$PWD/../src:/tmp/deps timeout ${SMOL_S:-120} python llama_8b_cost.py --shape smollm2 \
-      --profile --variants ${SMOL_VARIANTS:-compiled-triton-split-kv,compiled} --out "$OUT/smollm2.json" \
-      > "$OUT/smollm2.log" 2>&1) || echo "smollm2 exit $?" >> "$OUT/smollm2.log"
-    tail -n 16 "$OUT/smollm2.log"
+    kernel_tests "${TESTS_S:-120}"
+    step_cost 8b 8b "${VARIANTS:-compiled-triton-split-kv,compiled,compiled-triton}" "${STEP_S:-250}"
+    step_cost smollm2 smollm2 "${SMOL_VARIANTS:-compiled-triton-split-kv,compiled}" "${SMOL_S:-120}"
     if [ -n "${GREEDY:-}" ]; then  # the float32 greedy identity tests of these options (-k GREEDY)
       timeout 100 python -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py -k "$GREEDY" > "$OUT/greedy.log" 2>&1 || true
       tail -n 5 "$OUT/greedy.log"

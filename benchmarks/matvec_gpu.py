@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         tilings = "4/32/4/1,2/64/4/0" if a.rows == 1 else "16/32/4/1,32/16/4/0"  # (tl.dot: 16 rows at least)
         a.shapes, a.products, a.tilings, a.reps, a.trials = "tiny", "qkv,down", tilings, 2, 1
     say = (lambda *p, **k: None) if a.json else print
-    from eyas.engine.matvec import MAX_ROWS, Tiling, _key, _rows_tiling_on, _tiling_on
+    from eyas.engine.matvec import MAX_ROWS, Tiling, _key, _tiling_on
 
     if not 1 <= a.rows <= MAX_ROWS or (a.rows > 1 and a.write_tilings):
         raise SystemExit(f"--rows: expected 1..{MAX_ROWS} (and --write-tilings with 1 row only), found {a.rows}")
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"shape": shape, "product": product, "N": N, "K": K, "prologue": prologue, "residual": residual,
                    "copies": copies, "floor_us": floor_us,
                    "cublas_us": time_call(cublas_call(ops), device, a.reps, a.trials) / copies, "tilings": []}
-            default = (_tiling_on if a.rows == 1 else _rows_tiling_on)(device, N, K, prologue)  # what the engine runs
+            default = _tiling_on(device, N, K, prologue, few_rows=a.rows > 1)  # what the engine runs
             grid = ([Tiling(*(int(v) for v in t.split("/"))) for t in a.tilings.split(",")] if a.tilings else
                     [Tiling(*t) for t in itertools.product(ints(a.block_n), ints(a.block_k), ints(a.warps))])
             grid = [t._replace(evict_first=bool(t.evict_first)) for t in grid]

@@ -21,10 +21,10 @@ fast target runs its one-token steps with:
 
 The hidden state fed back is h (pre-norm), or norm(h) with ``norm_output`` (then computed in torch).
 Compiled by inductor, the prologue is 3 kernels, so a step is 10 kernels from fed-back states and 11
-from target features, against 20 and 21 for the compiled forward (a SmolLM2-shaped drafter in bf16 on
-an H200, one call, 2026-12-02: 52 us against 60 for an expansion of 10 rows, 58 against 66 for a
-re-read of 7, of which the 5 (6) few-row products took 36 (41) us; a round's greedy draft of a
-TreeSpec(6, 10, 60) tree 848 us against 895, its re-read 75 against 83).
+from target features, against 20 and 21 for the compiled forward. On SmolLM2's MT-bench, drafting
+through these kernels cost 0.86 ms a round against 0.82 with the forward, before the gate/up
+kernel's glu (``benchmarks/2026-12-02-verify-kernels-h200.md``): opt-in, with the target's
+``matvec="triton-verify"``.
 
 Invariants the callers keep (``tree.DraftState``: the expansion writes slots m + scratch + arange(r),
 the re-read and extend length + arange(B)): the step's r tokens write the consecutive cache slots
@@ -49,8 +49,6 @@ imports them at their first use, so it imports without Triton.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -59,7 +57,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eyas.drafter.model import Eagle3Drafter, KVCache
-from eyas.engine.llama import rms_norm, stack_rows, stacked_rows, why_not_stackable
+from eyas.engine.llama import (rms_norm, stack_rows, stacked_rows, why_no_triton, why_not_split_kv,
+                               why_not_stackable)
 from eyas.errors import EyasError
 
 KERNELS = ("torch", "triton")  # DraftState's choices: the module's forward, or draft_step
@@ -73,17 +72,11 @@ def why_not_kernels(drafter: Eagle3Drafter) -> str | None:
     """None when :func:`draft_step` can run ``drafter`` where it is; else why not, naming what it
     needs: Triton installed, the drafter on a GPU (or ``TRITON_INTERPRET=1`` on the CPU), and a
     head dimension decode_attention supports (a power of two, at least 16)."""
-    if importlib.util.find_spec("triton") is None:
-        return "it runs Triton kernels, and triton is not installed"
-    device = drafter.fc.weight.device
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"it runs Triton kernels, on a GPU (the drafter is on {device.type}) or under TRITON_INTERPRET=1"
-    from eyas.engine.decode_attention import supported_head_dim
-
-    head_dim = drafter.config.head_dim
-    if not supported_head_dim(head_dim):
-        return f"its attention kernel needs a power-of-two head dimension of at least 16, found {head_dim}"
-    return None
+    why = why_no_triton(drafter.fc.weight.device, "drafter")
+    if why is not None:
+        return f"it {why}"
+    why = why_not_split_kv(drafter.config.head_dim)
+    return None if why is None else f"its attention kernel {why}"
 
 
 def check_kernels(kernels: str, drafter: Eagle3Drafter) -> None:

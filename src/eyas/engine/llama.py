@@ -170,15 +170,32 @@ def supports(model: nn.Module) -> str | None:
     return None
 
 
+def why_no_triton(device: torch.device, holder: str = "model") -> str | None:
+    """None where eyas' Triton kernels can run on ``device`` (the ``holder``'s: "model", "drafter");
+    else why not, as the end of a sentence that starts with what asked for them."""
+    if importlib.util.find_spec("triton") is None:
+        return "runs Triton kernels, and triton is not installed"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"runs Triton kernels, on a GPU (the {holder} is on {device.type}) or under TRITON_INTERPRET=1"
+    return None
+
+
+def why_not_split_kv(head_dim: int) -> str | None:
+    """None when the split-KV attention kernels take this head dimension; else why not (call after
+    :func:`why_no_triton`: the check imports them)."""
+    from eyas.engine.decode_attention import supported_head_dim
+
+    if supported_head_dim(head_dim):
+        return None
+    return f"needs a power-of-two head dimension of at least 16, found {head_dim}"
+
+
 def _check_triton(option: str, fallback: str, device: torch.device) -> None:
     """Refuse an option that runs our Triton kernels (``option``, e.g. "attention='split-kv'") where
     they cannot run, saying what it needs and what to use instead (``fallback``)."""
-    if importlib.util.find_spec("triton") is None:
-        raise UnsupportedTarget(f"LlamaTarget: {option} runs Triton kernels, and triton is not installed; use "
-                                f"{fallback}")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise UnsupportedTarget(f"LlamaTarget: {option} runs Triton kernels, on a GPU (the model is on "
-                                f"{device.type}) or under TRITON_INTERPRET=1; use {fallback}")
+    why = why_no_triton(device)
+    if why is not None:
+        raise UnsupportedTarget(f"LlamaTarget: {option} {why}; use {fallback}")
 
 
 def _auto_kernels(compiled: bool, head_dim: int) -> tuple[str, str]:
@@ -189,19 +206,15 @@ def _auto_kernels(compiled: bool, head_dim: int) -> tuple[str, str]:
     needs; verification keeps cuBLAS ("triton-verify" is opt-in: see :class:`LlamaTarget`)."""
     if not compiled or importlib.util.find_spec("triton") is None:
         return "gemm", "eager"
-    from eyas.engine.decode_attention import supported_head_dim
-
-    return "triton", "split-kv" if supported_head_dim(head_dim) else "eager"
+    return "triton", "split-kv" if why_not_split_kv(head_dim) is None else "eager"
 
 
 def _check_split_kv(head_dim: int, device: torch.device) -> None:
     """Refuse attention="split-kv" where its Triton kernels cannot run, saying what it needs."""
     _check_triton("attention='split-kv'", "attention='eager'", device)
-    from eyas.engine.decode_attention import supported_head_dim
-
-    if not supported_head_dim(head_dim):
-        raise UnsupportedTarget(f"LlamaTarget: attention='split-kv' needs a power-of-two head dimension of at "
-                                f"least 16, found {head_dim}; use attention='eager'")
+    why = why_not_split_kv(head_dim)
+    if why is not None:
+        raise UnsupportedTarget(f"LlamaTarget: attention='split-kv' {why}; use attention='eager'")
 
 
 # -- fused projections ---------------------------------------------------------------------------

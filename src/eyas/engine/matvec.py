@@ -139,33 +139,36 @@ def read_tilings(path: Path) -> dict[str, dict[str, Tiling]]:
     return tables
 
 
-_CHOSEN: dict[tuple, Tiling] = {}  # (device, rows, columns, prologue) -> its tiling
+_CHOSEN: dict[tuple, Tiling] = {}  # (device, rows, columns, prologue, few rows) -> its tiling
 
 
 @torch.compiler.assume_constant_result  # a constant of the compiled step: torch.compile calls it once, tracing
-def _tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | None) -> Tiling:
-    """The tiling of a product on ``device``: the measured one for its GPU, else :func:`tiling` (on
-    the CPU, for Triton's interpreter, which runs programs one by one: 16 rows a program, few
-    programs). Chosen once per product and device: an eager step calls this for every product."""
-    key = (device, n_rows, n_cols, prologue)
+def _tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | None, few_rows: bool = False) -> Tiling:
+    """The tiling of a product on ``device``. One row: the measured one for its GPU, else
+    :func:`tiling` (on the CPU, for Triton's interpreter, which runs programs one by one: 16 rows a
+    program, few programs). ``few_rows`` (the few-row kernel): :func:`rows_tiling` for the GPU's SM
+    count. Chosen once per product and device: an eager step calls this for every product."""
+    key = (device, n_rows, n_cols, prologue, few_rows)
     if key not in _CHOSEN:
-        if device.type != "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        if few_rows:
+            _CHOSEN[key] = rows_tiling(n_rows, n_cols, sms)
+        elif device.type != "cuda":
             _CHOSEN[key] = tiling(n_rows, n_cols, prologue)._replace(block_n=16)
         else:
             found = _measured(torch.cuda.get_device_name(device)).get(_key(n_rows, n_cols, prologue))
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
             _CHOSEN[key] = found or tiling(n_rows, n_cols, prologue, sms)
     return _CHOSEN[key]
 
 
-def rows_tiling(n_rows: int, n_cols: int, prologue: str | None = None, sms: int = 132) -> Tiling:
+def rows_tiling(n_rows: int, n_cols: int, sms: int = 132) -> Tiling:
     """The few-row kernel's tiling of W [n_rows, n_cols], from one H200 call's grid at 24 rows
     (``benchmarks/2026-12-02-verify-kernels-h200.md``): 128 columns a step (64 below 128 columns),
     8 warps, and 128 weight rows a program, fewer (down to 16, a tl.dot's least) while there are
     under half as many programs as SMs. Of the 10 products of the 8B- and SmolLM2-shaped steps it
     is the grid's fastest for 6, within 12% for the two o products, 29% off for SmolLM2's head
-    (which 64 columns a step suited) and 55% off for the down products' SiLU prologue (which
-    :func:`matvec`'s ``glu`` replaces)."""
+    (which 64 columns a step suited) and 55% off for SmolLM2's down product with its SiLU
+    prologue (which :func:`matvec`'s ``glu`` replaces)."""
     block_k = 128 if n_cols >= 128 else max(16, triton.next_power_of_2(n_cols))
     block_n = 128
     while block_n > 16 and triton.cdiv(n_rows, block_n) < sms // 2:
@@ -186,14 +189,21 @@ def rows_stages(tile: Tiling, block_r: int, glu: bool, itemsize: int) -> int:
     return max(1, min(3, SHARED_BYTES // stage))
 
 
-@torch.compiler.assume_constant_result
-def _rows_tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | None) -> Tiling:
-    """:func:`rows_tiling` for a product on ``device`` (its SM count), chosen once."""
-    key = (device, n_rows, n_cols, prologue, "rows")
-    if key not in _CHOSEN:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        _CHOSEN[key] = rows_tiling(n_rows, n_cols, prologue, sms)
-    return _CHOSEN[key]
+@triton.jit
+def _weight_rows(stride_w, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows of W [N, K]: n [BLOCK_N], which of them exist, and their offsets (int32
+    holds them up to 2^31 elements, int64 past that)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = n * stride_w
+    if N * K >= 2**31:
+        row = n.to(tl.int64) * stride_w
+    return n, n < N, row
+
+
+@triton.jit
+def _silu(gate, DT: tl.constexpr):
+    """SiLU(gate) in float32, rounded to DT as the model rounds it (returned as float32)."""
+    return (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
 
 
 @triton.jit
@@ -203,11 +213,7 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
                    EVICT: tl.constexpr):
     # PROLOGUE: 0 none, 1 rms, 2 silu. EPS a constexpr: inductor passes a float argument as fp64.
     DT = y_ptr.dtype.element_ty
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of W
-    n_ok = n < N
-    row = n * stride_w  # [BLOCK_N] offsets of the rows (int32 holds them up to 2^31 elements)
-    if N * K >= 2**31:
-        row = n.to(tl.int64) * stride_w
+    n, n_ok, row = _weight_rows(stride_w, N, K, BLOCK_N)  # [BLOCK_N] rows of W, their offsets
     EVEN_K: tl.constexpr = K % BLOCK_K == 0  # then no column mask (its loads vectorise for sure)
     if PROLOGUE == 1:  # the norm's 1 / rms over all of x [K], by every program (x is in L2)
         squares = tl.zeros([BLOCK_K], tl.float32)
@@ -230,8 +236,7 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
         elif PROLOGUE == 2:  # x = [gate | up]
             gate = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             up = tl.load(x_ptr + K + k, mask=k_ok, other=0.0).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
-            a = (silu * up).to(DT).to(tl.float32)
+            a = (_silu(gate, DT) * up).to(DT).to(tl.float32)
         else:
             a = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + row[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
@@ -259,11 +264,7 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
     # GLU: W is [gate; up] [2N, K]; the program also streams the up rows n + N into a second
     # accumulator, and its epilogue is SiLU(gate) * up, so no later kernel recomputes the SiLU.
     DT = y_ptr.dtype.element_ty
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of W
-    n_ok = n < N
-    row = n * stride_w
-    if N * K >= 2**31:
-        row = n.to(tl.int64) * stride_w
+    n, n_ok, row = _weight_rows(stride_w, N, K, BLOCK_N)  # [BLOCK_N] rows of W, their offsets
     r = tl.arange(0, BLOCK_R)  # [BLOCK_R] rows of x
     r_ok = r < R
     WIDTH: tl.constexpr = 2 * K if PROLOGUE == 2 else K  # x's row length
@@ -293,8 +294,7 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
         elif PROLOGUE == 2:  # x = [gate | up]
             gate = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
             up = tl.load(x_at + K, mask=x_ok, other=0.0).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
-            a = (silu * up).to(DT)
+            a = (_silu(gate, DT) * up).to(DT)
         else:
             a = tl.load(x_at, mask=x_ok, other=0.0).to(DT)
         w = tl.load(w_ptr + row[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
@@ -312,9 +312,7 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
         up = acc_up
         if HAS_BIAS:
             up += tl.load(bias_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        gate = y.to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
-        y = (silu * up.to(DT).to(tl.float32)).to(DT)
+        y = (_silu(y.to(tl.float32), DT) * up.to(DT).to(tl.float32)).to(DT)
     at = r[:, None] * N + n[None, :]
     ok = r_ok[:, None] & n_ok[None, :]
     if HAS_RES:
@@ -372,7 +370,7 @@ def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | 
             *pointers, w.stride(0), **common, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             EVICT="evict_first" if tile.evict_first else "", num_warps=tile.num_warps)
         return y
-    tile = tile or _rows_tiling_on(x.device, N, K, prologue)
+    tile = tile or _tiling_on(x.device, N, K, prologue, few_rows=True)
     block_r = max(16, triton.next_power_of_2(R))
     _rows_kernel[(triton.cdiv(N, tile.block_n),)](
         *pointers, w.stride(0), **common, R=R, BLOCK_R=block_r, BLOCK_N=tile.block_n,
