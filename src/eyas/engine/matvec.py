@@ -190,30 +190,17 @@ def rows_stages(tile: Tiling, block_r: int, glu: bool, itemsize: int) -> int:
 
 
 @triton.jit
-def _weight_rows(stride_w, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's rows of W [N, K]: n [BLOCK_N], which of them exist, and their offsets (int32
-    holds them up to 2^31 elements, int64 past that)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = n * stride_w
-    if N * K >= 2**31:
-        row = n.to(tl.int64) * stride_w
-    return n, n < N, row
-
-
-@triton.jit
-def _silu(gate, DT: tl.constexpr):
-    """SiLU(gate) in float32, rounded to DT as the model rounds it (returned as float32)."""
-    return (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
-
-
-@triton.jit
 def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
                    N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, PROLOGUE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    EVICT: tl.constexpr):
     # PROLOGUE: 0 none, 1 rms, 2 silu. EPS a constexpr: inductor passes a float argument as fp64.
     DT = y_ptr.dtype.element_ty
-    n, n_ok, row = _weight_rows(stride_w, N, K, BLOCK_N)  # [BLOCK_N] rows of W, their offsets
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of W
+    n_ok = n < N
+    row = n * stride_w  # [BLOCK_N] offsets of the rows (int32 holds them up to 2^31 elements)
+    if N * K >= 2**31:
+        row = n.to(tl.int64) * stride_w
     EVEN_K: tl.constexpr = K % BLOCK_K == 0  # then no column mask (its loads vectorise for sure)
     if PROLOGUE == 1:  # the norm's 1 / rms over all of x [K], by every program (x is in L2)
         squares = tl.zeros([BLOCK_K], tl.float32)
@@ -236,7 +223,8 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
         elif PROLOGUE == 2:  # x = [gate | up]
             gate = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             up = tl.load(x_ptr + K + k, mask=k_ok, other=0.0).to(tl.float32)
-            a = (_silu(gate, DT) * up).to(DT).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
+            a = (silu * up).to(DT).to(tl.float32)
         else:
             a = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + row[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
@@ -264,7 +252,11 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
     # GLU: W is [gate; up] [2N, K]; the program also streams the up rows n + N into a second
     # accumulator, and its epilogue is SiLU(gate) * up, so no later kernel recomputes the SiLU.
     DT = y_ptr.dtype.element_ty
-    n, n_ok, row = _weight_rows(stride_w, N, K, BLOCK_N)  # [BLOCK_N] rows of W, their offsets
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of W
+    n_ok = n < N
+    row = n * stride_w
+    if N * K >= 2**31:
+        row = n.to(tl.int64) * stride_w
     r = tl.arange(0, BLOCK_R)  # [BLOCK_R] rows of x
     r_ok = r < R
     WIDTH: tl.constexpr = 2 * K if PROLOGUE == 2 else K  # x's row length
@@ -294,7 +286,8 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
         elif PROLOGUE == 2:  # x = [gate | up]
             gate = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
             up = tl.load(x_at + K, mask=x_ok, other=0.0).to(tl.float32)
-            a = (_silu(gate, DT) * up).to(DT)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
+            a = (silu * up).to(DT)
         else:
             a = tl.load(x_at, mask=x_ok, other=0.0).to(DT)
         w = tl.load(w_ptr + row[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
@@ -312,7 +305,9 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
         up = acc_up
         if HAS_BIAS:
             up += tl.load(bias_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = (_silu(y.to(tl.float32), DT) * up.to(DT).to(tl.float32)).to(DT)
+        gate = y.to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)
+        y = (silu * up.to(DT).to(tl.float32)).to(DT)
     at = r[:, None] * N + n[None, :]
     ok = r_ok[:, None] & n_ok[None, :]
     if HAS_RES:
