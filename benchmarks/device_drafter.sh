@@ -18,10 +18,14 @@
 #                8B-shaped step with them (VARIANTS=...; STEP_S=220 its time limit)
 #   confirm      matvec='triton' with the shipped tilings: the 8B- and SmolLM2-shaped steps, the engine's GPU tests
 #   rows         the few-row kernel (verification through eyas' kernels): the kernels' tests on the GPU, then the 8B- and
-#                SmolLM2-shaped steps, the default (auto) against cuBLAS + eager and triton + eager (llama_8b_cost.py)
+#                SmolLM2-shaped steps, the default (auto) against cuBLAS + eager and triton + eager (llama_8b_cost.py),
+#                then with GREEDY=expr the engine's GPU tests that -k expr selects (GREEDY_S: their time limit)
 #   tiling       one block's attention alone, eager against the split-KV kernels per tiling (decode_attention_gpu.py)
 #   gputests     the engine's GPU tests, then the matvec='reduce' identity test run for its message
 #   attention    the shipped drafter with the fast target's attention eager, then split-kv (Triton): spec_gpu.py twice
+#   rounds       the shipped drafter on SmolLM2 with verification and drafting through eyas' kernels (--matvec
+#                triton-verify --attention split-kv; HF compiled beside it), then the default: spec_gpu.py twice (after
+#                setup and part, like kernels; COMMIT=sha)
 #   kernels      the shipped drafter on SmolLM2, cuBLAS and eager attention (--matvec gemm --attention eager), then
 #                the default (auto: eyas' Triton kernels on a GPU): spec_gpu.py twice (after setup and part, like
 #                attention; COMMIT=sha)
@@ -217,7 +221,8 @@ EOF
     step_cost 8b 8b "${VARIANTS:-compiled-triton-split-kv,compiled,compiled-triton}" "${STEP_S:-250}"
     step_cost smollm2 smollm2 "${SMOL_VARIANTS:-compiled-triton-split-kv,compiled}" "${SMOL_S:-120}"
     if [ -n "${GREEDY:-}" ]; then  # the float32 greedy identity tests of these options (-k GREEDY)
-      timeout 100 python -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py -k "$GREEDY" > "$OUT/greedy.log" 2>&1 || true
+      timeout "${GREEDY_S:-100}" python -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py -k "$GREEDY" \
+        > "$OUT/greedy.log" 2>&1 || true
       tail -n 5 "$OUT/greedy.log"
     fi
     ;;
@@ -241,6 +246,12 @@ EOF
     shift
     # the fast target's attention eager, then split-kv (its Triton kernels); see spec_pair
     spec_pair attention eager "--attention eager" split-kv "--attention split-kv" "$@"
+    ;;
+  rounds)
+    shift
+    # verification and the drafter through eyas' kernels (triton-verify, with HF compiled beside it), then the default
+    # (auto: cuBLAS verification), both with the round functions compiled whole; see spec_pair
+    spec_pair rounds triton-verify "--matvec triton-verify --attention split-kv" auto "" "$@"
     ;;
   kernels)
     shift

@@ -163,14 +163,17 @@ def measure(model, spec, device, capacity: int, prefill: int, reps: int, variant
         out["ms"][n] = timed(step, device, reps, after=lambda: target.keep([]))
         assert target.cache_len == prefill
         print(f"    {n:3d} tokens: {out['ms'][n]:.3f} ms (bucket, keys {out['step_shape'][n]})", flush=True)
-        if n == 1 and profile and device.type == "cuda":
-            out["plain_profile"] = kernel_profile(step, lambda: target.keep([]))
+        if n in PROFILED and profile and device.type == "cuda":
+            out[PROFILED[n]] = kernel_profile(step, lambda: target.keep([]), what=PROFILED[n])
     out["compile_seconds"], out["compile_error"] = target.compile_seconds, target.compile_error
     out["implementation"] = target.implementation  # without "compile" when compilation failed
     return out  # the target (its cache and graphs) is freed with this frame
 
 
-def kernel_profile(step, after, steps: int = 10) -> dict:
+PROFILED = {1: "plain_profile", 24: "verify_24_profile"}  # step sizes whose kernels --profile lists
+
+
+def kernel_profile(step, after, steps: int = 10, what: str = "plain_profile") -> dict:
     """The GPU kernels of ``steps`` replays of a step (torch.profiler): per kernel name, its calls
     and microseconds per step, longest first, and the kernels per step in all."""
     from torch.profiler import ProfilerActivity, profile
@@ -190,7 +193,7 @@ def kernel_profile(step, after, steps: int = 10) -> dict:
     table = sorted(({"kernel": k[:120], "calls": c / steps, "us": t / steps} for k, (c, t) in rows.items()),
                    key=lambda r: -r["us"])
     total = {"kernels": sum(r["calls"] for r in table), "us": sum(r["us"] for r in table)}
-    print(f"    profile of a plain step: {total['kernels']:.0f} kernels, {total['us']:.0f} us of kernel time")
+    print(f"    {what.replace('_', ' ')}: {total['kernels']:.0f} kernels a step, {total['us']:.0f} us of kernel time")
     for r in table[:25]:
         print(f"      {r['calls']:6.1f} x {r['us'] / max(r['calls'], 1):7.2f} us = {r['us']:8.1f} us  {r['kernel'][:90]}")
     return {"per_step": total, "kernels": table}
@@ -216,7 +219,7 @@ def main() -> None:
     ap.add_argument("--variants", default="compiled,graphs", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--warm-all-keys", action="store_true",
                     help="warm every bucket with every key bucket of a 2048-token sequence (a server's start-up)")
-    ap.add_argument("--profile", action="store_true", help="also profile the plain step's GPU kernels (torch.profiler)")
+    ap.add_argument("--profile", action="store_true", help="also profile the GPU kernels of a plain step and of verifying 24 tokens (torch.profiler)")
     args = ap.parse_args()
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cpu":

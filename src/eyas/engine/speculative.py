@@ -464,12 +464,14 @@ def _round_verdict(s: Session, t: DraftTree, logits: Tensor, position: Tensor,
         graphs = _rounds(s.target).verdicts  # StepGraphs keys the shapes
         key = (depth, sampling, rule, reread)
         if key not in graphs:
-            # Sampled acceptance runs K steps of rejection sampling over [N+1, V] (p - q, norms,
-            # scatters): compiled where the target compiles, so they fuse into a few kernels. Only
-            # the pipelined round's (full depth: one compilation per tree and sampling): the last
-            # rounds of a request, shallower, would each compile mid-request (seconds each).
-            fused = not greedy and reread and getattr(s.target, "compile", False)
-            graphs[key] = StepGraphs(CompiledOrEager(verdict, "inductor", "sampled acceptance") if fused else verdict)
+            # Acceptance is some 35 small ops (greedy: argmax, the children's matches, the walk down
+            # the path, the pack and the re-read's padding) and sampled acceptance K steps of
+            # rejection sampling over [N+1, V] (p - q, norms, scatters): compiled where the target
+            # compiles, so they fuse into a few kernels. Only the pipelined round's (full depth: one
+            # compilation per tree and sampling): the last rounds of a request, shallower, would
+            # each compile mid-request (seconds each).
+            fused = reread and getattr(s.target, "compile", False)
+            graphs[key] = StepGraphs(CompiledOrEager(verdict, "inductor", "acceptance") if fused else verdict)
         run = graphs[key]
     else:
         run = verdict

@@ -237,6 +237,12 @@ class DraftState:
         fixed = self.compiled or self._eager  # the fixed-shape steps: compiled where asked
         self._steps = {k: StepGraphs(fn) for k, fn in fixed.items()} if graphs else fixed
         self._expand = fixed[False]  # each level's expansion (inside the captured greedy draft)
+        # Where the steps are compiled, so are the whole round functions around them (the greedy
+        # draft of full depth and the pipelined re-read): their top-k bookkeeping, masks and tree
+        # tensors are some 90 small ops a draft, each a kernel of its own eagerly, which inductor
+        # fuses into a few (the steps inside are then traced with them, from their eager form).
+        self.round_backend = backend if self.compiled is not None else None
+        self.compiled_rounds: dict[str, CompiledOrEager] = {}  # name -> the compiled round function
         self.graphs = graphs
         # drafts of greedy or CounterStream sampling, per (spec, depth, sampling)
         self._drafts: dict[tuple, Callable[..., tuple[Tensor, ...]]] = {}
@@ -314,17 +320,26 @@ class DraftState:
         with :meth:`advance` once it has read it. One function of device tensors with fixed shapes,
         captured as one CUDA graph on a GPU."""
         if self._reread is None:
-            self._reread = StepGraphs(self._reread_fn) if self.graphs else self._reread_fn
+            fn = self._reread_fn
+            if self.round_backend is not None:  # the step traced inside, eagerly (see __init__)
+                fn = self._compiled_round("re-read", lambda *x: self._reread_fn(*x, step=self._eager[True]))
+            self._reread = StepGraphs(fn) if self.graphs else fn
         self.root_token, self.root_logits, self.root_hidden = self._reread(tokens, features.to(self.dtype), n, length)
 
-    def _reread_fn(self, tokens: Tensor, features: Tensor, n: Tensor, length: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _compiled_round(self, name: str, fn: Callable[..., tuple[Tensor, ...]]) -> CompiledOrEager:
+        self.compiled_rounds[name] = CompiledOrEager(fn, self.round_backend, f"drafter's {name}")
+        return self.compiled_rounds[name]
+
+    def _reread_fn(self, tokens: Tensor, features: Tensor, n: Tensor, length: Tensor,
+                   step: Callable[..., tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         B = tokens.shape[0]
         rows = torch.arange(B, device=self.device)
         slots = length + rows  # [B]
         causal = self.positions[None] <= slots[:, None]  # [B, max_len]: committed entries and earlier rows
         alone = self.positions[None] == slots[:, None]  # a pad sees itself only
         mask = torch.where((rows < n)[:, None], causal, alone)
-        step = (self.compiled or self._eager)[True]  # inside this function's graph: not the extend's graph
+        if step is None:  # inside this function's graph: not the extend's graph
+            step = (self.compiled or self._eager)[True]
         logits, hidden = step(tokens[None], features[None], slots[None], slots, mask[None, None])
         last = (n - 1).view(1)  # a [1] index: a 0-dim one would be read back to the host
         return tokens.index_select(0, last), logits[0].index_select(0, last)[0], hidden[0].index_select(0, last)[0]
@@ -356,10 +371,17 @@ class DraftState:
         if sampling.greedy or streamed:  # one function of device tensors: captured per (spec, depth, sampling)
             key = (spec, depth, sampling)
             if key not in self._drafts:
+                # A greedy draft of full depth (every pipelined round's) is compiled whole where the
+                # steps are (see __init__); shallower ones, a request's last rounds, would each
+                # compile mid-request (seconds), so they run the compiled steps in eager bookkeeping.
+                whole = sampling.greedy and depth == spec.depth and self.round_backend is not None
+                expand = self._eager[False] if whole else None
+
                 def grow(*x: Tensor) -> tuple[Tensor, ...]:  # inputs, then the stream's key when sampled
                     draws = CounterStream(x[4]).at(x[0]) if streamed else None
-                    return self._grow(spec, depth, sampling, draws, vocab_size, *x[:4])
-                self._drafts[key] = StepGraphs(grow) if self.graphs else grow
+                    return self._grow(spec, depth, sampling, draws, vocab_size, *x[:4], expand=expand)
+                fn = self._compiled_round(f"draft {spec}", grow) if whole else grow
+                self._drafts[key] = StepGraphs(fn) if self.graphs else fn
             parts = self._drafts[key](*inputs, *((generator.key,) if streamed else ()))
         else:  # a torch.Generator's draws: eagerly
             parts = self._grow(spec, depth, sampling, generator, vocab_size, *inputs)
@@ -369,7 +391,7 @@ class DraftState:
 
     def _grow(self, spec: TreeSpec, depth: int, sampling: SamplingParams, generator: Draws,
               vocab_size: int, m: Tensor, root_token: Tensor, root_logits: Tensor,
-              root_hidden: Tensor) -> tuple[Tensor, ...]:
+              root_hidden: Tensor, expand: Callable[..., tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, ...]:
         """The tree's tensors from the root (m: long [], the committed length; root_token [1],
         root_logits [Vd], root_hidden [H]); tensor ops only, no host read, shapes fixed by (spec,
         depth) -- a CUDA graph can hold it.
@@ -380,6 +402,9 @@ class DraftState:
         scores (log q summed along the path; -inf marks a draw past q's support, and every
         descendant of such a node). Sorting is stable, so ties keep creation order and a parent,
         whose score is never below its child's, always ranks before it.
+
+        expand: the step that expands a level (default: the compiled one for greedy, the eager one
+        for sampling); the eager step when this function is itself compiled.
 
         Returns tokens, parents, depths, mask, children, valid (DraftTree's fields), a [levels]
         placeholder whose length is the number of levels drafted, and the proposals (sampling; a
@@ -427,8 +452,8 @@ class DraftState:
             rows = rows[parent_row] | (self.positions[None] == slots[:, None])  # [r', max_len]
             # greedy: K rows at every level, the compiled step; sampling's last levels may expand
             # fewer (the cap), shapes a compiler would meet mid-serving: eager there
-            expand = self._expand if greedy else self._eager[False]
-            logits, hidden = expand(cand_tokens[-1][order][None], hidden[parent_row][None],
+            step = expand or (self._expand if greedy else self._eager[False])
+            logits, hidden = step(cand_tokens[-1][order][None], hidden[parent_row][None],
                                     (m - 1 + d).expand(1, r), slots, rows[None, None])
             logits, hidden = logits[0], hidden[0]
             score, number = level_scores[order], first + order
