@@ -1125,7 +1125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="compile with fullgraph=False at once (default: True, then False if it fails)")
     ap.add_argument("--hf-compile-cpu", action="store_true", help="compile the HF decoder on a CPU too (testing)")
     ap.add_argument("--drafter-compile", default="auto", choices=["auto", "on", "off"],
-                    help="the drafter's fixed-shape steps compiled (inductor) before graph capture: auto = "
+                    help="the drafter's round functions (the greedy draft, the re-read) compiled (inductor) before graph capture: auto = "
                          "where the engine graphs them (a GPU); off = eager kernels inside the graphs (before)")
     ap.add_argument("--skip", default="", help="decoders to leave out: spec_tree,spec_chain,eyas_plain,hf_compiled,hf_eager")
     ap.add_argument("--profile-rounds", type=int, default=1, help="speculative rounds (plain steps) profiled")

@@ -163,8 +163,8 @@ def test_a_compiled_drafter_drafts_what_the_eager_one_does(llama, trained_drafte
     """The drafter's fixed-shape steps compiled (graphs.CompiledOrEager; on the CPU with the
     "aot_eager" backend: dynamo's full-graph tracing of the step, cache writes included, without a
     C compiler) serve the same greedy output as plain decoding and as the eager drafter, token for
-    token in float32; both compiled steps ran compiled (no fallback), and so did the round
-    functions around them, traced whole: the greedy draft of full depth and the re-read."""
+    token in float32, and the compiled round functions (the greedy draft of full depth and the
+    re-read, traced whole with the drafter's step inside) ran compiled (no fallback)."""
     prompts = random_prompts(2, 128, seed=5)
     results = {}
     for mode in (False, "aot_eager"):
@@ -176,8 +176,6 @@ def test_a_compiled_drafter_drafts_what_the_eager_one_does(llama, trained_drafte
             from eyas.engine.speculative import _rounds
 
             (_, state), = _rounds(target).draft_states.values()
-            assert state.compiled is not None and all(c.error is None and c.compiled is not None and c.seconds > 0
-                                                      for c in state.compiled.values())
             assert sorted(state.compiled_rounds) == sorted([f"draft {tree}", "re-read"])
             assert all(c.error is None and c.compiled is not None and c.seconds > 0
                        for c in state.compiled_rounds.values())

@@ -188,9 +188,10 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
     holds the committed entries, one round's scratch and the padding of a fixed-shape re-read,
     rounded up to a power of two (at least 256), so requests of similar lengths share one state.
     On a target with fixed shapes it is sized for the target's whole context at once, so its
-    compiled and captured steps are made once per (drafter, tree), never inside a later request. Its shapes
-    follow the target's: fixed (and graphed) when the target's are, and compiled with them unless the
-    target says otherwise (an optional ``compile_drafter`` attribute: False, True or a backend). Its
+    compiled and captured round functions are made once per (drafter, tree), never inside a later request.
+    Its shapes follow the target's: fixed (and graphed) when the target's are, and its round functions
+    compiled with them unless the target says otherwise (an optional ``compile_drafter`` attribute: False,
+    True or a backend). Its
     steps run through the Triton kernels (``DraftState(kernels="triton")``) when the target verifies
     through them (``LlamaTarget(matvec="triton-verify")``) and the drafter can (else, with a warning,
     its forward)."""

@@ -193,14 +193,19 @@ class DraftState:
         with ``cuda_graphs`` (on a GPU) both of the drafter's round steps are captured once per
         shape and replayed (``graphs.StepGraphs``).
 
-        compile: the drafter's fixed-shape steps (the re-read and each level's expansion) compiled
-        (``graphs.CompiledOrEager``) before they are captured: None = with inductor where CUDA graphs
-        are on, False = never, True = inductor, a string = that torch.compile backend (the CPU
-        tests use "aot_eager": the same tracing, no C compiler). A prompt's extend (any length)
-        stays eager.
+        compile: the round functions of a pipelined round compiled whole (``graphs.CompiledOrEager``)
+        before they are captured: the greedy draft of the tree's full depth (each level's expansion
+        step with the top-k, scores, masks and tree tensors around it: some 90 small ops a draft,
+        each a kernel of its own eagerly, fused by inductor into a few) and the re-read of the
+        accepted tokens. None = with inductor where CUDA graphs are on, False = never, True =
+        inductor, a string = that torch.compile backend (the CPU tests use "aot_eager": the same
+        tracing, no C compiler). Everything else runs the steps eagerly (captured, with graphs):
+        a prompt's extend (any length), sampled drafts (compiled per temperature, they would
+        compile mid-serving), and a request's last, shallower rounds, where a compilation of
+        their own would take seconds inside the request.
 
-        kernels: what the fixed-shape steps run. "torch": the drafter's forward (compiled by
-        inductor: 20 kernels a step on a GPU). "triton": :func:`eyas.engine.draft_kernels.draft_step`,
+        kernels: what the fixed-shape steps run. "torch": the drafter's forward (inside the compiled
+        round functions, inductor makes it 20 kernels a step on a GPU). "triton": :func:`eyas.engine.draft_kernels.draft_step`,
         the fast target's Triton kernels (products with the norm before them and the residual add
         after, split-KV attention that also writes the cache: 10 kernels a step); it needs Triton, a
         GPU or ``TRITON_INTERPRET=1``, and a head dimension the attention kernel supports (refused
@@ -232,17 +237,10 @@ class DraftState:
         self._eager = {True: self._step_fn(True), False: self._step_fn(False)}
         backend = ("inductor" if graphs else None) if compile is None else (
             "inductor" if compile is True else (compile or None))
-        self.compiled = {k: CompiledOrEager(fn, backend, f"drafter step (from_target={k})")
-                         for k, fn in self._eager.items()} if backend and self.extend_bucket else None
-        fixed = self.compiled or self._eager  # the fixed-shape steps: compiled where asked
-        self._steps = {k: StepGraphs(fn) for k, fn in fixed.items()} if graphs else fixed
-        self._expand = fixed[False]  # each level's expansion (inside the captured greedy draft)
-        # Where the steps are compiled, so are the whole round functions around them (the greedy
-        # draft of full depth and the pipelined re-read): their top-k bookkeeping, masks and tree
-        # tensors are some 90 small ops a draft, each a kernel of its own eagerly, which inductor
-        # fuses into a few (the steps inside are then traced with them, from their eager form).
-        self.round_backend = backend if self.compiled is not None else None
+        # the round functions' compiler (see compile above); the steps alone run eagerly
+        self.round_backend = backend if backend and self.extend_bucket else None
         self.compiled_rounds: dict[str, CompiledOrEager] = {}  # name -> the compiled round function
+        self._steps = {k: StepGraphs(fn) for k, fn in self._eager.items()} if graphs else self._eager
         self.graphs = graphs
         # drafts of greedy or CounterStream sampling, per (spec, depth, sampling)
         self._drafts: dict[tuple, Callable[..., tuple[Tensor, ...]]] = {}
@@ -297,7 +295,7 @@ class DraftState:
         mask = self.positions[None] <= slots[:, None]  # [B, max_len]
         mask[n:] = self.positions[None] == slots[n:, None]
         self.root_token = tokens[n - 1:n]
-        if B == self.extend_bucket:  # the fixed-shape (compiled, graphed) step
+        if B == self.extend_bucket:  # the fixed-shape (graphed) step
             logits, hidden = self._steps[True](tokens[None], features[None], slots[None], slots, mask[None, None])
             # cloned: a graph's outputs are overwritten by its next replay
             self.root_logits, self.root_hidden = logits[0, n - 1].clone(), hidden[0, n - 1].clone()
@@ -321,8 +319,8 @@ class DraftState:
         captured as one CUDA graph on a GPU."""
         if self._reread is None:
             fn = self._reread_fn
-            if self.round_backend is not None:  # the step traced inside, eagerly (see __init__)
-                fn = self._compiled_round("re-read", lambda *x: self._reread_fn(*x, step=self._eager[True]))
+            if self.round_backend is not None:
+                fn = self._compiled_round("re-read", fn)
             self._reread = StepGraphs(fn) if self.graphs else fn
         self.root_token, self.root_logits, self.root_hidden = self._reread(tokens, features.to(self.dtype), n, length)
 
@@ -330,16 +328,14 @@ class DraftState:
         self.compiled_rounds[name] = CompiledOrEager(fn, self.round_backend, f"drafter's {name}")
         return self.compiled_rounds[name]
 
-    def _reread_fn(self, tokens: Tensor, features: Tensor, n: Tensor, length: Tensor,
-                   step: Callable[..., tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def _reread_fn(self, tokens: Tensor, features: Tensor, n: Tensor, length: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B = tokens.shape[0]
         rows = torch.arange(B, device=self.device)
         slots = length + rows  # [B]
         causal = self.positions[None] <= slots[:, None]  # [B, max_len]: committed entries and earlier rows
         alone = self.positions[None] == slots[:, None]  # a pad sees itself only
         mask = torch.where((rows < n)[:, None], causal, alone)
-        if step is None:  # inside this function's graph: not the extend's graph
-            step = (self.compiled or self._eager)[True]
+        step = self._eager[True]  # inside this function's graph (and compilation): not the extend's graph
         logits, hidden = step(tokens[None], features[None], slots[None], slots, mask[None, None])
         last = (n - 1).view(1)  # a [1] index: a 0-dim one would be read back to the host
         return tokens.index_select(0, last), logits[0].index_select(0, last)[0], hidden[0].index_select(0, last)[0]
@@ -371,15 +367,11 @@ class DraftState:
         if sampling.greedy or streamed:  # one function of device tensors: captured per (spec, depth, sampling)
             key = (spec, depth, sampling)
             if key not in self._drafts:
-                # A greedy draft of full depth (every pipelined round's) is compiled whole where the
-                # steps are (see __init__); shallower ones, a request's last rounds, would each
-                # compile mid-request (seconds), so they run the compiled steps in eager bookkeeping.
-                whole = sampling.greedy and depth == spec.depth and self.round_backend is not None
-                expand = self._eager[False] if whole else None
-
                 def grow(*x: Tensor) -> tuple[Tensor, ...]:  # inputs, then the stream's key when sampled
                     draws = CounterStream(x[4]).at(x[0]) if streamed else None
-                    return self._grow(spec, depth, sampling, draws, vocab_size, *x[:4], expand=expand)
+                    return self._grow(spec, depth, sampling, draws, vocab_size, *x[:4])
+                # compiled: a greedy draft of full depth, every pipelined round's (see __init__)
+                whole = sampling.greedy and depth == spec.depth and self.round_backend is not None
                 fn = self._compiled_round(f"draft {spec}", grow) if whole else grow
                 self._drafts[key] = StepGraphs(fn) if self.graphs else fn
             parts = self._drafts[key](*inputs, *((generator.key,) if streamed else ()))
@@ -391,7 +383,7 @@ class DraftState:
 
     def _grow(self, spec: TreeSpec, depth: int, sampling: SamplingParams, generator: Draws,
               vocab_size: int, m: Tensor, root_token: Tensor, root_logits: Tensor,
-              root_hidden: Tensor, expand: Callable[..., tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, ...]:
+              root_hidden: Tensor) -> tuple[Tensor, ...]:
         """The tree's tensors from the root (m: long [], the committed length; root_token [1],
         root_logits [Vd], root_hidden [H]); tensor ops only, no host read, shapes fixed by (spec,
         depth) -- a CUDA graph can hold it.
@@ -402,9 +394,6 @@ class DraftState:
         scores (log q summed along the path; -inf marks a draw past q's support, and every
         descendant of such a node). Sorting is stable, so ties keep creation order and a parent,
         whose score is never below its child's, always ranks before it.
-
-        expand: the step that expands a level (default: the compiled one for greedy, the eager one
-        for sampling); the eager step when this function is itself compiled.
 
         Returns tokens, parents, depths, mask, children, valid (DraftTree's fields), a [levels]
         placeholder whose length is the number of levels drafted, and the proposals (sampling; a
@@ -450,11 +439,8 @@ class DraftState:
             scratch += r
             # the parent's visibility (committed + its ancestors), plus the node itself
             rows = rows[parent_row] | (self.positions[None] == slots[:, None])  # [r', max_len]
-            # greedy: K rows at every level, the compiled step; sampling's last levels may expand
-            # fewer (the cap), shapes a compiler would meet mid-serving: eager there
-            step = expand or (self._expand if greedy else self._eager[False])
-            logits, hidden = step(cand_tokens[-1][order][None], hidden[parent_row][None],
-                                    (m - 1 + d).expand(1, r), slots, rows[None, None])
+            logits, hidden = self._eager[False](cand_tokens[-1][order][None], hidden[parent_row][None],
+                                                (m - 1 + d).expand(1, r), slots, rows[None, None])
             logits, hidden = logits[0], hidden[0]
             score, number = level_scores[order], first + order
 
