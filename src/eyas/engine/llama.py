@@ -113,7 +113,8 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # How the fixed-shape steps multiply by the weights (LlamaTarget's matvec).
 MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned", "triton", "triton-verify")
 # What the step's functions do with their rows (see _in_kernels): "reduce-tuned" is "reduce" with
-# other compiler options; "auto" is "triton" on the compiled GPU path, else "gemm" (see _auto_kernels).
+# other compiler options; "auto" is "triton" or "triton-verify" on the compiled GPU path, else "gemm"
+# (see _auto_kernels).
 OneRow = Literal["gemm", "reduce", "triton", "triton-verify"]
 # With matvec="triton-verify", the fixed-shape steps of up to this many tokens run every product
 # through eyas.engine.matvec's kernels (its MAX_ROWS): a plain step, and trees of up to 63 drafted
@@ -198,15 +199,29 @@ def _check_triton(option: str, fallback: str, device: torch.device) -> None:
         raise UnsupportedTarget(f"LlamaTarget: {option} {why}; use {fallback}")
 
 
-def _auto_kernels(compiled: bool, head_dim: int) -> tuple[str, str]:
-    """(matvec, attention) for "auto": eyas' Triton kernels ("triton", "split-kv") where the fixed-shape
-    steps are compiled on a GPU (the fast path) and triton is installed, split-kv where the head
-    dimension is one its kernels take; else cuBLAS and the eager order ("gemm", "eager"). The
-    kernels make a plain step's block 6 kernels instead of 16, which is what a launch-bound step
-    needs; verification keeps cuBLAS ("triton-verify" is opt-in: see :class:`LlamaTarget`)."""
+# Models up to this hidden size also verify and draft through eyas' kernels by default ("auto" picks
+# "triton-verify"): their steps are bound by kernel launches, which the kernels' fused products cut,
+# while a large model's few-row products are bound by the weights' bytes, where cuBLAS is faster.
+# Measured on an H200 in bf16 (benchmarks/2026-12-02-round-compile-h200.md): SmolLM2-135M (hidden
+# 576) verified 24 tokens in 1.120 ms through them against 1.365 with cuBLAS (two calls), and on
+# MT-bench its rounds of tree 4,8,24 verified in 0.97 ms against 1.12 (one call); an 8B-shaped
+# Llama (hidden 4096) verified 24 tokens in 7.25 ms through them against 5.45 with cuBLAS.
+FEW_ROW_KERNELS_UP_TO_HIDDEN = 1024
+
+
+def _auto_kernels(compiled: bool, head_dim: int, hidden_size: int) -> tuple[str, str]:
+    """(matvec, attention) for "auto": eyas' Triton kernels where the fixed-shape steps are compiled
+    on a GPU (the fast path) and triton is installed, else cuBLAS and the eager order ("gemm",
+    "eager"). With the kernels: split-kv attention where the head dimension is one its kernels take
+    (else "eager"); "triton" (the one-token steps through the kernels, verification on cuBLAS) and,
+    for a model of hidden size up to FEW_ROW_KERNELS_UP_TO_HIDDEN with split-kv, "triton-verify"
+    (verification and the drafter's steps through them too). The kernels make a plain step's
+    block 6 kernels instead of 16, which is what a launch-bound step needs."""
     if not compiled or importlib.util.find_spec("triton") is None:
         return "gemm", "eager"
-    return "triton", "split-kv" if why_not_split_kv(head_dim) is None else "eager"
+    if why_not_split_kv(head_dim) is not None:
+        return "triton", "eager"
+    return ("triton-verify" if hidden_size <= FEW_ROW_KERNELS_UP_TO_HIDDEN else "triton"), "split-kv"
 
 
 def _check_split_kv(head_dim: int, device: torch.device) -> None:
@@ -639,8 +654,10 @@ class LlamaTarget(Target):
     fixed-shape step of up to ``KERNEL_ROWS`` = 64 tokens, the verification of a tree included,
     more rows by the few-row kernel; with split-kv attention, verification attends through it
     too; and the drafter's steps run the same kernels, :mod:`eyas.engine.draft_kernels`), or
-    ``"auto"`` (the default: ``"triton"`` where the steps are compiled on a GPU and triton is
-    installed, else ``"gemm"``; :func:`_auto_kernels`). Other steps use ``F.linear``.
+    ``"auto"`` (the default: where the steps are compiled on a GPU and triton is installed,
+    ``"triton-verify"`` for a model of hidden size up to ``FEW_ROW_KERNELS_UP_TO_HIDDEN`` (1024)
+    with split-kv attention, ``"triton"`` for larger ones, else ``"gemm"``; :func:`_auto_kernels`).
+    Other steps use ``F.linear``.
     Measured on an H200 in bf16 (``benchmarks/2026-12-01-matvec-h200.md``): a SmolLM2-shaped plain
     step 1.229 ms (gemm), 0.976 (reduce), 0.933 (reduce-tuned); an 8B-shaped one 4.949, 6.458 and
     4.849 ms, warm-up 27, 4 and 89 s; with the down product compiled apart (:func:`_down`), 4.878
@@ -648,16 +665,19 @@ class LlamaTarget(Target):
     1.37x and 1.24x the floor). Not the default: the float32 greedy identity test with the HF
     model failed once on that GPU with ``"reduce"`` and passed on 2026-12-02. With ``"triton"`` and
     split-kv attention the 8B-shaped plain step took 4.244 and 4.206 ms on two machines, 1.19x the
-    floor, against 5.190 and 5.073 ms for the default
+    floor, against 5.190 and 5.073 ms with cuBLAS
     (``benchmarks/2026-12-02-matvec-triton-h200.md``); a SmolLM2-shaped one 0.614 ms against 1.404.
-    ``"triton-verify"`` is opt-in (``benchmarks/2026-12-02-verify-kernels-h200.md``): its first
+    ``"triton-verify"`` (``benchmarks/2026-12-02-verify-kernels-h200.md``): its first
     version verified 24 tokens in 13.02 ms on the 8B shape against 5.49 with cuBLAS, and on
     SmolLM2's MT-bench speculative decoding ran at 1164.5 tok/s against 1299.9 (one call; the down
     product's SiLU prologue took 4-7x cuBLAS's time). With the SiLU in the gate/up kernel (glu) and
     measured tilings, SmolLM2-shaped verification of 24 tokens took 1.146 ms against 1.365 with
     cuBLAS (another call), while the 8B step's compilation ran out of shared memory (since fixed,
-    not yet measured). With the default, eyas plain decoded SmolLM2 at 1415.6 tok/s against 860.4
-    with cuBLAS, and speculative decoding (cuBLAS verification) at 1299.9.
+    measured since: 7.25 ms, against 5.45 with cuBLAS). With ``"triton"``, eyas plain decoded
+    SmolLM2 at 1415.6 tok/s against 860.4 with cuBLAS, and speculative decoding (cuBLAS
+    verification) at 1299.9; with ``"triton-verify"`` and the drafter's round functions compiled
+    whole, speculative decoding ran at 1556.7 tok/s against 1410.0 plain, 1.10x
+    (``benchmarks/2026-12-02-round-compile-h200.md``).
 
     ``attention`` says how the steps attend over the cache: ``"auto"`` (the default: ``"split-kv"``
     where ``matvec``'s auto picks ``"triton"`` and the head dimension is a power of two of at least
@@ -770,7 +790,7 @@ class LlamaTarget(Target):
         if attention not in ATTENTION_CHOICES:
             raise UnsupportedTarget(f"LlamaTarget: attention must be one of {list(ATTENTION_CHOICES)}, "
                                     f"found {attention!r}")
-        auto_matvec, auto_attention = _auto_kernels(self.compile, self.head_dim)
+        auto_matvec, auto_attention = _auto_kernels(self.compile, self.head_dim, int(cfg.hidden_size))
         self.matvec = auto_matvec if matvec == "auto" else matvec
         if self.matvec in ("triton", "triton-verify"):
             _check_triton(f"matvec={self.matvec!r}", "matvec='gemm'", self.device)
