@@ -47,11 +47,13 @@ import torch
 import torch.nn.functional as F
 
 # shape -> product -> (rows N, columns K, prologue, residual)
+# (down_glu: the down product after a glu gate/up product, which hands it SiLU(gate) * up: no prologue)
 SHAPES = {
     "8b": {"qkv": (6144, 4096, "rms", False), "o": (4096, 4096, None, True), "gate_up": (28672, 4096, "rms", False),
-           "down": (4096, 14336, "silu", True), "head": (128256, 4096, "rms", False)},
+           "down": (4096, 14336, "silu", True), "down_glu": (4096, 14336, None, True), "head": (128256, 4096, "rms", False)},
     "smollm2": {"qkv": (960, 576, "rms", False), "o": (576, 576, None, True), "gate_up": (3072, 576, "rms", False),
-                "down": (576, 1536, "silu", True), "head": (49152, 576, "rms", False)},
+                "down": (576, 1536, "silu", True), "down_glu": (576, 1536, None, True),
+                "head": (49152, 576, "rms", False)},
     "tiny": {"qkv": (48, 64, "rms", False), "down": (64, 40, "silu", True)},
 }
 
@@ -177,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"shape": shape, "product": product, "N": N, "K": K, "prologue": prologue, "residual": residual,
                    "copies": copies, "floor_us": floor_us,
                    "cublas_us": time_call(cublas_call(ops), device, a.reps, a.trials) / copies, "tilings": []}
-            default = _tiling_on(device, N, K, prologue, few_rows=a.rows > 1)  # what the engine runs
+            block_r = max(16, 1 << (a.rows - 1).bit_length())  # x's rows as the few-row kernel pads them
+            default = _tiling_on(device, N, K, prologue, a.rows > 1, block_r, 1, ops["x"].element_size())  # the engine's
             grid = ([Tiling(*(int(v) for v in t.split("/"))) for t in a.tilings.split(",")] if a.tilings else
                     [Tiling(*t) for t in itertools.product(ints(a.block_n), ints(a.block_k), ints(a.warps))])
             grid = [t._replace(evict_first=bool(t.evict_first)) for t in grid]
