@@ -179,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"shape": shape, "product": product, "N": N, "K": K, "prologue": prologue, "residual": residual,
                    "copies": copies, "floor_us": floor_us,
                    "cublas_us": time_call(cublas_call(ops), device, a.reps, a.trials) / copies, "tilings": []}
-            block_r = max(16, 1 << (a.rows - 1).bit_length())  # x's rows as the few-row kernel pads them
-            default = _tiling_on(device, N, K, prologue, a.rows > 1, block_r, 1, ops["x"].element_size())  # the engine's
+            default = _tiling_on(device, N, K, prologue, few_rows=a.rows > 1)  # what the engine runs
             grid = ([Tiling(*(int(v) for v in t.split("/"))) for t in a.tilings.split(",")] if a.tilings else
                     [Tiling(*t) for t in itertools.product(ints(a.block_n), ints(a.block_k), ints(a.warps))])
             grid = [t._replace(evict_first=bool(t.evict_first)) for t in grid]

@@ -143,18 +143,16 @@ _CHOSEN: dict[tuple, Tiling] = {}  # (device, rows, columns, prologue, few rows)
 
 
 @torch.compiler.assume_constant_result  # a constant of the compiled step: torch.compile calls it once, tracing
-def _tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | None, few_rows: bool = False,
-               block_r: int = 16, weights: int = 1, itemsize: int = 2) -> Tiling:
+def _tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | None, few_rows: bool = False) -> Tiling:
     """The tiling of a product on ``device``. One row: the measured one for its GPU, else
     :func:`tiling` (on the CPU, for Triton's interpreter, which runs programs one by one: 16 rows a
     program, few programs). ``few_rows`` (the few-row kernel): :func:`rows_tiling` for the GPU's SM
-    count, x's padded rows ``block_r``, ``weights`` tiles a step (2 with glu) of ``itemsize``
-    bytes. Chosen once per product and device: an eager step calls this for every product."""
-    key = (device, n_rows, n_cols, prologue, few_rows, block_r, weights, itemsize)
+    count. Chosen once per product and device: an eager step calls this for every product."""
+    key = (device, n_rows, n_cols, prologue, few_rows)
     if key not in _CHOSEN:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         if few_rows:
-            _CHOSEN[key] = rows_tiling(n_rows, n_cols, sms, block_r, weights, itemsize)
+            _CHOSEN[key] = rows_tiling(n_rows, n_cols, sms)
         elif device.type != "cuda":
             _CHOSEN[key] = tiling(n_rows, n_cols, prologue)._replace(block_n=16)
         else:
@@ -163,32 +161,22 @@ def _tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | N
     return _CHOSEN[key]
 
 
-SHARED_BYTES = 160 << 10  # what the few-row kernel's pipelined tiles may take (an H200 SM has 227 KB)
-
-
-def rows_tiling(n_rows: int, n_cols: int, sms: int = 132, block_r: int = 16, weights: int = 1,
-                itemsize: int = 2) -> Tiling:
-    """The few-row kernel's tiling of W [n_rows, n_cols] for x's ``block_r`` (padded) rows and
-    ``weights`` weight tiles a step (2 with glu) of ``itemsize`` bytes, from one H200 call's grid
-    at 24 rows (``benchmarks/2026-12-02-verify-kernels-h200.md``): 8 warps, and 128 weight rows a
-    program, fewer (down to 16, a tl.dot's least) while there are under half as many programs as
-    SMs. Of the 10 products of the 8B- and SmolLM2-shaped steps it was the grid's fastest for 6.
-
-    Columns a step: the grid's 128, or, where one or two steps of a wider tile take all the
-    columns (a small model's products), that tile: the widest power of two whose stage of tiles
-    fits ``SHARED_BYTES``. Each step is a dependent round of loads, which a small model's few-row
-    products pay as latency (K = 576 for SmolLM2: 5 steps of 128, after the rms pass's 5): they
-    ran at 5.6 us each in verification against 2.8 us for the one-row kernel, which takes all 576
-    columns in one step (``benchmarks/2026-12-02-round-compile-h200.md``). A large model's
-    products keep 128 columns, pipelined (:func:`rows_stages`), as measured."""
+def rows_tiling(n_rows: int, n_cols: int, sms: int = 132) -> Tiling:
+    """The few-row kernel's tiling of W [n_rows, n_cols], from one H200 call's grid at 24 rows
+    (``benchmarks/2026-12-02-verify-kernels-h200.md``): 128 columns a step (64 below 128 columns),
+    8 warps, and 128 weight rows a program, fewer (down to 16, a tl.dot's least) while there are
+    under half as many programs as SMs. Of the 10 products of the 8B- and SmolLM2-shaped steps it
+    is the grid's fastest for 6, within 12% for the two o products, 29% off for SmolLM2's head
+    (which 64 columns a step suited) and 55% off for SmolLM2's down product with its SiLU
+    prologue (which :func:`matvec`'s ``glu`` replaces)."""
+    block_k = 128 if n_cols >= 128 else max(16, triton.next_power_of_2(n_cols))
     block_n = 128
     while block_n > 16 and triton.cdiv(n_rows, block_n) < sms // 2:
         block_n //= 2
-    least = 128 if n_cols >= 128 else max(16, triton.next_power_of_2(n_cols))
-    wide = triton.next_power_of_2(n_cols)
-    while wide > least and (weights * block_n + block_r) * wide * itemsize > SHARED_BYTES:
-        wide //= 2
-    return Tiling(block_n, wide if triton.cdiv(n_cols, wide) <= 2 else least, 8)
+    return Tiling(block_n, block_k, 8)
+
+
+SHARED_BYTES = 160 << 10  # what the few-row kernel's pipelined tiles may take (an H200 SM has 227 KB)
 
 
 def rows_stages(tile: Tiling, block_r: int, glu: bool, itemsize: int) -> int:
@@ -377,8 +365,8 @@ def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | 
             *pointers, w.stride(0), **common, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             EVICT="evict_first" if tile.evict_first else "", num_warps=tile.num_warps)
         return y
+    tile = tile or _tiling_on(x.device, N, K, prologue, few_rows=True)
     block_r = max(16, triton.next_power_of_2(R))
-    tile = tile or _tiling_on(x.device, N, K, prologue, True, block_r, 2 if glu else 1, x.element_size())
     _rows_kernel[(triton.cdiv(N, tile.block_n),)](
         *pointers, w.stride(0), **common, R=R, BLOCK_R=block_r, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, EVICT="evict_first" if tile.evict_first else "",
