@@ -30,13 +30,15 @@ DRAFT_DTYPE_HELP = ("the drafter's dtype: auto (bfloat16 on a CPU with native bf
                     "verifies in its own dtype")
 TARGET_IMPL_HELP = ("auto (the fast Llama-family target where it applies: with CUDA graphs on a GPU, eager on "
                     "a CPU; else the Hugging Face one) | fast | hf")  # eyas generate / bench / trace --target-impl
-MATVEC_HELP = ("the fast target's products on a GPU: auto (= triton on a GPU with triton installed, else gemm) | "
+MATVEC_HELP = ("the fast target's products on a GPU: auto (on a GPU with triton installed: triton-verify for a model "
+               "of hidden size up to 1024 with split-kv attention, triton for larger ones; else gemm) | "
                "gemm (cuBLAS) | reduce | reduce-tuned (inductor's reductions, one-token steps) | triton (eyas's "
                "kernels with the norms, SiLU and residual adds in them, for the one-token steps of plain decoding: "
                "with --attention split-kv, 1.19x the bandwidth floor on an 8B-shaped Llama on an H200, against "
-               "1.44x with gemm) | triton-verify (those kernels for tree verification and the drafter too; slower "
-               "than cuBLAS there today)")
-ATTENTION_HELP = ("the fast target's attention: auto (= split-kv where --matvec auto picks triton, else eager) | "
+               "1.44x with gemm) | triton-verify (those kernels for tree verification and the drafter too: faster "
+               "than cuBLAS on SmolLM2, slower on an 8B)")
+ATTENTION_HELP = ("the fast target's attention: auto (= split-kv where --matvec auto picks the Triton kernels and "
+                  "the head dimension is a power of two, else eager) | "
                   "eager | sdpa | split-kv (Triton kernels on the one-token steps of a GPU; with --matvec "
                   "triton-verify, on verification too)")
 
