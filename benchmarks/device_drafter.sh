@@ -24,8 +24,8 @@
 #   gputests     the engine's GPU tests, then the matvec='reduce' identity test run for its message
 #   attention    the shipped drafter with the fast target's attention eager, then split-kv (Triton): spec_gpu.py twice
 #   rounds       the shipped drafter on SmolLM2 with verification and drafting through eyas' kernels (--matvec
-#                triton-verify --attention split-kv; HF compiled beside it), then the default: spec_gpu.py twice (after
-#                setup and part, like kernels; COMMIT=sha)
+#                triton-verify --attention split-kv, its auto; HF compiled beside it), then with cuBLAS verification
+#                (--matvec triton): spec_gpu.py twice (after setup and part, like kernels; COMMIT=sha)
 #   kernels      the shipped drafter on SmolLM2, cuBLAS and eager attention (--matvec gemm --attention eager), then
 #                the default (auto: eyas' Triton kernels on a GPU): spec_gpu.py twice (after setup and part, like
 #                attention; COMMIT=sha)
@@ -249,9 +249,9 @@ EOF
     ;;
   rounds)
     shift
-    # verification and the drafter through eyas' kernels (triton-verify, with HF compiled beside it), then the default
-    # (auto: cuBLAS verification), both with the round functions compiled whole; see spec_pair
-    spec_pair rounds triton-verify "--matvec triton-verify --attention split-kv" auto "" "$@"
+    # verification and the drafter through eyas' kernels (triton-verify, SmolLM2's auto; HF compiled beside it), then
+    # cuBLAS verification (triton: the kernels on the one-token steps only); see spec_pair
+    spec_pair rounds triton-verify "--matvec triton-verify --attention split-kv" triton "--matvec triton --attention split-kv" "$@"
     ;;
   kernels)
     shift
