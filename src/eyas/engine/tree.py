@@ -205,9 +205,10 @@ class DraftState:
         their own would take seconds inside the request.
 
         kernels: what the fixed-shape steps run. "torch": the drafter's forward (inside the compiled
-        round functions, inductor makes it 20 kernels a step on a GPU). "triton": :func:`eyas.engine.draft_kernels.draft_step`,
-        the fast target's Triton kernels (products with the norm before them and the residual add
-        after, split-KV attention that also writes the cache: 10 kernels a step); it needs Triton, a
+        round functions, inductor makes it 20 kernels a step on a GPU). "triton":
+        :func:`eyas.engine.draft_kernels.draft_step`, the fast target's Triton kernels (products with
+        the norm before them and the residual add after, split-KV attention that also writes the
+        cache: 10 kernels a step); it needs Triton, a
         GPU or ``TRITON_INTERPRET=1``, and a head dimension the attention kernel supports (refused
         otherwise, :class:`~eyas.engine.draft_kernels.UnsupportedDraftKernels`), and first stacks the
         drafter's q/k/v and gate/up weights in place (``fuse_drafter_projections``: views, no
