@@ -21,10 +21,12 @@ fast target runs its one-token steps with:
 
 The hidden state fed back is h (pre-norm), or norm(h) with ``norm_output`` (then computed in torch).
 Compiled by inductor, the prologue is 3 kernels, so a step is 10 kernels from fed-back states and 11
-from target features, against 20 and 21 for the compiled forward. On SmolLM2's MT-bench, drafting
-through these kernels cost 0.86 ms a round against 0.82 with the forward, before the gate/up
-kernel's glu (``benchmarks/2026-12-02-verify-kernels-h200.md``): opt-in, with the target's
-``matvec="triton-verify"``.
+from target features, against 20 and 21 for the compiled forward. The drafter runs them where the
+target verifies through its kernels (``matvec="triton-verify"``, the default for small targets:
+:func:`eyas.engine.llama._auto_kernels`). On SmolLM2's MT-bench, drafting through them cost 0.86
+ms a round against 0.82 with the forward, before the gate/up kernel's glu and before the round
+functions were compiled whole (``benchmarks/2026-12-02-verify-kernels-h200.md``); with both, a
+round of tree 4,8,31 drafted in 0.60 ms (``benchmarks/2026-12-02-round-compile-h200.md``, call 2).
 
 Invariants the callers keep (``tree.DraftState``: the expansion writes slots m + scratch + arange(r),
 the re-read and extend length + arange(B)): the step's r tokens write the consecutive cache slots
@@ -49,6 +51,7 @@ imports them at their first use, so it imports without Triton.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -57,8 +60,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eyas.drafter.model import Eagle3Drafter, KVCache
-from eyas.engine.llama import (rms_norm, stack_rows, stacked_rows, why_no_triton, why_not_split_kv,
-                               why_not_stackable)
+from eyas.engine.llama import (rms_norm, stack_rows, stacked_products, stacked_rows, why_no_triton,
+                               why_not_split_kv, why_not_stackable)
 from eyas.errors import EyasError
 
 KERNELS = ("torch", "triton")  # DraftState's choices: the module's forward, or draft_step
@@ -77,6 +80,21 @@ def why_not_kernels(drafter: Eagle3Drafter) -> str | None:
         return f"it {why}"
     why = why_not_split_kv(drafter.config.head_dim)
     return None if why is None else f"its attention kernel {why}"
+
+
+def kernels_for(target_matvec: str | None, drafter: Eagle3Drafter) -> str:
+    """The drafter's ``kernels`` on a target whose products run ``target_matvec``: "triton" where the
+    target verifies through eyas' kernels ("triton-verify") and :func:`draft_step` can run the
+    drafter; else "torch" (its forward), with a warning saying why when the target's kernels were
+    there to follow."""
+    if target_matvec != "triton-verify":
+        return "torch"
+    why = why_not_kernels(drafter)
+    if why is None:
+        return "triton"
+    warnings.warn(f"the drafter's steps run its forward, not the Triton kernels of the target's "
+                  f"matvec='triton-verify': {why}", stacklevel=4)
+    return "torch"
 
 
 def check_kernels(kernels: str, drafter: Eagle3Drafter) -> None:
@@ -200,16 +218,6 @@ def draft_shape(drafter: Eagle3Drafter) -> DraftShape:
 # -- the step ----------------------------------------------------------------------------------------
 
 
-def _products(x: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor | None, ...] | None,
-              **prologue) -> Tensor:
-    """x [r, K] through stacked projections: one matvec by the stacked weight, else one per separate
-    weight (each repeating the prologue), concatenated: [r, sum of their rows]."""
-    from eyas.engine.matvec import matvec
-
-    out = [matvec(x, w, bias=None if biases is None else biases[j], **prologue) for j, w in enumerate(weights)]
-    return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
-
-
 def draft_step(w: DraftWeights, s: DraftShape, tokens: Tensor, hidden: Tensor, positions: Tensor, kv: Tensor,
                slots: Tensor, mask: Tensor, *, from_target: bool) -> tuple[Tensor, Tensor]:
     """One drafter step of r tokens (1 <= r <= matvec.MAX_ROWS) through the Triton kernels: what
@@ -256,7 +264,7 @@ def draft_step(w: DraftWeights, s: DraftShape, tokens: Tensor, hidden: Tensor, p
 
     # Attention: q/k/v, then the split-KV kernels (rope, the cache write at slots, attention)
     q_width, kv_width = s.heads * D, s.kv_heads * D
-    q, k, v = _products(x, w.qkv, w.qkv_bias).split([q_width, kv_width, kv_width], dim=-1)  # strided views
+    q, k, v = stacked_products(x, w.qkv, w.qkv_bias).split([q_width, kv_width, kv_width], dim=-1)  # strided views
     attn = decode_attention(q, k, v, cos, sin, kv, mask[0, 0].contiguous(), slots[:1], D ** -0.5)  # [r, Hq*D]
     h = matvec(attn, w.o, bias=w.o_bias, residual=residual.contiguous())  # [r, H] residual + o(attn)
 
@@ -266,7 +274,7 @@ def draft_step(w: DraftWeights, s: DraftShape, tokens: Tensor, hidden: Tensor, p
                      bias=None if w.gate_up_bias is None else w.gate_up_bias[0], glu=True)
         h = matvec(act, w.down, bias=w.down_bias, residual=h)  # [r, H]
     else:  # separate: [gate | up] [r, 2I], the SiLU in the down kernel
-        gate_up = _products(h, w.gate_up, w.gate_up_bias, prologue="rms", norm=w.post_norm, eps=s.eps)
+        gate_up = stacked_products(h, w.gate_up, w.gate_up_bias, prologue="rms", norm=w.post_norm, eps=s.eps)
         h = matvec(gate_up, w.down, prologue="silu", bias=w.down_bias, residual=h)  # [r, H]
 
     logits = matvec(h, w.lm_head, prologue="rms", norm=w.norm, eps=s.eps)  # [r, Vd]

@@ -122,7 +122,7 @@ OneRow = Literal["gemm", "reduce", "triton", "triton-verify"]
 KERNEL_ROWS = 64
 
 # How a step attends over the cache (LlamaTarget's attention; see _layer).
-ATTENTION_CHOICES = ("auto", "eager", "sdpa", "split-kv")  # auto: split-kv with matvec's auto triton, else eager
+ATTENTION_CHOICES = ("auto", "eager", "sdpa", "split-kv")  # auto: split-kv with matvec's auto kernels, else eager
 
 # Products of at most this many rows run transposed on the CPU (see linear).
 CPU_TRANSPOSED_ROWS = 7
@@ -444,7 +444,8 @@ def _before_attention(x: Tensor, d: Tensor | None, w: BlockWeights, kv_heads: in
     Hq = w.o.shape[1] // D
     sizes = (Hq * D, Hkv * D, Hkv * D)
     if _in_kernels(matvec, h_in):  # the norm in the product's kernel
-        q, k, v = _rms_product(h_in, w.qkv, w.qkv_bias, norm=w.input_norm, eps=eps).split(sizes, dim=-1)
+        q, k, v = stacked_products(h_in, w.qkv, w.qkv_bias, prologue="rms", norm=w.input_norm,
+                                   eps=eps).split(sizes, dim=-1)
     else:
         q, k, v = project(rms_norm(h_in, w.input_norm, eps), w.qkv, w.qkv_bias, sizes,
                           matvec=matvec == "reduce")  # [B, Hq*D], [B, Hkv*D] x 2
@@ -535,7 +536,8 @@ def _after_attention(h_in: Tensor, out: Tensor, w: BlockWeights, *, eps: float,
         if h.shape[0] > 1 and len(w.gate_up) == 1:  # few rows: the SiLU once, in the gate/up kernel
             return h_in, h, _fused_matvec(h, w.gate_up[0], prologue="rms", norm=w.post_norm, eps=eps,
                                           bias=None if w.gate_up_bias is None else w.gate_up_bias[0], glu=True)
-        return h_in, h, _rms_product(h, w.gate_up, w.gate_up_bias, norm=w.post_norm, eps=eps)  # [B, 2I]
+        return h_in, h, stacked_products(h, w.gate_up, w.gate_up_bias, prologue="rms", norm=w.post_norm,
+                                         eps=eps)  # [B, 2I]
     by_reduction = matvec == "reduce"
     h = h_in + linear(out, w.o, w.o_bias, matvec=by_reduction)
     gate, up = project(rms_norm(h, w.post_norm, eps), w.gate_up, w.gate_up_bias, (I, I),
@@ -561,13 +563,13 @@ def _in_kernels(matvec: OneRow, a: Tensor) -> bool:
     return (matvec == "triton" and B == 1) or (matvec == "triton-verify" and B <= KERNEL_ROWS)
 
 
-def _rms_product(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None, *, norm: Tensor,
-                 eps: float) -> Tensor:
-    """rms_norm(a) for the rows a [B, H] through stacked projections, the norm in the product's
-    kernel: [B, sum of their rows], one kernel for a fused weight, else one per separate weight
-    (each computes the norm again), concatenated."""
-    rows = [_fused_matvec(a, w, prologue="rms", norm=norm, eps=eps, bias=None if biases is None else biases[j])
-            for j, w in enumerate(weights)]
+def stacked_products(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor | None, ...] | None,
+                     **options) -> Tensor:
+    """The rows a [B, K] through stacked projections with eyas' kernels (:func:`eyas.engine.matvec.matvec`
+    and its ``options``, e.g. the norm as an "rms" prologue): [B, sum of their rows], one kernel for
+    a fused weight, else one per separate weight (each repeating the prologue), concatenated. The
+    target's q/k/v and gate/up, and the drafter's (:mod:`eyas.engine.draft_kernels`)."""
+    rows = [_fused_matvec(a, w, bias=None if biases is None else biases[j], **options) for j, w in enumerate(weights)]
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=-1)
 
 
@@ -680,7 +682,7 @@ class LlamaTarget(Target):
     (``benchmarks/2026-12-02-round-compile-h200.md``).
 
     ``attention`` says how the steps attend over the cache: ``"auto"`` (the default: ``"split-kv"``
-    where ``matvec``'s auto picks ``"triton"`` and the head dimension is a power of two of at least
+    where ``matvec``'s auto picks eyas' kernels and the head dimension is a power of two of at least
     16, else ``"eager"``), ``"eager"`` (Hugging Face's eager
     order: QK, a float32 softmax under the mask, PV; three kernels a block on a GPU), ``"sdpa"``
     (one ``scaled_dot_product_attention`` call a block, a fused kernel on a GPU; equal to the model

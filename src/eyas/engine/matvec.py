@@ -41,9 +41,9 @@ choices and writes the fastest), else :func:`tiling`'s default for the shape. Th
 Triton (a GPU, or ``TRITON_INTERPRET=1`` on the CPU, as the tests run them).
 
 Measured (``benchmarks/2026-12-02-matvec-triton-h200.md``, the one-row kernel): with split-KV
-attention, 6 kernels a block, an 8B-shaped plain step took 4.21-4.24 ms on two H200s, 1.19x the bandwidth floor, against
-5.07-5.19 ms (1.44-1.46x) for cuBLAS and inductor's kernels; its gate/up product alone runs at the
-floor, down and q/k/v at 1.20x, o at 1.26x.
+attention, 6 kernels a block, an 8B-shaped plain step took 4.21-4.24 ms on two H200s, 1.19x the
+bandwidth floor, against 5.07-5.19 ms (1.44-1.46x) for cuBLAS and inductor's kernels; its gate/up
+product alone runs at the floor, down and q/k/v at 1.20x, o at 1.26x.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ def _tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | N
 
 def rows_tiling(n_rows: int, n_cols: int, sms: int = 132) -> Tiling:
     """The few-row kernel's tiling of W [n_rows, n_cols], from one H200 call's grid at 24 rows
-    (``benchmarks/2026-12-02-verify-kernels-h200.md``): 128 columns a step (64 below 128 columns),
-    8 warps, and 128 weight rows a program, fewer (down to 16, a tl.dot's least) while there are
+    (``benchmarks/2026-12-02-verify-kernels-h200.md``): 128 columns a step (fewer columns: all of
+    them), 8 warps, and 128 weight rows a program, fewer (down to 16, a tl.dot's least) while there are
     under half as many programs as SMs. Of the 10 products of the 8B- and SmolLM2-shaped steps it
     is the grid's fastest for 6, within 12% for the two o products, 29% off for SmolLM2's head
     (which 64 columns a step suited) and 55% off for SmolLM2's down product with its SiLU
@@ -237,7 +237,6 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
     if HAS_RES:
         y = (y.to(tl.float32) + tl.load(res_ptr + n, mask=n_ok, other=0.0).to(tl.float32)).to(DT)
     tl.store(y_ptr + n, y, mask=n_ok)
-
 
 
 @triton.jit

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from eyas.drafter.model import Eagle3Drafter
+from eyas.engine.draft_kernels import kernels_for
 from eyas.engine.observe import RoundObserver
 from eyas.engine.errors import RequestError, SessionError
 from eyas.engine.graphs import CompiledOrEager, StepGraphs
@@ -191,10 +192,9 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
     compiled and captured round functions are made once per (drafter, tree), never inside a later request.
     Its shapes follow the target's: fixed (and graphed) when the target's are, and its round functions
     compiled with them unless the target says otherwise (an optional ``compile_drafter`` attribute: False,
-    True or a backend). Its
-    steps run through the Triton kernels (``DraftState(kernels="triton")``) when the target verifies
-    through them (``LlamaTarget(matvec="triton-verify")``) and the drafter can (else, with a warning,
-    its forward)."""
+    True or a backend). Its steps run through the Triton kernels (``DraftState(kernels="triton")``)
+    when the target verifies through them (``LlamaTarget(matvec="triton-verify")``) and the drafter
+    can (else, with a warning, its forward: :func:`~eyas.engine.draft_kernels.kernels_for`)."""
     states = _rounds(target).draft_states
     key = (id(drafter), tree)
     need = max_len + tree.scratch_slots + tree.depth + 1
@@ -208,18 +208,7 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
         need = max(need, int(capacity) + tree.scratch_slots + tree.depth + 1)
         size = -(-need // 256) * 256
     if key not in states or states[key][0] is not drafter or states[key][1].max_len < need:
-        kernels = "torch"
-        if getattr(target, "matvec", None) == "triton-verify":
-            from eyas.engine.draft_kernels import why_not_kernels
-
-            why = why_not_kernels(drafter)
-            if why is None:
-                kernels = "triton"
-            else:
-                import warnings
-
-                warnings.warn(f"the drafter's steps run its forward, not the Triton kernels of the target's "
-                              f"matvec='triton-verify': {why}", stacklevel=3)
+        kernels = kernels_for(getattr(target, "matvec", None), drafter)
         states[key] = (drafter, DraftState(drafter, size,
                                            fixed_shapes=getattr(target, "fixed_shapes", False),
                                            cuda_graphs=getattr(target, "cuda_graphs", False),
