@@ -20,6 +20,8 @@
 #   rows         the few-row kernel (verification through eyas' kernels): the kernels' tests on the GPU, then the 8B- and
 #                SmolLM2-shaped steps, the default (auto) against cuBLAS + eager and triton + eager (llama_8b_cost.py),
 #                then with GREEDY=expr the engine's GPU tests that -k expr selects (GREEDY_S: their time limit)
+#   fewrows      the few-row kernel's tilings per product at 32 and 16 rows (matvec_gpu.py --rows, SmolLM2 and its
+#                drafter), the best into $OUT/rows_tilings.json, then the SmolLM2-shaped step by rule and with them
 #   tiling       one block's attention alone, eager against the split-KV kernels per tiling (decode_attention_gpu.py)
 #   gputests     the engine's GPU tests, then the matvec='reduce' identity test run for its message
 #   attention    the shipped drafter with the fast target's attention eager, then split-kv (Triton): spec_gpu.py twice
@@ -225,6 +227,21 @@ EOF
         > "$OUT/greedy.log" 2>&1 || true
       tail -n 5 "$OUT/greedy.log"
     fi
+    ;;
+  fewrows)
+    # the few-row kernel per product and tiling (matvec_gpu.py --rows: 32, a tree of 31 nodes and its root; 16, a tree
+    # of 15 and the drafter's frontier), the best of each written to $OUT/rows_tilings.json; then the SmolLM2-shaped
+    # step by rows_tiling's rule and with that table (llama_8b_cost.py --profile). No GGUF; after setup
+    for r in 32 16; do
+      shapes=smollm2; [ "$r" = 16 ] && shapes=smollm2,smollm2_drafter
+      timeout "${GRID_S:-200}" python benchmarks/matvec_gpu.py --shapes "$shapes" --rows "$r" --min-bytes $((100 << 20)) \
+        --products qkv,o,gate_up_glu,down_glu,head,fc --block-n "${BLOCK_N:-16,32,64,128}" --block-k "${BLOCK_K:-128,256,512}" \
+        --warps "${WARPS:-4,8}" --write-tilings "$OUT/rows_tilings.json" --out "$OUT/rows$r.json" > "$OUT/rows$r.log" 2>&1 \
+        || echo "rows $r exit $?" >> "$OUT/rows$r.log"
+      grep -E "best|exit" "$OUT/rows$r.log" | tail -n 12
+    done
+    step_cost smollm2_rule smollm2 compiled-triton-verify-split-kv "${SMOL_S:-100}"
+    EYAS_MATVEC_TILINGS=$OUT/rows_tilings.json step_cost smollm2_table smollm2 compiled-triton-verify-split-kv "${SMOL_S:-100}"
     ;;
   tiling)
     # one block's attention alone: eager against the split-KV kernels per tiling (decode_attention_gpu.py)

@@ -25,8 +25,9 @@ of tilings that the engine reads (``src/eyas/engine/matvec_tilings.json``, or an
 
 ``--rows R`` (2 to 64) times the few-row kernel instead (a tree's verification: R rows through
 the same products, cuBLAS on the same R rows beside it; a grid such as ``--block-n 16,32,64
---block-k 64,128``); its tilings are not written to the table (the engine takes
-``eyas.engine.matvec.rows_tiling``'s).
+--block-k 64,128``). Its best tilings go to the table under the few-row keys (``/r`` and R padded
+to 16, 32 or 64; ``/glu`` for ``gate_up_glu``, the gate/up product with its SiLU(gate) * up
+epilogue, its N the gate's rows), which the engine reads before ``eyas.engine.matvec.rows_tiling``.
 
 On the CPU, ``--tiny`` runs a toy shape and one tiling in Triton's interpreter (``TRITON_INTERPRET=1``,
 set here before triton is imported): a smoke test, not a timing.
@@ -47,13 +48,18 @@ import torch
 import torch.nn.functional as F
 
 # shape -> product -> (rows N, columns K, prologue, residual)
-# (down_glu: the down product after a glu gate/up product, which hands it SiLU(gate) * up: no prologue)
+# (down_glu: the down product after a glu gate/up product, which hands it SiLU(gate) * up: no prologue;
+# gate_up_glu: the gate/up product with that epilogue, as verification runs it: the few-row kernel only)
 SHAPES = {
     "8b": {"qkv": (6144, 4096, "rms", False), "o": (4096, 4096, None, True), "gate_up": (28672, 4096, "rms", False),
-           "down": (4096, 14336, "silu", True), "down_glu": (4096, 14336, None, True), "head": (128256, 4096, "rms", False)},
+           "gate_up_glu": (28672, 4096, "rms", False), "down": (4096, 14336, "silu", True), "down_glu": (4096, 14336, None, True), "head": (128256, 4096, "rms", False)},
     "smollm2": {"qkv": (960, 576, "rms", False), "o": (576, 576, None, True), "gate_up": (3072, 576, "rms", False),
-                "down": (576, 1536, "silu", True), "down_glu": (576, 1536, None, True),
+                "gate_up_glu": (3072, 576, "rms", False), "down": (576, 1536, "silu", True), "down_glu": (576, 1536, None, True),
                 "head": (49152, 576, "rms", False)},
+    # the shipped SmolLM2 drafter's own products (its fc over 3 x 576 features, q/k/v over [embeds | hidden],
+    # the head over its 12,288-token vocabulary); its o, gate/up and down are SmolLM2's
+    "smollm2_drafter": {"fc": (576, 1728, None, False), "qkv": (960, 1152, None, False),
+                        "head": (12288, 576, "rms", False)},
     "tiny": {"qkv": (48, 64, "rms", False), "down": (64, 40, "silu", True)},
 }
 
@@ -83,13 +89,13 @@ def operands(N: int, K: int, prologue: str | None, residual: bool, copies: int, 
             "residual": torch.randn(rows, N, generator=g).to(device, dtype) if residual else None}
 
 
-def triton_call(ops: dict, prologue: str | None, tile):
+def triton_call(ops: dict, prologue: str | None, tile, glu: bool = False):
     from eyas.engine.matvec import matvec
 
     def call():
         for w in ops["w"]:
             matvec(ops["x"], w, prologue=prologue, norm=ops["norm"] if prologue == "rms" else None, eps=1e-5,
-                   residual=ops["residual"], tile=tile)
+                   residual=ops["residual"], tile=tile, glu=glu)
     return call
 
 
@@ -156,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda *p, **k: None) if a.json else print
     from eyas.engine.matvec import MAX_ROWS, Tiling, _key, _tiling_on
 
-    if not 1 <= a.rows <= MAX_ROWS or (a.rows > 1 and a.write_tilings):
-        raise SystemExit(f"--rows: expected 1..{MAX_ROWS} (and --write-tilings with 1 row only), found {a.rows}")
+    if not 1 <= a.rows <= MAX_ROWS:
+        raise SystemExit(f"--rows: expected 1..{MAX_ROWS}, found {a.rows}")
+    block_r = max(16, 1 << (a.rows - 1).bit_length()) if a.rows > 1 else 0  # the few-row kernel's padded rows
 
     def ints(text: str) -> list[int]:
         return [int(t) for t in text.split(",") if t]
@@ -169,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"copy bandwidth {bw:.0f} GB/s" if bw else "cpu (interpreter): no timing worth reading")
     for shape in a.shapes.split(","):
         for product in a.products.split(","):
-            if product not in SHAPES[shape]:
+            glu = product.endswith("_glu") and product.startswith("gate_up")
+            if product not in SHAPES[shape] or (glu and not block_r):
                 continue
             N, K, prologue, residual = SHAPES[shape][product]
             nbytes = N * K * torch.tensor([], dtype=dtype).element_size()
@@ -179,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"shape": shape, "product": product, "N": N, "K": K, "prologue": prologue, "residual": residual,
                    "copies": copies, "floor_us": floor_us,
                    "cublas_us": time_call(cublas_call(ops), device, a.reps, a.trials) / copies, "tilings": []}
-            default = _tiling_on(device, N, K, prologue, few_rows=a.rows > 1)  # what the engine runs
+            default = _tiling_on(device, N // 2 if glu else N, K, prologue, block_r, glu)  # what the engine runs
             grid = ([Tiling(*(int(v) for v in t.split("/"))) for t in a.tilings.split(",")] if a.tilings else
                     [Tiling(*t) for t in itertools.product(ints(a.block_n), ints(a.block_k), ints(a.warps))])
             grid = [t._replace(evict_first=bool(t.evict_first)) for t in grid]
@@ -187,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = {"block_n": tile.block_n, "block_k": tile.block_k, "warps": tile.num_warps,
                      "evict_first": tile.evict_first, "default": tile == default}
                 try:
-                    r["us"] = time_call(triton_call(ops, prologue, tile), device, a.reps, a.trials) / copies
+                    r["us"] = time_call(triton_call(ops, prologue, tile, glu), device, a.reps, a.trials) / copies
                 except Exception as e:  # a tiling that does not compile or fit: say so, go on
                     r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 row["tilings"].append(r)
@@ -207,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                 with open(a.out, "w") as f:
                     json.dump(report, f, indent=1)
             if a.write_tilings and row["best"]:
-                write_tiling(a.write_tilings, report["device"], _key(N, K, prologue), row["best"])
+                write_tiling(a.write_tilings, report["device"], _key(N // 2 if glu else N, K, prologue, block_r, glu),
+                             row["best"])
     if a.json:
         print(json.dumps(report))
     return 0

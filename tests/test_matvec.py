@@ -18,7 +18,9 @@ from tests.support.triton_kernels import DEVICE, require_triton
 require_triton("the matvec kernels")
 
 from eyas.engine.llama import rms_norm  # noqa: E402
-from eyas.engine.matvec import MAX_ROWS, Tiling, matvec, rows_stages, rows_tiling, tiling  # noqa: E402
+from eyas.engine.matvec import (  # noqa: E402
+    MAX_ROWS, Tiling, matvec, rms_columns, rows_stages, rows_tiling, tiling,
+)
 
 
 def _reference(x, w, prologue, norm, eps, bias, residual) -> torch.Tensor:
@@ -40,6 +42,7 @@ CASES = [  # (R, N, K, prologue, bias, residual, tiling): uneven rows and column
     (8, 37, 100, "rms", True, True, None),
     (17, 33, 64, "silu", False, True, Tiling(32, 16, 2)),
     (64, 70, 576, "rms", False, False, None),
+    (5, 40, 2500, "rms", False, True, None),  # the rms pass in 3 steps of 1,024 columns, the last one masked
 ]
 
 
@@ -149,12 +152,19 @@ def test_the_default_tiling_and_the_measured_ones(tmp_path, monkeypatch):
     # pipelined as deep as 160 KB of shared memory holds: the 8B gate/up with glu (2 x 128 + 32 rows of 128 bf16) 2 deep
     assert rows_stages(Tiling(128, 128, 8), 32, True, 2) == 2 and rows_stages(Tiling(32, 128, 8), 32, True, 2) == 3
     assert rows_stages(Tiling(128, 128, 8), 64, True, 4) == 1
+    # its rms pass: 16,384 elements of x a step (SmolLM2's 576 columns: 1 step at 16 rows, 2 at 32), at least BLOCK_K
+    assert rms_columns(576, 16, 128) == 1024 and rms_columns(576, 32, 128) == 512 and rms_columns(4096, 64, 128) == 256
+    assert rms_columns(100, 16, 128) == 128 and rms_columns(576, 64, 512) == 512
     path = tmp_path / "tilings.json"
-    path.write_text(json.dumps({"GPU X": {"4096x4096/none": [4, 512, 8, False], "6144x4096/rms": [16, 1024, 4, True]}}))
+    path.write_text(json.dumps({"GPU X": {"4096x4096/none": [4, 512, 8, False], "6144x4096/rms": [16, 1024, 4, True],
+                                          "1536x576/rms/r32/glu": [32, 256, 4, True]}}))
     monkeypatch.setenv("EYAS_MATVEC_TILINGS", str(path))
     monkeypatch.setattr(mv, "_TABLES", {})
     table = mv._measured("GPU X")
     assert table["4096x4096/none"] == Tiling(4, 512, 8, False) and table[mv._key(6144, 4096, "rms")].block_n == 16
+    # the few-row kernel's products: keyed by their padded rows too, and glu (N: the gate's rows)
+    assert mv._key(1536, 576, "rms", 32, True) == "1536x576/rms/r32/glu" and mv._key(576, 576, None, 16) == "576x576/none/r16"
+    assert table[mv._key(1536, 576, "rms", 32, True)] == Tiling(32, 256, 4) and mv._key(1536, 576, "rms", 16, True) not in table
     assert mv._measured("GPU Y") == {}  # a GPU no table names: the default tiling
     shipped = mv.read_tilings(mv.TILINGS_FILE)["NVIDIA H200"]  # the 8B-shaped step's five products
     assert shipped[mv._key(28672, 4096, "rms")] == Tiling(4, 2048, 8, True) and len(shipped) == 5

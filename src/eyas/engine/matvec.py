@@ -96,9 +96,12 @@ def tiling(n_rows: int, n_cols: int, prologue: str | None = None, sms: int = 132
     return Tiling(block_n, block_k, warps)
 
 
-def _key(n_rows: int, n_cols: int, prologue: str | None) -> str:
-    """A product's key in a table of tilings: "rows x columns / prologue"."""
-    return f"{n_rows}x{n_cols}/{prologue or 'none'}"
+def _key(n_rows: int, n_cols: int, prologue: str | None, block_r: int = 0, glu: bool = False) -> str:
+    """A product's key in a table of tilings: "rows x columns / prologue" for the one-row kernel; the
+    few-row kernel's adds "/r" and its padded row count (16, 32, 64), and "/glu" for a gate/up
+    product with its SiLU(gate) * up epilogue (``n_rows``: the gate's rows)."""
+    few = f"/r{block_r}{'/glu' if glu else ''}" if block_r else ""
+    return f"{n_rows}x{n_cols}/{prologue or 'none'}{few}"
 
 
 TILINGS_FILE = Path(__file__).with_name("matvec_tilings.json")  # per GPU name: product key -> tiling
@@ -139,25 +142,30 @@ def read_tilings(path: Path) -> dict[str, dict[str, Tiling]]:
     return tables
 
 
-_CHOSEN: dict[tuple, Tiling] = {}  # (device, rows, columns, prologue, few rows) -> its tiling
+_CHOSEN: dict[tuple, Tiling] = {}  # (device, rows, columns, prologue, block_r, glu) -> its tiling
 
 
 @torch.compiler.assume_constant_result  # a constant of the compiled step: torch.compile calls it once, tracing
-def _tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | None, few_rows: bool = False) -> Tiling:
-    """The tiling of a product on ``device``. One row: the measured one for its GPU, else
-    :func:`tiling` (on the CPU, for Triton's interpreter, which runs programs one by one: 16 rows a
-    program, few programs). ``few_rows`` (the few-row kernel): :func:`rows_tiling` for the GPU's SM
-    count. Chosen once per product and device: an eager step calls this for every product."""
-    key = (device, n_rows, n_cols, prologue, few_rows)
+def _tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | None, block_r: int = 0,
+               glu: bool = False) -> Tiling:
+    """The tiling of a product on ``device``: the one measured for its GPU (``matvec_tilings.json``),
+    else a default. One row (``block_r`` 0): :func:`tiling` (on the CPU, for Triton's interpreter,
+    which runs programs one by one: 16 rows a program, few programs). The few-row kernel (``block_r``:
+    its rows padded, 16 to 64): :func:`rows_tiling` for the GPU's SM count. Chosen once per product
+    and device: an eager step calls this for every product."""
+    key = (device, n_rows, n_cols, prologue, block_r, glu)
     if key not in _CHOSEN:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        if few_rows:
+        found = (_measured(torch.cuda.get_device_name(device)).get(_key(n_rows, n_cols, prologue, block_r, glu))
+                 if device.type == "cuda" else None)
+        if found:
+            _CHOSEN[key] = found
+        elif block_r:
             _CHOSEN[key] = rows_tiling(n_rows, n_cols, sms)
         elif device.type != "cuda":
             _CHOSEN[key] = tiling(n_rows, n_cols, prologue)._replace(block_n=16)
         else:
-            found = _measured(torch.cuda.get_device_name(device)).get(_key(n_rows, n_cols, prologue))
-            _CHOSEN[key] = found or tiling(n_rows, n_cols, prologue, sms)
+            _CHOSEN[key] = tiling(n_rows, n_cols, prologue, sms)
     return _CHOSEN[key]
 
 
@@ -174,6 +182,18 @@ def rows_tiling(n_rows: int, n_cols: int, sms: int = 132) -> Tiling:
     while block_n > 16 and triton.cdiv(n_rows, block_n) < sms // 2:
         block_n //= 2
     return Tiling(block_n, block_k, 8)
+
+
+RMS_TILE = 16384  # the most elements of x [BLOCK_R, RMS_K] the few-row kernel's rms pass holds at once
+
+
+def rms_columns(n_cols: int, block_r: int, block_k: int) -> int:
+    """Columns a step of the few-row kernel's rms pass (its first pass over x [R, K], from L2): as
+    wide as ``RMS_TILE`` elements of [block_r, columns] allow (64 registers a thread at 8 warps),
+    at least ``block_k``, at most all of them. Each step is a dependent round trip to L2 before the
+    product's first weight arrives: SmolLM2's 576 columns take 1 step at 16 rows, 2 at 32, where
+    128 columns a step took 5."""
+    return max(block_k, min(triton.next_power_of_2(n_cols), RMS_TILE // block_r))
 
 
 SHARED_BYTES = 160 << 10  # what the few-row kernel's pipelined tiles may take (an H200 SM has 227 KB)
@@ -243,8 +263,8 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
 def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
                  N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, PROLOGUE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, PRECISION: tl.constexpr,
-                 GLU: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RMS_K: tl.constexpr, EVICT: tl.constexpr,
+                 PRECISION: tl.constexpr, GLU: tl.constexpr):
     # The few-row kernel: R rows of x (padded to BLOCK_R >= 16 for tl.dot) against BLOCK_N rows of W,
     # acc [BLOCK_R, BLOCK_N] += a [BLOCK_R, BLOCK_K] @ w^T [BLOCK_K, BLOCK_N] on the tensor cores,
     # a = prologue(x) rounded to DT as the model rounds it (the one-row kernel's roundings).
@@ -260,10 +280,10 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
     r_ok = r < R
     WIDTH: tl.constexpr = 2 * K if PROLOGUE == 2 else K  # x's row length
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
-    if PROLOGUE == 1:  # each row's 1 / rms over all of x [R, K] (x is in L2), before the product
-        squares = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+    if PROLOGUE == 1:  # each row's 1 / rms over all of x [R, K] (x is in L2), RMS_K columns a step
+        squares = tl.zeros([BLOCK_R, RMS_K], tl.float32)
+        for k0 in range(0, K, RMS_K):
+            k = k0 + tl.arange(0, RMS_K)
             xk = tl.load(x_ptr + r[:, None] * WIDTH + k[None, :], mask=r_ok[:, None] & (k < K)[None, :],
                          other=0.0).to(tl.float32)
             squares += xk * xk
@@ -364,11 +384,11 @@ def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | 
             *pointers, w.stride(0), **common, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             EVICT="evict_first" if tile.evict_first else "", num_warps=tile.num_warps)
         return y
-    tile = tile or _tiling_on(x.device, N, K, prologue, few_rows=True)
     block_r = max(16, triton.next_power_of_2(R))
+    tile = tile or _tiling_on(x.device, N, K, prologue, block_r, glu)
     _rows_kernel[(triton.cdiv(N, tile.block_n),)](
         *pointers, w.stride(0), **common, R=R, BLOCK_R=block_r, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, EVICT="evict_first" if tile.evict_first else "",
+        BLOCK_K=tile.block_k, RMS_K=rms_columns(K, block_r, tile.block_k), EVICT="evict_first" if tile.evict_first else "",
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, num_warps=tile.num_warps,
         num_stages=rows_stages(tile, block_r, glu, x.element_size()))
     return y
