@@ -232,10 +232,15 @@ EOF
     # the few-row kernel per product and tiling (matvec_gpu.py --rows: 32, a tree of 31 nodes and its root; 16, a tree
     # of 15 and the drafter's frontier), the best of each written to $OUT/rows_tilings.json; then the SmolLM2-shaped
     # step by rows_tiling's rule and with that table (llama_8b_cost.py --profile). No GGUF; after setup
+    if [ -n "${ROLLED:-}" ]; then  # the rms pass as a loop (not unrolled), the rule's tiling, for comparison
+      timeout 120 python benchmarks/matvec_gpu.py --shapes smollm2 --rows 32 --min-bytes $((100 << 20)) --products "$ROLLED" \
+        --tilings 16/128/8/1 --unrolled-rms-steps 0 --out "$OUT/rolled.json" > "$OUT/rolled.log" 2>&1 || true
+      grep -E "default" "$OUT/rolled.log"
+    fi
     for r in 32 16; do
       shapes=smollm2; [ "$r" = 16 ] && shapes=smollm2,smollm2_drafter
       timeout "${GRID_S:-200}" python benchmarks/matvec_gpu.py --shapes "$shapes" --rows "$r" --min-bytes $((100 << 20)) \
-        --products qkv,o,gate_up_glu,down_glu,head,fc --block-n "${BLOCK_N:-16,32,64,128}" --block-k "${BLOCK_K:-128,256,512}" \
+        --products "${PRODUCTS:-qkv,o,gate_up_glu,down_glu,head,fc}" --block-n "${BLOCK_N:-16,32,64,128}" --block-k "${BLOCK_K:-128,256,512}" \
         --warps "${WARPS:-4,8}" --write-tilings "$OUT/rows_tilings.json" --out "$OUT/rows$r.json" > "$OUT/rows$r.log" 2>&1 \
         || echo "rows $r exit $?" >> "$OUT/rows$r.log"
       grep -E "best|exit" "$OUT/rows$r.log" | tail -n 12

@@ -19,7 +19,7 @@ require_triton("the matvec kernels")
 
 from eyas.engine.llama import rms_norm  # noqa: E402
 from eyas.engine.matvec import (  # noqa: E402
-    MAX_ROWS, Tiling, matvec, rms_columns, rows_stages, rows_tiling, tiling,
+    MAX_ROWS, Tiling, matvec, rows_stages, rows_tiling, tiling,
 )
 
 
@@ -42,7 +42,7 @@ CASES = [  # (R, N, K, prologue, bias, residual, tiling): uneven rows and column
     (8, 37, 100, "rms", True, True, None),
     (17, 33, 64, "silu", False, True, Tiling(32, 16, 2)),
     (64, 70, 576, "rms", False, False, None),
-    (5, 40, 2500, "rms", False, True, None),  # the rms pass in 3 steps of 1,024 columns, the last one masked
+    (5, 40, 2500, "rms", False, True, None),  # the rms pass: 20 steps of 128 columns, a loop (not unrolled)
 ]
 
 
@@ -152,9 +152,6 @@ def test_the_default_tiling_and_the_measured_ones(tmp_path, monkeypatch):
     # pipelined as deep as 160 KB of shared memory holds: the 8B gate/up with glu (2 x 128 + 32 rows of 128 bf16) 2 deep
     assert rows_stages(Tiling(128, 128, 8), 32, True, 2) == 2 and rows_stages(Tiling(32, 128, 8), 32, True, 2) == 3
     assert rows_stages(Tiling(128, 128, 8), 64, True, 4) == 1
-    # its rms pass: 16,384 elements of x a step (SmolLM2's 576 columns: 1 step at 16 rows, 2 at 32), at least BLOCK_K
-    assert rms_columns(576, 16, 128) == 1024 and rms_columns(576, 32, 128) == 512 and rms_columns(4096, 64, 128) == 256
-    assert rms_columns(100, 16, 128) == 128 and rms_columns(576, 64, 512) == 512
     path = tmp_path / "tilings.json"
     path.write_text(json.dumps({"GPU X": {"4096x4096/none": [4, 512, 8, False], "6144x4096/rms": [16, 1024, 4, True],
                                           "1536x576/rms/r32/glu": [32, 256, 4, True]}}))
@@ -166,8 +163,10 @@ def test_the_default_tiling_and_the_measured_ones(tmp_path, monkeypatch):
     assert mv._key(1536, 576, "rms", 32, True) == "1536x576/rms/r32/glu" and mv._key(576, 576, None, 16) == "576x576/none/r16"
     assert table[mv._key(1536, 576, "rms", 32, True)] == Tiling(32, 256, 4) and mv._key(1536, 576, "rms", 16, True) not in table
     assert mv._measured("GPU Y") == {}  # a GPU no table names: the default tiling
-    shipped = mv.read_tilings(mv.TILINGS_FILE)["NVIDIA H200"]  # the 8B-shaped step's five products
-    assert shipped[mv._key(28672, 4096, "rms")] == Tiling(4, 2048, 8, True) and len(shipped) == 5
+    shipped = mv.read_tilings(mv.TILINGS_FILE)["NVIDIA H200"]  # the 8B-shaped step's five products, and
+    assert shipped[mv._key(28672, 4096, "rms")] == Tiling(4, 2048, 8, True)
+    # SmolLM2's few-row products without a prologue: 16 rows, 256 or 512 columns a step, 4 warps (the rule: 128, 8)
+    assert shipped[mv._key(576, 1536, None, 32)] == Tiling(16, 512, 4) != rows_tiling(576, 1536)
     path.write_text(json.dumps({"GPU X": {"4096x4096/none": [3, 512, 8]}}))
     with pytest.raises(ValueError, match=r"tilings.json: entry 'GPU X' / '4096x4096/none': expected \[rows, columns, "
                                          r"warps, evict_first\] \(powers of two, then true or false\), found \[3, 512, 8\]"):

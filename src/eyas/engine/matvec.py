@@ -184,16 +184,7 @@ def rows_tiling(n_rows: int, n_cols: int, sms: int = 132) -> Tiling:
     return Tiling(block_n, block_k, 8)
 
 
-RMS_TILE = 16384  # the most elements of x [BLOCK_R, RMS_K] the few-row kernel's rms pass holds at once
-
-
-def rms_columns(n_cols: int, block_r: int, block_k: int) -> int:
-    """Columns a step of the few-row kernel's rms pass (its first pass over x [R, K], from L2): as
-    wide as ``RMS_TILE`` elements of [block_r, columns] allow (64 registers a thread at 8 warps),
-    at least ``block_k``, at most all of them. Each step is a dependent round trip to L2 before the
-    product's first weight arrives: SmolLM2's 576 columns take 1 step at 16 rows, 2 at 32, where
-    128 columns a step took 5."""
-    return max(block_k, min(triton.next_power_of_2(n_cols), RMS_TILE // block_r))
+UNROLLED_RMS_STEPS = 8  # the most steps of the few-row kernel's rms pass unrolled (their loads issued at once)
 
 
 SHARED_BYTES = 160 << 10  # what the few-row kernel's pipelined tiles may take (an H200 SM has 227 KB)
@@ -260,10 +251,18 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
 
 
 @triton.jit
+def _squares(x_ptr, r, r_ok, k0, K: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[r, k0:k0+BLOCK_K]^2 in float32 [BLOCK_R, BLOCK_K] (zero past K and R): a step of the rms pass."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    xk = tl.load(x_ptr + r[:, None] * WIDTH + k[None, :], mask=r_ok[:, None] & (k < K)[None, :], other=0.0)
+    return xk.to(tl.float32) * xk.to(tl.float32)
+
+
+@triton.jit
 def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
                  N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, PROLOGUE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RMS_K: tl.constexpr, EVICT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL_RMS: tl.constexpr, EVICT: tl.constexpr,
                  PRECISION: tl.constexpr, GLU: tl.constexpr):
     # The few-row kernel: R rows of x (padded to BLOCK_R >= 16 for tl.dot) against BLOCK_N rows of W,
     # acc [BLOCK_R, BLOCK_N] += a [BLOCK_R, BLOCK_K] @ w^T [BLOCK_K, BLOCK_N] on the tensor cores,
@@ -280,13 +279,14 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
     r_ok = r < R
     WIDTH: tl.constexpr = 2 * K if PROLOGUE == 2 else K  # x's row length
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
-    if PROLOGUE == 1:  # each row's 1 / rms over all of x [R, K] (x is in L2), RMS_K columns a step
-        squares = tl.zeros([BLOCK_R, RMS_K], tl.float32)
-        for k0 in range(0, K, RMS_K):
-            k = k0 + tl.arange(0, RMS_K)
-            xk = tl.load(x_ptr + r[:, None] * WIDTH + k[None, :], mask=r_ok[:, None] & (k < K)[None, :],
-                         other=0.0).to(tl.float32)
-            squares += xk * xk
+    if PROLOGUE == 1:  # each row's 1 / rms over all of x [R, K] (x is in L2), before the product
+        squares = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        if UNROLL_RMS:  # a few steps: unrolled, so their loads go out at once (one round trip to L2, not one a step)
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                squares += _squares(x_ptr, r, r_ok, k0, K, WIDTH, BLOCK_K)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                squares += _squares(x_ptr, r, r_ok, k0, K, WIDTH, BLOCK_K)
         inv_rms = 1.0 / tl.sqrt(tl.sum(squares, 1) / K + EPS)  # [BLOCK_R]
     acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)  # (GLU only)
@@ -388,7 +388,7 @@ def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | 
     tile = tile or _tiling_on(x.device, N, K, prologue, block_r, glu)
     _rows_kernel[(triton.cdiv(N, tile.block_n),)](
         *pointers, w.stride(0), **common, R=R, BLOCK_R=block_r, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, RMS_K=rms_columns(K, block_r, tile.block_k), EVICT="evict_first" if tile.evict_first else "",
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, num_warps=tile.num_warps,
+        BLOCK_K=tile.block_k, UNROLL_RMS=triton.cdiv(K, tile.block_k) <= UNROLLED_RMS_STEPS,
+        EVICT="evict_first" if tile.evict_first else "", PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, num_warps=tile.num_warps,
         num_stages=rows_stages(tile, block_r, glu, x.element_size()))
     return y
