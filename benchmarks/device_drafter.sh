@@ -232,11 +232,6 @@ EOF
     # the few-row kernel per product and tiling (matvec_gpu.py --rows: 32, a tree of 31 nodes and its root; 16, a tree
     # of 15 and the drafter's frontier), the best of each written to $OUT/rows_tilings.json; then the SmolLM2-shaped
     # step by rows_tiling's rule and with that table (llama_8b_cost.py --profile). No GGUF; after setup
-    if [ -n "${ROLLED:-}" ]; then  # the rms pass as a loop (not unrolled), the rule's tiling, for comparison
-      timeout 120 python benchmarks/matvec_gpu.py --shapes smollm2 --rows 32 --min-bytes $((100 << 20)) --products "$ROLLED" \
-        --tilings 16/128/8/1 --unrolled-rms-steps 0 --out "$OUT/rolled.json" > "$OUT/rolled.log" 2>&1 || true
-      grep -E "default" "$OUT/rolled.log"
-    fi
     for r in 32 16; do
       shapes=smollm2; [ "$r" = 16 ] && shapes=smollm2,smollm2_drafter
       timeout "${GRID_S:-200}" python benchmarks/matvec_gpu.py --shapes "$shapes" --rows "$r" --min-bytes $((100 << 20)) \

@@ -148,8 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--write-tilings", default=None, help="add each product's best tiling to this table (JSON)")
     ap.add_argument("--rows", type=int, default=1, help="rows a product takes: 1 (a plain step), or 2..64 (the few-row kernel)")
-    ap.add_argument("--unrolled-rms-steps", type=int, default=None,
-                    help="the few-row kernel's rms pass unrolled up to this many steps (0: a loop; default: the engine's)")
     ap.add_argument("--tiny", action="store_true", help="the CPU smoke test: a toy shape, one tiling, the interpreter")
     ap.add_argument("--out", default=None, help="write the report as JSON here (after every product)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON alone")
@@ -162,11 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         tilings = "4/32/4/1,2/64/4/0" if a.rows == 1 else "16/32/4/1,32/16/4/0"  # (tl.dot: 16 rows at least)
         a.shapes, a.products, a.tilings, a.reps, a.trials = "tiny", "qkv,down", tilings, 2, 1
     say = (lambda *p, **k: None) if a.json else print
-    import eyas.engine.matvec as matvec_module
     from eyas.engine.matvec import MAX_ROWS, Tiling, _key, _tiling_on
-
-    if a.unrolled_rms_steps is not None:
-        matvec_module.UNROLLED_RMS_STEPS = a.unrolled_rms_steps
 
     if not 1 <= a.rows <= MAX_ROWS:
         raise SystemExit(f"--rows: expected 1..{MAX_ROWS}, found {a.rows}")

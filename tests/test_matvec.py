@@ -42,7 +42,7 @@ CASES = [  # (R, N, K, prologue, bias, residual, tiling): uneven rows and column
     (8, 37, 100, "rms", True, True, None),
     (17, 33, 64, "silu", False, True, Tiling(32, 16, 2)),
     (64, 70, 576, "rms", False, False, None),
-    (5, 40, 2500, "rms", False, True, None),  # the rms pass: 20 steps of 128 columns, a loop (not unrolled)
+    (5, 40, 2500, "rms", False, True, None),  # the rms pass: 20 steps of 128 columns
 ]
 
 

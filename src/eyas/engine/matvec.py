@@ -37,7 +37,8 @@ DT values, rounded. The float32 sums' order differs from cuBLAS's (and from one 
 
 The tiling (rows a program, columns a step, warps, eviction) is the one measured for the GPU and
 the product in ``matvec_tilings.json`` (``benchmarks/matvec_gpu.py --write-tilings`` times the
-choices and writes the fastest), else :func:`tiling`'s default for the shape. The kernels need
+choices and writes the fastest; ``--rows R`` those of the few-row kernel, keyed by R padded), else
+:func:`tiling`'s default for the shape (one row) or :func:`rows_tiling`'s (a few). The kernels need
 Triton (a GPU, or ``TRITON_INTERPRET=1`` on the CPU, as the tests run them).
 
 Measured (``benchmarks/2026-12-02-matvec-triton-h200.md``, the one-row kernel): with split-KV
@@ -184,9 +185,6 @@ def rows_tiling(n_rows: int, n_cols: int, sms: int = 132) -> Tiling:
     return Tiling(block_n, block_k, 8)
 
 
-UNROLLED_RMS_STEPS = 8  # the most steps of the few-row kernel's rms pass unrolled (their loads issued at once)
-
-
 SHARED_BYTES = 160 << 10  # what the few-row kernel's pipelined tiles may take (an H200 SM has 227 KB)
 
 
@@ -251,19 +249,11 @@ def _matvec_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
 
 
 @triton.jit
-def _squares(x_ptr, r, r_ok, k0, K: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x[r, k0:k0+BLOCK_K]^2 in float32 [BLOCK_R, BLOCK_K] (zero past K and R): a step of the rms pass."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    xk = tl.load(x_ptr + r[:, None] * WIDTH + k[None, :], mask=r_ok[:, None] & (k < K)[None, :], other=0.0)
-    return xk.to(tl.float32) * xk.to(tl.float32)
-
-
-@triton.jit
 def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
                  N: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr, PROLOGUE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL_RMS: tl.constexpr, EVICT: tl.constexpr,
-                 PRECISION: tl.constexpr, GLU: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, PRECISION: tl.constexpr,
+                 GLU: tl.constexpr):
     # The few-row kernel: R rows of x (padded to BLOCK_R >= 16 for tl.dot) against BLOCK_N rows of W,
     # acc [BLOCK_R, BLOCK_N] += a [BLOCK_R, BLOCK_K] @ w^T [BLOCK_K, BLOCK_N] on the tensor cores,
     # a = prologue(x) rounded to DT as the model rounds it (the one-row kernel's roundings).
@@ -281,12 +271,11 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, norm_ptr, bias_ptr, res_ptr, stride_w,
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
     if PROLOGUE == 1:  # each row's 1 / rms over all of x [R, K] (x is in L2), before the product
         squares = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-        if UNROLL_RMS:  # a few steps: unrolled, so their loads go out at once (one round trip to L2, not one a step)
-            for k0 in tl.static_range(0, K, BLOCK_K):
-                squares += _squares(x_ptr, r, r_ok, k0, K, WIDTH, BLOCK_K)
-        else:
-            for k0 in range(0, K, BLOCK_K):
-                squares += _squares(x_ptr, r, r_ok, k0, K, WIDTH, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_ptr + r[:, None] * WIDTH + k[None, :], mask=r_ok[:, None] & (k < K)[None, :],
+                         other=0.0).to(tl.float32)
+            squares += xk * xk
         inv_rms = 1.0 / tl.sqrt(tl.sum(squares, 1) / K + EPS)  # [BLOCK_R]
     acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)  # (GLU only)
@@ -388,7 +377,7 @@ def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | 
     tile = tile or _tiling_on(x.device, N, K, prologue, block_r, glu)
     _rows_kernel[(triton.cdiv(N, tile.block_n),)](
         *pointers, w.stride(0), **common, R=R, BLOCK_R=block_r, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, UNROLL_RMS=triton.cdiv(K, tile.block_k) <= UNROLLED_RMS_STEPS,
-        EVICT="evict_first" if tile.evict_first else "", PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, num_warps=tile.num_warps,
+        BLOCK_K=tile.block_k, EVICT="evict_first" if tile.evict_first else "",
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, num_warps=tile.num_warps,
         num_stages=rows_stages(tile, block_r, glu, x.element_size()))
     return y
