@@ -223,8 +223,12 @@ def test_matvec_gpu_times_the_products_on_the_cpu_in_the_interpreter_and_writes_
     written = json.loads(table.read_text())["cpu"]
     assert set(written) == {"1x1/none", "48x64/rms", "64x40/silu"}
     assert written["48x64/rms"] == [rows[0]["best"][k] for k in ("block_n", "block_k", "warps", "evict_first")]
-    few = json.loads(out.read_text()) if script.main(["--tiny", "--rows", "5", "--out", str(out)]) == 0 else None
+    assert script.main(["--tiny", "--rows", "5", "--out", str(out), "--write-tilings", str(table)]) == 0
+    few = json.loads(out.read_text())
     assert few["x_rows"] == 5 and [len(r["tilings"]) for r in few["rows"]] == [3, 3]  # the few-row kernel's
     assert all(t["us"] > 0 for r in few["rows"] for t in r["tilings"])
-    with pytest.raises(SystemExit, match=r"--rows: expected 1..64 \(and --write-tilings with 1 row only\), found 5"):
-        script.main(["--tiny", "--rows", "5", "--write-tilings", str(table)])
+    written = json.loads(table.read_text())["cpu"]  # its best, under keys with the rows padded to 16
+    assert set(written) == {"1x1/none", "48x64/rms", "64x40/silu", "48x64/rms/r16", "64x40/silu/r16"}
+    assert written["64x40/silu/r16"] == [few["rows"][1]["best"][k] for k in ("block_n", "block_k", "warps", "evict_first")]
+    with pytest.raises(SystemExit, match=r"--rows: expected 1..64, found 65"):
+        script.main(["--tiny", "--rows", "65"])

@@ -183,6 +183,31 @@ def test_a_compiled_drafter_drafts_what_the_eager_one_does(llama, trained_drafte
     assert results["aot_eager"] == results[False] == plain
 
 
+@pytest.mark.integration
+def test_a_warmed_draft_state_makes_every_round_function_up_front_and_serves_unchanged(llama, trained_drafter):
+    """DraftState.warm (called for a new state where CUDA graphs are on) makes the extend, the draft
+    at every depth and the re-read before any request, then empties the state: a request afterwards
+    makes nothing new (no draft function, no compilation) and serves plain decoding's tokens."""
+    from eyas.engine.sampling import GREEDY
+    from eyas.engine.speculative import _draft_state
+
+    tree = TreeSpec(3, 4, 12)
+    target = LlamaTarget(llama, SPEC4, max_length=128, fixed_shapes=True)
+    target.compile_drafter = "aot_eager"
+    state = _draft_state(target, trained_drafter, tree, 64)
+    state.warm(tree, target.vocab_size)
+    assert sorted(state._drafts) == sorted((tree, d, GREEDY) for d in (1, 2, 3))
+    assert sorted(state.compiled_rounds) == sorted([f"draft {tree}", "re-read"])
+    assert state.length == 0 and state.root_token is None  # emptied: no request sees the warm-up
+    made = {name: c.seconds for name, c in state.compiled_rounds.items()}
+    prompt = random_prompts(1, 128, seed=9)[0]
+    out = speculative_generate(target, trained_drafter, prompt, tree=tree, max_new_tokens=20).tokens
+    assert _draft_state(target, trained_drafter, tree, 64) is state and sorted(state._drafts) == sorted(
+        (tree, d, GREEDY) for d in (1, 2, 3))
+    assert {name: c.seconds for name, c in state.compiled_rounds.items()} == made  # no compilation in the request
+    assert out == plain_generate(LlamaTarget(llama, SPEC4, max_length=128), prompt, max_new_tokens=20).tokens
+
+
 @pytest.mark.unit
 def test_a_step_whose_compilation_fails_runs_eagerly_with_a_warning():
     from eyas.engine.graphs import CompiledOrEager

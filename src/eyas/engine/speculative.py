@@ -215,6 +215,8 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
                                            extend_bucket=tree.depth + 1,
                                            compile=getattr(target, "compile_drafter", None),
                                            kernels=kernels))
+        if states[key][1].graphs:  # its graphs and compilations now, not inside a request's rounds
+            states[key][1].warm(tree, target.vocab_size)
     state = states[key][1]
     state.reset()
     return state
