@@ -16,7 +16,8 @@ bounds the whole run, results are written after every step so a cut run keeps wh
    best chain by tokens/s go on, per temperature (all are reported).
 3. a profile (torch.profiler, CPU + CUDA activities) of one speculative round of the best tree
    (``--profile-rounds``, after ``--profile-skip`` rounds), and of one plain decoding step: top ops
-   by device time, GPU kernels and host launch calls per round (``profile.txt``, summary in the
+   by device time, GPU kernels and host launch calls per round, the GPU's idle time split into short
+   gaps (launches) and long ones (waits for the host: ``device_idle``) (``profile.txt``, summary in the
    report).
 4. HF warm-ups: eager; then static cache + torch.compile the way transformers 5.x documents it:
    a fixed-size cache passed to ``generate`` makes it compile the decoding step itself
@@ -307,6 +308,56 @@ LAUNCH_NAMES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
                 "cudaEventSynchronize", "cudaStreamWaitEvent")
 
 
+def device_idle(spans: list[tuple[str, float, float]], window: int, long_us: float = 5.0, top: int = 8) -> dict[str, Any]:
+    """Where the GPU sits idle between the profiled window's first and last device activity.
+
+    spans: (name, start us, end us) of every kernel, copy and memset. The idle time is the span
+    less the union of the activities; each gap between one activity's end and the next one's start
+    (overlaps merged) is short (under ``long_us``: a launch within a CUDA graph or a queue already
+    ahead of the GPU) or long (the GPU waited for the host: a graph launch, a copy or a sync that
+    came late; under torch.profiler the host runs slower, so long gaps are an upper bound). Per
+    round (``window`` rounds), with the ``top`` longest gaps and the activities around them."""
+    if not spans:
+        return {}
+    spans = sorted(spans, key=lambda x: x[1])
+    busy = gaps_short = gaps_long = 0.0
+    n_short = n_long = 0
+    longest: list[tuple[float, str, str]] = []
+    name, start, end = spans[0]
+    for nxt, s0, s1 in spans[1:]:
+        if s0 > end:  # a gap: the GPU idle from end to s0
+            busy += end - start
+            gap = s0 - end
+            if gap < long_us:
+                gaps_short, n_short = gaps_short + gap, n_short + 1
+            else:
+                gaps_long, n_long = gaps_long + gap, n_long + 1
+            longest.append((gap, name, nxt))
+            name, start, end = nxt, s0, s1
+        elif s1 > end:
+            name, end = nxt, s1
+    busy += end - start
+    span = end - spans[0][1]
+    per = max(window, 1)
+    return {"span_us_per_round": round(span / per, 1), "busy_us_per_round": round(busy / per, 1),
+            "idle_us_per_round": round((span - busy) / per, 1),
+            "short_gaps_per_round": round(n_short / per, 1), "short_gap_us_per_round": round(gaps_short / per, 1),
+            "long_gaps_per_round": round(n_long / per, 1), "long_gap_us_per_round": round(gaps_long / per, 1),
+            "longest_gaps": [{"us": round(g, 1), "after": a[:80], "before": b[:80]}
+                             for g, a, b in sorted(longest, reverse=True)[:top]]}
+
+
+def idle_text(idle: dict[str, Any] | None) -> str:
+    """device_idle's figures as the lines a profile's text starts with."""
+    if not idle:
+        return ""
+    lines = [f"GPU idle {idle['idle_us_per_round']} us a round of a {idle['span_us_per_round']} us span: "
+             f"{idle['short_gaps_per_round']} short gaps ({idle['short_gap_us_per_round']} us), "
+             f"{idle['long_gaps_per_round']} long ones ({idle['long_gap_us_per_round']} us); the longest:"]
+    lines += [f"  {g['us']:8.1f} us  after {g['after']}  before {g['before']}" for g in idle["longest_gaps"]]
+    return "\n".join(lines) + "\n"
+
+
 def profile_rounds(name: str, generate: Callable[[], Any], target: Any, rounds: int, skip: int) -> dict[str, Any]:
     """Profile ``rounds`` rounds of ``generate()`` (a speculative or plain generation on ``target``):
     the window runs from the target's (skip+2)-th forward call (call 1 is the prefill) to the
@@ -384,6 +435,7 @@ def profile_rounds(name: str, generate: Callable[[], Any], target: Any, rounds: 
         "kernel_launches_per_round": round(sum(launches[k] for k in LAUNCH_NAMES if "Launch" in k
                                                and k != "cudaGraphLaunch") / window, 1),
         "graph_launches_per_round": round(launches["cudaGraphLaunch"] / window, 1),
+        "device_idle": device_idle([(e.name, e.time_range.start, e.time_range.end) for e in kernels], window),
         "table": table,
     }
     if note:
@@ -498,15 +550,20 @@ def markdown(res: dict[str, Any]) -> str:
     prof = res.get("profile") or {}
     if prof:
         lines += ["## Profile (torch.profiler; full tables in profile.txt)", "",
-                  "| what | rounds | wall ms/round | GPU kernels/round | GPU kernel ms/round | kernel launches/round | graph launches/round |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| what | rounds | wall ms/round | GPU kernels/round | GPU kernel ms/round | kernel launches/round | "
+                  "graph launches/round | GPU idle us/round (short gaps, long gaps) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for k, p in prof.items():
             if isinstance(p, dict) and "rounds" in p:
+                idle = p.get("device_idle") or {}
+                gaps = (f"{_f(idle['idle_us_per_round'])} ({_f(idle['short_gap_us_per_round'])} in "
+                        f"{_f(idle['short_gaps_per_round'])}, {_f(idle['long_gap_us_per_round'])} in "
+                        f"{_f(idle['long_gaps_per_round'])})") if idle else "-"
                 lines.append(f"| {k} | {p['rounds']} | {_f(p['wall_ms_per_round'], 3)} | {_f(p['gpu_kernels_per_round'])} | "
                              f"{_f(p['gpu_kernel_ms_per_round'], 3)} | {_f(p['kernel_launches_per_round'])} | "
-                             f"{_f(p['graph_launches_per_round'])} |")
+                             f"{_f(p['graph_launches_per_round'])} | {gaps} |")
             elif isinstance(p, dict) and "error" in p:
-                lines.append(f"| {k} | error: {p['error'][:120]} | | | | | |")
+                lines.append(f"| {k} | error: {p['error'][:120]} | | | | | | |")
         lines.append("")
     if res.get("notes") or res.get("errors"):
         lines += ["## Notes and errors", ""]
@@ -864,7 +921,8 @@ class Bench:
                 texts.append(f"=== {name}: {p['rounds']} rounds ({'speculative rounds' if name != 'eyas_plain' else 'plain decoding steps'}), "
                              f"{p['wall_ms_per_round']:.3f} ms wall per round, {p['gpu_kernels_per_round']} GPU kernels per round, "
                              f"host calls per round {p['host_calls_per_round']}"
-                             + (f"; {p['note']}" if p.get("note") else "") + " ===\n" + p.pop("table") + "\n")
+                             + (f"; {p['note']}" if p.get("note") else "") + " ===\n" + idle_text(p.get("device_idle"))
+                             + p.pop("table") + "\n")
                 self.res["profile"][name] = p
                 log(f"profile {name}: {p['wall_ms_per_round']:.3f} ms/round, {p['gpu_kernels_per_round']} kernels/round, "
                     f"{p['kernel_launches_per_round']} launches + {p['graph_launches_per_round']} graph launches per round")

@@ -64,6 +64,19 @@ def test_spec_gpu_reports_every_decoder_set_and_temperature(toy_drafter, tmp_pat
     assert "## Temperature 0.0" in md and "## Temperature 1.0" in md and "| **overall** |" in md
 
 
+def test_spec_gpu_splits_a_profiles_gpu_idle_time_into_short_and_long_gaps():
+    """device_idle: the span less the union of the activities (overlaps merged), each gap short (a
+    launch) or long (a wait for the host), per round, the longest first with what lies around it."""
+    spec_gpu = load_script("spec_gpu")
+    spans = [("d", 40, 45), ("a", 0, 10), ("b", 11, 20), ("c", 15, 30), ("e", 46, 50), ("f", 47, 49)]
+    idle = spec_gpu.device_idle(spans, window=2)
+    assert (idle["span_us_per_round"], idle["busy_us_per_round"], idle["idle_us_per_round"]) == (25.0, 19.0, 6.0)
+    assert (idle["short_gaps_per_round"], idle["short_gap_us_per_round"]) == (1.0, 1.0)
+    assert (idle["long_gaps_per_round"], idle["long_gap_us_per_round"]) == (0.5, 5.0)
+    assert idle["longest_gaps"][0] == {"us": 10.0, "after": "c", "before": "d"} and len(idle["longest_gaps"]) == 3
+    assert "GPU idle 6.0 us a round of a 25.0 us span" in spec_gpu.idle_text(idle) and spec_gpu.device_idle([], 1) == {}
+
+
 def test_spec_gpu_budget_keeps_partial_results(toy_drafter, tmp_path):
     """A budget too small for the main loop still leaves a complete report of what was done."""
     target, draft = toy_drafter
