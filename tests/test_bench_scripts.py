@@ -77,6 +77,21 @@ def test_spec_gpu_splits_a_profiles_gpu_idle_time_into_short_and_long_gaps():
     assert "GPU idle 6.0 us a round of a 25.0 us span" in spec_gpu.idle_text(idle) and spec_gpu.device_idle([], 1) == {}
 
 
+def test_draft_topk_gpu_times_every_selection_and_checks_its_values_on_the_cpu(tmp_path):
+    """--tiny: top-k by torch.topk and by stable sorts (chunked and whole), and the level's sort, at
+    two row counts; every variant's values equal torch.topk's, and the report is written."""
+    script = load_script("draft_topk_gpu")
+    out = tmp_path / "topk.json"
+    assert script.main(["--tiny", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["rows"]) for r in rows[:6]] == [(v, 1) for v in ("topk-chunked", "topk", "sort-chunked",
+                                                                               "sort", "level-sort", "level-topk")]
+    assert len(rows) == 12 and all(r["same"] and r["us"] > 0 for r in rows)
+    x = torch.tensor([[0.0, 3.0, 1.0, 3.0, 2.0]])
+    values, indices = script.sort_top_k(x, 3)  # stable: of equal values, the lower index first
+    assert values.tolist() == [[3.0, 3.0, 2.0]] and indices.tolist() == [[1, 3, 4]]
+
+
 def test_spec_gpu_budget_keeps_partial_results(toy_drafter, tmp_path):
     """A budget too small for the main loop still leaves a complete report of what was done."""
     target, draft = toy_drafter
