@@ -52,10 +52,11 @@ import torch.nn.functional as F
 # gate_up_glu: the gate/up product with that epilogue, as verification runs it: the few-row kernel only)
 SHAPES = {
     "8b": {"qkv": (6144, 4096, "rms", False), "o": (4096, 4096, None, True), "gate_up": (28672, 4096, "rms", False),
-           "gate_up_glu": (28672, 4096, "rms", False), "down": (4096, 14336, "silu", True), "down_glu": (4096, 14336, None, True), "head": (128256, 4096, "rms", False)},
+           "gate_up_glu": (28672, 4096, "rms", False), "down": (4096, 14336, "silu", True),
+           "down_glu": (4096, 14336, None, True), "head": (128256, 4096, "rms", False)},
     "smollm2": {"qkv": (960, 576, "rms", False), "o": (576, 576, None, True), "gate_up": (3072, 576, "rms", False),
-                "gate_up_glu": (3072, 576, "rms", False), "down": (576, 1536, "silu", True), "down_glu": (576, 1536, None, True),
-                "head": (49152, 576, "rms", False)},
+                "gate_up_glu": (3072, 576, "rms", False), "down": (576, 1536, "silu", True),
+                "down_glu": (576, 1536, None, True), "head": (49152, 576, "rms", False)},
     # the shipped SmolLM2 drafter's own products (its fc over 3 x 576 features, q/k/v over [embeds | hidden],
     # the head over its 12,288-token vocabulary); its o, gate/up and down are SmolLM2's
     "smollm2_drafter": {"fc": (576, 1728, None, False), "qkv": (960, 1152, None, False),

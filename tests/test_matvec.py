@@ -160,8 +160,10 @@ def test_the_default_tiling_and_the_measured_ones(tmp_path, monkeypatch):
     table = mv._measured("GPU X")
     assert table["4096x4096/none"] == Tiling(4, 512, 8, False) and table[mv._key(6144, 4096, "rms")].block_n == 16
     # the few-row kernel's products: keyed by their padded rows too, and glu (N: the gate's rows)
-    assert mv._key(1536, 576, "rms", 32, True) == "1536x576/rms/r32/glu" and mv._key(576, 576, None, 16) == "576x576/none/r16"
-    assert table[mv._key(1536, 576, "rms", 32, True)] == Tiling(32, 256, 4) and mv._key(1536, 576, "rms", 16, True) not in table
+    assert mv._key(1536, 576, "rms", 32, True) == "1536x576/rms/r32/glu"
+    assert mv._key(576, 576, None, 16) == "576x576/none/r16"
+    assert table[mv._key(1536, 576, "rms", 32, True)] == Tiling(32, 256, 4)
+    assert mv._key(1536, 576, "rms", 16, True) not in table
     assert mv._measured("GPU Y") == {}  # a GPU no table names: the default tiling
     shipped = mv.read_tilings(mv.TILINGS_FILE)["NVIDIA H200"]  # the 8B-shaped step's five products, and
     assert shipped[mv._key(28672, 4096, "rms")] == Tiling(4, 2048, 8, True)

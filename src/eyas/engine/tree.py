@@ -348,10 +348,10 @@ class DraftState:
         spec.depth (the full depth compiled, the shallower ones of a request's last rounds captured
         eagerly) and the pipelined re-read. Each is compiled, captured or JIT-compiled on its first
         call; without this a request pays them where it first needs them, the shallower drafts in
-        its last rounds (on the H200, 2026-12-02, trees new to the process averaged 12-26 ms of
-        drafting a round over their first four prompts, a warm tree 0.6: first uses, not profiled
-        further). The calls run on zeros from entry 0; the state is then emptied (:meth:`reset`),
-        so no request sees them."""
+        its last rounds: on the H200 trees new to the process averaged 7-26 ms of drafting a round
+        over their first four prompts, and 0.30-0.66 ms once warmed so
+        (``benchmarks/2026-12-02-few-row-tilings-h200.md``). The calls run on zeros from entry 0;
+        the state is then emptied (:meth:`reset`), so no request sees them."""
         if not self.extend_bucket:
             return
         B = self.extend_bucket
