@@ -22,6 +22,8 @@
 #                then with GREEDY=expr the engine's GPU tests that -k expr selects (GREEDY_S: their time limit)
 #   fewrows      the few-row kernel's tilings per product at 32 and 16 rows (matvec_gpu.py --rows, SmolLM2 and its
 #                drafter), the best into $OUT/rows_tilings.json, then the SmolLM2-shaped step by rule and with them
+#   topk         the drafter's per-depth selection alone: torch.topk against stable sorts, eager and compiled
+#                (draft_topk_gpu.py --compile; no GGUF, after setup)
 #   tiling       one block's attention alone, eager against the split-KV kernels per tiling (decode_attention_gpu.py)
 #   gputests     the engine's GPU tests, then the matvec='reduce' identity test run for its message
 #   attention    the shipped drafter with the fast target's attention eager, then split-kv (Triton): spec_gpu.py twice
@@ -242,6 +244,12 @@ EOF
     done
     step_cost smollm2_rule smollm2 compiled-triton-verify-split-kv "${SMOL_S:-100}"
     EYAS_MATVEC_TILINGS=$OUT/rows_tilings.json step_cost smollm2_table smollm2 compiled-triton-verify-split-kv "${SMOL_S:-100}"
+    ;;
+  topk)
+    # a greedy draft's per-depth selection alone, eager and compiled: torch.topk against stable sorts (draft_topk_gpu.py)
+    timeout "${TOPK_S:-240}" python benchmarks/draft_topk_gpu.py --compile --out "$OUT/draft_topk.json" \
+      > "$OUT/draft_topk.log" 2>&1 || echo "draft_topk exit $?" >> "$OUT/draft_topk.log"
+    tail -n 40 "$OUT/draft_topk.log"
     ;;
   tiling)
     # one block's attention alone: eager against the split-KV kernels per tiling (decode_attention_gpu.py)
