@@ -152,3 +152,27 @@ def test_a_fast_round_synchronises_the_device_once(llama_and_drafter, sampling):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert counts and max(counts) == 1  # the verdict's transfer is seen: the mode was on
+
+
+def test_a_draft_state_warmed_when_built_captures_nothing_in_a_request(llama_and_drafter):
+    """DraftState.warm on a GPU: the state built for a target with CUDA graphs has captured the extend,
+    the draft of every depth and the re-read before any request; the first request captures none
+    (a capture synchronises and costs milliseconds: it used to happen in the request's last rounds)
+    and serves plain decoding's tokens."""
+    from eyas.engine.speculative import _draft_state
+
+    model, drafter = llama_and_drafter
+    fast = LlamaTarget(model, SPEC4, cuda_graphs=True)
+    tree = TreeSpec(4, 4, 16)
+    state = _draft_state(fast, drafter, tree, 64)
+    graphs = [*state._drafts.values(), state._steps[True], state._reread]
+
+    def captured() -> int:
+        return sum(len(g.graphs) for g in graphs)
+
+    before = captured()
+    assert before >= tree.depth + 2  # a draft per depth, the extend, the re-read
+    prompt = random_prompts(1, 128, seed=11)[0]
+    r = speculative_generate(fast, drafter, prompt, tree=tree, max_new_tokens=40)
+    assert captured() == before and len(state._drafts) == tree.depth
+    assert r.tokens == plain_generate(fast, prompt, max_new_tokens=40).tokens
