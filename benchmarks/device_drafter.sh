@@ -22,6 +22,8 @@
 #                then with GREEDY=expr the engine's GPU tests that -k expr selects (GREEDY_S: their time limit)
 #   fewrows      the few-row kernel's tilings per product at 32 and 16 rows (matvec_gpu.py --rows, SmolLM2 and its
 #                drafter), the best into $OUT/rows_tilings.json, then the SmolLM2-shaped step by rule and with them
+#   probe ARGS   spec ARGS, then topk, then the GPU tests of the warmed draft state and of float32 identity with
+#                triton-verify, in one call (after setup and part; carry the GGUF's last part; COMMIT=sha)
 #   topk         the drafter's per-depth selection alone: torch.topk against stable sorts, eager and compiled
 #                (draft_topk_gpu.py --compile; no GGUF, after setup)
 #   tiling       one block's attention alone, eager against the split-KV kernels per tiling (decode_attention_gpu.py)
@@ -244,6 +246,16 @@ EOF
     done
     step_cost smollm2_rule smollm2 compiled-triton-verify-split-kv "${SMOL_S:-100}"
     EYAS_MATVEC_TILINGS=$OUT/rows_tilings.json step_cost smollm2_table smollm2 compiled-triton-verify-split-kv "${SMOL_S:-100}"
+    ;;
+  probe)
+    shift
+    # one call after setup and part (carry the GGUF's last part; COMMIT=sha): spec ARGS (its profile splits the GPU's idle
+    # time), then topk, then the GPU tests of the warmed draft state and of float32 identity through the kernels
+    bash "$0" spec "$@"
+    bash "$0" topk
+    timeout "${TESTS_S:-200}" python -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py \
+      -k "warmed or triton-verify" > "$OUT/gpu_tests.log" 2>&1 || true
+    tail -n 5 "$OUT/gpu_tests.log"
     ;;
   topk)
     # a greedy draft's per-depth selection alone, eager and compiled: torch.topk against stable sorts (draft_topk_gpu.py)
