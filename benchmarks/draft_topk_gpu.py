@@ -34,43 +34,27 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-CHUNK = 256
-
-
-def sort_top_k(x: Tensor, k: int, chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
-    """The k largest of each row of x [r, V] by stable descending sorts: of each chunk, then of the
-    chunks' k best (one sort when the row is short)."""
-    r, V = x.shape
-    if k > chunk or V < 4 * chunk:
-        best = x.sort(dim=-1, descending=True, stable=True)
-        return best.values[:, :k], best.indices[:, :k]
-    pad = (-V) % chunk
-    if pad:
-        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
-    per_chunk = x.view(r, -1, chunk).sort(dim=-1, descending=True, stable=True)
-    values, indices = per_chunk.values[..., :k], per_chunk.indices[..., :k]  # [r, V/chunk, k]
-    offsets = torch.arange(0, x.shape[1], chunk, device=x.device)[None, :, None]
-    best = values.flatten(1).sort(dim=-1, descending=True, stable=True)
-    return best.values[:, :k], (indices + offsets).flatten(1).gather(1, best.indices[:, :k])
+def by_sort(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest of each row of x [..., V] by a stable descending sort (of equal values, the
+    lower index first): ``tree.top_k``'s ``select`` for the sort variants."""
+    best = x.sort(dim=-1, descending=True, stable=True)
+    return best.values[..., :k], best.indices[..., :k]
 
 
 def variants(k: int) -> dict[str, Callable[[Tensor], tuple[Tensor, Tensor]]]:
     """name -> fn(logits [r, V]) -> (values [r, k], indices [r, k]) as a depth of the draft runs it."""
-    from eyas.engine.tree import top_k
+    from eyas.engine.tree import largest, top_k
 
     def children(select: Callable[[Tensor, int], tuple[Tensor, Tensor]]) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
         return lambda logits: select(torch.log_softmax(logits.float(), dim=-1), k)
 
-    return {"topk-chunked": children(top_k), "topk": children(lambda x, n: x.topk(n, dim=-1)),
-            "sort-chunked": children(sort_top_k), "sort": children(lambda x, n: sort_top_k(x, n, chunk=x.shape[1]))}
+    return {"topk-chunked": children(top_k), "topk": children(largest),
+            "sort-chunked": children(lambda x, n: top_k(x, n, select=by_sort)), "sort": children(by_sort)}
 
 
 def level_variants(k: int) -> dict[str, Callable[[Tensor], tuple[Tensor, Tensor]]]:
     """name -> fn(scores [r*k]) -> the k best (values, indices), as a depth picks its frontier."""
-    def stable_sort(s: Tensor) -> tuple[Tensor, Tensor]:
-        best = s.sort(descending=True, stable=True)
-        return best.values[:k], best.indices[:k]
-    return {"level-sort": stable_sort, "level-topk": lambda s: s.topk(k)}
+    return {"level-sort": lambda s: by_sort(s, k), "level-topk": lambda s: s.topk(k)}
 
 
 def time_us(fn: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor, reps: int) -> float:

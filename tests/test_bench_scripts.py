@@ -88,7 +88,7 @@ def test_draft_topk_gpu_times_every_selection_and_checks_its_values_on_the_cpu(t
                                                                                "sort", "level-sort", "level-topk")]
     assert len(rows) == 12 and all(r["same"] and r["us"] > 0 for r in rows)
     x = torch.tensor([[0.0, 3.0, 1.0, 3.0, 2.0]])
-    values, indices = script.sort_top_k(x, 3)  # stable: of equal values, the lower index first
+    values, indices = script.by_sort(x, 3)  # stable: of equal values, the lower index first
     assert values.tolist() == [[3.0, 3.0, 2.0]] and indices.tolist() == [[1, 3, 4]]
 
 

@@ -220,7 +220,7 @@ def test_a_draft_state_with_triton_kernels_drafts_what_the_torch_one_does():
     spec, bucket = TreeSpec(3, 3, 8), 4
     states = {k: DraftState(d, 64, fixed_shapes=True, extend_bucket=bucket, compile=False, kernels=k)
               for k in ("torch", "triton")}
-    assert all("kernel_step" in f.__qualname__ for f in states["triton"]._steps.values())
+    assert all("kernel_step" in f.__qualname__ for f in (states["triton"]._extend_step, *states["triton"]._eager.values()))
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, VOCAB, (9,), generator=g).to(DEVICE)
     features = torch.randn(9, SLOTS * H_T, generator=g).to(DEVICE)

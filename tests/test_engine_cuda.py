@@ -165,7 +165,7 @@ def test_a_draft_state_warmed_when_built_captures_nothing_in_a_request(llama_and
     fast = LlamaTarget(model, SPEC4, cuda_graphs=True)
     tree = TreeSpec(4, 4, 16)
     state = _draft_state(fast, drafter, tree, 64)
-    graphs = [*state._drafts.values(), state._steps[True], state._reread]
+    graphs = [*state._drafts.values(), state._extend_step, state._reread]
 
     def captured() -> int:
         return sum(len(g.graphs) for g in graphs)

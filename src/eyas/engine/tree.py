@@ -160,22 +160,29 @@ class DraftTree:
                    depth=depth, proposals=proposals)
 
 
-def top_k(x: Tensor, k: int, chunk: int = 256) -> tuple[Tensor, Tensor]:
-    """The k largest values of each row of x [r, V] and their indices, largest first: x.topk(k), in
-    two stages when rows are long. A GPU's top-k gives a row one thread block, so a few long rows
-    (the drafter's frontier over its vocabulary) leave it idle for tens of microseconds; splitting
-    each row into chunks of ``chunk`` first (the top k of every chunk, then of those) spreads the
-    work over r * V / chunk blocks. The same values; among equal values the order may differ."""
+def largest(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest values of each row of x [..., V] and their indices, largest first (torch.topk)."""
+    return x.topk(k, dim=-1)
+
+
+def top_k(x: Tensor, k: int, chunk: int = 256,
+          select: Callable[[Tensor, int], tuple[Tensor, Tensor]] = largest) -> tuple[Tensor, Tensor]:
+    """The k largest values of each row of x [r, V] and their indices, largest first: ``select``
+    (x.topk), in two stages when rows are long. A GPU's top-k gives a row one thread block, so a
+    few long rows (the drafter's frontier over its vocabulary) leave it idle for tens of
+    microseconds; splitting each row into chunks of ``chunk`` first (the top k of every chunk, then
+    of those) spreads the work over r * V / chunk blocks. The same values; among equal values the
+    order may differ. (``benchmarks/draft_topk_gpu.py`` times ``select`` by stable sorts.)"""
     r, V = x.shape
     if k > chunk or V < 4 * chunk:
-        return x.topk(k, dim=-1)
+        return select(x, k)
     pad = (-V) % chunk
     if pad:
         x = F.pad(x, (0, pad), value=float("-inf"))
-    per_chunk = x.view(r, -1, chunk).topk(k, dim=-1)  # [r, V/chunk, k]
+    values, indices = select(x.view(r, -1, chunk), k)  # [r, V/chunk, k]
     offsets = torch.arange(0, x.shape[1], chunk, device=x.device)[None, :, None]
-    best = per_chunk.values.flatten(1).topk(k, dim=-1)  # [r, k] over the chunks' candidates
-    return best.values, (per_chunk.indices + offsets).flatten(1).gather(1, best.indices)
+    best_values, best = select(values.flatten(1), k)  # [r, k] over the chunks' candidates
+    return best_values, (indices + offsets).flatten(1).gather(1, best)
 
 
 class DraftState:
@@ -234,14 +241,16 @@ class DraftState:
         self.root_hidden: Tensor | None = None  # [H]
         self.extend_bucket = int(extend_bucket) if (fixed_shapes or cuda_graphs) else 0
         graphs = cuda_graphs and self.device.type == "cuda"
-        # from target features (extend) and from fed-back states (expansion): two steps, two graph sets
+        # the step from target features (extend, re-read) and from fed-back states (expansion)
         self._eager = {True: self._step_fn(True), False: self._step_fn(False)}
         backend = ("inductor" if graphs else None) if compile is None else (
             "inductor" if compile is True else (compile or None))
         # the round functions' compiler (see compile above); the steps alone run eagerly
         self.round_backend = backend if backend and self.extend_bucket else None
         self.compiled_rounds: dict[str, CompiledOrEager] = {}  # name -> the compiled round function
-        self._steps = {k: StepGraphs(fn) for k, fn in self._eager.items()} if graphs else self._eager
+        # a non-pipelined round's re-read (the extend of extend_bucket entries), captured; the expansion
+        # step runs inside the captured draft and the re-read inside its own function
+        self._extend_step = StepGraphs(self._eager[True]) if graphs else self._eager[True]
         self.graphs = graphs
         # drafts of greedy or CounterStream sampling, per (spec, depth, sampling)
         self._drafts: dict[tuple, Callable[..., tuple[Tensor, ...]]] = {}
@@ -297,7 +306,7 @@ class DraftState:
         mask[n:] = self.positions[None] == slots[n:, None]
         self.root_token = tokens[n - 1:n]
         if B == self.extend_bucket:  # the fixed-shape (graphed) step
-            logits, hidden = self._steps[True](tokens[None], features[None], slots[None], slots, mask[None, None])
+            logits, hidden = self._extend_step(tokens[None], features[None], slots[None], slots, mask[None, None])
             # cloned: a graph's outputs are overwritten by its next replay
             self.root_logits, self.root_hidden = logits[0, n - 1].clone(), hidden[0, n - 1].clone()
         else:  # exact shapes (a prompt; every extend on the CPU), eagerly
