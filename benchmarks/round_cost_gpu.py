@@ -1,12 +1,20 @@
-"""What a speculative round costs on the fast path, next to a plain step: a SmolLM2-shaped Llama with
-random weights (bf16) and an untrained drafter (cost only: acceptance is not measured here).
+"""What a speculative round costs on the fast path, next to a plain step, with no GGUF: a SmolLM2-shaped
+Llama with random weights (bf16) and a drafter of SmolLM2's shape (the shipped one by default; cost
+only, acceptance is not measured here: a round's shapes are fixed by its tree, so its cost is too).
 
-For each tree: the round timed end to end through the engine (``eyas.tune.time_rounds``: draft,
-verify, accept, commit, the round's one read), and the phase split with CUDA events (timing
-"events") over a short generation. Then a torch.profiler table of one round of the first tree:
-kernels launched, CUDA time by op, and the host's time. Prints and writes JSON (``--out``).
+The figure that decides speculative decoding's speedup is the round's cost in plain steps:
+speedup = tau * plain step / round. For each tree: the round timed end to end through the engine
+(``eyas.tune.time_rounds``: draft, verify, accept, commit, the round's one read; no phase clock),
+repeated and interleaved with plain steps so that both see the same machine, then the speedup that
+cost gives at the accept lengths ``--tau`` (measured on MT-bench with the real model elsewhere).
+With ``--profile``, torch.profiler of one round of the first tree and of one plain step: kernels,
+graph launches, host calls, and the GPU's idle time split into short and long gaps
+(``spec_gpu.device_idle``).
 
-    PYTHONPATH=src python benchmarks/round_cost_gpu.py --out round_cost.json [--profile-out prof.txt]
+Run it once per version of the engine (PYTHONPATH=old_src, then src) on one machine to compare them.
+
+    PYTHONPATH=src python benchmarks/round_cost_gpu.py --trees 4,8,15 5,8,15 --tau 2.84 2.90 \\
+        --out round_cost.json --profile-out prof.txt [--label before]
 """
 
 from __future__ import annotations
@@ -14,17 +22,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from eyas.convention import CaptureSpec
-from eyas.drafter.build import new_drafter
-from eyas.engine import TreeSpec, build_target, plain_generate, speculative_generate
-from eyas.engine.speculative import start, step
-from eyas.tune import time_rounds
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-TREES = ["1", "4", "6", "6,4,24", "6,8,32", "6,10,60", "8,8,48"]
+from spec_gpu import idle_text, profile_rounds  # noqa: E402  (a sibling benchmark script)
+
+from eyas.convention import CaptureSpec  # noqa: E402
+from eyas.engine import TreeSpec, build_target, plain_generate, speculative_generate  # noqa: E402
+from eyas.tune import time_rounds  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DRAFTER = REPO / "src" / "eyas" / "interop" / "embedded" / "smollm2-135m-instruct"
 
 
 def smollm2_shaped(device: torch.device, tiny: bool) -> torch.nn.Module:
@@ -41,70 +54,117 @@ def smollm2_shaped(device: torch.device, tiny: bool) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
 
 
+def drafter_for(model: torch.nn.Module, draft: str, tiny: bool) -> tuple[torch.nn.Module, CaptureSpec]:
+    """The shipped drafter (its weights; the random target's embedding copied in) with the capture
+    spec it reads, or an untrained one for ``--tiny`` / ``--draft untrained``."""
+    import warnings
+
+    L = model.config.num_hidden_layers
+    if tiny or draft == "untrained":
+        from eyas.drafter.build import new_drafter
+
+        spec = CaptureSpec((0, L // 2, L) if L < 8 else (2, L // 2, L - 3), L)
+        drafter = new_drafter(model, boundaries=spec.boundaries, draft_vocab_size=256 if tiny else 12288)[0]
+    else:
+        from eyas.interop import load_drafter
+
+        with warnings.catch_warnings():  # a random target: its contract cannot match (force)
+            warnings.simplefilter("ignore")
+            drafter, contract = load_drafter(draft, target=model, force=True)
+        spec = contract.capture if contract is not None else CaptureSpec((2, 15, 27), L)
+    dtype = next(model.parameters()).dtype
+    return drafter.to(device=next(model.parameters()).device, dtype=dtype).eval(), spec
+
+
+def plain_step_ms(target, prompt: list[int], new: int) -> float:
+    st = plain_generate(target, prompt, max_new_tokens=new, timing="off").stats
+    return 1e3 * st.time_rounds / max(1, st.rounds - 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trees", default=" ".join(TREES))
+    ap.add_argument("--trees", nargs="+", default=["4,8,15", "5,8,15", "4,8,31"])
+    ap.add_argument("--tau", nargs="*", type=float, default=[],
+                    help="accept lengths measured for the trees (same order): the speedup their cost gives")
+    ap.add_argument("--draft", default=str(DRAFTER), help="a drafter directory, or 'untrained'")
+    ap.add_argument("--matvec", default="auto")
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--context", type=int, default=300, help="committed tokens before the timed rounds")
+    ap.add_argument("--rounds", type=int, default=30, help="rounds (plain steps) per timing")
+    ap.add_argument("--repeats", type=int, default=5, help="timings per tree, interleaved with plain ones")
+    ap.add_argument("--label", default="", help="a name for this run (e.g. the commit)")
     ap.add_argument("--tiny", action="store_true", help="a toy config on the CPU (smoke test)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler of one round and one plain step")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-out", default=None)
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     model = smollm2_shaped(device, args.tiny)
-    L = model.config.num_hidden_layers
-    spec = CaptureSpec((0, L // 2, L) if L < 8 else (2, L // 2, L - 3), L)
-    drafter = new_drafter(model, boundaries=spec.boundaries, draft_vocab_size=8192 if not args.tiny else 256)[0]
-    drafter = drafter.to(device=device, dtype=next(model.parameters()).dtype).eval()
-    target = build_target(model, spec, "fast")
+    drafter, spec = drafter_for(model, args.draft, args.tiny)
+    target = build_target(model, spec, "fast", matvec=args.matvec, attention=args.attention)
     t0 = time.perf_counter()
     if hasattr(target, "warmup"):
         target.warmup()
+    trees = [TreeSpec.parse(t) for t in args.trees]
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=g).tolist()
+    time_rounds(target, drafter, trees, rounds=2, warmup=3, context=args.context)  # captures, compilations
+    plain_step_ms(target, prompt, 8)
     warm_s = time.perf_counter() - t0
-    print(f"target: {target.implementation}; warm-up (compile + capture) {warm_s:.1f} s", flush=True)
-    trees = [TreeSpec.parse(t) for t in args.trees.split()]
-    prompt = torch.randint(0, model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    print(f"target {target.implementation}, matvec {getattr(target, 'matvec', '?')}; warm-up {warm_s:.1f} s", flush=True)
 
-    plain = [plain_generate(target, prompt, max_new_tokens=64, timing="off").stats for _ in range(3)]
-    plain_ms = statistics.median(1e3 * s.time_rounds / max(1, s.rounds - 1) for s in plain)
-    print(f"plain step: {plain_ms:.3f} ms ({1e3 / plain_ms:.0f} tok/s)", flush=True)
-
-    t0 = time.perf_counter()
-    rounds = time_rounds(target, drafter, trees, rounds=20, warmup=3, context=200)
-    print(f"time_rounds over {len(trees)} trees: {time.perf_counter() - t0:.1f} s (graph captures included)")
+    plain: list[float] = []
+    rounds: dict[TreeSpec, list[float]] = {t: [] for t in trees}
+    for _ in range(args.repeats):  # interleaved: the machine drifts
+        plain.append(plain_step_ms(target, prompt, args.rounds + 1))
+        for tree, sec in time_rounds(target, drafter, trees, rounds=args.rounds, warmup=2, context=args.context).items():
+            rounds[tree].append(1e3 * sec)
+    plain_ms = statistics.median(plain)
+    print(f"plain step: {plain_ms:.4f} ms (median of {args.repeats}: {[round(x, 4) for x in plain]})", flush=True)
     rows = []
+    taus = dict(zip(trees, args.tau))
     for tree in trees:
-        st = speculative_generate(target, drafter, prompt, tree=tree, max_new_tokens=64, timing="events").stats
-        n = len(st.accept_lengths)
-        row = {"tree": [tree.depth, tree.top_k, tree.total_tokens], "round_ms": round(rounds[tree] * 1e3, 4),
-               "round_over_plain_step": round(rounds[tree] * 1e3 / plain_ms, 3),
-               "events_ms_per_round": {k: round(1e3 * getattr(st, f"time_{k}") / max(1, n), 4)
-                                       for k in ("draft", "verify", "bookkeeping")},
-               "wall_round_ms_with_events": round(1e3 * st.round_s, 4)}
+        ms = statistics.median(rounds[tree])
+        row = {"tree": f"{tree.depth},{tree.top_k},{tree.total_tokens}", "round_ms": round(ms, 4),
+               "round_ms_all": [round(x, 4) for x in rounds[tree]], "round_in_plain_steps": round(ms / plain_ms, 3)}
+        if tree in taus:
+            row["tau"] = taus[tree]
+            row["speedup_at_tau"] = round(taus[tree] * plain_ms / ms, 3)
+        # phases by CUDA events (their sum is the device's time, idle included)
+        st = speculative_generate(target, drafter, prompt, tree=tree, max_new_tokens=8 * (tree.depth + 1),
+                                  timing="events").stats
+        n = max(1, len(st.accept_lengths))
+        row["events_ms_per_round"] = {k: round(1e3 * getattr(st, f"time_{k}") / n, 4)
+                                      for k in ("draft", "verify", "bookkeeping")}
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    prof_table = ""
-    if device.type == "cuda":
-        from torch.profiler import ProfilerActivity, profile
-
-        s = start(target, prompt, drafter, tree=trees[min(3, len(trees) - 1)], max_new_tokens=64, timing="off")
-        for _ in range(3):
-            step(s)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step(s)
-            torch.cuda.synchronize()
-        prof_table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-        kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
-        print(prof_table)
-        print(f"CUDA kernels in one round: {kernels}")
-        if args.profile_out:
-            with open(args.profile_out, "w") as f:
-                f.write(prof_table + f"\nCUDA kernels in one round: {kernels}\n")
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "target_impl": target.implementation, "warmup_s": round(warm_s, 2),
-              "plain_step_ms": round(plain_ms, 4), "trees": rows}
+    profiles, text = {}, ""
+    if args.profile:
+        tree = trees[0]
+        jobs = {"spec_round": lambda: speculative_generate(target, drafter, prompt, tree=tree,
+                                                           max_new_tokens=12 * (tree.depth + 1), timing="off"),
+                "plain_step": lambda: plain_generate(target, prompt, max_new_tokens=24, timing="off")}
+        for name, fn in jobs.items():
+            p = profile_rounds(name, fn, target, rounds=2, skip=4)
+            text += (f"=== {name} ({tree if name == 'spec_round' else 'plain'}): {p['rounds']} rounds, "
+                     f"{p['wall_ms_per_round']:.3f} ms wall per round (profiled), {p['gpu_kernels_per_round']} kernels "
+                     f"({p['gpu_kernel_ms_per_round']} ms), host calls {p['host_calls_per_round']} ===\n"
+                     + idle_text(p.get("device_idle")) + p.pop("table") + "\n")
+            profiles[name] = p
+            print(f"{name}: {p['gpu_kernels_per_round']} kernels, {p['gpu_kernel_ms_per_round']} ms of kernels, "
+                  f"idle {p.get('device_idle', {}).get('idle_us_per_round')} us a round", flush=True)
+        print(text)
+    result = {"label": args.label, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "target_impl": target.implementation,
+              "matvec": getattr(target, "matvec", None), "attention": getattr(target, "attention", None),
+              "drafter": args.draft, "context": args.context, "warmup_s": round(warm_s, 2),
+              "plain_step_ms": round(plain_ms, 4), "plain_step_ms_all": [round(x, 4) for x in plain],
+              "trees": rows, "profiles": profiles}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.profile_out:
+        Path(args.profile_out).write_text(text)
 
 
 if __name__ == "__main__":
