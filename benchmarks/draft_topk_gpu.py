@@ -34,16 +34,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-def by_sort(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The k largest of each row of x [..., V] by a stable descending sort (of equal values, the
-    lower index first): ``tree.top_k``'s ``select`` for the sort variants."""
-    best = x.sort(dim=-1, descending=True, stable=True)
-    return best.values[..., :k], best.indices[..., :k]
-
 
 def variants(k: int) -> dict[str, Callable[[Tensor], tuple[Tensor, Tensor]]]:
     """name -> fn(logits [r, V]) -> (values [r, k], indices [r, k]) as a depth of the draft runs it."""
-    from eyas.engine.tree import largest, top_k
+    from eyas.engine.tree import by_sort, largest, top_k
 
     def children(select: Callable[[Tensor, int], tuple[Tensor, Tensor]]) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
         return lambda logits: select(torch.log_softmax(logits.float(), dim=-1), k)
@@ -54,6 +48,8 @@ def variants(k: int) -> dict[str, Callable[[Tensor], tuple[Tensor, Tensor]]]:
 
 def level_variants(k: int) -> dict[str, Callable[[Tensor], tuple[Tensor, Tensor]]]:
     """name -> fn(scores [r*k]) -> the k best (values, indices), as a depth picks its frontier."""
+    from eyas.engine.tree import by_sort
+
     return {"level-sort": lambda s: by_sort(s, k), "level-topk": lambda s: s.topk(k)}
 
 

@@ -317,16 +317,21 @@ def test_tree_shapes(llama, trained_drafter):
 
 
 @pytest.mark.unit
-def test_two_stage_top_k_equals_top_k():
-    from eyas.engine.tree import top_k
+def test_two_stage_top_k_equals_top_k_by_topk_and_by_sort():
+    """The chunked top-k, by torch.topk or by stable sorts (a compiled draft's), equals torch.topk
+    over the whole row; by_sort breaks ties by the lower index."""
+    from eyas.engine.tree import by_sort, largest, top_k
 
     g = torch.Generator().manual_seed(0)
     for rows, V, k in ((1, 12288, 1), (10, 8192, 10), (4, 32000, 8), (3, 1500, 4), (2, 300, 5)):
         x = torch.randn(rows, V, generator=g)
-        values, indices = top_k(x, k)
         ref = x.topk(k, dim=-1)
-        assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)  # distinct values: same order
-        assert torch.equal(x.gather(1, indices), values)
+        for select in (largest, by_sort):
+            values, indices = top_k(x, k, select=select)
+            assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)  # distinct values: same order
+            assert torch.equal(x.gather(1, indices), values)
+    values, indices = by_sort(torch.tensor([[0.0, 3.0, 1.0, 3.0, 2.0]]), 3)
+    assert values.tolist() == [[3.0, 3.0, 2.0]] and indices.tolist() == [[1, 3, 4]]
 
 
 # ---------------------------------------------------------------------------------------------

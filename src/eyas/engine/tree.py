@@ -165,6 +165,17 @@ def largest(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return x.topk(k, dim=-1)
 
 
+def by_sort(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest values of each row of x [..., V] and their indices by a stable descending sort
+    (of equal values, the lower index first). Inductor lowers a sort of at most 512 elements a row to
+    one Triton kernel, where torch.topk stays two aten kernels (gatherTopK, then a bitonic sort): in a
+    compiled draft, the chunked top-k of a level by sorts took 21-22 us on the H200 against 37-40 by
+    torch.topk (``benchmarks/draft_topk_gpu.py``, SmolLM2's drafter vocabulary, 1 and 8 rows);
+    eagerly it is the slower one (56 against 39 us)."""
+    best = x.sort(dim=-1, descending=True, stable=True)
+    return best.values[..., :k], best.indices[..., :k]
+
+
 def top_k(x: Tensor, k: int, chunk: int = 256,
           select: Callable[[Tensor, int], tuple[Tensor, Tensor]] = largest) -> tuple[Tensor, Tensor]:
     """The k largest values of each row of x [r, V] and their indices, largest first: ``select``
@@ -360,7 +371,10 @@ class DraftState:
         its last rounds: on the H200 trees new to the process averaged 7-26 ms of drafting a round
         over their first four prompts, and 0.30-0.66 ms once warmed so
         (``benchmarks/2026-12-02-few-row-tilings-h200.md``). The calls run on zeros from entry 0;
-        the state is then emptied (:meth:`reset`), so no request sees them."""
+        the state is then emptied (:meth:`reset`), so no request sees them. What a pipelined round
+        reads in place (``graphs.StepGraphs``) is left to its first round: a graph of the re-read
+        on the acceptance's outputs, and of the draft on the re-read's, per buffer of the target's
+        logits (its key bucket), captured then (milliseconds, nothing compiled)."""
         if not self.extend_bucket:
             return
         B = self.extend_bucket
@@ -400,11 +414,14 @@ class DraftState:
         if sampling.greedy or streamed:  # one function of device tensors: captured per (spec, depth, sampling)
             key = (spec, depth, sampling)
             if key not in self._drafts:
+                # compiled: a greedy draft of full depth, every pipelined round's (see __init__); its
+                # per-level top-k by sorts, which inductor makes one kernel each (``by_sort``)
+                whole = sampling.greedy and depth == spec.depth and self.round_backend is not None
+                select = by_sort if whole else largest
+
                 def grow(*x: Tensor) -> tuple[Tensor, ...]:  # inputs, then the stream's key when sampled
                     draws = CounterStream(x[4]).at(x[0]) if streamed else None
-                    return self._grow(spec, depth, sampling, draws, vocab_size, *x[:4])
-                # compiled: a greedy draft of full depth, every pipelined round's (see __init__)
-                whole = sampling.greedy and depth == spec.depth and self.round_backend is not None
+                    return self._grow(spec, depth, sampling, draws, vocab_size, *x[:4], select=select)
                 fn = self._compiled_round(f"draft {spec}", grow) if whole else grow
                 self._drafts[key] = StepGraphs(fn) if self.graphs else fn
             parts = self._drafts[key](*inputs, *((generator.key,) if streamed else ()))
@@ -416,7 +433,8 @@ class DraftState:
 
     def _grow(self, spec: TreeSpec, depth: int, sampling: SamplingParams, generator: Draws,
               vocab_size: int, m: Tensor, root_token: Tensor, root_logits: Tensor,
-              root_hidden: Tensor) -> tuple[Tensor, ...]:
+              root_hidden: Tensor, select: Callable[[Tensor, int], tuple[Tensor, Tensor]] = largest,
+              ) -> tuple[Tensor, ...]:
         """The tree's tensors from the root (m: long [], the committed length; root_token [1],
         root_logits [Vd], root_hidden [H]); tensor ops only, no host read, shapes fixed by (spec,
         depth) -- a CUDA graph can hold it.
@@ -426,7 +444,9 @@ class DraftState:
         nodes (the root, then the frontier) each propose K children: [r, K] tokens and cumulative
         scores (log q summed along the path; -inf marks a draw past q's support, and every
         descendant of such a node). Sorting is stable, so ties keep creation order and a parent,
-        whose score is never below its child's, always ranks before it.
+        whose score is never below its child's, always ranks before it. ``select`` takes each
+        node's K best children (``largest``: torch.topk; ``by_sort`` in a compiled draft): the same
+        values, and among children of equal scores possibly another pick.
 
         Returns tokens, parents, depths, mask, children, valid (DraftTree's fields), a [levels]
         placeholder whose length is the number of levels drafted, and the proposals (sampling; a
@@ -447,7 +467,7 @@ class DraftState:
         for d in range(1, depth + 1):
             # 1. K children of each expanded node
             if greedy:
-                log_q, drawn = top_k(torch.log_softmax(logits.float(), dim=-1), K)  # [r, K] each
+                log_q, drawn = top_k(torch.log_softmax(logits.float(), dim=-1), K, select=select)  # [r, K] each
             else:
                 q = probabilities(logits, sampling)  # [r, Vd]
                 drawn = gumbel_top_k(q, K, generator, tag=d)  # [r, K] draw order; past the support: q = 0
