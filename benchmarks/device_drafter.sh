@@ -24,6 +24,8 @@
 #                drafter), the best into $OUT/rows_tilings.json, then the SmolLM2-shaped step by rule and with them
 #   probe ARGS   spec ARGS, then topk, then the GPU tests of the warmed draft state and of float32 identity with
 #                triton-verify, in one call (after setup and part; carry the GGUF's last part; COMMIT=sha)
+#   roundab      a round's cost in plain steps, no GGUF: the old src (.device/old_src.tar.gz) against src, one process
+#                each (round_cost_gpu.py; LABELS, TREES, TAUS, RC_S), then the GPU tests -k TESTS (if set)
 #   topk         the drafter's per-depth selection alone: torch.topk against stable sorts, eager and compiled
 #                (draft_topk_gpu.py --compile; no GGUF, after setup)
 #   tiling       one block's attention alone, eager against the split-KV kernels per tiling (decode_attention_gpu.py)
@@ -256,6 +258,29 @@ EOF
     timeout "${TESTS_S:-200}" python -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py \
       -k "warmed or triton-verify" > "$OUT/gpu_tests.log" 2>&1 || true
     tail -n 5 "$OUT/gpu_tests.log"
+    ;;
+  roundab)
+    # a round's cost in plain steps with no GGUF (round_cost_gpu.py: random SmolLM2-shaped target, the shipped
+    # drafter), the old src (carry .device/old_src.tar.gz: `git archive SHA src ':(exclude)src/eyas/interop/embedded'
+    # | gzip`) against src, one process each, in the order of LABELS (default "before after"; a label starting with
+    # "before" runs the old src); each profiles one round. Then the GPU tests that -k TESTS selects (if set).
+    pip install -q --no-index --no-deps --target /tmp/deps .device/wheels/*.whl 2>&1 | grep -v "root user" || true
+    mkdir -p /tmp/old /tmp/rc && tar xzf .device/old_src.tar.gz -C /tmp/old
+    for label in ${LABELS:-before after}; do
+      code=src
+      case "$label" in before*) code=/tmp/old/src ;; esac
+      # shellcheck disable=SC2086  # TREES, TAUS: several values
+      PYTHONPATH=$code:/tmp/deps timeout "${RC_S:-200}" python benchmarks/round_cost_gpu.py --trees ${TREES:-4,8,15 5,8,15 4,8,31} \
+        --tau ${TAUS:-2.84 2.90 3.06} --profile --label "$label" --out "$OUT/rc_$label.json" \
+        --profile-out "/tmp/rc/prof_$label.txt" > "/tmp/rc/$label.log" 2>&1 || echo "$label exit $?" >> "/tmp/rc/$label.log"
+      grep -E "^plain step|^\{|kernels, |exit" "/tmp/rc/$label.log" | cut -c1-400
+    done
+    if [ -n "${TESTS:-}" ]; then
+      PYTHONPATH=src:/tmp/deps timeout "${TESTS_S:-200}" python -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py \
+        -k "$TESTS" > /tmp/rc/gpu_tests.log 2>&1 || true
+      tail -n 5 /tmp/rc/gpu_tests.log
+    fi
+    (cd /tmp && tar cf "$OUT/rc.tar" rc) || true
     ;;
   topk)
     # a greedy draft's per-depth selection alone, eager and compiled: torch.topk against stable sorts (draft_topk_gpu.py)

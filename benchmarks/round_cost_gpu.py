@@ -71,7 +71,7 @@ def drafter_for(model: torch.nn.Module, draft: str, tiny: bool) -> tuple[torch.n
         with warnings.catch_warnings():  # a random target: its contract cannot match (force)
             warnings.simplefilter("ignore")
             drafter, contract = load_drafter(draft, target=model, force=True)
-        spec = contract.capture if contract is not None else CaptureSpec((2, 15, 27), L)
+        spec = CaptureSpec(tuple(contract.capture.boundaries) if contract is not None else (2, 15, 27), L)
     dtype = next(model.parameters()).dtype
     return drafter.to(device=next(model.parameters()).device, dtype=dtype).eval(), spec
 

@@ -85,7 +85,10 @@ def test_fast_target_matches_the_hf_model_in_bf16_on_cuda(llama_and_drafter):
     for i in range(1, 5):
         mask[i] |= mask[parents[i]]
     pos = 10 + torch.tensor([[0, 1, 1, 2, 2]], device=CUDA)
-    for a, b in ((fast.prefill(prompt), hf.prefill(prompt)), (fast.forward(tokens, pos, mask), hf.forward(tokens, pos, mask))):
+    # one pair at a time: a forward's outputs are valid until the next forward (Target.forward)
+    for pair in (lambda: (fast.prefill(prompt), hf.prefill(prompt)),
+                 lambda: (fast.forward(tokens, pos, mask), hf.forward(tokens, pos, mask))):
+        a, b = pair()
         for x, y in zip(a, b):
             rms = y.float().pow(2).mean().sqrt()
             assert (x.float() - y.float()).abs().max() <= 0.05 * rms  # bf16: a few ulps of the RMS
@@ -156,9 +159,11 @@ def test_a_fast_round_synchronises_the_device_once(llama_and_drafter, sampling):
 
 def test_a_draft_state_warmed_when_built_captures_nothing_in_a_request(llama_and_drafter):
     """DraftState.warm on a GPU: the state built for a target with CUDA graphs has captured the extend,
-    the draft of every depth and the re-read before any request; the first request captures none
-    (a capture synchronises and costs milliseconds: it used to happen in the request's last rounds)
-    and serves plain decoding's tokens."""
+    the draft of every depth and the re-read before any request, so a request makes no new draft
+    function (compiling one took seconds, in the request's last rounds). The first request adds only
+    the graphs that read the round's buffers in place (the re-read on the acceptance's outputs, the
+    draft on the re-read's: graphs.StepGraphs); a second request captures nothing. Both serve plain
+    decoding's tokens."""
     from eyas.engine.speculative import _draft_state
 
     model, drafter = llama_and_drafter
@@ -174,5 +179,8 @@ def test_a_draft_state_warmed_when_built_captures_nothing_in_a_request(llama_and
     assert before >= tree.depth + 2  # a draft per depth, the extend, the re-read
     prompt = random_prompts(1, 128, seed=11)[0]
     r = speculative_generate(fast, drafter, prompt, tree=tree, max_new_tokens=40)
-    assert captured() == before and len(state._drafts) == tree.depth
-    assert r.tokens == plain_generate(fast, prompt, max_new_tokens=40).tokens
+    first = captured()
+    assert first > before and len(state._drafts) == tree.depth  # graphs reading in place; no new function
+    again = speculative_generate(fast, drafter, prompt, tree=tree, max_new_tokens=40)
+    assert captured() == first
+    assert r.tokens == again.tokens == plain_generate(fast, prompt, max_new_tokens=40).tokens

@@ -133,7 +133,7 @@ def test_a_step_whose_graph_capture_fails_runs_eagerly_with_a_warning(monkeypatc
 
     graphs = StepGraphs(double)
 
-    def refuse(inputs):
+    def refuse(inputs, in_place):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(graphs, "_capture", refuse)
@@ -142,6 +142,49 @@ def test_a_step_whose_graph_capture_fails_runs_eagerly_with_a_warning(monkeypatc
     assert torch.equal(out, torch.tensor([2.0, 4.0]))
     (out,) = graphs(torch.tensor([3.0, 4.0]))  # no second capture attempt for that shape
     assert torch.equal(out, torch.tensor([6.0, 8.0])) and len(calls) == 2
+
+
+@pytest.mark.unit
+def test_step_graphs_read_another_graphs_outputs_in_place_and_copy_the_rest(monkeypatch):
+    """StepGraphs, with the capture faked on the CPU (a replay re-runs the function on the captured
+    inputs into the captured outputs): an input that is a graph's output is captured as itself and
+    never copied, one graph per such buffer; any other input is copied into a buffer of its own;
+    ``in_place`` limits which positions may be read in place. Every call returns fn of its inputs."""
+    from eyas.engine import graphs as g
+
+    class Replay:
+        def __init__(self, run, out):
+            self.run, self.out = run, out
+
+        def replay(self):
+            for dst, src in zip(self.out, self.run()):
+                dst.copy_(src)
+
+    def fake_capture(run, pool, warmups=2, warm=None):
+        out = tuple(t.clone() for t in run())
+        return Replay(run, out), out
+
+    outputs: list[torch.Tensor] = []  # the "graph outputs" of a producer
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(g, "capture", fake_capture)
+    monkeypatch.setattr(g, "is_graph_output", lambda t: any(t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()
+                                                            for o in outputs))
+    add = g.StepGraphs(lambda a, b: (a + b,))
+    produced, other = torch.tensor([1.0, 2.0]), torch.tensor([5.0, 6.0])
+    outputs += [produced, other]
+    fresh = torch.tensor([10.0, 20.0])
+    assert torch.equal(add(produced, fresh)[0], torch.tensor([11.0, 22.0]))
+    (graph, static_in, _), = add.graphs.values()
+    assert static_in[0] is produced and static_in[1] is not fresh  # read in place; copied
+    produced.copy_(torch.tensor([3.0, 4.0]))  # the producer's next replay
+    fresh.copy_(torch.tensor([0.0, 1.0]))
+    assert torch.equal(add(produced, fresh)[0], torch.tensor([3.0, 5.0])) and len(add.graphs) == 1
+    assert torch.equal(add(other, fresh)[0], torch.tensor([5.0, 7.0])) and len(add.graphs) == 2  # another buffer
+    assert torch.equal(add(fresh, produced)[0], torch.tensor([3.0, 5.0])) and len(add.graphs) == 3
+    copy_first = g.StepGraphs(lambda a, b: (a - b,), in_place=(1,))
+    assert torch.equal(copy_first(produced, other)[0], torch.tensor([-2.0, -2.0]))
+    (_, static_in, _), = copy_first.graphs.values()
+    assert static_in[0] is not produced and static_in[1] is other
 
 
 @pytest.mark.integration

@@ -211,7 +211,7 @@ class Tracer(RoundObserver, AbstractContextManager):
             if bool((p == 0).any()):
                 rec["first_token_rms"] = rows[p == 0].float().pow(2).mean(-1).sqrt().mean().item()
             self._record(rec)
-        self._first_rows = [x.reshape(-1, x.shape[-1])[0] for x in slots]
+        self._first_rows = [x.reshape(-1, x.shape[-1])[0].clone() for x in slots]  # the target's buffers: copied
 
     def _match(self, chunks: Sequence[Tensor]) -> tuple[int | None, ...]:
         """Which captured boundary each chunk of the concatenation holds: its first row against the

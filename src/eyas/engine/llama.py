@@ -953,7 +953,7 @@ class LlamaTarget(Target):
         return self._inputs[B]
 
     def _load(self, B: int, input_ids: Tensor, position_ids: Tensor, tree_mask: Tensor | None) -> _Inputs:
-        """Write a step's T <= B tokens into bucket B's buffers: five small copies/fills, no host read.
+        """Write a step's T <= B tokens into bucket B's buffers: four or five small copies/fills, no host read.
         A pad (index >= T) keeps the buffer's previous id and position (any valid ones do) and
         attends the committed entries and itself (a row with nothing to attend would give NaN); no
         real token attends a pad, so padding changes nothing the caller sees."""
@@ -961,7 +961,8 @@ class LlamaTarget(Target):
         T = input_ids.shape[1]
         buf.ids[:T].copy_(input_ids.reshape(-1), non_blocking=True)
         buf.pos[:T].copy_(position_ids.reshape(-1), non_blocking=True)
-        buf.block.copy_(self._eye[:B, :B])
+        if T < B:  # pads attend themselves (a tree of the bucket's size has none: one copy less a round)
+            buf.block.copy_(self._eye[:B, :B])
         buf.block[:T, :T].copy_(self._causal[:T, :T] if tree_mask is None else tree_mask, non_blocking=True)
         buf.start.fill_(self._len)
         return buf
@@ -980,8 +981,9 @@ class LlamaTarget(Target):
             return logits[None, :T], features[None, :T]
         graph, (logits, features) = self._graphs[B, K]
         graph.replay()
-        # Cloned: the next replay overwrites the graph's outputs.
-        return logits[None, :T].clone(), features[None, :T].clone()
+        # The graph's own buffers, not copies (Target.forward: valid until the next forward); the
+        # round's acceptance graph reads them in place (graphs.StepGraphs).
+        return logits[None, :T], features[None, :T]
 
     def _prepare(self, B: int, K: int) -> None:
         """Compile (first call of the compiled functions with these shapes) and capture the step of

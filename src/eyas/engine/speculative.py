@@ -463,7 +463,10 @@ def _round_verdict(s: Session, t: DraftTree, logits: Tensor, position: Tensor,
             # compilation per tree and sampling): the last rounds of a request, shallower, would
             # each compile mid-request (seconds each).
             fused = reread and getattr(s.target, "compile", False)
-            graphs[key] = StepGraphs(CompiledOrEager(verdict, "inductor", "acceptance") if fused else verdict)
+            # the target's logits and features read where its graph left them; the tree copied
+            # (the draft reads this graph's outputs, through the re-read: a cycle, StepGraphs)
+            graphs[key] = StepGraphs(CompiledOrEager(verdict, "inductor", "acceptance") if fused else verdict,
+                                     in_place=(6, len(args) - 1) if reread else (6,))
         run = graphs[key]
     else:
         run = verdict

@@ -85,7 +85,8 @@ class Target(ABC):
         tree_mask: bool [T, T], True where new token i may attend new token j (its ancestors and
             itself); every new token also attends the whole cache. None = causal (a chain).
         Returns logits [1, T, vocab_size] and features [1, T, num_slots * H] (None when not
-        ``capture``).
+        ``capture``), valid until the next ``forward``: a target may return its own buffers (a
+        CUDA graph's outputs, which the next replay overwrites); clone them to keep them longer.
         """
 
     @abstractmethod
