@@ -28,13 +28,14 @@ from pathlib import Path
 
 import torch
 
+from eyas.convention import CaptureSpec
+from eyas.engine import TreeSpec, build_target, plain_generate, speculative_generate
+from eyas.tune import time_rounds
+
+# after eyas: spec_gpu puts this checkout's src first on sys.path, and eyas must stay the one on
+# PYTHONPATH (an older src, to compare versions)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from spec_gpu import idle_text, profile_rounds  # noqa: E402  (a sibling benchmark script)
-
-from eyas.convention import CaptureSpec  # noqa: E402
-from eyas.engine import TreeSpec, build_target, plain_generate, speculative_generate  # noqa: E402
-from eyas.tune import time_rounds  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = REPO / "src" / "eyas" / "interop" / "embedded" / "smollm2-135m-instruct"
@@ -81,6 +82,34 @@ def plain_step_ms(target, prompt: list[int], new: int) -> float:
     return 1e3 * st.time_rounds / max(1, st.rounds - 1)
 
 
+def whole_requests(target, drafter, trees: list[TreeSpec], prompt: list[int], n: int, new: int) -> list[dict]:
+    """Whole requests of ``new`` tokens (no EOS), plain and per tree, with the phase clock off and with
+    CUDA events (the engine's default on a GPU): ms per new token and per round, as a user's request
+    pays them (prefill, the first round and the last, shallower rounds included)."""
+    rows = []
+    for timing in ("off", "events"):
+        for tree in [None, *trees]:
+            walls, rounds, tokens = [], 0, 0
+            for _ in range(n):
+                torch.cuda.synchronize() if torch.cuda.is_available() else None
+                t0 = time.perf_counter()
+                if tree is None:
+                    st = plain_generate(target, prompt, max_new_tokens=new, timing=timing).stats
+                else:
+                    st = speculative_generate(target, drafter, prompt, tree=tree, max_new_tokens=new,
+                                              timing=timing).stats
+                torch.cuda.synchronize() if torch.cuda.is_available() else None
+                walls.append(time.perf_counter() - t0)
+                rounds, tokens = rounds + st.rounds, tokens + st.new_tokens
+            row = {"decoder": "plain" if tree is None else f"{tree.depth},{tree.top_k},{tree.total_tokens}",
+                   "timing": timing, "requests": n, "ms_per_request": round(1e3 * statistics.median(walls), 3),
+                   "ms_per_round": round(1e3 * sum(walls) / max(rounds, 1), 4),
+                   "ms_per_token": round(1e3 * sum(walls) / max(tokens, 1), 4), "rounds_per_request": rounds / n}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trees", nargs="+", default=["4,8,15", "5,8,15", "4,8,31"])
@@ -92,6 +121,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300, help="committed tokens before the timed rounds")
     ap.add_argument("--rounds", type=int, default=30, help="rounds (plain steps) per timing")
     ap.add_argument("--repeats", type=int, default=5, help="timings per tree, interleaved with plain ones")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="whole requests per decoder and timing mode (prefill, first and last rounds included)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="new tokens of each whole request")
     ap.add_argument("--label", default="", help="a name for this run (e.g. the commit)")
     ap.add_argument("--tiny", action="store_true", help="a toy config on the CPU (smoke test)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler of one round and one plain step")
@@ -139,6 +171,8 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
+    requests = whole_requests(target, drafter, trees, prompt, args.requests, args.new_tokens) if args.requests else []
+
     profiles, text = {}, ""
     if args.profile:
         tree = trees[0]
@@ -160,7 +194,7 @@ def main() -> None:
               "matvec": getattr(target, "matvec", None), "attention": getattr(target, "attention", None),
               "drafter": args.draft, "context": args.context, "warmup_s": round(warm_s, 2),
               "plain_step_ms": round(plain_ms, 4), "plain_step_ms_all": [round(x, 4) for x in plain],
-              "trees": rows, "profiles": profiles}
+              "trees": rows, "requests": requests, "profiles": profiles}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     if args.profile_out:
