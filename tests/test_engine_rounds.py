@@ -332,6 +332,29 @@ def test_pipelined_rounds_equal_sequential_rounds(llama, trained_drafter, monkey
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])
+def test_a_requests_last_rounds_run_pipelined_at_full_depth_on_fixed_shapes(llama, trained_drafter, monkeypatch,
+                                                                            sampling):
+    """On a fixed-shape target the rounds that end a request are not shallower: every round drafts the
+    chain's full depth and every round but the first found its chain drafted ahead, though the last
+    ones accept past the budget; the output is cut at max_new_tokens (greedy: plain's tokens)."""
+    calls = count_pipelined_rounds(monkeypatch)
+    target = LlamaTarget(llama, SPEC4, fixed_shapes=True)
+    tree = TreeSpec.chain(4)
+    for seed, prompt in enumerate(random_prompts(3, 128, seed=5)):
+        before = dict(calls)
+        r = speculative_generate(target, trained_drafter, prompt, tree=tree, sampling=sampling, max_new_tokens=21,
+                                 generator=torch.Generator().manual_seed(seed))
+        rounds = r.stats.rounds - 1  # the prefill is round 0
+        assert len(r.tokens) == 21 and r.stats.stop_reason == "max_new_tokens"
+        assert calls["pipelined"] - before["pipelined"] == rounds
+        assert calls["drafted_ahead"] - before["drafted_ahead"] == rounds - 1
+        assert r.stats.drafted_at_depth == [rounds] * tree.depth
+        if sampling.greedy:
+            assert r.tokens == plain_generate(target, prompt, max_new_tokens=21).tokens
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("tree", [TreeSpec.chain(4), TreeSpec(4, 4, 16)], ids=str)
 def test_sampled_pipelined_rounds_draw_what_sequential_rounds_draw(llama, trained_drafter, monkeypatch, tree):
     """Sampled rounds are pipelined too: the next tree is drafted from the session's CounterStream at

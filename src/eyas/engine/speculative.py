@@ -136,6 +136,15 @@ class Session:
         return self.out.reason is not None
 
     @property
+    def horizon(self) -> int:
+        """The length a round may take the sequence to: ``max_len``, or on a target of fixed shapes
+        its whole context. There a round costs the same at any depth and the next one is drafted
+        ahead (pipelined), so the rounds that end a request run at full depth too; what they accept
+        past the request's budget is dropped as it is emitted (``_Output``: max_new_tokens). On the
+        H200 the shallower, unpipelined last rounds cost SmolLM2 requests several milliseconds."""
+        return self.target.max_length if getattr(self.target, "fixed_shapes", False) else self.max_len
+
+    @property
     def m(self) -> int:
         """The position of the last committed token x_m (the one the target has not seen yet)."""
         return len(self.x) - 1
@@ -317,8 +326,8 @@ def _pipelines(s: Session, gamma: int) -> bool:
 
 def _speculative_round(s: Session) -> list[int]:
     target, draft, clock, m, r = s.target, s.draft, s.clock, s.m, s.stats.rounds  # r: this round's number
-    # gamma: the deepest draft this round; a accepted drafts + the bonus must fit in max_len
-    gamma = min(s.tree.depth, s.max_len - 2 - m)
+    # gamma: the deepest draft this round; a accepted drafts + the bonus must fit in the horizon
+    gamma = min(s.tree.depth, s.horizon - 2 - m)
     if _pipelines(s, gamma):
         return _pipelined_round(s)
     s.next_tree = None
@@ -369,8 +378,9 @@ def _pipelined_round(s: Session) -> list[int]:
     then the host truncates the target's cache to m+a+1 entries, advances the drafter's length by
     a+1 and streams the tokens while the next tree is being drafted. Output is the same as the
     round above token for token: the same verdict, the same entries kept and re-read. The next
-    tree is drafted only when its full depth fits (the round after this one is then pipelined
-    too); a session that ends this round drops it. Sampled rounds run the same way: their draws
+    tree is drafted only when its full depth fits in the session's horizon (the round after this
+    one is then pipelined too) and this round may leave tokens to generate; a session that ends
+    this round drops it. Sampled rounds run the same way: their draws
     come from the session's CounterStream at the committed length, which the next round's draft
     takes from the device (m + n), so a round drafted ahead draws what it would have drawn in turn."""
     target, draft, clock, m, D = s.target, s.draft, s.clock, s.m, s.tree.depth
@@ -386,7 +396,9 @@ def _pipelined_round(s: Session) -> list[int]:
         s.readback.start(packed)
         target.keep(v.path)
         draft.reread(reread.tokens, reread.features, reread.n, length)
-    if m + 2 * (D + 1) < s.max_len - 1:  # next round: m' <= m + D + 1 and a full-depth draft fits
+    # the next round, drafted ahead: when a full-depth draft fits after it (m' <= m + D + 1) and this
+    # round, which emits at least one token, may leave some of the budget
+    if m + 2 * (D + 1) < s.horizon - 1 and len(s.out.tokens) + 1 < s.max_new_tokens:
         with clock("draft"):
             s.next_tree = draft.draft(s.tree, D, s.sampling, s.draws, target.vocab_size, length=length + reread.n)
     with clock("bookkeeping"):
