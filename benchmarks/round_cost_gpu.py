@@ -85,26 +85,43 @@ def plain_step_ms(target, prompt: list[int], new: int) -> float:
 def whole_requests(target, drafter, trees: list[TreeSpec], prompt: list[int], n: int, new: int) -> list[dict]:
     """Whole requests of ``new`` tokens (no EOS), plain and per tree, with the phase clock off and with
     CUDA events (the engine's default on a GPU): ms per new token and per round, as a user's request
-    pays them (prefill, the first round and the last, shallower rounds included)."""
+    pays them (prefill, the first round and the last rounds included), and where a request's time
+    goes: ``start`` (prefill; the drafter's read of the prompt), its first round, the median round
+    and its last three (each step's wall time: a step ends with its read of the device)."""
+    from eyas.engine.speculative import start, step
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     rows = []
     for timing in ("off", "events"):
         for tree in [None, *trees]:
-            walls, rounds, tokens = [], 0, 0
+            walls, starts, firsts, middles, lasts, rounds, tokens = [], [], [], [], [], 0, 0
             for _ in range(n):
-                torch.cuda.synchronize() if torch.cuda.is_available() else None
+                sync()
                 t0 = time.perf_counter()
-                if tree is None:
-                    st = plain_generate(target, prompt, max_new_tokens=new, timing=timing).stats
-                else:
-                    st = speculative_generate(target, drafter, prompt, tree=tree, max_new_tokens=new,
-                                              timing=timing).stats
-                torch.cuda.synchronize() if torch.cuda.is_available() else None
+                s = start(target, prompt, drafter if tree is not None else None, tree=tree or TreeSpec.chain(1),
+                          max_new_tokens=new, timing=timing)
+                sync()
+                starts.append(time.perf_counter() - t0)
+                steps = []
+                while not s.done:
+                    t1 = time.perf_counter()
+                    step(s)
+                    steps.append(time.perf_counter() - t1)
+                st = s.result().stats
+                sync()
                 walls.append(time.perf_counter() - t0)
-                rounds, tokens = rounds + st.rounds, tokens + st.new_tokens
+                firsts.append(steps[0])
+                middles.append(statistics.median(steps))
+                lasts.append(sum(steps[-3:]))
+                rounds, tokens = rounds + len(steps), tokens + st.new_tokens
             row = {"decoder": "plain" if tree is None else f"{tree.depth},{tree.top_k},{tree.total_tokens}",
                    "timing": timing, "requests": n, "ms_per_request": round(1e3 * statistics.median(walls), 3),
                    "ms_per_round": round(1e3 * sum(walls) / max(rounds, 1), 4),
-                   "ms_per_token": round(1e3 * sum(walls) / max(tokens, 1), 4), "rounds_per_request": rounds / n}
+                   "ms_per_token": round(1e3 * sum(walls) / max(tokens, 1), 4), "rounds_per_request": rounds / n,
+                   "ms_start": round(1e3 * statistics.median(starts), 3),
+                   "ms_first_round": round(1e3 * statistics.median(firsts), 3),
+                   "ms_median_round": round(1e3 * statistics.median(middles), 4),
+                   "ms_last_three_rounds": round(1e3 * statistics.median(lasts), 3)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

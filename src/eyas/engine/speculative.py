@@ -137,12 +137,13 @@ class Session:
 
     @property
     def horizon(self) -> int:
-        """The length a round may take the sequence to: ``max_len``, or on a target of fixed shapes
-        its whole context. There a round costs the same at any depth and the next one is drafted
-        ahead (pipelined), so the rounds that end a request run at full depth too; what they accept
-        past the request's budget is dropped as it is emitted (``_Output``: max_new_tokens). On the
-        H200 the shallower, unpipelined last rounds cost SmolLM2 requests several milliseconds."""
-        return self.target.max_length if getattr(self.target, "fixed_shapes", False) else self.max_len
+        """The length a round may take the sequence to: the target's whole context, not ``max_len``.
+        The rounds that end a request draft and verify the tree's full depth like the others (on a
+        fixed-shape target they cost the same and stay pipelined: the next tree drafted ahead); what
+        they accept past the request's budget is dropped as it is emitted (``_Output``: the stop
+        criteria count max_new_tokens), so the output is unchanged. On the H200 the shallower,
+        unpipelined rounds that used to end each request cost SmolLM2 requests milliseconds."""
+        return self.target.max_length
 
     @property
     def m(self) -> int:
