@@ -5,8 +5,8 @@ that each call copies into, and its outputs are buffers the next replay overwrit
 keep them past the next call must clone). An input that is itself a captured graph's output (or a
 view of one) needs no copy: that memory is fixed too, so :class:`StepGraphs` captures a graph that
 reads it in place, keyed by its address (one graph per producer buffer, a bounded set). A round's
-graphs then pass their results on without a copy between them: on the H200 a SmolLM2 round made 23
-device-to-device copies between its graphs. Anything the function reads from outside its inputs (a
+graphs then pass their results on without a copy between them: on the H200 a SmolLM2 round's
+host-launched copies went from 23 to 13 (``benchmarks/2026-12-02-round-copies-h200.md``). Anything the function reads from outside its inputs (a
 module's weights, a KV cache written by index) must stay at the same address: in-place writes
 only. Python code inside the function runs once, at capture: no host reads, no data-dependent
 branches.
@@ -32,6 +32,7 @@ T = TypeVar("T")
 
 # The storages of captured graphs' outputs (data pointer -> a weak reference to the output): memory
 # that stays where it is for as long as the output lives, so another graph may read it in place.
+# A few entries per graph, never pruned: a dead one reads as "not an output".
 _GRAPH_OUTPUTS: dict[int, weakref.ref] = {}
 
 

@@ -476,8 +476,8 @@ def _round_verdict(s: Session, t: DraftTree, logits: Tensor, position: Tensor,
             # compilation per tree and sampling): the last rounds of a request, shallower, would
             # each compile mid-request (seconds each).
             fused = reread and getattr(s.target, "compile", False)
-            # the target's logits and features read where its graph left them; the tree copied
-            # (the draft reads this graph's outputs, through the re-read: a cycle, StepGraphs)
+            # the target's logits (args[6]) and features (the last) read where its graph left them;
+            # the tree copied (the draft reads this graph's outputs, through the re-read: a cycle)
             graphs[key] = StepGraphs(CompiledOrEager(verdict, "inductor", "acceptance") if fused else verdict,
                                      in_place=(6, len(args) - 1) if reread else (6,))
         run = graphs[key]
