@@ -28,8 +28,12 @@ import itertools
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_gpu import atomic_write  # noqa: E402  (a sibling benchmark script: temp file, then rename)
 
 SHAPES = {"8b": (8, 4, 128), "smollm2": (3, 3, 64), "tiny": (2, 2, 16)}  # (Hkv, G, D)
 
@@ -161,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"  best: {row['best_split_kv']}")
             report["rows"].append(row)
             if a.out:  # after every row: a run cut short keeps what it measured
-                with open(a.out, "w") as f:
-                    json.dump(report, f, indent=1)
+                atomic_write(Path(a.out), json.dumps(report, indent=1))
     if a.json:
         print(json.dumps(report))
     return 0

@@ -29,10 +29,14 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_gpu import atomic_write  # noqa: E402  (a sibling benchmark script: temp file, then rename)
 
 
 def variants(k: int) -> dict[str, Callable[[Tensor], tuple[Tensor, Tensor]]]:
@@ -109,9 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                     report["rows"].append(row)
                     say(f"V {V:6d} r {r:2d} {name:13s} {mode:8s} " + (f"{row['us']:8.2f} us  same {row['same']}"
                                                                          if "us" in row else row["error"]))
-            if a.out:
-                with open(a.out, "w") as f:
-                    json.dump(report, f, indent=1)
+            if a.out:  # after every shape: a run cut short keeps what it measured
+                atomic_write(Path(a.out), json.dumps(report, indent=1))
     if a.json:
         print(json.dumps(report))
     return 0

@@ -9,7 +9,8 @@ repeated and interleaved with plain steps so that both see the same machine, the
 cost gives at the accept lengths ``--tau`` (measured on MT-bench with the real model elsewhere).
 With ``--profile``, torch.profiler of one round of the first tree and of one plain step: kernels,
 graph launches, host calls, and the GPU's idle time split into short and long gaps
-(``spec_gpu.device_idle``).
+(``spec_gpu.device_idle``). With ``--requests N``, N whole requests per decoder and clock mode, and
+where their time goes (start, first round, median round, last three).
 
 Run it once per version of the engine (PYTHONPATH=old_src, then src) on one machine to compare them.
 
@@ -35,7 +36,7 @@ from eyas.tune import time_rounds
 # after eyas: spec_gpu puts this checkout's src first on sys.path, and eyas must stay the one on
 # PYTHONPATH (an older src, to compare versions)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_gpu import idle_text, profile_rounds  # noqa: E402  (a sibling benchmark script)
+from spec_gpu import atomic_write, idle_text, profile_rounds  # noqa: E402  (a sibling benchmark script)
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = REPO / "src" / "eyas" / "interop" / "embedded" / "smollm2-135m-instruct"
@@ -127,7 +128,7 @@ def whole_requests(target, drafter, trees: list[TreeSpec], prompt: list[int], n:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trees", nargs="+", default=["4,8,15", "5,8,15", "4,8,31"])
     ap.add_argument("--tau", nargs="*", type=float, default=[],
@@ -146,7 +147,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="torch.profiler of one round and one plain step")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     model = smollm2_shaped(device, args.tiny)
     drafter, spec = drafter_for(model, args.draft, args.tiny)
@@ -213,10 +214,11 @@ def main() -> None:
               "plain_step_ms": round(plain_ms, 4), "plain_step_ms_all": [round(x, 4) for x in plain],
               "trees": rows, "requests": requests, "profiles": profiles}
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write(Path(args.out), json.dumps(result, indent=2) + "\n")
     if args.profile_out:
-        Path(args.profile_out).write_text(text)
+        atomic_write(Path(args.profile_out), text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

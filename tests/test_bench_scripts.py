@@ -89,6 +89,25 @@ def test_draft_topk_gpu_times_every_selection_and_checks_its_values_on_the_cpu(t
     assert len(rows) == 12 and all(r["same"] and r["us"] > 0 for r in rows)
 
 
+def test_round_cost_gpu_reports_rounds_in_plain_steps_and_whole_requests_on_the_cpu(tmp_path):
+    """--tiny: a toy target and an untrained drafter on the CPU. Each tree's round in plain steps, the
+    speedup its given accept length implies (tau x plain step / round), and whole requests per decoder
+    and clock mode, split into start, first, median and last rounds; the report is written."""
+    script = load_script("round_cost_gpu")
+    out = tmp_path / "rc.json"
+    assert script.main(["--tiny", "--trees", "3,2,4", "2", "--tau", "1.5", "--rounds", "2", "--repeats", "2",
+                        "--requests", "1", "--new-tokens", "6", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    plain, (tree, chain) = res["plain_step_ms"], res["trees"]
+    assert (tree["tree"], chain["tree"], len(tree["round_ms_all"])) == ("3,2,4", "2,1,2", 2)
+    assert tree["speedup_at_tau"] == pytest.approx(1.5 * plain / tree["round_ms"], rel=1e-2) and "tau" not in chain
+    assert tree["round_in_plain_steps"] == pytest.approx(tree["round_ms"] / plain, rel=1e-2)
+    assert [(r["decoder"], r["timing"]) for r in res["requests"]] == [
+        (d, t) for t in ("off", "events") for d in ("plain", "3,2,4", "2,1,2")]
+    assert all(r["ms_start"] > 0 and r["ms_last_three_rounds"] > 0 and r["rounds_per_request"] >= 1
+               for r in res["requests"])
+
+
 def test_spec_gpu_budget_keeps_partial_results(toy_drafter, tmp_path):
     """A budget too small for the main loop still leaves a complete report of what was done."""
     target, draft = toy_drafter

@@ -171,7 +171,7 @@ def by_sort(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     one Triton kernel, where torch.topk stays two aten kernels (gatherTopK, then a bitonic sort): in a
     compiled draft, the chunked top-k of a level by sorts took 21-22 us on the H200 against 37-40 by
     torch.topk (``benchmarks/draft_topk_gpu.py``, SmolLM2's drafter vocabulary, 1 and 8 rows);
-    eagerly it is the slower one (56 against 39 us)."""
+    eagerly it is the slower one (56-57 against 39-43 us)."""
     best = x.sort(dim=-1, descending=True, stable=True)
     return best.values[..., :k], best.indices[..., :k]
 
@@ -183,7 +183,7 @@ def top_k(x: Tensor, k: int, chunk: int = 256,
     few long rows (the drafter's frontier over its vocabulary) leave it idle for tens of
     microseconds; splitting each row into chunks of ``chunk`` first (the top k of every chunk, then
     of those) spreads the work over r * V / chunk blocks. The same values; among equal values the
-    order may differ. (``benchmarks/draft_topk_gpu.py`` times ``select`` by stable sorts.)"""
+    order may differ. (A compiled draft selects by :func:`by_sort`.)"""
     r, V = x.shape
     if k > chunk or V < 4 * chunk:
         return select(x, k)
