@@ -11,6 +11,8 @@
 #                background (its log: /tmp/drafter/run.log), then wait like `wait`
 #   wait [S]     wait up to S seconds (default 540) for the run to end, print the log's last lines
 #   collect      the drafter (bf16 shards + a tar of its small files), the summary and the logs into $OUT
+#   requests     where a real request's time goes (round_cost_gpu.py --prompt-set mt_bench, the GC as is and frozen),
+#                with SmolLM2's weights and randomised (after setup and part; carry the GGUF's last part)
 #   experiments  issue 10's 8B bar in one call, no GGUF: the split-KV kernels' tests on the GPU, then the 8B-shaped
 #                step with split-KV / SDPA attention, gemm and reduce-tuned (llama_8b_cost.py; VARIANTS=...)
 #   matvec       issue 10's 8B bar with matvec='triton': the kernels' tests on the GPU, the products per tiling
@@ -192,6 +194,23 @@ EOF
       || echo "spec_off exit $?" >> "$OUT/measure.log"
     (cd /tmp && tar cf "$OUT/spec_off.tar" spec_off) || true
     ls -la "$OUT"
+    ;;
+  requests)
+    # where a real request's time goes: MT-bench through plain and each tree, the garbage collector as it is and
+    # frozen, with SmolLM2's weights, then the same randomised (round_cost_gpu.py --prompt-set; after setup and
+    # part, carry the GGUF's last part; TREES, REQ_S: each run's time limit)
+    keep_parts
+    join_gguf
+    for w in real random; do
+      extra=""
+      [ "$w" = random ] && extra="--random-weights"
+      # shellcheck disable=SC2086
+      timeout "${REQ_S:-200}" python benchmarks/round_cost_gpu.py --target /tmp/smol.gguf --prompt-set mt_bench \
+        --prompts 24 --trees ${TREES:-4,8,15} --matvec triton-verify --attention split-kv --gc default freeze \
+        --requests-only --label "$w" $extra --out "$OUT/requests_$w.json" > "$OUT/requests_$w.log" 2>&1 \
+        || echo "requests $w exit $?" >> "$OUT/requests_$w.log"
+      tail -n 12 "$OUT/requests_$w.log"
+    done
     ;;
   experiments)
     # issue 10's 8B bar, one call, no GGUF: the split-KV kernels' tests compiled on the GPU, then the 8B-shaped

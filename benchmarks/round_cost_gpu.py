@@ -12,6 +12,14 @@ graph launches, host calls, and the GPU's idle time split into short and long ga
 (``spec_gpu.device_idle``). With ``--requests N``, N whole requests per decoder and clock mode, and
 where their time goes (start, first round, median round, last three).
 
+With ``--target`` (a GGUF, a directory) the model is the real one, and with ``--prompt-set`` the
+requests are that set's prompts rendered with its chat template (``--prompts`` of them), run in
+turn for each decoder as spec_gpu.py runs them: where a real request's time goes, with real
+acceptance, against the same prompts on the same weights randomised (``--random-weights``, no
+acceptance) and with Python's garbage collector as it is or frozen after the warm-up (``--gc``):
+per decoder, each step's wall time (percentiles, the time in steps slower than 3x the median),
+the collector's pauses, and the phase clock's split (``--requests-only`` skips the round timings).
+
 Run it once per version of the engine (PYTHONPATH=old_src, then src) on one machine to compare them.
 
     PYTHONPATH=src python benchmarks/round_cost_gpu.py --trees 4,8,15 5,8,15 --tau 2.84 2.90 \\
@@ -21,6 +29,7 @@ Run it once per version of the engine (PYTHONPATH=old_src, then src) on one mach
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -76,6 +85,118 @@ def drafter_for(model: torch.nn.Module, draft: str, tiny: bool) -> tuple[torch.n
         spec = CaptureSpec(tuple(contract.capture.boundaries) if contract is not None else (2, 15, 27), L)
     dtype = next(model.parameters()).dtype
     return drafter.to(device=next(model.parameters()).device, dtype=dtype).eval(), spec
+
+
+def load_real(path: str, draft: str, random_weights: bool) -> tuple[torch.nn.Module, torch.nn.Module, CaptureSpec,
+                                                                      object]:
+    """The target at ``path`` (bf16 on the GPU) with its tokenizer, and the drafter checked against it;
+    with ``random_weights`` the target's weights are drawn anew (normal, std 0.02; norms stay),
+    after the drafter was checked against the real ones: the same shapes, prompts and code, no
+    acceptance."""
+    from eyas.interop import load_drafter
+    from eyas.targets import load_target
+
+    loaded = load_target(path, dtype="auto", device="auto")
+    drafter, contract = load_drafter(draft, target=loaded, tokenizer=loaded.tokenizer)
+    model = loaded.model
+    if random_weights:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for name, w in model.named_parameters():
+                if w.dim() >= 2:
+                    w.normal_(0.0, 0.02)
+    spec = CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks)
+    drafter = drafter.to(device=loaded.device, dtype=loaded.dtype).eval()
+    return model, drafter, spec, loaded.tokenizer
+
+
+def percentile(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
+class GcPauses:
+    """The garbage collector's pauses while active (gc.callbacks): count per generation and seconds."""
+
+    def __init__(self) -> None:
+        self.seconds, self.counts, self._t0, self.active = 0.0, [0, 0, 0], 0.0, False
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.counts[info["generation"]] += 1
+
+
+def request_sets(target, drafter, trees: list[TreeSpec], prompts: list[list[int]], new: int, gc_modes: list[str],
+                 timings: list[str]) -> list[dict]:
+    """Every prompt through every decoder in turn (plain, then each tree; as spec_gpu.py does), per
+    garbage-collector mode and phase clock: tokens/s over the whole requests, tau, and each step's
+    wall time (a step ends with its read of the device): median, p90, p99, max, and the time spent
+    in steps slower than 3x the median (stalls), with the collector's pauses over the same requests."""
+    from eyas.engine.speculative import start, step
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    pauses = GcPauses()
+    rows = []
+    for mode in gc_modes:
+        if mode == "freeze":  # what serving engines do after their warm-up (SGLang): the heap so far is never scanned
+            gc.collect()
+            gc.freeze()
+        for timing in timings:
+            decoders = [None, *trees]
+            acc = {d: {"walls": [], "steps": [], "starts": [], "tokens": 0, "accept": [], "gc_s": 0.0,
+                       "gc_counts": [0, 0, 0], "phases": {"draft": 0.0, "verify": 0.0, "bookkeeping": 0.0}}
+                   for d in decoders}
+            for prompt in prompts:
+                for tree in decoders:
+                    a = acc[tree]
+                    pauses.seconds, pauses.counts = 0.0, [0, 0, 0]
+                    sync()
+                    pauses.active = True
+                    t0 = time.perf_counter()
+                    s = start(target, prompt, drafter if tree is not None else None, tree=tree or TreeSpec.chain(1),
+                              max_new_tokens=new, timing=timing)
+                    a["starts"].append(time.perf_counter() - t0)
+                    while not s.done:
+                        t1 = time.perf_counter()
+                        step(s)
+                        a["steps"].append(time.perf_counter() - t1)
+                    st = s.result().stats
+                    sync()
+                    a["walls"].append(time.perf_counter() - t0)
+                    pauses.active = False
+                    a["tokens"] += st.new_tokens
+                    a["accept"] += st.accept_lengths
+                    a["gc_s"] += pauses.seconds
+                    a["gc_counts"] = [x + y for x, y in zip(a["gc_counts"], pauses.counts)]
+                    for k in a["phases"]:
+                        a["phases"][k] += getattr(st, f"time_{k}")
+            for tree in decoders:
+                a = acc[tree]
+                steps, med = a["steps"], statistics.median(a["steps"])
+                row = {"gc": mode, "timing": timing,
+                       "decoder": "plain" if tree is None else f"{tree.depth},{tree.top_k},{tree.total_tokens}",
+                       "requests": len(prompts), "new_tokens": a["tokens"], "seconds": round(sum(a["walls"]), 4),
+                       "tokens_per_s": round(a["tokens"] / sum(a["walls"]), 1),
+                       "tau": round(statistics.mean(a["accept"]), 3) if a["accept"] else None,
+                       "steps": len(steps), "ms_start_mean": round(1e3 * statistics.mean(a["starts"]), 3),
+                       "ms_step_mean": round(1e3 * statistics.mean(steps), 4), "ms_step_p50": round(1e3 * med, 4),
+                       "ms_step_p90": round(1e3 * percentile(steps, 0.9), 4),
+                       "ms_step_p99": round(1e3 * percentile(steps, 0.99), 4), "ms_step_max": round(1e3 * max(steps), 4),
+                       "ms_in_stalls": round(1e3 * sum(x for x in steps if x > 3 * med), 3),
+                       "gc_ms": round(1e3 * a["gc_s"], 3), "gc_collections": a["gc_counts"]}
+                if timing != "off":
+                    row["ms_per_step_phases"] = {k: round(1e3 * v / len(steps), 4) for k, v in a["phases"].items()}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    gc.callbacks.remove(pauses._callback)
+    gc.unfreeze()
+    return rows
 
 
 def plain_step_ms(target, prompt: list[int], new: int) -> float:
@@ -145,12 +266,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="", help="a name for this run (e.g. the commit)")
     ap.add_argument("--tiny", action="store_true", help="a toy config on the CPU (smoke test)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler of one round and one plain step")
+    ap.add_argument("--target", default=None, help="the real model (a GGUF, a directory) instead of a random one")
+    ap.add_argument("--random-weights", action="store_true", help="with --target: its weights drawn anew")
+    ap.add_argument("--prompt-set", default=None, help="requests on this set's prompts (e.g. mt_bench; needs --target)")
+    ap.add_argument("--prompts", type=int, default=24, help="prompts of --prompt-set")
+    ap.add_argument("--gc", nargs="+", default=["default"], choices=["default", "freeze"],
+                    help="the garbage collector's modes for --prompt-set's requests, in order (freeze cannot be undone)")
+    ap.add_argument("--timings", nargs="+", default=["events", "off"], help="phase clocks for --prompt-set's requests")
+    ap.add_argument("--requests-only", action="store_true", help="only --prompt-set's requests (no round timings)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-out", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    model = smollm2_shaped(device, args.tiny)
-    drafter, spec = drafter_for(model, args.draft, args.tiny)
+    if args.prompt_set and not args.target:
+        ap.error("--prompt-set needs --target (its tokenizer renders the prompts)")
+    tokenizer = None
+    if args.target:
+        model, drafter, spec, tokenizer = load_real(args.target, args.draft, args.random_weights)
+    else:
+        model = smollm2_shaped(device, args.tiny)
+        drafter, spec = drafter_for(model, args.draft, args.tiny)
     target = build_target(model, spec, "fast", matvec=args.matvec, attention=args.attention)
     t0 = time.perf_counter()
     if hasattr(target, "warmup"):
@@ -158,6 +293,26 @@ def main(argv: list[str] | None = None) -> int:
     trees = [TreeSpec.parse(t) for t in args.trees]
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=g).tolist()
+    if args.prompt_set:
+        from eyas.bench.prompts import load_prompts
+        from eyas.data.render import render_prompt
+
+        prompt_ids = [render_prompt(c, tokenizer).tolist() for c in load_prompts(args.prompt_set, args.prompts)]
+        for tree in trees:  # the drafter's graphs and compilations, the verdict's: before any timed request
+            speculative_generate(target, drafter, prompt_ids[0], tree=tree, max_new_tokens=args.new_tokens)
+        plain_generate(target, prompt_ids[0], max_new_tokens=args.new_tokens)
+        warm_s = time.perf_counter() - t0
+        print(f"target {target.implementation}; warm-up {warm_s:.1f} s; {len(prompt_ids)} prompts of "
+              f"{min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens", flush=True)
+        sets = request_sets(target, drafter, trees, prompt_ids, args.new_tokens, args.gc, args.timings)
+        if args.requests_only:
+            result = {"label": args.label, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                      "torch": torch.__version__, "target": args.target, "random_weights": args.random_weights,
+                      "target_impl": target.implementation, "prompt_set": args.prompt_set, "warmup_s": round(warm_s, 2),
+                      "new_tokens": args.new_tokens, "request_sets": sets}
+            if args.out:
+                atomic_write(Path(args.out), json.dumps(result, indent=2) + "\n")
+            return 0
     time_rounds(target, drafter, trees, rounds=2, warmup=3, context=args.context)  # captures, compilations
     plain_step_ms(target, prompt, 8)
     warm_s = time.perf_counter() - t0
@@ -212,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
               "matvec": getattr(target, "matvec", None), "attention": getattr(target, "attention", None),
               "drafter": args.draft, "context": args.context, "warmup_s": round(warm_s, 2),
               "plain_step_ms": round(plain_ms, 4), "plain_step_ms_all": [round(x, 4) for x in plain],
-              "trees": rows, "requests": requests, "profiles": profiles}
+              "trees": rows, "requests": requests, "request_sets": sets if args.prompt_set else [],
+              "profiles": profiles}
     if args.out:
         atomic_write(Path(args.out), json.dumps(result, indent=2) + "\n")
     if args.profile_out:

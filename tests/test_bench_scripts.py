@@ -108,6 +108,28 @@ def test_round_cost_gpu_reports_rounds_in_plain_steps_and_whole_requests_on_the_
                for r in res["requests"])
 
 
+def test_round_cost_gpu_runs_a_prompt_sets_requests_per_decoder_and_collector_mode(toy_drafter, tmp_path):
+    """--target with --prompt-set: the set's prompts through every decoder in turn, per garbage-collector
+    mode and phase clock, each step's wall time summed up; the report is written."""
+    target, draft = toy_drafter
+    script = load_script("round_cost_gpu")
+    out = tmp_path / "rs.json"
+    assert script.main(["--target", str(target), "--draft", str(draft), "--prompt-set", "qa", "--prompts", "2",
+                        "--new-tokens", "5", "--trees", "2,2,3", "--gc", "default", "freeze", "--timings", "off",
+                        "events", "--requests-only", "--out", str(out)]) == 0
+    import gc
+
+    assert not gc.get_freeze_count()  # the collector as it was
+    rows = json.loads(out.read_text())["request_sets"]
+    assert [(r["gc"], r["timing"], r["decoder"]) for r in rows] == [
+        (g, t, d) for g in ("default", "freeze") for t in ("off", "events") for d in ("plain", "2,2,3")]
+    for r in rows:
+        assert r["requests"] == 2 and 2 <= r["new_tokens"] <= 10 and r["steps"] >= 2
+        assert r["ms_step_p50"] <= r["ms_step_p90"] <= r["ms_step_p99"] <= r["ms_step_max"]
+        assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / r["seconds"], rel=1e-2)
+        assert (r["tau"] is None) == (r["decoder"] == "plain") and ("ms_per_step_phases" in r) == (r["timing"] != "off")
+
+
 def test_spec_gpu_budget_keeps_partial_results(toy_drafter, tmp_path):
     """A budget too small for the main loop still leaves a complete report of what was done."""
     target, draft = toy_drafter

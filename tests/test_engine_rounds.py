@@ -241,6 +241,7 @@ def test_a_warmed_draft_state_makes_every_round_function_up_front_and_serves_unc
     state.warm(tree, target.vocab_size)
     assert sorted(state._drafts) == sorted((tree, d, GREEDY) for d in (1, 2, 3))
     assert sorted(state.compiled_rounds) == sorted([f"draft {tree}", "re-read"])
+    assert state._prompt_step is not None  # the prompt's read in chunks
     assert state.length == 0 and state.root_token is None  # emptied: no request sees the warm-up
     made = {name: c.seconds for name, c in state.compiled_rounds.items()}
     prompt = random_prompts(1, 128, seed=9)[0]
@@ -389,3 +390,33 @@ def test_truncate_drops_entries_and_refuses_growing(llama):
     assert target.cache_len == 2
     with pytest.raises(IndexError, match=r"truncate: expected a length in 0\.\.2 \(the cache's\), found 3"):
         target.truncate(3)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("before", [0, 3], ids=["empty", "after-an-extend"])
+def test_a_prompt_read_in_fixed_chunks_equals_one_exact_step(trained_drafter, before):
+    """With fixed shapes the drafter reads a prompt (more entries than the re-read's bucket) in
+    chunks of PROMPT_CHUNK rows through one function, the last chunk padded: the same committed
+    cache entries and the same root as one exact-shape step of all the rows, in float32. Where the
+    last chunk's pads would not fit in the cache, the read runs as that exact step."""
+    from eyas.engine.tree import PROMPT_CHUNK, DraftState
+
+    g = torch.Generator().manual_seed(1)
+    n = 2 * PROMPT_CHUNK + 13
+    tokens = torch.randint(0, 128, (before + n,), generator=g)
+    features = torch.randn(before + n, trained_drafter.fc.weight.shape[1], generator=g)
+    exact = DraftState(trained_drafter, 512)
+    chunked = DraftState(trained_drafter, 512, fixed_shapes=True, extend_bucket=5)
+    tight = DraftState(trained_drafter, before + n + 5, fixed_shapes=True, extend_bucket=5)  # pads past its end
+    for state in (exact, chunked, tight):
+        if before:
+            state.extend(tokens[:before], features[:before])  # the bucket's padded step (fixed shapes)
+        state.extend(tokens[before:], features[before:])
+    assert exact._prompt_step is None and chunked._prompt_step is not None and tight._prompt_step is None
+    end = before + n
+    for state in (chunked, tight):
+        assert state.length == exact.length == end
+        assert torch.equal(state.root_token, exact.root_token) and int(state.root_token) == int(tokens[-1])
+        torch.testing.assert_close(state.root_logits, exact.root_logits, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(state.root_hidden, exact.root_hidden, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(state.cache.kv[..., :end, :], exact.cache.kv[..., :end, :], atol=1e-5, rtol=1e-4)

@@ -260,7 +260,8 @@ def start(target: Target, input_ids: Sequence[int] | Tensor, drafter: Eagle3Draf
         return s
     with s.clock("prefill"):
         # p and f at every prompt position; x_n comes from the target alone
-        logits, f = target.prefill(torch.tensor([s.x], device=target.device), capture=drafter is not None)
+        ids = torch.tensor([s.x], device=target.device)  # [1, n]
+        logits, f = target.prefill(ids, capture=drafter is not None)
         x_next = _choose(logits[0, -1], sampling, generator)
         s.stats.rounds += 1
     if observer is not None and f is not None:
@@ -270,10 +271,10 @@ def start(target: Target, input_ids: Sequence[int] | Tensor, drafter: Eagle3Draf
     if drafter is not None and not s.done:
         with s.clock("draft"):
             s.draft = _draft_state(target, drafter, tree, s.max_len)
-            s.draft.extend(s.x[1:], f[0])  # entry t reads (f_t, x_{t+1}), t = 0 .. n-1
+            following = torch.cat([ids[0, 1:], x_next.view(1)])  # x_1 .. x_n, on the device
+            s.draft.extend(following, f[0])  # entry t reads (f_t, x_{t+1}), t = 0 .. n-1
         if observer is not None:
-            observer.drafter_reads(0, "prefill", s.positions[:len(s.x) - 1],
-                                   torch.tensor(s.x[1:], device=target.device), f[0])
+            observer.drafter_reads(0, "prefill", s.positions[:len(s.x) - 1], following, f[0])
     return s
 
 

@@ -196,6 +196,11 @@ def top_k(x: Tensor, k: int, chunk: int = 256,
     return best_values, (indices + offsets).flatten(1).gather(1, best)
 
 
+# Rows per step of a prompt's read with fixed shapes (DraftState._read_in_chunks): the most the Triton
+# products take (matvec.MAX_ROWS), so the drafter's kernels run it too.
+PROMPT_CHUNK = 64
+
+
 class DraftState:
     """The drafter, its static KV cache, and its output at the last committed entry (the root).
 
@@ -266,6 +271,7 @@ class DraftState:
         # drafts of greedy or CounterStream sampling, per (spec, depth, sampling)
         self._drafts: dict[tuple, Callable[..., tuple[Tensor, ...]]] = {}
         self._reread: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None  # the pipelined re-read
+        self._prompt_step: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None  # a prompt's chunks
 
     def reset(self) -> None:
         """Empty the cache for a new request (stale entries are never attended; graphs stay)."""
@@ -308,6 +314,9 @@ class DraftState:
         n = tokens.shape[0]
         B = self.extend_bucket if n <= self.extend_bucket else n
         features = features.to(self.dtype)
+        if B > self.extend_bucket > 0 and self.length + -(-n // PROMPT_CHUNK) * PROMPT_CHUNK <= self.max_len:
+            self._read_in_chunks(tokens, features)
+            return
         if B > n:
             tokens = torch.cat([tokens, tokens.new_zeros(B - n)])
             features = torch.cat([features, features.new_zeros(B - n, features.shape[1])])
@@ -320,8 +329,36 @@ class DraftState:
             logits, hidden = self._extend_step(tokens[None], features[None], slots[None], slots, mask[None, None])
             # cloned: a graph's outputs are overwritten by its next replay
             self.root_logits, self.root_hidden = logits[0, n - 1].clone(), hidden[0, n - 1].clone()
-        else:  # exact shapes (a prompt; every extend on the CPU), eagerly
+        else:  # exact shapes (every extend without fixed shapes; a prompt too long for the chunks' pads), eagerly
             self.root_logits, self.root_hidden = self._extend_eager(tokens, features, slots, mask)
+        self.length += n
+
+    def _read_in_chunks(self, tokens: Tensor, features: Tensor) -> None:
+        """Commit n > extend_bucket entries (a prompt) in chunks of PROMPT_CHUNK rows, each one
+        replay of the same fixed-shape function (:meth:`_reread_fn`, captured once on a GPU): entry
+        length+i reads (features[i], tokens[i]) at position length+i and attends entries 0 .. length+i,
+        exactly as one exact-shape step of n rows, since a chunk's rows see the chunks before it in
+        the cache. The last chunk is padded: its pads write scratch slots past the new committed end
+        (overwritten before any query attends them) and attend only themselves. The caller checks
+        that the pads fit in the cache.
+
+        Why: the exact-shape step ran eagerly, a new shape each prompt (on the H200 about 2 ms of
+        a SmolLM2 request spent launching the drafter's forward one kernel at a time). Chunks of
+        PROMPT_CHUNK rows also run through the Triton kernels (``kernels="triton"``), which take at
+        most that many, and keep the step's attention scores [rows, max_len] small."""
+        if self._prompt_step is None:  # not compiled: a compilation would cost seconds, a capture milliseconds
+            self._prompt_step = StepGraphs(self._reread_fn) if self.graphs else self._reread_fn
+        n, C = tokens.shape[0], PROMPT_CHUNK
+        pad = -n % C
+        tokens = torch.cat([tokens, tokens.new_zeros(pad)])  # [chunks * C]
+        features = torch.cat([features, features.new_zeros(pad, features.shape[1])])
+        for start in range(0, n, C):
+            real = min(C, n - start)
+            # device scalars from the position table (no host-to-device copy): the rows to commit, the length
+            root = self._prompt_step(tokens[start:start + C], features[start:start + C], self.positions[real],
+                                     self.positions[self.length + start])
+        # cloned: the graph's outputs are overwritten by the next request's read
+        self.root_token, self.root_logits, self.root_hidden = (t.clone() for t in root)
         self.length += n
 
     @torch.no_grad()
@@ -363,8 +400,8 @@ class DraftState:
 
     @torch.no_grad()
     def warm(self, spec: TreeSpec, vocab_size: int) -> None:
-        """Make, now, every fixed-shape function a greedy request with ``spec`` calls: the extend of
-        ``extend_bucket`` entries (a non-pipelined round's re-read), the draft at every depth 1 ..
+        """Make, now, every fixed-shape function a greedy request with ``spec`` calls: the prompt's
+        read in chunks, the extend of ``extend_bucket`` entries (a non-pipelined round's re-read), the draft at every depth 1 ..
         spec.depth (the full depth compiled, the shallower ones of a request's last rounds captured
         eagerly) and the pipelined re-read. Each is compiled, captured or JIT-compiled on its first
         call; without this a request pays them where it first needs them, the shallower drafts in
@@ -377,9 +414,12 @@ class DraftState:
         logits (its key bucket), captured then (milliseconds, nothing compiled)."""
         if not self.extend_bucket:
             return
-        B = self.extend_bucket
+        B, width = self.extend_bucket, self.drafter.fc.weight.shape[1]
+        # a prompt's read (in chunks: _read_in_chunks), then the extend of B entries
+        self.extend(torch.zeros(B + 1, dtype=torch.long, device=self.device),
+                    torch.zeros(B + 1, width, dtype=self.dtype, device=self.device))
         tokens = torch.zeros(B, dtype=torch.long, device=self.device)
-        features = torch.zeros(B, self.drafter.fc.weight.shape[1], dtype=self.dtype, device=self.device)
+        features = torch.zeros(B, width, dtype=self.dtype, device=self.device)
         self.extend(tokens, features)
         for depth in range(1, spec.depth + 1):
             self.draft(spec, depth, GREEDY, None, vocab_size)
