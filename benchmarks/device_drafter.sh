@@ -198,16 +198,16 @@ EOF
   requests)
     # where a real request's time goes: MT-bench through plain and each tree, the garbage collector as it is and
     # frozen, with SmolLM2's weights, then the same randomised (round_cost_gpu.py --prompt-set; after setup and
-    # part, carry the GGUF's last part; TREES, REQ_S: each run's time limit)
+    # part, carry the GGUF's last part; TREES, WEIGHTS='real random', EXTRA: more options, REQ_S: each run's limit)
     keep_parts
     join_gguf
-    for w in real random; do
+    for w in ${WEIGHTS:-real random}; do
       extra=""
       [ "$w" = random ] && extra="--random-weights"
       # shellcheck disable=SC2086
       timeout "${REQ_S:-200}" python benchmarks/round_cost_gpu.py --target /tmp/smol.gguf --prompt-set mt_bench \
         --prompts 24 --trees ${TREES:-4,8,15} --matvec triton-verify --attention split-kv --gc default freeze \
-        --requests-only --label "$w" $extra --out "$OUT/requests_$w.json" > "$OUT/requests_$w.log" 2>&1 \
+        --requests-only --label "$w" $extra ${EXTRA:-} --out "$OUT/requests_$w.json" > "$OUT/requests_$w.log" 2>&1 \
         || echo "requests $w exit $?" >> "$OUT/requests_$w.log"
       tail -n 12 "$OUT/requests_$w.log"
     done

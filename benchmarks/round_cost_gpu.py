@@ -35,6 +35,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -110,6 +111,30 @@ def load_real(path: str, draft: str, random_weights: bool) -> tuple[torch.nn.Mod
     return model, drafter, spec, loaded.tokenizer
 
 
+def hf_compiled(model, tokenizer, cache_len: int, new: int, warm: list[int]) -> tuple[Callable[[list[int]], object],
+                                                                                   float]:
+    """Hugging Face generate greedy on a static cache with its decoding step compiled (spec_gpu.py's
+    hf_compiled decoder), compiled now on ``warm``: (run(prompt), compile seconds)."""
+    from transformers import CompileConfig, StaticCache
+
+    from spec_gpu import hf_runner
+
+    device = next(model.parameters()).device
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    run = hf_runner(model, eos, pad, new, cache=StaticCache(config=model.config, max_cache_len=cache_len),
+                    compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    from eyas.engine import SamplingParams
+
+    def generate(prompt: list[int]) -> object:
+        return run(torch.tensor([prompt], device=device), SamplingParams(0.0), 0)
+
+    t0 = time.perf_counter()
+    for _ in range(3):
+        generate(warm)
+    return generate, time.perf_counter() - t0
+
+
 def percentile(xs: list[float], q: float) -> float:
     ys = sorted(xs)
     return ys[min(len(ys) - 1, int(q * len(ys)))]
@@ -133,11 +158,13 @@ class GcPauses:
 
 
 def request_sets(target, drafter, trees: list[TreeSpec], prompts: list[list[int]], new: int, gc_modes: list[str],
-                 timings: list[str]) -> list[dict]:
+                 timings: list[str], phase: str = "", between: Callable[[list[int]], object] | None = None) -> list[dict]:
     """Every prompt through every decoder in turn (plain, then each tree; as spec_gpu.py does), per
     garbage-collector mode and phase clock: tokens/s over the whole requests, tau, and each step's
     wall time (a step ends with its read of the device): median, p90, p99, max, and the time spent
-    in steps slower than 3x the median (stalls), with the collector's pauses over the same requests."""
+    in steps slower than 3x the median (stalls), with the collector's pauses over the same requests.
+    ``between``: run on each prompt after the eyas decoders (another decoder in the same process, as
+    spec_gpu.py interleaves Hugging Face's), not timed; ``phase`` labels the rows."""
     from eyas.engine.speculative import start, step
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -176,10 +203,12 @@ def request_sets(target, drafter, trees: list[TreeSpec], prompts: list[list[int]
                     a["gc_counts"] = [x + y for x, y in zip(a["gc_counts"], pauses.counts)]
                     for k in a["phases"]:
                         a["phases"][k] += getattr(st, f"time_{k}")
+                if between is not None:
+                    between(prompt)
             for tree in decoders:
                 a = acc[tree]
                 steps, med = a["steps"], statistics.median(a["steps"])
-                row = {"gc": mode, "timing": timing,
+                row = {"phase": phase, "gc": mode, "timing": timing,
                        "decoder": "plain" if tree is None else f"{tree.depth},{tree.top_k},{tree.total_tokens}",
                        "requests": len(prompts), "new_tokens": a["tokens"], "seconds": round(sum(a["walls"]), 4),
                        "tokens_per_s": round(a["tokens"] / sum(a["walls"]), 1),
@@ -273,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gc", nargs="+", default=["default"], choices=["default", "freeze"],
                     help="the garbage collector's modes for --prompt-set's requests, in order (freeze cannot be undone)")
     ap.add_argument("--timings", nargs="+", default=["events", "off"], help="phase clocks for --prompt-set's requests")
+    ap.add_argument("--hf-compiled", action="store_true",
+                    help="--prompt-set's requests again with Hugging Face generate compiled (static cache, "
+                         "reduce-overhead) run on each prompt between them, then again without it: does a "
+                         "compiled HF decoder in the process slow eyas' (spec_gpu.py runs them so)")
     ap.add_argument("--requests-only", action="store_true", help="only --prompt-set's requests (no round timings)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-out", default=None)
@@ -304,7 +337,15 @@ def main(argv: list[str] | None = None) -> int:
         warm_s = time.perf_counter() - t0
         print(f"target {target.implementation}; warm-up {warm_s:.1f} s; {len(prompt_ids)} prompts of "
               f"{min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens", flush=True)
-        sets = request_sets(target, drafter, trees, prompt_ids, args.new_tokens, args.gc, args.timings)
+        sets = request_sets(target, drafter, trees, prompt_ids, args.new_tokens, args.gc, args.timings, "alone")
+        if args.hf_compiled:
+            hf, hf_compile_s = hf_compiled(model, tokenizer, max(map(len, prompt_ids)) + args.new_tokens + 8,
+                                           args.new_tokens, prompt_ids[0])
+            print(f"HF generate compiled in {hf_compile_s:.1f} s", flush=True)
+            sets += request_sets(target, drafter, trees, prompt_ids, args.new_tokens, ["default"], args.timings,
+                                 "hf-interleaved", between=hf)
+            sets += request_sets(target, drafter, trees, prompt_ids, args.new_tokens, ["default"], args.timings,
+                                 "after-hf")
         if args.requests_only:
             result = {"label": args.label, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                       "torch": torch.__version__, "target": args.target, "random_weights": args.random_weights,

@@ -110,19 +110,22 @@ def test_round_cost_gpu_reports_rounds_in_plain_steps_and_whole_requests_on_the_
 
 def test_round_cost_gpu_runs_a_prompt_sets_requests_per_decoder_and_collector_mode(toy_drafter, tmp_path):
     """--target with --prompt-set: the set's prompts through every decoder in turn, per garbage-collector
-    mode and phase clock, each step's wall time summed up; the report is written."""
+    mode and phase clock, each step's wall time summed up, then with Hugging Face's decoder between
+    them and after it (--hf-compiled); the report is written."""
     target, draft = toy_drafter
     script = load_script("round_cost_gpu")
     out = tmp_path / "rs.json"
     assert script.main(["--target", str(target), "--draft", str(draft), "--prompt-set", "qa", "--prompts", "2",
                         "--new-tokens", "5", "--trees", "2,2,3", "--gc", "default", "freeze", "--timings", "off",
-                        "events", "--requests-only", "--out", str(out)]) == 0
+                        "events", "--hf-compiled", "--requests-only", "--out", str(out)]) == 0
     import gc
 
     assert not gc.get_freeze_count()  # the collector as it was
     rows = json.loads(out.read_text())["request_sets"]
-    assert [(r["gc"], r["timing"], r["decoder"]) for r in rows] == [
-        (g, t, d) for g in ("default", "freeze") for t in ("off", "events") for d in ("plain", "2,2,3")]
+    # then with HF generate run between the requests (on the CPU its step is not compiled), then after it
+    assert [(r["phase"], r["gc"], r["timing"], r["decoder"]) for r in rows] == [
+        ("alone", g, t, d) for g in ("default", "freeze") for t in ("off", "events") for d in ("plain", "2,2,3")] + [
+        (p, "default", t, d) for p in ("hf-interleaved", "after-hf") for t in ("off", "events") for d in ("plain", "2,2,3")]
     for r in rows:
         assert r["requests"] == 2 and 2 <= r["new_tokens"] <= 10 and r["steps"] >= 2
         assert r["ms_step_p50"] <= r["ms_step_p90"] <= r["ms_step_p99"] <= r["ms_step_max"]
