@@ -10,7 +10,9 @@ cost gives at the accept lengths ``--tau`` (measured on MT-bench with the real m
 With ``--profile``, torch.profiler of one round of the first tree and of one plain step: kernels,
 graph launches, host calls, and the GPU's idle time split into short and long gaps
 (``spec_gpu.device_idle``). With ``--requests N``, N whole requests per decoder and clock mode, and
-where their time goes (start, first round, median round, last three).
+where their time goes (start, first round, median round, last three); with ``--requests-after-profile``,
+the same requests again after the profile (on the H200 a profiled process launches more slowly from
+then on: ``benchmarks/2026-12-03-prompt-read-h200.md``).
 
 With ``--target`` (a GGUF, a directory) the model is the real one, and with ``--prompt-set`` the
 requests are that set's prompts rendered with its chat template (``--prompts`` of them), run in
@@ -295,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="", help="a name for this run (e.g. the commit)")
     ap.add_argument("--tiny", action="store_true", help="a toy config on the CPU (smoke test)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler of one round and one plain step")
+    ap.add_argument("--requests-after-profile", action="store_true",
+                    help="--requests' whole requests again after --profile's (profiles['requests_after'])")
     ap.add_argument("--target", default=None, help="the real model (a GGUF, a directory) instead of a random one")
     ap.add_argument("--random-weights", action="store_true", help="with --target: its weights drawn anew")
     ap.add_argument("--prompt-set", default=None, help="requests on this set's prompts (e.g. mt_bench; needs --target)")
@@ -403,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {p['gpu_kernels_per_round']} kernels, {p['gpu_kernel_ms_per_round']} ms of kernels, "
                   f"idle {p.get('device_idle', {}).get('idle_us_per_round')} us a round", flush=True)
         print(text)
+        if args.requests_after_profile and args.requests:  # does the profiler leave launches slower behind it
+            profiles["requests_after"] = whole_requests(target, drafter, trees, prompt, args.requests, args.new_tokens)
     result = {"label": args.label, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "target_impl": target.implementation,
               "matvec": getattr(target, "matvec", None), "attention": getattr(target, "attention", None),

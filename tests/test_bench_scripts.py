@@ -91,12 +91,14 @@ def test_draft_topk_gpu_times_every_selection_and_checks_its_values_on_the_cpu(t
 
 def test_round_cost_gpu_reports_rounds_in_plain_steps_and_whole_requests_on_the_cpu(tmp_path):
     """--tiny: a toy target and an untrained drafter on the CPU. Each tree's round in plain steps, the
-    speedup its given accept length implies (tau x plain step / round), and whole requests per decoder
-    and clock mode, split into start, first, median and last rounds; the report is written."""
+    speedup its given accept length implies (tau x plain step / round), whole requests per decoder
+    and clock mode, split into start, first, median and last rounds, the profile of a round and a
+    plain step and the requests again after it; the report is written."""
     script = load_script("round_cost_gpu")
     out = tmp_path / "rc.json"
     assert script.main(["--tiny", "--trees", "3,2,4", "2", "--tau", "1.5", "--rounds", "2", "--repeats", "2",
-                        "--requests", "1", "--new-tokens", "6", "--out", str(out)]) == 0
+                        "--requests", "1", "--new-tokens", "6", "--profile", "--requests-after-profile",
+                        "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     plain, (tree, chain) = res["plain_step_ms"], res["trees"]
     assert (tree["tree"], chain["tree"], len(tree["round_ms_all"])) == ("3,2,4", "2,1,2", 2)
@@ -106,6 +108,10 @@ def test_round_cost_gpu_reports_rounds_in_plain_steps_and_whole_requests_on_the_
         (d, t) for t in ("off", "events") for d in ("plain", "3,2,4", "2,1,2")]
     assert all(r["ms_start"] > 0 and r["ms_last_three_rounds"] > 0 and r["rounds_per_request"] >= 1
                for r in res["requests"])
+    # one round and one plain step profiled, then the same requests again after the profiler
+    assert res["profiles"]["spec_round"]["rounds"] >= 1 and res["profiles"]["plain_step"]["rounds"] >= 1
+    assert [(r["decoder"], r["timing"]) for r in res["profiles"]["requests_after"]] == [
+        (r["decoder"], r["timing"]) for r in res["requests"]]
 
 
 def test_round_cost_gpu_runs_a_prompt_sets_requests_per_decoder_and_collector_mode(toy_drafter, tmp_path):
