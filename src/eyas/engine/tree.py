@@ -223,9 +223,9 @@ class DraftState:
         accepted tokens. None = with inductor where CUDA graphs are on, False = never, True =
         inductor, a string = that torch.compile backend (the CPU tests use "aot_eager": the same
         tracing, no C compiler). Everything else runs the steps eagerly (captured, with graphs):
-        a prompt's extend (any length), sampled drafts (compiled per temperature, they would
-        compile mid-serving), and a request's last, shallower rounds, where a compilation of
-        their own would take seconds inside the request.
+        a prompt's read (in chunks of PROMPT_CHUNK rows, one function), sampled drafts (compiled
+        per temperature, they would compile mid-serving), and a request's last, shallower rounds,
+        where a compilation of their own would take seconds inside the request.
 
         kernels: what the fixed-shape steps run. "torch": the drafter's forward (inside the compiled
         round functions, inductor makes it 20 kernels a step on a GPU). "triton":
@@ -235,8 +235,9 @@ class DraftState:
         GPU or ``TRITON_INTERPRET=1``, and a head dimension the attention kernel supports (refused
         otherwise, :class:`~eyas.engine.draft_kernels.UnsupportedDraftKernels`), and first stacks the
         drafter's q/k/v and gate/up weights in place (``fuse_drafter_projections``: views, no
-        second copy; ``unfused_reason`` says why not, when not). The prompt's exact-shape extend,
-        and a step of more rows than the kernels take (64), run the drafter's forward either way."""
+        second copy; ``unfused_reason`` says why not, when not). An exact-shape extend (without
+        fixed shapes), and a step of more rows than the kernels take (64), run the drafter's
+        forward either way."""
         check_kernels(kernels, drafter)
         self.kernels = kernels
         self.unfused_reason = fuse_drafter_projections(drafter) if kernels == "triton" else None
@@ -308,7 +309,10 @@ class DraftState:
         tokens: long [n] (or a list), the committed tokens that follow the target positions of
         ``features`` [n, S*H_t], i.e. x_{t+1} for feature f_t. With fixed shapes, n <= extend_bucket
         runs padded: pad i writes the scratch slot length+i (which drafting overwrites before it
-        is attended) and attends only itself; no real entry attends a pad.
+        is attended) and attends only itself; no real entry attends a pad. A longer n (a prompt)
+        runs in chunks of PROMPT_CHUNK rows, padded the same way (:meth:`_read_in_chunks`), where
+        the last chunk's pads fit in the cache; else, and without fixed shapes, in one exact-shape
+        step.
         """
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).flatten()
         n = tokens.shape[0]
@@ -342,8 +346,9 @@ class DraftState:
         (overwritten before any query attends them) and attend only themselves. The caller checks
         that the pads fit in the cache.
 
-        Why: the exact-shape step ran eagerly, a new shape each prompt (on the H200 about 2 ms of
-        a SmolLM2 request spent launching the drafter's forward one kernel at a time). Chunks of
+        Why: the exact-shape step ran eagerly, a new shape each prompt, launching the drafter's
+        forward one kernel at a time: on the H200 a SmolLM2 request's spec-only start fell from
+        about 2.2 to 0.8 ms with the chunks (``benchmarks/2026-12-03-prompt-read-h200.md``). Chunks of
         PROMPT_CHUNK rows also run through the Triton kernels (``kernels="triton"``), which take at
         most that many, and keep the step's attention scores [rows, max_len] small."""
         if self._prompt_step is None:  # not compiled: a compilation would cost seconds, a capture milliseconds
