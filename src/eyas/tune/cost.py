@@ -85,8 +85,8 @@ class CostModel:
     bookkeeping_s_by_tokens  T -> the acceptance walk over T verified tokens (an argmax per row, one
                         sync) + compacting the target's cache to the path
     round_overhead_s    what a real round costs beyond the sum of the parts above (syncs, small host
-                        copies, Python between the phases): a chain-of-1 speculative_generate run, per
-                        round, minus the model's round of that chain; never negative
+                        copies, Python between the phases): a chain-of-1 request's rounds, per round
+                        (its start not timed), minus the model's round of that chain; never negative
     round_s_by_tree     TreeSpec -> one real round of that tree (:func:`time_rounds`): what
                         ``--tree auto`` ranks its shortlist by. At fixed shapes (the fast target) a
                         round costs the same whatever it accepts, so a round timed on random context
@@ -309,14 +309,6 @@ def time_drafting(tc: TimingContext, drafter: Eagle3Drafter, topks: Sequence[int
     return DraftTimes(base, step, extend)
 
 
-def time_drafter_prefill(tc: TimingContext, drafter: Eagle3Drafter) -> float:
-    """What speculative_generate does once before its first round: a fresh DraftState and the
-    drafter over the prompt (the context). The round-overhead anchor subtracts it."""
-    first = tc.ids[0].tolist()[1:] + [tc.next_token]
-    return _median_time(lambda: DraftState(drafter, tc.context + END_TO_END_TOKENS + 2).extend(first, tc.features[0]),
-                        tc.device, 1, 1)
-
-
 def time_plain_token(tc: TimingContext) -> float:
     """plain_s: per decoded token of plain_generate over the context (prefill excluded, the first
     token too: it comes from the prefill), the faster of two runs after a warm-up."""
@@ -329,17 +321,26 @@ def time_plain_token(tc: TimingContext) -> float:
     return min(plain)
 
 
-def time_round_overhead(tc: TimingContext, drafter: Eagle3Drafter, parts: CostModel, drafter_prefill_s: float) -> float:
-    """round_overhead_s: a chain-of-1 speculative_generate over the context, per round (prefill and
-    the drafter's prefill excluded), minus ``parts``.parts_s of that chain at its measured tau; the
-    smaller of two runs after a warm-up, never negative (0 when no round ran)."""
+def time_round_overhead(tc: TimingContext, drafter: Eagle3Drafter, parts: CostModel) -> float:
+    """round_overhead_s: the rounds of a chain-of-1 request over the context (``step`` after
+    ``start``: the prefill and the drafter's read of the prompt are not timed), per round, minus
+    ``parts``.parts_s of that chain at its measured tau; the smaller of two runs after a warm-up,
+    never negative (0 when no round ran). Timed around the rounds, not by subtracting a separate
+    measurement of the request's start: the engine reads a prompt in fixed-shape chunks on a
+    fixed-shape target and in one exact step elsewhere, and only the engine knows which."""
     prompt, chain = tc.ids[0].tolist(), TreeSpec.chain(1)
     speculative_generate(tc.target, drafter, prompt, tree=chain, max_new_tokens=4)  # warm-up
     over = []
     for _ in range(2):
-        st = speculative_generate(tc.target, drafter, prompt, tree=chain, max_new_tokens=END_TO_END_TOKENS + 1).stats
+        s = start(tc.target, prompt, drafter, tree=chain, max_new_tokens=END_TO_END_TOKENS + 1)
+        synchronize(tc.target.device)
+        t0 = time.perf_counter()
+        while not s.done:
+            step(s)
+        synchronize(tc.target.device)
+        st = s.result().stats
         if st.accept_lengths:
-            per_round = (st.time_total - st.time_prefill - drafter_prefill_s) / len(st.accept_lengths)
+            per_round = (time.perf_counter() - t0) / len(st.accept_lengths)
             over.append(per_round - parts.parts_s(chain, st.tau))
     return max(0.0, min(over)) if over else 0.0
 
@@ -402,12 +403,11 @@ def measure_cost(
         verify = time_verification(tc, sizes)
         bookkeeping = time_bookkeeping(tc)
         draft = time_drafting(tc, drafter, topks, max_depth)
-        drafter_prefill_s = time_drafter_prefill(tc, drafter)
         cost = CostModel(verify, 0.0, draft.base_s_by_topk, draft.step_s_by_topk, draft.extend_s_by_tokens,
                          bookkeeping, context=ctx, device=str(target.device))
         # The end-to-end anchors: the engine's own loops over the same context.
         cost.plain_s = time_plain_token(tc)
-        cost.round_overhead_s = time_round_overhead(tc, drafter, cost, drafter_prefill_s)
+        cost.round_overhead_s = time_round_overhead(tc, drafter, cost)
     finally:
         target.reset()
     return cost
