@@ -160,7 +160,8 @@ class GcPauses:
 
 
 def request_sets(target, drafter, trees: list[TreeSpec], prompts: list[list[int]], new: int, gc_modes: list[str],
-                 timings: list[str], phase: str = "", between: Callable[[list[int]], object] | None = None) -> list[dict]:
+                 timings: list[str], phase: str = "",
+                 between: Callable[[list[int]], object] | None = None) -> list[dict]:
     """Every prompt through every decoder in turn (plain, then each tree; as spec_gpu.py does), per
     garbage-collector mode and phase clock: tokens/s over the whole requests, tau, and each step's
     wall time (a step ends with its read of the device): median, p90, p99, max, and the time spent
@@ -218,7 +219,8 @@ def request_sets(target, drafter, trees: list[TreeSpec], prompts: list[list[int]
                        "steps": len(steps), "ms_start_mean": round(1e3 * statistics.mean(a["starts"]), 3),
                        "ms_step_mean": round(1e3 * statistics.mean(steps), 4), "ms_step_p50": round(1e3 * med, 4),
                        "ms_step_p90": round(1e3 * percentile(steps, 0.9), 4),
-                       "ms_step_p99": round(1e3 * percentile(steps, 0.99), 4), "ms_step_max": round(1e3 * max(steps), 4),
+                       "ms_step_p99": round(1e3 * percentile(steps, 0.99), 4),
+                       "ms_step_max": round(1e3 * max(steps), 4),
                        "ms_in_stalls": round(1e3 * sum(x for x in steps if x > 3 * med), 3),
                        "gc_ms": round(1e3 * a["gc_s"], 3), "gc_collections": a["gc_counts"]}
                 if timing != "off":
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-set", default=None, help="requests on this set's prompts (e.g. mt_bench; needs --target)")
     ap.add_argument("--prompts", type=int, default=24, help="prompts of --prompt-set")
     ap.add_argument("--gc", nargs="+", default=["default"], choices=["default", "freeze"],
-                    help="the garbage collector's modes for --prompt-set's requests, in order (freeze cannot be undone)")
+                    help="the garbage collector's modes for --prompt-set's requests, in order (frozen until they end)")
     ap.add_argument("--timings", nargs="+", default=["events", "off"], help="phase clocks for --prompt-set's requests")
     ap.add_argument("--hf-compiled", action="store_true",
                     help="--prompt-set's requests again with Hugging Face generate compiled (static cache, "

@@ -131,7 +131,8 @@ def test_round_cost_gpu_runs_a_prompt_sets_requests_per_decoder_and_collector_mo
     # then with HF generate run between the requests (on the CPU its step is not compiled), then after it
     assert [(r["phase"], r["gc"], r["timing"], r["decoder"]) for r in rows] == [
         ("alone", g, t, d) for g in ("default", "freeze") for t in ("off", "events") for d in ("plain", "2,2,3")] + [
-        (p, "default", t, d) for p in ("hf-interleaved", "after-hf") for t in ("off", "events") for d in ("plain", "2,2,3")]
+        (p, "default", t, d) for p in ("hf-interleaved", "after-hf") for t in ("off", "events")
+        for d in ("plain", "2,2,3")]
     for r in rows:
         assert r["requests"] == 2 and 2 <= r["new_tokens"] <= 10 and r["steps"] >= 2
         assert r["ms_step_p50"] <= r["ms_step_p90"] <= r["ms_step_p99"] <= r["ms_step_max"]

@@ -406,10 +406,11 @@ class DraftState:
     @torch.no_grad()
     def warm(self, spec: TreeSpec, vocab_size: int) -> None:
         """Make, now, every fixed-shape function a greedy request with ``spec`` calls: the prompt's
-        read in chunks, the extend of ``extend_bucket`` entries (a non-pipelined round's re-read), the draft at every depth 1 ..
-        spec.depth (the full depth compiled, the shallower ones of a request's last rounds captured
-        eagerly) and the pipelined re-read. Each is compiled, captured or JIT-compiled on its first
-        call; without this a request pays them where it first needs them, the shallower drafts in
+        read in chunks, the extend of ``extend_bucket`` entries (a non-pipelined round's re-read),
+        the draft at every depth 1 .. spec.depth (the full depth compiled, the shallower ones of a
+        request's last rounds captured eagerly) and the pipelined re-read. Each is compiled,
+        captured or JIT-compiled on its first call; without this a request pays them where it
+        first needs them, the shallower drafts in
         its last rounds: on the H200 trees new to the process averaged 7-26 ms of drafting a round
         over their first four prompts, and 0.30-0.66 ms once warmed so
         (``benchmarks/2026-12-02-few-row-tilings-h200.md``). The calls run on zeros from entry 0;
