@@ -37,18 +37,18 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from eyas.convention import CaptureSpec
-from eyas.engine import TreeSpec, build_target, plain_generate, speculative_generate
+from eyas.engine import GREEDY, GenerationStats, TreeSpec, build_target, plain_generate, speculative_generate
 from eyas.tune import time_rounds
 
 # after eyas: spec_gpu puts this checkout's src first on sys.path, and eyas must stay the one on
 # PYTHONPATH (an older src, to compare versions)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_gpu import atomic_write, idle_text, profile_rounds  # noqa: E402  (a sibling benchmark script)
+from spec_gpu import atomic_write, hf_runner, idle_text, profile_rounds  # noqa: E402  (a sibling benchmark script)
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = REPO / "src" / "eyas" / "interop" / "embedded" / "smollm2-135m-instruct"
@@ -90,46 +90,39 @@ def drafter_for(model: torch.nn.Module, draft: str, tiny: bool) -> tuple[torch.n
     return drafter.to(device=next(model.parameters()).device, dtype=dtype).eval(), spec
 
 
-def load_real(path: str, draft: str, random_weights: bool) -> tuple[torch.nn.Module, torch.nn.Module, CaptureSpec,
-                                                                      object]:
-    """The target at ``path`` (bf16 on the GPU) with its tokenizer, and the drafter checked against it;
-    with ``random_weights`` the target's weights are drawn anew (normal, std 0.02; norms stay),
-    after the drafter was checked against the real ones: the same shapes, prompts and code, no
-    acceptance."""
+def load_real(path: str, draft: str, random_weights: bool):
+    """The target at ``path`` (bf16 on the GPU; eyas' LoadedTarget: model, tokenizer, EOS ids), the
+    drafter checked against it and the capture spec it reads; with ``random_weights`` the target's
+    matrices are drawn anew (normal, std 0.02; norms stay), after the drafter was checked against the
+    real ones: the same shapes, prompts and code, no acceptance."""
     from eyas.interop import load_drafter
     from eyas.targets import load_target
 
     loaded = load_target(path, dtype="auto", device="auto")
     drafter, contract = load_drafter(draft, target=loaded, tokenizer=loaded.tokenizer)
-    model = loaded.model
     if random_weights:
         torch.manual_seed(0)
         with torch.no_grad():
-            for name, w in model.named_parameters():
+            for w in loaded.model.parameters():
                 if w.dim() >= 2:
                     w.normal_(0.0, 0.02)
     spec = CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks)
-    drafter = drafter.to(device=loaded.device, dtype=loaded.dtype).eval()
-    return model, drafter, spec, loaded.tokenizer
+    return loaded, drafter.to(device=loaded.device, dtype=loaded.dtype).eval(), spec
 
 
-def hf_compiled(model, tokenizer, cache_len: int, new: int, warm: list[int]) -> tuple[Callable[[list[int]], object],
-                                                                                   float]:
-    """Hugging Face generate greedy on a static cache with its decoding step compiled (spec_gpu.py's
-    hf_compiled decoder), compiled now on ``warm``: (run(prompt), compile seconds)."""
+def hf_compiled(loaded, cache_len: int, new: int, warm: list[int]) -> tuple[Callable[[list[int]], object], float]:
+    """spec_gpu.py's hf_compiled decoder (Hugging Face generate, greedy, on a static cache with its
+    decoding step compiled), compiled now on ``warm``: (run(prompt), seconds of the three warm-up calls)."""
     from transformers import CompileConfig, StaticCache
 
-    from spec_gpu import hf_runner
-
-    device = next(model.parameters()).device
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    run = hf_runner(model, eos, pad, new, cache=StaticCache(config=model.config, max_cache_len=cache_len),
+    eos = list(loaded.eos_ids)
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else eos[0]
+    cache = StaticCache(config=loaded.model.config, max_cache_len=cache_len)
+    run = hf_runner(loaded.model, eos, pad, new, cache=cache,
                     compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
-    from eyas.engine import SamplingParams
 
     def generate(prompt: list[int]) -> object:
-        return run(torch.tensor([prompt], device=device), SamplingParams(0.0), 0)
+        return run(torch.tensor([prompt], device=loaded.device), GREEDY, 0)
 
     t0 = time.perf_counter()
     for _ in range(3):
@@ -137,13 +130,53 @@ def hf_compiled(model, tokenizer, cache_len: int, new: int, warm: list[int]) -> 
     return generate, time.perf_counter() - t0
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def percentile(xs: list[float], q: float) -> float:
     ys = sorted(xs)
     return ys[min(len(ys) - 1, int(q * len(ys)))]
 
 
+def decoder_name(tree: TreeSpec | None) -> str:
+    return "plain" if tree is None else f"{tree.depth},{tree.top_k},{tree.total_tokens}"
+
+
+class RequestTimes(NamedTuple):
+    """One request through ``start`` and ``step``, the device synchronised around each part: its
+    start (prefill; the drafter's read of the prompt), each step (a step ends with its read of the
+    device), the whole request, and the engine's statistics."""
+
+    start_s: float
+    step_s: list[float]
+    wall_s: float
+    stats: GenerationStats
+
+
+def run_request(target, drafter, tree: TreeSpec | None, prompt: list[int], new: int, timing: str) -> RequestTimes:
+    """``new`` tokens from ``prompt``: speculative with ``tree``, plain without one."""
+    from eyas.engine.speculative import start, step
+
+    sync()
+    t0 = time.perf_counter()
+    s = start(target, prompt, drafter if tree is not None else None, tree=tree or TreeSpec.chain(1),
+              max_new_tokens=new, timing=timing)
+    sync()
+    start_s, steps = time.perf_counter() - t0, []
+    while not s.done:
+        t1 = time.perf_counter()
+        step(s)
+        steps.append(time.perf_counter() - t1)
+    stats = s.result().stats
+    sync()
+    return RequestTimes(start_s, steps, time.perf_counter() - t0, stats)
+
+
 class GcPauses:
-    """The garbage collector's pauses while active (gc.callbacks): count per generation and seconds."""
+    """The garbage collector's pauses while ``active`` (gc.callbacks): seconds and collections per
+    generation, summed until read with :meth:`take`. ``close`` unregisters it."""
 
     def __init__(self) -> None:
         self.seconds, self.counts, self._t0, self.active = 0.0, [0, 0, 0], 0.0, False
@@ -158,77 +191,74 @@ class GcPauses:
             self.seconds += time.perf_counter() - self._t0
             self.counts[info["generation"]] += 1
 
+    def take(self) -> tuple[float, list[int]]:
+        out, self.seconds, self.counts = (self.seconds, self.counts), 0.0, [0, 0, 0]
+        return out
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def request_set_row(requests: list[RequestTimes], gc_s: float, gc_counts: list[int], timing: str) -> dict:
+    """A decoder's requests summed up: tokens/s over the whole requests, tau, each step's wall time
+    (mean, median, p90, p99, max, and the time in steps slower than 3x the median: stalls), the
+    collector's pauses and (a phase clock on) the phases per step."""
+    steps = [x for r in requests for x in r.step_s]
+    med, wall = statistics.median(steps), sum(r.wall_s for r in requests)
+    tokens = sum(r.stats.new_tokens for r in requests)
+    accept = [a for r in requests for a in r.stats.accept_lengths]
+    row = {"requests": len(requests), "new_tokens": tokens, "seconds": round(wall, 4),
+           "tokens_per_s": round(tokens / wall, 1), "tau": round(statistics.mean(accept), 3) if accept else None,
+           "steps": len(steps), "ms_start_mean": round(1e3 * statistics.mean(r.start_s for r in requests), 3),
+           "ms_step_mean": round(1e3 * statistics.mean(steps), 4), "ms_step_p50": round(1e3 * med, 4),
+           "ms_step_p90": round(1e3 * percentile(steps, 0.9), 4),
+           "ms_step_p99": round(1e3 * percentile(steps, 0.99), 4),
+           "ms_step_max": round(1e3 * max(steps), 4),
+           "ms_in_stalls": round(1e3 * sum(x for x in steps if x > 3 * med), 3),
+           "gc_ms": round(1e3 * gc_s, 3), "gc_collections": gc_counts}
+    if timing != "off":
+        row["ms_per_step_phases"] = {
+            k: round(1e3 * sum(getattr(r.stats, f"time_{k}") for r in requests) / len(steps), 4)
+            for k in ("draft", "verify", "bookkeeping")}
+    return row
+
 
 def request_sets(target, drafter, trees: list[TreeSpec], prompts: list[list[int]], new: int, gc_modes: list[str],
                  timings: list[str], phase: str = "",
                  between: Callable[[list[int]], object] | None = None) -> list[dict]:
     """Every prompt through every decoder in turn (plain, then each tree; as spec_gpu.py does), per
-    garbage-collector mode and phase clock: tokens/s over the whole requests, tau, and each step's
-    wall time (a step ends with its read of the device): median, p90, p99, max, and the time spent
-    in steps slower than 3x the median (stalls), with the collector's pauses over the same requests.
+    garbage-collector mode and phase clock, each decoder's requests summed up (:func:`request_set_row`).
     ``between``: run on each prompt after the eyas decoders (another decoder in the same process, as
-    spec_gpu.py interleaves Hugging Face's), not timed; ``phase`` labels the rows."""
-    from eyas.engine.speculative import start, step
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    spec_gpu.py interleaves Hugging Face's), not timed; ``phase`` labels the rows. A frozen collector
+    is unfrozen at the end."""
     pauses = GcPauses()
     rows = []
-    for mode in gc_modes:
-        if mode == "freeze":  # what serving engines do after their warm-up (SGLang): the heap so far is never scanned
-            gc.collect()
-            gc.freeze()
-        for timing in timings:
-            decoders = [None, *trees]
-            acc = {d: {"walls": [], "steps": [], "starts": [], "tokens": 0, "accept": [], "gc_s": 0.0,
-                       "gc_counts": [0, 0, 0], "phases": {"draft": 0.0, "verify": 0.0, "bookkeeping": 0.0}}
-                   for d in decoders}
-            for prompt in prompts:
+    try:
+        for mode in gc_modes:
+            if mode == "freeze":  # as serving engines do after their warm-up (SGLang): the heap so far is never scanned
+                gc.collect()
+                gc.freeze()
+            for timing in timings:
+                decoders = [None, *trees]
+                done: dict[TreeSpec | None, list[RequestTimes]] = {d: [] for d in decoders}
+                paused: dict[TreeSpec | None, tuple[float, list[int]]] = {d: (0.0, [0, 0, 0]) for d in decoders}
+                for prompt in prompts:
+                    for tree in decoders:
+                        pauses.active = True
+                        done[tree].append(run_request(target, drafter, tree, prompt, new, timing))
+                        pauses.active = False
+                        seconds, counts = pauses.take()
+                        paused[tree] = (paused[tree][0] + seconds, [x + y for x, y in zip(paused[tree][1], counts)])
+                    if between is not None:
+                        between(prompt)
                 for tree in decoders:
-                    a = acc[tree]
-                    pauses.seconds, pauses.counts = 0.0, [0, 0, 0]
-                    sync()
-                    pauses.active = True
-                    t0 = time.perf_counter()
-                    s = start(target, prompt, drafter if tree is not None else None, tree=tree or TreeSpec.chain(1),
-                              max_new_tokens=new, timing=timing)
-                    a["starts"].append(time.perf_counter() - t0)
-                    while not s.done:
-                        t1 = time.perf_counter()
-                        step(s)
-                        a["steps"].append(time.perf_counter() - t1)
-                    st = s.result().stats
-                    sync()
-                    a["walls"].append(time.perf_counter() - t0)
-                    pauses.active = False
-                    a["tokens"] += st.new_tokens
-                    a["accept"] += st.accept_lengths
-                    a["gc_s"] += pauses.seconds
-                    a["gc_counts"] = [x + y for x, y in zip(a["gc_counts"], pauses.counts)]
-                    for k in a["phases"]:
-                        a["phases"][k] += getattr(st, f"time_{k}")
-                if between is not None:
-                    between(prompt)
-            for tree in decoders:
-                a = acc[tree]
-                steps, med = a["steps"], statistics.median(a["steps"])
-                row = {"phase": phase, "gc": mode, "timing": timing,
-                       "decoder": "plain" if tree is None else f"{tree.depth},{tree.top_k},{tree.total_tokens}",
-                       "requests": len(prompts), "new_tokens": a["tokens"], "seconds": round(sum(a["walls"]), 4),
-                       "tokens_per_s": round(a["tokens"] / sum(a["walls"]), 1),
-                       "tau": round(statistics.mean(a["accept"]), 3) if a["accept"] else None,
-                       "steps": len(steps), "ms_start_mean": round(1e3 * statistics.mean(a["starts"]), 3),
-                       "ms_step_mean": round(1e3 * statistics.mean(steps), 4), "ms_step_p50": round(1e3 * med, 4),
-                       "ms_step_p90": round(1e3 * percentile(steps, 0.9), 4),
-                       "ms_step_p99": round(1e3 * percentile(steps, 0.99), 4),
-                       "ms_step_max": round(1e3 * max(steps), 4),
-                       "ms_in_stalls": round(1e3 * sum(x for x in steps if x > 3 * med), 3),
-                       "gc_ms": round(1e3 * a["gc_s"], 3), "gc_collections": a["gc_counts"]}
-                if timing != "off":
-                    row["ms_per_step_phases"] = {k: round(1e3 * v / len(steps), 4) for k, v in a["phases"].items()}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    gc.callbacks.remove(pauses._callback)
-    gc.unfreeze()
+                    row = {"phase": phase, "gc": mode, "timing": timing, "decoder": decoder_name(tree),
+                           **request_set_row(done[tree], *paused[tree], timing)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    finally:
+        pauses.close()
+        gc.unfreeze()
     return rows
 
 
@@ -242,41 +272,21 @@ def whole_requests(target, drafter, trees: list[TreeSpec], prompt: list[int], n:
     CUDA events (the engine's default on a GPU): ms per new token and per round, as a user's request
     pays them (prefill, the first round and the last rounds included), and where a request's time
     goes: ``start`` (prefill; the drafter's read of the prompt), its first round, the median round
-    and its last three (each step's wall time: a step ends with its read of the device)."""
-    from eyas.engine.speculative import start, step
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    and its last three (:func:`run_request`)."""
     rows = []
     for timing in ("off", "events"):
         for tree in [None, *trees]:
-            walls, starts, firsts, middles, lasts, rounds, tokens = [], [], [], [], [], 0, 0
-            for _ in range(n):
-                sync()
-                t0 = time.perf_counter()
-                s = start(target, prompt, drafter if tree is not None else None, tree=tree or TreeSpec.chain(1),
-                          max_new_tokens=new, timing=timing)
-                sync()
-                starts.append(time.perf_counter() - t0)
-                steps = []
-                while not s.done:
-                    t1 = time.perf_counter()
-                    step(s)
-                    steps.append(time.perf_counter() - t1)
-                st = s.result().stats
-                sync()
-                walls.append(time.perf_counter() - t0)
-                firsts.append(steps[0])
-                middles.append(statistics.median(steps))
-                lasts.append(sum(steps[-3:]))
-                rounds, tokens = rounds + len(steps), tokens + st.new_tokens
-            row = {"decoder": "plain" if tree is None else f"{tree.depth},{tree.top_k},{tree.total_tokens}",
-                   "timing": timing, "requests": n, "ms_per_request": round(1e3 * statistics.median(walls), 3),
+            runs = [run_request(target, drafter, tree, prompt, new, timing) for _ in range(n)]
+            walls = [r.wall_s for r in runs]
+            rounds, tokens = sum(len(r.step_s) for r in runs), sum(r.stats.new_tokens for r in runs)
+            row = {"decoder": decoder_name(tree), "timing": timing, "requests": n,
+                   "ms_per_request": round(1e3 * statistics.median(walls), 3),
                    "ms_per_round": round(1e3 * sum(walls) / max(rounds, 1), 4),
                    "ms_per_token": round(1e3 * sum(walls) / max(tokens, 1), 4), "rounds_per_request": rounds / n,
-                   "ms_start": round(1e3 * statistics.median(starts), 3),
-                   "ms_first_round": round(1e3 * statistics.median(firsts), 3),
-                   "ms_median_round": round(1e3 * statistics.median(middles), 4),
-                   "ms_last_three_rounds": round(1e3 * statistics.median(lasts), 3)}
+                   "ms_start": round(1e3 * statistics.median(r.start_s for r in runs), 3),
+                   "ms_first_round": round(1e3 * statistics.median(r.step_s[0] for r in runs), 3),
+                   "ms_median_round": round(1e3 * statistics.median(statistics.median(r.step_s) for r in runs), 4),
+                   "ms_last_three_rounds": round(1e3 * statistics.median(sum(r.step_s[-3:]) for r in runs), 3)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -319,9 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if args.prompt_set and not args.target:
         ap.error("--prompt-set needs --target (its tokenizer renders the prompts)")
-    tokenizer = None
+    loaded, sets = None, []
     if args.target:
-        model, drafter, spec, tokenizer = load_real(args.target, args.draft, args.random_weights)
+        loaded, drafter, spec = load_real(args.target, args.draft, args.random_weights)
+        model = loaded.model
     else:
         model = smollm2_shaped(device, args.tiny)
         drafter, spec = drafter_for(model, args.draft, args.tiny)
@@ -336,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         from eyas.bench.prompts import load_prompts
         from eyas.data.render import render_prompt
 
-        prompt_ids = [render_prompt(c, tokenizer).tolist() for c in load_prompts(args.prompt_set, args.prompts)]
+        prompt_ids = [render_prompt(c, loaded.tokenizer).tolist() for c in load_prompts(args.prompt_set, args.prompts)]
         for tree in trees:  # the drafter's graphs and compilations, the verdict's: before any timed request
             speculative_generate(target, drafter, prompt_ids[0], tree=tree, max_new_tokens=args.new_tokens)
         plain_generate(target, prompt_ids[0], max_new_tokens=args.new_tokens)
@@ -345,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens", flush=True)
         sets = request_sets(target, drafter, trees, prompt_ids, args.new_tokens, args.gc, args.timings, "alone")
         if args.hf_compiled:
-            hf, hf_compile_s = hf_compiled(model, tokenizer, max(map(len, prompt_ids)) + args.new_tokens + 8,
-                                           args.new_tokens, prompt_ids[0])
+            hf, hf_compile_s = hf_compiled(loaded, max(map(len, prompt_ids)) + args.new_tokens + 8, args.new_tokens,
+                                           prompt_ids[0])
             print(f"HF generate compiled in {hf_compile_s:.1f} s", flush=True)
             sets += request_sets(target, drafter, trees, prompt_ids, args.new_tokens, ["default"], args.timings,
                                  "hf-interleaved", between=hf)
@@ -416,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
               "matvec": getattr(target, "matvec", None), "attention": getattr(target, "attention", None),
               "drafter": args.draft, "context": args.context, "warmup_s": round(warm_s, 2),
               "plain_step_ms": round(plain_ms, 4), "plain_step_ms_all": [round(x, 4) for x in plain],
-              "trees": rows, "requests": requests, "request_sets": sets if args.prompt_set else [],
+              "trees": rows, "requests": requests, "request_sets": sets,
               "profiles": profiles}
     if args.out:
         atomic_write(Path(args.out), json.dumps(result, indent=2) + "\n")

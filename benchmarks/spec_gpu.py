@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import inspect
 import json
 import os
@@ -789,7 +788,7 @@ class Bench:
             "engine_api": {"speculative_generate": str(inspect.signature(speculative_generate)),
                            "plain_generate": str(inspect.signature(plain_generate))},
             "eos_ids": self.eos, "pad_id": self.pad,
-            "drafter_compile": a.drafter_compile, "gc": a.gc,
+            "drafter_compile": a.drafter_compile,
         }
         # Prompts: first turn, rendered with the chat template.
         self.prompts: dict[str, list[torch.Tensor]] = {}
@@ -1113,10 +1112,6 @@ class Bench:
             self.res.setdefault("warmup", {})[dec.name] = {"seconds": [round(time.perf_counter() - t0, 2)], "label": dec.label}
         decoders += self.hf_decoders()
         self.res["decoders"] = {d.name: d.label for d in decoders}
-        if a.gc == "freeze":  # the heap of the load, the compilations and the warm-ups is never scanned again
-            gc.collect()
-            gc.freeze()
-            self.res["meta"]["gc_frozen_objects"] = gc.get_freeze_count()
         self.write("warmed up")
         self.t_main = self.budget.elapsed()
         log(f"main loop: decoders {[d.name for d in decoders if not d.disabled]}; {self.budget.left():.0f} s left")
@@ -1194,9 +1189,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile-rounds", type=int, default=1, help="speculative rounds (plain steps) profiled")
     ap.add_argument("--profile-skip", type=int, default=3, help="rounds before the profiled ones")
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--gc", default="default", choices=["default", "freeze"],
-                    help="freeze: Python's garbage collector leaves the objects made before the main loop alone "
-                         "(gc.freeze, as serving engines do after their warm-up)")
     ap.add_argument("--no-tree-auto", action="store_true", help="skip the --tree auto prediction check")
     ap.add_argument("--max-errors", type=int, default=3, help="a decoder is disabled after this many errors")
     ap.add_argument("--engine-kwargs", default="{}", help="JSON passed to speculative_generate/plain_generate where "

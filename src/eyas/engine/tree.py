@@ -316,11 +316,11 @@ class DraftState:
         """
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).flatten()
         n = tokens.shape[0]
-        B = self.extend_bucket if n <= self.extend_bucket else n
         features = features.to(self.dtype)
-        if B > self.extend_bucket > 0 and self.length + -(-n // PROMPT_CHUNK) * PROMPT_CHUNK <= self.max_len:
-            self._read_in_chunks(tokens, features)
+        if n > self.extend_bucket > 0 and self.length + -(-n // PROMPT_CHUNK) * PROMPT_CHUNK <= self.max_len:
+            self._read_in_chunks(tokens, features)  # a prompt, with fixed shapes: its chunks' pads fit
             return
+        B = self.extend_bucket if n <= self.extend_bucket else n
         if B > n:
             tokens = torch.cat([tokens, tokens.new_zeros(B - n)])
             features = torch.cat([features, features.new_zeros(B - n, features.shape[1])])
