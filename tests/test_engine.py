@@ -395,14 +395,75 @@ def test_rejection_rule_is_exactly_lossless_and_broken_rules_are_not():
         assert (exact_node_output(p, q, broken, 2) - p.double()).abs().max() > 0.05
 
 
+def top_k_node_counts(p_logits: torch.Tensor, children: list[int], params: SamplingParams, n: int,
+                      rule=None) -> torch.Tensor:
+    """Counts [V] of the token leaving one node (a root whose children are ``children``, in draft
+    order) over n verifications by ``rule`` (default accept_top_k_drafts), each with fresh draws:
+    the accepted child, else the bonus."""
+    from eyas.engine.sampling import CounterStream, accept_top_k_drafts
+    from eyas.engine.tree import DraftTree
+
+    rule = rule or accept_top_k_drafts
+    V, K = p_logits.shape[0], len(children)
+    tokens = torch.tensor([0] + children)
+    tree = DraftTree.from_parents(tokens, torch.tensor([-1] + [0] * K), 1, K)
+    logits = torch.stack([p_logits] + [torch.zeros(V)] * K)  # [K+1, V]: only the root's row matters here
+    stream = CounterStream(torch.tensor([12345]))
+    counts = torch.zeros(V)
+    args = (params.as_tensor(torch.device("cpu")), params.filters(V))
+    for i in range(n):
+        v = rule(tree, logits, *args, stream.at(torch.tensor(i)))
+        counts[int(tokens[v.path[-1]]) if int(v.accepted) else int(v.bonus)] += 1
+    return counts
+
+
+def no_renormalising(tree, logits, params, filters, generator):
+    """BROKEN: accepts child c_j with probability p(c_j), forgetting that its earlier siblings were
+    rejected (its chance must be p(c_j) / (1 - the earlier siblings' mass))."""
+    from eyas.engine import sampling
+
+    p = sampling.filtered_probabilities(logits, params[0], params[1], params[2], *filters)
+    kids = tree.children
+    mass = p.gather(1, tree.tokens[kids.clamp(min=0)]) * (kids >= 0)
+    u = sampling.uniform(tuple(kids.shape), generator, p.device, sampling.ACCEPT_TAG)
+    take = (kids >= 0) & (u < mass)
+    child = torch.where(take.any(-1), kids.gather(1, take.long().argmax(-1, keepdim=True)).squeeze(1), -1)
+    path, a = sampling._follow(child, tree.depth)
+    row = p[path[-1:]][0].clone()
+    row[tree.tokens[kids[path[-1:]][0].clamp(min=0)]] = 0
+    return sampling.Verdict(path, a, sampling.sample(row, generator, sampling.BONUS_TAG))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8),
+                                    SamplingParams(temperature=1.0, top_k=4)])
+def test_top_k_drafts_rule_leaves_each_node_with_the_target_distribution(params):
+    """One node, three children in draft order (one outside top-p/top-k's support at times): the
+    token that leaves it is distributed as p (chi-square), and the rule that forgets the earlier
+    siblings' rejection is caught by the same test."""
+    from eyas.engine.sampling import probabilities
+
+    V = 8
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 1.2, -1.0])
+    children = [1, 0, 6]
+    p = probabilities(logits, params)
+    counts = top_k_node_counts(logits, children, params, 3000)
+    stat, df = chi_square(counts, p)
+    crit = wilson_hilferty_critical(df, Z_999) if df >= 3 else 16.27  # chi2(3) at 0.999 below 3 df
+    assert stat < crit, (stat, df, counts.tolist(), p.tolist())
+    broken = top_k_node_counts(logits, children, params, 3000, rule=no_renormalising)
+    assert chi_square(broken, p)[0] > crit
+
+
 @pytest.fixture(scope="module")
 def small_vocab():
     return make_small_vocab()
 
 
-def sample_first_three(model, drafter, prompt, params, tree, rule, n, seed) -> tuple[torch.Tensor, list[float]]:
-    """Counts [16, 16, 16] of the first three new tokens over n speculative generations, and the
-    mean number of accepted drafts per generation at depth 1 and 2."""
+def sample_first_three(model, drafter, prompt, params, tree, rule, n, seed,
+                       drafts: str = "gumbel") -> tuple[torch.Tensor, list[float]]:
+    """Counts [16, 16, 16] of the first three new tokens over n speculative generations (sampled
+    drafts as ``drafts``), and the mean number of accepted drafts per generation at depth 1 and 2."""
     target = HFTarget(model, SPEC3)
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(16, 16, 16)
@@ -411,7 +472,7 @@ def sample_first_three(model, drafter, prompt, params, tree, rule, n, seed) -> t
         # 4 new tokens: the first round may accept 2 drafts + a bonus, so x2 and x3 can both be drafts
         # (x1 always comes from the prefill)
         r = speculative_generate(target, drafter, prompt, tree=tree, sampling=params, max_new_tokens=4,
-                                 generator=g, accept_rule=rule)
+                                 generator=g, accept_rule=rule, sampled_drafts=drafts)
         a, b, c = r.tokens[:3]
         counts[a, b, c] += 1
         for d, k in enumerate(r.stats.accepted_at_depth[:2]):
@@ -420,19 +481,24 @@ def sample_first_three(model, drafter, prompt, params, tree, rule, n, seed) -> t
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("tree,params,n", [
-    (TreeSpec(2, 3, 6), SamplingParams(temperature=1.0), 1200),
-    (TreeSpec.chain(2), SamplingParams(temperature=0.8, top_k=10, top_p=0.9), 800),
+@pytest.mark.parametrize("tree,params,n,drafts", [
+    (TreeSpec(2, 3, 6), SamplingParams(temperature=1.0), 1200, "gumbel"),
+    (TreeSpec.chain(2), SamplingParams(temperature=0.8, top_k=10, top_p=0.9), 800, "gumbel"),
+    (TreeSpec(2, 3, 6), SamplingParams(temperature=1.0), 1200, "top-k"),
+    (TreeSpec(2, 2, 4), SamplingParams(temperature=0.7), 1000, "top-k"),
+    (TreeSpec.chain(2), SamplingParams(temperature=1.0, top_p=0.8), 800, "top-k"),
+    (TreeSpec(2, 3, 6), SamplingParams(temperature=0.7, top_k=8, top_p=0.9), 800, "top-k"),
 ])
-def test_speculative_sampling_matches_the_target_distribution(small_vocab, tree, params, n):
+def test_speculative_sampling_matches_the_target_distribution(small_vocab, tree, params, n, drafts):
     model, drafter = small_vocab
     prompt = [3, 1, 4, 1, 5]
     exact = exact_first_three(model, prompt, params)
-    counts, accepted = sample_first_three(model, drafter, prompt, params, tree, rejection_rule, n, seed=0)
+    counts, accepted = sample_first_three(model, drafter, prompt, params, tree, rejection_rule, n, seed=0,
+                                          drafts=drafts)
     stat, df = chi_square(counts, exact)
     crit = wilson_hilferty_critical(df, Z_999)
     assert df >= 15  # enough populated cells for the test to have power
-    print(f"{tree} {params}: chi2 {stat:.1f} on {df} df (critical {crit:.1f}); accepted drafts per "
+    print(f"{tree} {params} {drafts}: chi2 {stat:.1f} on {df} df (critical {crit:.1f}); accepted drafts per "
           f"generation at depth 1, 2: {accepted}")
     assert 0.3 < accepted[0] < 1.7 and accepted[1] > 0.1  # acceptance and rejection at both depths
     assert stat < crit

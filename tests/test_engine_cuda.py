@@ -53,17 +53,23 @@ def test_bf16_target_with_float32_drafter_runs(llama_and_drafter):
         assert r.stats.time_verify > 0 and r.stats.time_draft > 0
 
 
-def test_sampling_is_lossless_on_cuda():
+@pytest.mark.parametrize("kind,drafts,params", [
+    ("hf", "gumbel", SamplingParams(temperature=1.0)), ("hf", "top-k", SamplingParams(temperature=1.0)),
+    ("fast", "top-k", SamplingParams(temperature=1.0)), ("fast", "top-k", SamplingParams(temperature=0.7, top_p=0.9)),
+    ("fast", "gumbel", SamplingParams(temperature=1.0))])
+def test_sampling_is_lossless_on_cuda(kind, drafts, params):
+    """Also on the fast target, whose rounds run pipelined through captured (and compiled) drafts and
+    acceptance, the temperature an input of the graph."""
     model, drafter = make_small_vocab()
-    prompt, params = [3, 1, 4, 1, 5], SamplingParams(temperature=1.0)
+    prompt = [3, 1, 4, 1, 5]
     exact = exact_first_three(model, prompt, params)  # on the CPU copy
     model, drafter = model.to(CUDA), drafter.to(CUDA)
-    target = HFTarget(model, SPEC3)
+    target = HFTarget(model, SPEC3) if kind == "hf" else LlamaTarget(model, SPEC3, cuda_graphs=True)
     g = torch.Generator(device=CUDA).manual_seed(0)  # and a CUDA generator
     counts = torch.zeros(16, 16, 16)
     for _ in range(1200):
         a, b, c = speculative_generate(target, drafter, prompt, tree=TreeSpec(2, 3, 6), sampling=params,
-                                       max_new_tokens=4, generator=g).tokens[:3]
+                                       max_new_tokens=4, generator=g, sampled_drafts=drafts).tokens[:3]
         counts[a, b, c] += 1
     stat, df = chi_square(counts, exact)
     assert df >= 15 and stat < wilson_hilferty_critical(df, Z_999)
@@ -121,8 +127,10 @@ def test_greedy_fast_path_with_graphs_is_token_identical_to_plain_in_float32(lla
     assert accepted > 10
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "sampling"])
-def test_a_fast_round_synchronises_the_device_once(llama_and_drafter, sampling, monkeypatch):
+@pytest.mark.parametrize("sampling,drafts", [(SamplingParams(), "top-k"), (SamplingParams(temperature=1.0), "top-k"),
+                                             (SamplingParams(temperature=1.0), "gumbel")],
+                         ids=["greedy", "sampling-top-k", "sampling-gumbel"])
+def test_a_fast_round_synchronises_the_device_once(llama_and_drafter, sampling, drafts, monkeypatch):
     """CUDA's sync debug mode flags every synchronising call (a read of a value, a blocking copy), and
     the host's waits on an event are counted: one per round, the wait for the verdict's transfer
     (a copy into pinned memory behind an event, which the debug mode does not flag), and nothing
@@ -137,9 +145,9 @@ def test_a_fast_round_synchronises_the_device_once(llama_and_drafter, sampling, 
     # warm-up: the same request once, so every shape it meets (the verification buckets, the drafts
     # of each depth near the end) is captured; a capture synchronises, once per shape
     speculative_generate(fast, drafter, prompt, tree=tree, sampling=sampling, max_new_tokens=40,
-                         generator=torch.Generator(device=CUDA).manual_seed(0))
+                         generator=torch.Generator(device=CUDA).manual_seed(0), sampled_drafts=drafts)
     session = start(fast, prompt, drafter, tree=tree, sampling=sampling, max_new_tokens=40,
-                    generator=torch.Generator(device=CUDA).manual_seed(0), timing="off")
+                    generator=torch.Generator(device=CUDA).manual_seed(0), timing="off", sampled_drafts=drafts)
     waits: list[str] = []
     event_wait = torch.cuda.Event.synchronize
 

@@ -26,10 +26,10 @@ from eyas.engine.sampling import GREEDY, AcceptRule, SamplingParams, rejection_r
 from eyas.engine.speculative import GenerationResult, Session, plain_generate, speculative_generate, start, step
 from eyas.engine.stats import GenerationStats
 from eyas.engine.target import HFTarget, Target
-from eyas.engine.tree import DraftTree, TreeSpec
+from eyas.engine.tree import DraftTree, TreePlan, TreeSpec
 
 __all__ = [
     "GREEDY", "AcceptRule", "DraftTree", "GenerationResult", "GenerationStats", "HFTarget", "LlamaTarget",
     "RequestError", "RoundObserver", "SamplingParams", "Session", "SessionError", "TARGET_IMPLEMENTATIONS", "Target",
-    "TreeSpec", "build_target", "plain_generate", "rejection_rule", "speculative_generate", "start", "step",
+    "TreePlan", "TreeSpec", "build_target", "plain_generate", "rejection_rule", "speculative_generate", "start", "step",
 ]

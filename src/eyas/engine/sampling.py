@@ -15,6 +15,22 @@ were drawn without replacement from q (Gumbel-top-k):
 Each step is ordinary speculative sampling of the current p with proposal q (the next child is
 distributed as the renormalised q because it was drawn without replacement), so by induction the
 token leaving a node is distributed exactly as p: the output distribution is the target's.
+
+Top-k drafts (EAGLE's sampled verification, the default). The drafter drafts the same tree as
+greedy decoding (each node's children are its top-k tokens under the drafter: a deterministic
+function of the prefix), and each child c is a proposal q = one-hot(c), for which the rule above
+reads: accept c with probability p(c), else zero p(c) and renormalise. In closed form, for the
+children c_1 .. c_k of a node, in draft order:
+
+    P(accept c_j | c_1 .. c_{j-1} rejected) = p(c_j) / (1 - p(c_1) - .. - p(c_{j-1}))
+    no child accepted:  the bonus token from p with c_1 .. c_k zeroed, renormalised
+
+The product telescopes: P(the node's token is c_j) = p(c_j), and any other token x leaves with
+(1 - sum_j p(c_j)) * p(x) / (1 - sum_j p(c_j)) = p(x), so the output is the target's distribution
+(:func:`accept_top_k_drafts`). A node's expected acceptance is the target's mass on its drafted
+children, so the tree that serves greedy requests well serves sampled ones, drafted by the same
+captured function; and a path is accepted exactly when the target's own sample follows it, so a
+greedy replay over text the target sampled predicts these rounds (``eyas.tune``).
 """
 
 from __future__ import annotations
@@ -53,23 +69,55 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def filters(self, vocab_size: int) -> tuple[bool, bool]:
+        """(top-k applies, top-p applies) over a vocabulary of ``vocab_size``: what fixes the shapes
+        and ops of :func:`filtered_probabilities` (the values may be device tensors)."""
+        return 0 < self.top_k < vocab_size, self.top_p < 1
+
+    def as_tensor(self, device: torch.device) -> Tensor:
+        """float32 [3] on ``device``: temperature, top_p, top_k. A captured or compiled acceptance
+        takes these as an input, so one graph serves every temperature (a compilation per
+        temperature would cost seconds inside a request)."""
+        return torch.tensor([self.temperature, self.top_p, float(self.top_k)], dtype=torch.float32, device=device)
+
 
 GREEDY = SamplingParams()
+
+# How a sampled request's tree is drafted (``speculative.start``'s ``sampled_drafts``): "top-k", the
+# greedy draft verified by EAGLE's rule (module docstring; the default), or "gumbel", children drawn
+# without replacement from q and verified by recursive rejection sampling.
+SAMPLED_DRAFTS = ("top-k", "gumbel")
 
 
 def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     """logits [..., V] -> the distribution plain sampling draws from, float32 [..., V]."""
-    x = logits.float() / params.temperature
+    use_top_k, use_top_p = params.filters(logits.shape[-1])
+    return filtered_probabilities(logits, params.temperature, params.top_p, params.top_k, use_top_k, use_top_p)
+
+
+def filtered_probabilities(logits: Tensor, temperature: float | Tensor, top_p: float | Tensor, top_k: int | Tensor,
+                           use_top_k: bool, use_top_p: bool) -> Tensor:
+    """logits [..., V] -> softmax(logits / temperature) after top-k, then top-p (HF's order), float32.
+
+    The parameters are host numbers or device tensors (0-dim; top_k a float or long holding an
+    integer); ``use_top_k`` and ``use_top_p`` say which filters run, so the ops do not depend on
+    the values and one captured graph serves every temperature. Top-k keeps the tokens whose
+    logit is at least the k-th largest (``topk`` for a host k, the ascending sort's entry V - k for a
+    device k: the same value)."""
+    x = logits.float() / temperature
     V = x.shape[-1]
-    if 0 < params.top_k < V:
-        kth = x.topk(params.top_k, dim=-1).values[..., -1:]
+    if use_top_k:
+        if isinstance(top_k, Tensor):
+            kth = x.sort(dim=-1).values.gather(-1, (V - top_k.long()).expand(x.shape[:-1] + (1,)))
+        else:
+            kth = x.topk(top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1:
+    if use_top_p:
         # HF's TopPLogitsWarper: drop the smallest tokens whose cumulative mass is <= 1 - top_p,
         # always keeping the most likely one.
         sorted_x, order = x.sort(dim=-1)
         cum = sorted_x.softmax(-1).cumsum(-1)
-        drop_sorted = cum <= 1 - params.top_p
+        drop_sorted = cum <= 1 - top_p
         drop_sorted[..., -1] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
@@ -272,3 +320,32 @@ def accept_sampling(tree: "DraftTree", logits: Tensor, params: SamplingParams, g
         p, q = torch.where(rejected, p_rejected, p), torch.where(rejected, q_rejected, q)
     path, a = _follow(accepted_child, tree.depth)
     return Verdict(path, a, sample(p[path[-1:]][0], generator, BONUS_TAG))  # [-1:]: a [1] index (see _follow)
+
+
+def accept_top_k_drafts(tree: "DraftTree", logits: Tensor, params: Tensor, filters: tuple[bool, bool],
+                        generator: Draws) -> Verdict:
+    """EAGLE's sampled verification of a deterministic tree (module docstring, "Top-k drafts").
+
+    logits [N+1, V]: the target's after each node; params float32 [3] (:meth:`SamplingParams.as_tensor`:
+    temperature, top_p, top_k) and ``filters`` (:meth:`SamplingParams.filters`). Every node decides at
+    once from the target's mass on its children, [N+1, K] gathers rather than K passes over
+    [N+1, V]; the walk follows the accepted children and the bonus is drawn where it stops, from p
+    with that node's children (all rejected) zeroed. Siblings are distinct tokens (a node's top-k),
+    which the closed form needs."""
+    p = filtered_probabilities(logits, params[0], params[1], params[2], *filters)  # [N+1, V]
+    kids = tree.children  # [N+1, K] in draft order, -1 past the last
+    real = (kids >= 0) & tree.valid[kids.clamp(min=0)]
+    child_tokens = tree.tokens[kids.clamp(min=0)]  # [N+1, K]
+    mass = torch.where(real, p.gather(1, child_tokens), 0.0)  # p(c_j)
+    before = mass.cumsum(-1) - mass  # p(c_1) + .. + p(c_{j-1})
+    chance = (mass / (1 - before).clamp(min=1e-30)).clamp(max=1.0)  # P(accept c_j | earlier siblings rejected)
+    u = uniform(tuple(kids.shape), generator, p.device, ACCEPT_TAG)
+    take = real & (u < chance)  # [N+1, K]; the first True is the child the sequential walk accepts
+    first = take.long().argmax(-1, keepdim=True)  # [N+1, 1]
+    accepted_child = torch.where(take.any(-1), kids.gather(1, first).squeeze(1), -1)
+    path, a = _follow(accepted_child, tree.depth)
+    end = path[-1:]  # [1]: a [1] index (see _follow)
+    row = p[end][0]  # [V]
+    removed = torch.zeros_like(row).scatter_add(0, child_tokens[end][0], real[end][0].float())
+    residual = _normalised(torch.where(removed > 0, 0.0, row), row)
+    return Verdict(path, a, sample(residual, generator, BONUS_TAG))

@@ -46,13 +46,13 @@ from eyas.engine.observe import RoundObserver
 from eyas.engine.errors import RequestError, SessionError
 from eyas.engine.graphs import CompiledOrEager, StepGraphs
 from eyas.engine.sampling import (
-    GREEDY, AcceptRule, CounterStream, SamplingParams, Verdict, accept_greedy, accept_sampling, probabilities,
-    rejection_rule, sample,
+    GREEDY, SAMPLED_DRAFTS, AcceptRule, CounterStream, SamplingParams, Verdict, accept_greedy, accept_sampling,
+    accept_top_k_drafts, probabilities, rejection_rule, sample,
 )
 from eyas.engine.stats import STOP_MAX_LENGTH, STOP_MAX_NEW_TOKENS, Clock, GenerationStats
 from eyas.engine.stopping import StopCriteria
 from eyas.engine.target import Target
-from eyas.engine.tree import DraftState, DraftTree, TreeSpec
+from eyas.engine.tree import DraftState, DraftTree, TreePlan, TreeSpec
 
 STOP_CANCELLED = "cancelled"
 
@@ -105,12 +105,23 @@ class Session:
     def __init__(self, target: Target, drafter: Eagle3Drafter | None, prompt: list[int], *, tree: TreeSpec,
                  sampling: SamplingParams, max_new_tokens: int, stop: StopCriteria,
                  on_token: Callable[[int], None] | None, generator: torch.Generator | None,
-                 accept_rule: AcceptRule, timing: str, observer: RoundObserver | None) -> None:
+                 accept_rule: AcceptRule, timing: str, observer: RoundObserver | None,
+                 sampled_drafts: str = "top-k") -> None:
         if len(prompt) > target.max_length:
             raise RequestError(f"prompt of {len(prompt)} tokens is longer than the target's context "
                              f"({target.max_length} positions)")
+        if sampled_drafts not in SAMPLED_DRAFTS:
+            raise RequestError(f"sampled_drafts: expected one of {list(SAMPLED_DRAFTS)}, found {sampled_drafts!r}")
         self.target, self.drafter, self.tree, self.sampling = target, drafter, tree, sampling
         self.generator, self.accept_rule = generator, accept_rule
+        # How the tree is drafted and verified: "greedy", "top-k" (a sampled request on the greedy
+        # draft, EAGLE's rule: sampling.accept_top_k_drafts) or "gumbel" (children drawn from q)
+        self.verification = "greedy" if sampling.greedy else sampled_drafts
+        # what the drafter drafts with: the greedy tree unless children are drawn from q
+        self.draft_sampling = sampling if self.verification == "gumbel" else GREEDY
+        # temperature, top_p, top_k on the device: an input of the captured acceptance (one graph for
+        # every temperature)
+        self.sampling_tensor = sampling.as_tensor(target.device) if self.verification == "top-k" else None
         # Sampled rounds draw from a stream keyed by one draw of the generator and by the round's
         # committed length (CounterStream): no generator inside a round, so a round is one function
         # of device tensors that a CUDA graph can hold. Plain steps draw from the generator.
@@ -234,14 +245,16 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
 
 @torch.no_grad()
 def start(target: Target, input_ids: Sequence[int] | Tensor, drafter: Eagle3Drafter | None = None, *,
-          tree: TreeSpec = TreeSpec.chain(5), sampling: SamplingParams = GREEDY, max_new_tokens: int = 256,
+          tree: TreeSpec | TreePlan = TreeSpec.chain(5), sampling: SamplingParams = GREEDY, max_new_tokens: int = 256,
           eos_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
           decode: Callable[[list[int]], str] | None = None, on_token: Callable[[int], None] | None = None,
           generator: torch.Generator | None = None, accept_rule: AcceptRule = rejection_rule,
-          timing: str = "auto", observer: RoundObserver | None = None) -> Session:
+          timing: str = "auto", observer: RoundObserver | None = None, sampled_drafts: str = "top-k") -> Session:
     """Begin a request: prefill the target with the prompt (the target's cache now belongs to this
     session) and commit the first new token, which comes from the target alone. With a drafter the
     session decodes speculatively, without one plainly. Arguments as :func:`speculative_generate`."""
+    if isinstance(tree, TreePlan):
+        tree = tree.for_sampling(sampling)
     if drafter is not None:
         if drafter.config.num_slots != target.spec.num_slots or drafter.config.vocab_size != target.vocab_size:
             raise RequestError(
@@ -253,7 +266,8 @@ def start(target: Target, input_ids: Sequence[int] | Tensor, drafter: Eagle3Draf
             raise RequestError(f"drafter on {drafter_device}, target on {target.device}: move the drafter with .to()")
     s = Session(target, drafter, _prompt_list(input_ids), tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
                 stop=StopCriteria(max_new_tokens, eos_token_ids, stop_strings, decode), on_token=on_token,
-                generator=generator, accept_rule=accept_rule, timing=timing, observer=observer)
+                generator=generator, accept_rule=accept_rule, timing=timing, observer=observer,
+                sampled_drafts=sampled_drafts)
     target.session = s
     if len(s.x) >= s.max_len:  # nothing to generate: no new tokens asked for, or the prompt fills the context
         s.out.reason = STOP_MAX_NEW_TOKENS if max_new_tokens <= 0 else STOP_MAX_LENGTH
@@ -318,6 +332,13 @@ class _Readback:
         return self.buffer.tolist()  # type: ignore[union-attr]
 
 
+def _draft(s: Session, depth: int, length: Tensor | None = None) -> DraftTree:
+    """The round's tree of ``depth`` levels: the greedy draft (greedy and top-k sampled requests share
+    its captured function), or children drawn from q (``gumbel``, from the session's stream)."""
+    draws = s.draws if s.verification == "gumbel" else None
+    return s.draft.draft(s.tree, depth, s.draft_sampling, draws, s.target.vocab_size, length=length)
+
+
 def _pipelines(s: Session, gamma: int) -> bool:
     """Whether this round runs pipelined (:func:`_pipelined_round`): on a target with a static cache
     of fixed shapes, drafting the tree's full depth, with no observer (which reads each round's
@@ -334,7 +355,7 @@ def _speculative_round(s: Session) -> list[int]:
         return _pipelined_round(s)
     s.next_tree = None
     with clock("draft"):
-        t = draft.draft(s.tree, gamma, s.sampling, s.draws, target.vocab_size)  # t.tokens[0] = x_m
+        t = _draft(s, gamma)  # t.tokens[0] = x_m
     with clock("verify"):
         # logits [1, N+1, V], f [1, N+1, S*H]: after each node, given its ancestors
         logits, f = target.forward(t.tokens[None], (m + t.depths)[None], t.mask)
@@ -389,7 +410,7 @@ def _pipelined_round(s: Session) -> list[int]:
     t, s.next_tree = s.next_tree, None
     if t is None:  # the session's first round, or the one after a round that could not draft ahead
         with clock("draft"):
-            t = draft.draft(s.tree, D, s.sampling, s.draws, target.vocab_size)
+            t = _draft(s, D)
     with clock("verify"):
         logits, f = target.forward(t.tokens[None], (m + t.depths)[None], t.mask)
     with clock("bookkeeping"):
@@ -402,7 +423,7 @@ def _pipelined_round(s: Session) -> list[int]:
     # round, which emits at least one token, may leave some of the budget
     if m + 2 * (D + 1) < s.horizon - 1 and len(s.out.tokens) + 1 < s.max_new_tokens:
         with clock("draft"):
-            s.next_tree = draft.draft(s.tree, D, s.sampling, s.draws, target.vocab_size, length=length + reread.n)
+            s.next_tree = _draft(s, D, length + reread.n)
     with clock("bookkeeping"):
         read = s.readback.wait()  # the round's one read of the device
         a, path_tokens, bonus, tree_depth = read[0], read[1:2 + t.depth], read[2 + t.depth], read[3 + t.depth]
@@ -441,14 +462,19 @@ def _round_verdict(s: Session, t: DraftTree, logits: Tensor, position: Tensor,
 
     Returns (verdict, pack, re-read): the re-read when given the features f [N+1, S*H] (the
     pipelined round), else None."""
-    greedy, sampling, rule, depth = s.sampling.greedy, s.sampling, s.accept_rule, t.depth
+    how, sampling, rule, depth = s.verification, s.sampling, s.accept_rule, t.depth
+    filters = sampling.filters(s.target.vocab_size)
     reread = features is not None
 
     def verdict(tokens: Tensor, parents: Tensor, depths: Tensor, mask: Tensor, children: Tensor, valid: Tensor,
                 logits: Tensor, position: Tensor, *more: Tensor) -> tuple[Tensor, ...]:
-        if greedy:
+        if how == "greedy":
             tree = DraftTree(tokens, parents, depths, mask, children, valid, depth)
             v = accept_greedy(tree, logits)
+        elif how == "top-k":
+            params, key, *more = more  # type: ignore[assignment]
+            tree = DraftTree(tokens, parents, depths, mask, children, valid, depth)
+            v = accept_top_k_drafts(tree, logits, params, filters, CounterStream(key).at(position))
         else:
             proposals, key, *more = more  # type: ignore[assignment]
             tree = DraftTree(tokens, parents, depths, mask, children, valid, depth, proposals)
@@ -462,13 +488,16 @@ def _round_verdict(s: Session, t: DraftTree, logits: Tensor, position: Tensor,
         return out
 
     args = (t.tokens, t.parents, t.depths, t.mask, t.children, t.valid, logits, position)
-    if not greedy:
+    if how == "top-k":
+        args += (s.sampling_tensor, s.draws.key)
+    elif how == "gumbel":
         args += (t.proposals, s.draws.key)
     if reread:
         args += (features,)
     if getattr(s.target, "cuda_graphs", False):
         graphs = _rounds(s.target).verdicts  # StepGraphs keys the shapes
-        key = (depth, sampling, rule, reread)
+        # top-k: one graph for every temperature (the values are an input; the filters fix the ops)
+        key = (depth, how, filters, reread) if how == "top-k" else (depth, how, sampling, rule, reread)
         if key not in graphs:
             # Acceptance is some 35 small ops (greedy: argmax, the children's matches, the walk down
             # the path, the pack and the re-read's padding) and sampled acceptance K steps of
@@ -534,7 +563,7 @@ def speculative_generate(
     drafter: Eagle3Drafter,
     input_ids: Sequence[int] | Tensor,
     *,
-    tree: TreeSpec = TreeSpec.chain(5),
+    tree: TreeSpec | TreePlan = TreeSpec.chain(5),
     sampling: SamplingParams = GREEDY,
     max_new_tokens: int = 256,
     eos_token_ids: Sequence[int] = (),
@@ -545,20 +574,26 @@ def speculative_generate(
     accept_rule: AcceptRule = rejection_rule,
     timing: str = "auto",
     observer: RoundObserver | None = None,
+    sampled_drafts: str = "top-k",
 ) -> GenerationResult:
     """Generate from ``input_ids`` (a prompt of target token ids) with speculative decoding.
 
     Greedy (``sampling.temperature == 0``) output is token-identical to :func:`plain_generate`;
     sampled output has the target's distribution. The sequence never grows past
     ``target.max_length`` tokens (stop reason ``max_length``). ``on_token`` sees every new token as it
-    is committed; ``decode`` (token ids -> text) is needed for ``stop_strings``. ``accept_rule`` is
-    the per-child rule of sampling verification (tests inject broken ones). ``timing``: how the
+    is committed; ``decode`` (token ids -> text) is needed for ``stop_strings``. ``tree``: one tree,
+    or a :class:`~eyas.engine.tree.TreePlan` (a tree for greedy requests and one for sampled ones).
+    ``sampled_drafts``: how a sampled request drafts (:data:`~eyas.engine.sampling.SAMPLED_DRAFTS`):
+    "top-k", the greedy tree verified by EAGLE's rule (``sampling.accept_top_k_drafts``), or "gumbel",
+    children drawn from q and verified child by child with ``accept_rule`` (the per-child rule;
+    tests inject broken ones). ``timing``: how the
     phases are timed (``auto``, ``off``, ``sync``, ``events``; see :class:`~eyas.engine.stats.Clock`).
     ``observer`` sees each round's features (:mod:`eyas.engine.observe`); None: nothing is called.
     """
     return _run(start(target, input_ids, drafter, tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
                       eos_token_ids=eos_token_ids, stop_strings=stop_strings, decode=decode, on_token=on_token,
-                      generator=generator, accept_rule=accept_rule, timing=timing, observer=observer))
+                      generator=generator, accept_rule=accept_rule, timing=timing, observer=observer,
+                      sampled_drafts=sampled_drafts))
 
 
 @torch.no_grad()

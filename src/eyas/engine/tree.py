@@ -98,6 +98,43 @@ class TreeSpec:
         """Drafter cache slots that the expansion of one round writes."""
         return self.top_k * (self.depth - 1)
 
+    @property
+    def label(self) -> str:
+        """The ``--tree`` text of this tree: 'DEPTH' for a chain, else 'DEPTH,TOPK,TOTAL'."""
+        return str(self.depth) if self.top_k == 1 else f"{self.depth},{self.top_k},{self.total_tokens}"
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """The tree for each kind of request: ``greedy`` for temperature 0, ``sampled`` for any
+    temperature above it (a request at 0.8 uses the sampled tree). Sampled requests accept less
+    per node (a node's chance is the target's mass on its children, not a hit of the argmax), so
+    their best tree is usually shallower or narrower; ``--tree auto`` chooses each on text decoded
+    at its own temperature (:mod:`eyas.tune`)."""
+
+    greedy: TreeSpec
+    sampled: TreeSpec
+
+    @classmethod
+    def same(cls, tree: TreeSpec) -> "TreePlan":
+        return cls(tree, tree)
+
+    @classmethod
+    def parse(cls, greedy: str, sampled: str | None = None) -> "TreePlan":
+        """``--tree`` (every request's tree) and ``--tree-sampled`` (the sampled requests', when given)."""
+        tree = TreeSpec.parse(greedy)
+        return cls(tree, TreeSpec.parse(sampled) if sampled else tree)
+
+    def for_sampling(self, sampling: SamplingParams) -> TreeSpec:
+        return self.greedy if sampling.greedy else self.sampled
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {"greedy": _triple(self.greedy), "sampled": _triple(self.sampled)}
+
+
+def _triple(spec: TreeSpec) -> list[int]:
+    return [spec.depth, spec.top_k, int(spec.total_tokens)]
+
 
 @dataclass
 class DraftTree:
