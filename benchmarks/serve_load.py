@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         host, port, model = "127.0.0.1", server.port, served.model_name
         t = served.tree
         setup = {"target": a.target, "draft": str(served.draft_path), "tree": a.tree,
-                 "tree_served": [t.depth, t.top_k, t.total_tokens],
+                 "tree_served": t.to_dict(),
                  "target_impl": served.target.implementation, "device": str(served.target.device),
                  "load_s": round(time.perf_counter() - t0, 1)}
     load_before = os.getloadavg()  # the machine may be shared: say how busy it was

@@ -370,7 +370,36 @@ def test_tree_auto_picks_a_tree_on_this_hardware_and_serves_it_losslessly(pair):
                                 eos_token_ids=auto.loaded.eos_ids).tokens
     with ServerThread(auto, OPTIONS) as t:
         with urllib.request.urlopen(t.url + "/health") as r:
-            assert json.loads(r.read())["tree"] == [auto.tree.depth, auto.tree.top_k, auto.tree.total_tokens]
+            assert json.loads(r.read())["tree"] == auto.tree.to_dict()
         c = OpenAI(base_url=t.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         got = c.chat.completions.create(model="toy", messages=chat(questions[5]), temperature=0, max_tokens=TOKENS)
     assert got.choices[0].message.content == text_of(auto, want)
+
+
+def test_a_sampled_request_is_served_with_the_sampled_tree(pair):
+    """--tree for greedy requests, --tree-sampled for the rest: /health names both, and a request at
+    temperature 0.8 with a seed gets exactly what the engine gives with the sampled tree and that seed
+    (the tree's shape sets the acceptance's draws, so the greedy tree would give other tokens)."""
+    from eyas.engine import SamplingParams, TreePlan, TreeSpec
+    from eyas.serve.startup import generator_for
+
+    _, target, drafter, questions = pair
+    served = load_served(str(target), str(drafter), tree="3", tree_sampled="2,2,3", model_name="toy")
+    assert served.tree == TreePlan(TreeSpec.chain(3), TreeSpec(2, 2, 3))
+    own = build_target(served.loaded.model, CaptureSpec(served.target.spec.boundaries, served.loaded.num_blocks),
+                       "auto")
+    ids = render_prompt(chat(questions[2]), served.tokenizer).tolist()
+    sampling = SamplingParams(temperature=0.8)
+    want, other = (speculative_generate(own, served.drafter, ids, tree=tree, sampling=sampling, max_new_tokens=TOKENS,
+                                        eos_token_ids=served.loaded.eos_ids,
+                                        generator=generator_for(own.device, 7)).tokens
+                   for tree in (TreeSpec(2, 2, 3), TreeSpec.chain(3)))
+    with ServerThread(served, OPTIONS) as t:
+        with urllib.request.urlopen(t.url + "/health") as r:
+            assert json.loads(r.read())["tree"] == {"greedy": [3, 1, 3], "sampled": [2, 2, 3]}
+        c = OpenAI(base_url=t.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        got = c.chat.completions.create(model="toy", messages=chat(questions[2]), temperature=0.8, seed=7,
+                                        max_tokens=TOKENS)
+        c.close()
+    assert got.choices[0].message.content == text_of(served, want)
+    assert want != other  # the test tells the trees apart

@@ -27,6 +27,8 @@ def serve_cmd(
     port: int = typer.Option(8000, min=0, max=65535),
     tree: str = typer.Option("5", help="DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24), DEPTH for a chain, or "
                                         "'auto' (timed on this hardware, calibrated on MT-bench prompts, as eyas bench)"),
+    tree_sampled: Optional[str] = typer.Option(None, help="the tree of requests at a temperature above 0 (DEPTH,TOPK,"
+                                                          "TOTAL or DEPTH; default: --tree's)"),
     force: bool = typer.Option(False, help="start even when the start-up checks fail (/health and /metrics say so)"),
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
@@ -46,7 +48,7 @@ def serve_cmd(
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     log = (lambda m: err.print(f"[dim]serve: {m}[/]", highlight=False))
     try:
-        served = _run(load_served, target, draft, tree=tree, force=force, device=device, target_impl=target_impl,
+        served = _run(load_served, target, draft, tree=tree, tree_sampled=tree_sampled, force=force, device=device, target_impl=target_impl,
                       matvec=matvec, attention=attention, model_name=served_model_name, log=log)
     except RefusedError as e:
         err.print(str(e), highlight=False, markup=False)
@@ -63,7 +65,7 @@ def serve_cmd(
                            watch_window=watch_window, watch_min_rounds=watch_min_rounds)
     server = make_server(served, host, port, options, graceful_timeout=graceful_timeout)
     t = served.tree
-    err.print(f"eyas serve: {served.model_name} on http://{host}:{port}/v1 (tree {t.depth},{t.top_k},{t.total_tokens}, "
+    err.print(f"eyas serve: {served.model_name} on http://{host}:{port}/v1 (tree {t.greedy.label}, sampled {t.sampled.label}, "
               f"target {served.target.implementation}, drafter {served.draft_path})", highlight=False)
     serve_forever(server)
 

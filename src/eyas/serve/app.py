@@ -59,7 +59,8 @@ class ServeState:
     def __init__(self, served: Served, options: ServeOptions) -> None:
         self.served, self.options = served, options
         pf = served.preflight
-        self.metrics = ServeMetrics(served.tree.depth, served.prediction, pf.forced, len(pf.failures))
+        depth = max(served.tree.greedy.depth, served.tree.sampled.depth)
+        self.metrics = ServeMetrics(depth, served.prediction, pf.forced, len(pf.failures))
         self.watchdog = Watchdog(served.prediction, target=served.target_name, draft=str(served.draft_path),
                                  window=options.watch_window, min_rounds=options.watch_min_rounds,
                                  on_verdict=self.metrics.verdict)
@@ -336,7 +337,7 @@ def build_app(state: ServeState) -> FastAPI:
         body = {"status": status, "model": sv.model_name, "target": sv.target_name, "draft": str(sv.draft_path),
                 "forced": pf.forced, "preflight": pf.to_dict(), "watchdog": v.to_dict(),
                 "queue": {"running": 1 if state.worker.running is not None else 0, "waiting": state.worker.waiting},
-                "tree": [sv.tree.depth, sv.tree.top_k, sv.tree.total_tokens]}
+                "tree": sv.tree.to_dict()}
         if pf.forced:
             body["warning"] = (f"started with --force past {len(pf.failures)} failed check(s): "
                                + "; ".join(p.code for p in pf.failures))

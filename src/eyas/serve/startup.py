@@ -9,7 +9,8 @@ Order (each step only when the previous passed, or with ``--force``):
    fingerprint, shape, chat template, special tokens);
 3. the contract check of the loader (``eyas.interop.load_drafter``), which raises on a mismatch;
 4. the engine's target (``eyas.engine.build_target``) and, on a GPU, its warm-up and the
-   drafter's for the served tree (one short greedy generation).
+   drafter's and the acceptance's for the served trees (``--tree`` for greedy requests,
+   ``--tree-sampled`` for the others; short generations, greedy and sampled: :func:`warm_rounds`).
 
 A failed check refuses to start: :class:`Preflight` lists every failed field with the expected and
 found value and the fix (a config edit, or the words of one), and the CLI exits 1. With ``--force``
@@ -27,7 +28,7 @@ import torch
 from eyas.contract import ContractError
 from eyas.doctor.common import FAIL, WARN, edits_text
 from eyas.doctor.run import static_check
-from eyas.engine import TreeSpec, build_target
+from eyas.engine import SamplingParams, TreePlan, TreeSpec, build_target
 from eyas.interop import load_drafter, read_contract, resolve_draft
 from eyas.targets import LoadedTarget, load_target
 from eyas.watch.verdict import Prediction, prediction_from_metrics
@@ -96,7 +97,7 @@ class Served:
     loaded: LoadedTarget
     drafter: Any  # Eagle3Drafter
     target: Any  # the engine's Target
-    tree: TreeSpec
+    tree: TreePlan  # the tree of greedy requests and the tree of sampled ones
     draft_path: Path
     target_name: str
     model_name: str
@@ -124,14 +125,17 @@ def check_pair(loaded: LoadedTarget, draft_path: Path, log: Callable[[str], None
     return pf
 
 
-def load_served(target: str, draft: str | None, *, tree: str = "5", force: bool = False, device: str = "auto",
-                target_impl: str = "auto", matvec: str = "auto", attention: str = "auto",
-                model_name: str | None = None, log: Callable[[str], None] = lambda m: None) -> Served:
+def load_served(target: str, draft: str | None, *, tree: str = "5", tree_sampled: str | None = None,
+                force: bool = False, device: str = "auto", target_impl: str = "auto", matvec: str = "auto",
+                attention: str = "auto", model_name: str | None = None,
+                log: Callable[[str], None] = lambda m: None) -> Served:
     """Load and check the pair (see the module docstring); raises :class:`RefusedError` on a mismatch
     without ``force``, and eyas' own errors (a missing directory, a bad ``--tree``) as they are.
-    ``target_impl``, ``matvec`` and ``attention``: the engine's target (:func:`eyas.engine.build_target`)."""
+    ``tree``: every request's tree, or 'auto'; ``tree_sampled``: the tree of requests at a temperature
+    above 0 (default: ``tree``'s). ``target_impl``, ``matvec`` and ``attention``: the engine's target
+    (:func:`eyas.engine.build_target`)."""
     auto = tree.strip().lower() == "auto"
-    spec_tree = None if auto else TreeSpec.parse(tree)
+    plan = None if auto else TreePlan.parse(tree, tree_sampled)
     draft_path = resolve_draft(draft, target)
     if not draft_path.is_dir():
         raise FileNotFoundError(f"--draft {draft_path}: no such directory")
@@ -156,21 +160,37 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", force: bool 
         # Every key bucket up to the capacity: a server's long requests should not pay a compilation.
         log("compiling the fast target's steps and capturing CUDA graphs")
         engine_target.warmup(context=engine_target.max_length)
-    if spec_tree is None:  # --tree auto: timed on this hardware, calibrated on the first MT-bench prompts
-        spec_tree = auto_tree(engine_target, drafter, loaded, contract, log)
+    if plan is None:  # --tree auto: timed on this hardware, calibrated on the first MT-bench prompts
+        plan = TreePlan.same(auto_tree(engine_target, drafter, loaded, contract, log))
+        if tree_sampled:
+            plan = TreePlan(plan.greedy, TreeSpec.parse(tree_sampled))
     if getattr(engine_target, "cuda_graphs", False):
-        # The drafter's steps for this tree are compiled and captured at their first greedy round:
-        # do it now, so that no request pays seconds for it.
-        from eyas.engine import speculative_generate
-
-        log(f"compiling the drafter's steps for tree {spec_tree.depth},{spec_tree.top_k},{spec_tree.total_tokens}")
-        speculative_generate(engine_target, drafter, loaded.tokenizer.encode("Hello"), tree=spec_tree,
-                             max_new_tokens=2 * spec_tree.depth + 2)
+        warm_rounds(engine_target, drafter, plan, loaded.tokenizer.encode("Hello"), log)
     recorded = read_contract(draft_path)
     prediction = prediction_from_metrics(recorded.metrics if recorded is not None else None,
                                          f"{draft_path}/eyas.json contract.metrics")
     name = model_name or (target if not Path(target).exists() else Path(target).name)
-    return Served(loaded, drafter, engine_target, spec_tree, draft_path, target, name, pf, prediction)
+    return Served(loaded, drafter, engine_target, plan, draft_path, target, name, pf, prediction)
+
+
+# What the start-up's warm rounds sample with: each filter combination a request may bring (the server
+# takes temperature and top_p) has its own compiled acceptance; the temperature is the graph's input,
+# so one warm-up at any temperature serves them all.
+WARM_SAMPLING = (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9))
+
+
+def warm_rounds(target: Any, drafter: Any, plan: TreePlan, prompt: list[int], log: Callable[[str], None]) -> None:
+    """Compile and capture, now, what requests' rounds run (each is compiled or captured at its first
+    use, seconds that no request should pay): the drafter's steps for each tree of the plan, and the
+    acceptance of greedy and of sampled rounds (:data:`WARM_SAMPLING`)."""
+    from eyas.engine import speculative_generate
+
+    for spec, samplings in ((plan.greedy, (SamplingParams(),)), (plan.sampled, WARM_SAMPLING)):
+        log(f"compiling the drafter's steps and the acceptance for tree {spec.label} "
+            f"({'greedy' if samplings[0].greedy else 'sampled'} requests)")
+        for sampling in samplings:
+            speculative_generate(target, drafter, prompt, tree=spec, sampling=sampling, max_new_tokens=2 * spec.depth + 2,
+                                 generator=torch.Generator(device=target.device).manual_seed(0))
 
 
 def auto_tree(target: Any, drafter: Any, loaded: LoadedTarget, contract: Any, log: Callable[[str], None]) -> TreeSpec:
