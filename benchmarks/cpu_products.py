@@ -6,7 +6,7 @@ cache holds, so every step streams them from DRAM. This times those 121 products
 other over distinct random matrices (median of ``--reps``), for B = 1 .. 8 rows, two ways:
 
 - ``F.linear(a, w)``, what PyTorch's nn.Linear does;
-- ``eyas.engine.llama.linear(a, w)``, which on the CPU computes y^T = w a^T for at most
+- ``eyas.engine.llama_kernels.linear(a, w)``, which on the CPU computes y^T = w a^T for at most
   ``CPU_TRANSPOSED_ROWS`` rows (one row as two) and F.linear past that.
 
     PYTHONPATH=src python benchmarks/cpu_products.py [--reps 5] [--rounds 2] [--json]
@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from eyas.engine.llama import CPU_TRANSPOSED_ROWS, linear
+from eyas.engine.llama_kernels import CPU_TRANSPOSED_ROWS, linear
 
 BLOCK = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 SHAPES = BLOCK * 30 + [(49152, 576)]  # 30 blocks, lm_head

@@ -1,6 +1,6 @@
 """One block's attention in a fixed-shape step, alone, in CUDA graphs: LlamaTarget's two ways.
 
-- ``eager``: ``eyas.engine.llama._attend`` (rope of q and k, the two cache writes, QK, a float32
+- ``eager``: ``eyas.engine.llama_steps._attend`` (rope of q and k, the two cache writes, QK, a float32
   softmax under the mask, PV), compiled by inductor as the target compiles it;
 - ``split-kv``: ``eyas.engine.decode_attention.decode_attention`` (two Triton kernels that also
   rotate and write), once per tiling of ``--block-n`` x ``--warps`` x ``--max-splits`` x
@@ -61,7 +61,7 @@ def inputs(shape: str, B: int, cache_len: int, n_keys: int, capacity: int, dtype
 
 def eager_call(x: dict, compile_: bool):
     """LlamaTarget's eager attention on these inputs (compiled by inductor on a GPU)."""
-    from eyas.engine.llama import _attend
+    from eyas.engine.llama_steps import _attend
 
     Hkv, G, D = x["shape"]
     B = x["q"].shape[0]

@@ -16,7 +16,7 @@ from tests.support.triton_kernels import DEVICE, require_triton
 require_triton("the split-KV kernels")
 
 from eyas.engine.decode_attention import decode_attention, splits, supported_head_dim  # noqa: E402
-from eyas.engine.llama import rope  # noqa: E402
+from eyas.engine.llama_steps import rope  # noqa: E402
 
 
 def _written(k, v, cos, sin, kv, start) -> torch.Tensor:

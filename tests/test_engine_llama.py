@@ -234,7 +234,7 @@ def _storages(model) -> dict[int, int]:
 @pytest.mark.unit
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_fuse_projections_makes_the_models_parameters_views_of_one_tensor_without_a_second_copy(kind):
-    from eyas.engine.llama import fuse_projections
+    from eyas.engine.llama_kernels import fuse_projections
 
     model = tiny_model(kind, L)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -295,7 +295,7 @@ def test_the_fused_model_still_trains_loads_and_saves_and_the_fast_target_follow
 def test_projections_that_cannot_be_stacked_are_left_alone_with_the_reason_and_the_step_still_equals_the_model():
     from transformers import AutoModelForCausalLM
 
-    from eyas.engine.llama import fuse_projections
+    from eyas.engine.llama_kernels import fuse_projections
     from tests.support.tiny import tiny_config
 
     with torch.device("meta"):
@@ -346,7 +346,7 @@ def test_one_token_steps_multiplied_as_reductions_equal_the_hf_model_and_call_no
     """matvec="reduce": a fixed-shape step of one token computes every product as a float32
     reduction (what inductor compiles into a weight-streaming kernel on a GPU; eager here), with the
     same results as the model; steps of more tokens keep F.linear."""
-    import eyas.engine.llama as llama
+    import eyas.engine.llama_kernels as kernels
 
     model = tiny_model(kind, L)
     fast = LlamaTarget(model, SPEC, max_length=64, fixed_shapes=True, key_buckets=KEYS, matvec="reduce")
@@ -355,11 +355,11 @@ def test_one_token_steps_multiplied_as_reductions_equal_the_hf_model_and_call_no
     g = torch.Generator().manual_seed(0)
     walk(fast, hf, g)
     rows: list[int] = []  # the rows of every F.linear the fast target calls (the HF model's are not counted)
-    real = llama.F.linear
+    real = kernels.F.linear
 
     def fast_forward(ids, positions):
         with monkeypatch.context() as m:
-            m.setattr(llama.F, "linear", lambda a, *w: rows.append(a.shape[0]) or real(a, *w))
+            m.setattr(kernels.F, "linear", lambda a, *w: rows.append(a.shape[0]) or real(a, *w))
             return fast.forward(ids, positions)
 
     for pos in range(15, 20):
@@ -380,7 +380,7 @@ def test_auto_picks_the_triton_kernels_on_the_compiled_gpu_path_only(monkeypatch
     order elsewhere (the CPU's eager steps here)."""
     import importlib.util
 
-    from eyas.engine.llama import FEW_ROW_KERNELS_UP_TO_HIDDEN as SMALL, _auto_kernels
+    from eyas.engine.llama_kernels import FEW_ROW_KERNELS_UP_TO_HIDDEN as SMALL, _auto_kernels
 
     fast = LlamaTarget(tiny_model("llama", L), SPEC, max_length=64, fixed_shapes=True)
     assert (fast.matvec, fast.attention, fast.implementation) == ("gemm", "eager", "fast")
@@ -398,7 +398,7 @@ def test_auto_picks_the_triton_kernels_on_the_compiled_gpu_path_only(monkeypatch
 def test_linear_on_the_cpu_transposed_for_few_rows_equals_f_linear():
     """Up to CPU_TRANSPOSED_ROWS rows the CPU computes y^T = w a^T (one row as two), more rows with
     F.linear: the same products, contiguous [B, out], bias included."""
-    from eyas.engine.llama import CPU_TRANSPOSED_ROWS, linear
+    from eyas.engine.llama_kernels import CPU_TRANSPOSED_ROWS, linear
 
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(40, 48, generator=g), torch.randn(40, generator=g)
@@ -416,7 +416,7 @@ def test_linear_on_the_cpu_transposed_for_few_rows_equals_f_linear():
 def test_linear_as_a_reduction_equals_f_linear_and_a_wrong_matvec_is_refused():
     g = torch.Generator().manual_seed(0)
     a, w, b = torch.randn(1, 48, generator=g), torch.randn(40, 48, generator=g), torch.randn(40, generator=g)
-    from eyas.engine.llama import linear
+    from eyas.engine.llama_kernels import linear
 
     torch.testing.assert_close(linear(a, w, b, matvec=True), torch.nn.functional.linear(a, w, b))
     torch.testing.assert_close(linear(a, w, matvec=True), a @ w.T)

@@ -17,7 +17,7 @@ from tests.support.triton_kernels import DEVICE, require_triton
 
 require_triton("the matvec kernels")
 
-from eyas.engine.llama import rms_norm  # noqa: E402
+from eyas.engine.llama_steps import rms_norm  # noqa: E402
 from eyas.engine.matvec import (  # noqa: E402
     MAX_ROWS, Tiling, matvec, rows_stages, rows_tiling, tiling,
 )
@@ -187,7 +187,7 @@ def test_steps_through_the_triton_kernels_equal_the_hf_model_and_call_no_gemm(ki
     residual adds in it, with the model's results (qwen2: q/k/v biases; qwen3: per-head norms);
     other steps keep F.linear. The walk: prefill, a tree, keep, decode, then a prompt past the
     largest bucket (exact shapes)."""
-    import eyas.engine.llama as llama
+    import eyas.engine.llama_kernels as kernels
     from eyas.engine import HFTarget, LlamaTarget
     from tests.support.tiny import tiny_model
     from tests.support.walk import KEYS, SPEC, same, walk
@@ -199,11 +199,11 @@ def test_steps_through_the_triton_kernels_equal_the_hf_model_and_call_no_gemm(ki
     assert fast.implementation == f"fast+matvec-{matvec}"
     g = torch.Generator().manual_seed(0)
     rows: list[int] = []  # the rows of every F.linear the fast target calls
-    real, real_forward = llama.F.linear, fast.forward
+    real, real_forward = kernels.F.linear, fast.forward
 
     def fast_forward(*args, **kwargs):  # F.linear counted in the fast target's forward only
         with monkeypatch.context() as m:
-            m.setattr(llama.F, "linear", lambda a, *w: rows.append(a.shape[0]) or real(a, *w))
+            m.setattr(kernels.F, "linear", lambda a, *w: rows.append(a.shape[0]) or real(a, *w))
             return real_forward(*args, **kwargs)
 
     with monkeypatch.context() as m:

@@ -60,8 +60,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eyas.drafter.model import Eagle3Drafter, KVCache
-from eyas.engine.llama import (rms_norm, stack_rows, stacked_products, stacked_rows, why_no_triton,
-                               why_not_split_kv, why_not_stackable)
+from eyas.engine.llama_kernels import (stack_rows, stacked_products, stacked_rows, why_no_triton, why_not_split_kv,
+                                       why_not_stackable)
+from eyas.engine.llama_steps import rms_norm
 from eyas.errors import EyasError
 
 KERNELS = ("torch", "triton")  # DraftState's choices: the module's forward, or draft_step

@@ -2,35 +2,13 @@
 static KV cache written by index, attention under the tree mask, and boundary capture inside the
 forward, with no hooks and no Hugging Face module called.
 
-A step is four pure functions over tensors, which take the model's weight tensors as arguments
-(references gathered once at construction, no copies):
-
-- ``_prologue``: the embeddings, the rotary cos/sin of the positions, the cache slots the step
-  writes and its attention mask, from ids, positions, the new tokens' [B, B] block mask and the
-  first slot (cache_len, a device scalar);
-- ``_layer``: one decoder block (RMSNorm, q/k/v with optional bias, Qwen3's per-head q/k norm,
-  rotate-half rope, keys/values written into the block's cache by index, grouped-query attention
-  over the cache under the mask, o, RMSNorm, the MLP's gate/up and SiLU); every block is the same
-  function on its own weights and cache;
-- ``_down``: the block's last product, the MLP's down projection (apart from ``_layer`` for one
-  reason: see its docstring);
-- ``_head``: the final norm and the logits.
-
-The numerics are Hugging Face's: RMSNorm in float32 (x * rsqrt(mean(x^2) + eps), cast back, times the
-weight), scores q.k in the model's dtype, scaled and softmaxed in float32, cast back (the eager
-attention's order). ``tests/test_engine_llama.py`` holds the logits and the features equal to
-:class:`~eyas.engine.target.HFTarget` in float32.
-
-Fused projections. A step at batch 1 is launch-bound on a small model (SmolLM2-135M on an H200:
-~2.7 us a kernel, each of a block's 7 GEMMs ~3.5 us), so a block runs q/k/v as ONE GEMM and gate/up
-as ONE GEMM (4 GEMMs a block instead of 7). :func:`fuse_projections`, which :class:`LlamaTarget`
-calls first, stores each block's q/k/v weights as consecutive rows of one tensor
-[(Hq+2Hkv)*D, H] and gate/up as rows of one [2I, H] (biases likewise) and makes the Hugging Face
-model's own parameters views into it: no weight is held twice, the model computes exactly as
-before (HFTarget, capture and training use it), and its state_dict is unchanged. The step splits
-the GEMM's output into views. A model whose parameters cannot be stacked (on the ``meta`` device,
-quantized or other tensor subclasses) keeps its separate GEMMs, with the reason in
-``LlamaTarget.unfused_reason``.
+The code is in three modules, each read top to bottom: :mod:`eyas.engine.llama_kernels` (how a step's
+products and attention run: the ``matvec`` and ``attention`` options, what ``"auto"`` picks, and the
+fused q/k/v and gate/up weights), :mod:`eyas.engine.llama_steps` (the step's pure functions over
+tensors, their numerics, how they are bound and compiled) and this one (:class:`LlamaTarget`: the
+weights gathered, the cache, the walk through the blocks, the step's shapes, compilation and CUDA
+graphs; :func:`build_target`, :func:`supports`). Names other modules have imported from here
+(``rms_norm``, ``rope``, ``linear``, ``project``, ``fuse_projections``, ...) are re-exported.
 
 Every step runs through one walk, ``_step``: B new tokens write their keys/values at cache slots
 cache_len .. cache_len+B-1 and attend the first ``keys`` cache entries under a bool mask. Exact
@@ -46,19 +24,19 @@ value; each token bucket has its own input buffers, shared by its key buckets. W
 below 512 keys the attention kernels are launch-bound anyway, and doubling keeps the keys read
 within 2x of the keys in use with log2(C/512) + 1 rungs (4 for C = 4096).
 
-On a GPU the four functions are then compiled with ``torch.compile(fullgraph=True,
-dynamic=False)`` (inductor fuses each block's norms, rope, cache writes, softmax and SiLU into a
-few kernels; all blocks have the same shapes, so one compilation per (B, K) serves every block:
-``_layer`` and ``_prologue`` compile once per (B, K), ``_down`` and ``_head`` once per B) and each (B, K) step is
+On a GPU the step's four functions (:mod:`eyas.engine.llama_steps`: ``_prologue``, ``_layer``,
+``_down``, ``_head``) are then compiled with ``torch.compile(fullgraph=True, dynamic=False)``
+(inductor fuses each block's norms, rope, cache writes, softmax and SiLU into a few kernels; all
+blocks have the same shapes, so one compilation per (B, K) serves every block: ``_layer`` and
+``_prologue`` compile once per (B, K), ``_down`` and ``_head`` once per B) and each (B, K) step is
 captured once as a CUDA graph and replayed (forward hooks would not survive a replay: the captured
-boundaries are an output of the step). A graph for key bucket K reads entries [0, K) only, and a
-step runs the graph of its own K, so a captured graph stays valid as the cache grows. On the CPU
-the same functions run eagerly, so the tests check the code the GPU compiles. Compilation happens
-at a (B, K) pair's first use, or up front with :meth:`LlamaTarget.warmup` (default: every token
-bucket with the key buckets of a sequence of up to ``WARM_CONTEXT`` = 2048 tokens, a typical
-request; ``context=`` or ``keys=`` say otherwise); ``compile_seconds`` says how long it took. A
-compiler that fails (e.g. no C compiler for Triton) leaves the same functions eager, with a
-warning and ``compile_error``.
+boundaries are an output of the step). A graph for key bucket K reads entries [0, K) only, and a step
+runs the graph of its own K, so a captured graph stays valid as the cache grows. On the CPU the same
+functions run eagerly, so the tests check the code the GPU compiles. Compilation happens at a (B, K)
+pair's first use, or up front with :meth:`LlamaTarget.warmup` (default: every token bucket with the
+key buckets of a sequence of up to ``WARM_CONTEXT`` = 2048 tokens, a typical request; ``context=`` or
+``keys=`` say otherwise); ``compile_seconds`` says how long it took. A compiler that fails (e.g. no C
+compiler for Triton) leaves the same functions eager, with a warning and ``compile_error``.
 
 No device value is read on the host: the range check and both buckets use host ints (cache_len + T
 <= max_length; a step's positions are at most cache_len + T - 1), host tensors travel with
@@ -78,29 +56,30 @@ vocabulary, B the step's tokens (T, or its token bucket), K the keys it attends.
 
 Boundary capture follows the contract's convention (docs/conventions.md): boundary 0 is the input of
 block 0 (the embeddings), boundary b the output of block b-1 (``hidden + residual``), boundary L the
-last block's output before the final norm. ``_layer`` returns the stream entering its block (its
-boundary), and ``_down`` leaves the block's last residual add to the next block (or ``_head``),
-where it fuses with the next norm (a fixed-shape step whose products run eyas' Triton kernels, or
-one of one token with ``matvec="reduce"``, adds it in the down product's kernel instead: see
-:func:`_down`).
+last block's output before the final norm. ``_step`` captures the stream entering block b as
+``_layer`` returns it and boundary L as ``_head`` returns it (how ``_down`` leaves a block's last
+residual add to the next one: :mod:`eyas.engine.llama_steps`).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Literal, NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eyas.convention.boundaries import CaptureSpec
-from eyas.engine.graphs import brief_error, capture, raise_recompile_limits
+from eyas.engine.graphs import brief_error, capture
+from eyas.engine.llama_kernels import (ATTENTION_CHOICES, MATVEC_CHOICES, _auto_kernels, fuse_projections,
+                                       why_no_triton, why_not_split_kv)
+from eyas.engine.llama_kernels import (  # noqa: F401 (re-exported: other modules import them from here)
+    CPU_TRANSPOSED_ROWS, FEW_ROW_KERNELS_UP_TO_HIDDEN, KERNEL_ROWS, OneRow, linear, project, stack_rows,
+    stacked_products, stacked_rows, why_not_stackable)
+from eyas.engine.llama_steps import BlockWeights, rms_norm, rope  # noqa: F401 (re-exported, likewise)
+from eyas.engine.llama_steps import _StepFunctions, block_weights, detached, step_functions
 from eyas.engine.target import Target
 from eyas.errors import EyasError
 from eyas.targets.structure import find_decoder_blocks, text_config
@@ -109,23 +88,6 @@ from eyas.targets.structure import find_decoder_blocks, text_config
 # optional per-head q/k norm) with full attention everywhere.
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
-
-# How the fixed-shape steps multiply by the weights (LlamaTarget's matvec).
-MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned", "triton", "triton-verify")
-# What the step's functions do with their rows (see _in_kernels): "reduce-tuned" is "reduce" with
-# other compiler options; "auto" is "triton" or "triton-verify" on the compiled GPU path, else "gemm"
-# (see _auto_kernels).
-OneRow = Literal["gemm", "reduce", "triton", "triton-verify"]
-# With matvec="triton-verify", the fixed-shape steps of up to this many tokens run every product
-# through eyas.engine.matvec's kernels (its MAX_ROWS): a plain step, and trees of up to 63 drafted
-# tokens (with "triton", the plain steps only).
-KERNEL_ROWS = 64
-
-# How a step attends over the cache (LlamaTarget's attention; see _layer).
-ATTENTION_CHOICES = ("auto", "eager", "sdpa", "split-kv")  # auto: split-kv with matvec's auto kernels, else eager
-
-# Products of at most this many rows run transposed on the CPU (see linear).
-CPU_TRANSPOSED_ROWS = 7
 # Exact-shape steps on the CPU padded to more rows (see LlamaTarget.forward): T tokens -> rows.
 CPU_PADDED_ROWS = {3: 4}
 
@@ -171,26 +133,6 @@ def supports(model: nn.Module) -> str | None:
     return None
 
 
-def why_no_triton(device: torch.device, holder: str = "model") -> str | None:
-    """None where eyas' Triton kernels can run on ``device`` (the ``holder``'s: "model", "drafter");
-    else why not, as the end of a sentence that starts with what asked for them."""
-    if importlib.util.find_spec("triton") is None:
-        return "runs Triton kernels, and triton is not installed"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"runs Triton kernels, on a GPU (the {holder} is on {device.type}) or under TRITON_INTERPRET=1"
-    return None
-
-
-def why_not_split_kv(head_dim: int) -> str | None:
-    """None when the split-KV attention kernels take this head dimension; else why not (call after
-    :func:`why_no_triton`: the check imports them)."""
-    from eyas.engine.decode_attention import supported_head_dim
-
-    if supported_head_dim(head_dim):
-        return None
-    return f"needs a power-of-two head dimension of at least 16, found {head_dim}"
-
-
 def _check_triton(option: str, fallback: str, device: torch.device) -> None:
     """Refuse an option that runs our Triton kernels (``option``, e.g. "attention='split-kv'") where
     they cannot run, saying what it needs and what to use instead (``fallback``)."""
@@ -199,426 +141,12 @@ def _check_triton(option: str, fallback: str, device: torch.device) -> None:
         raise UnsupportedTarget(f"LlamaTarget: {option} {why}; use {fallback}")
 
 
-# Models up to this hidden size also verify and draft through eyas' kernels by default ("auto" picks
-# "triton-verify"): their steps are bound by kernel launches, which the kernels' fused products cut,
-# while a large model's few-row products are bound by the weights' bytes, where cuBLAS is faster.
-# Measured on an H200 in bf16 (benchmarks/2026-12-02-round-compile-h200.md): SmolLM2-135M (hidden
-# 576) verified 24 tokens in 1.120 ms through them against 1.365 with cuBLAS (two calls), and on
-# MT-bench its rounds of tree 4,8,24 verified in 0.97 ms against 1.12 (one call); an 8B-shaped
-# Llama (hidden 4096) verified 24 tokens in 7.25 ms through them against 5.45 with cuBLAS.
-FEW_ROW_KERNELS_UP_TO_HIDDEN = 1024
-
-
-def _auto_kernels(compiled: bool, head_dim: int, hidden_size: int) -> tuple[str, str]:
-    """(matvec, attention) for "auto": eyas' Triton kernels where the fixed-shape steps are compiled
-    on a GPU (the fast path) and triton is installed, else cuBLAS and the eager order ("gemm",
-    "eager"). With the kernels: split-kv attention where the head dimension is one its kernels take
-    (else "eager"); "triton" (the one-token steps through the kernels, verification on cuBLAS) and,
-    for a model of hidden size up to FEW_ROW_KERNELS_UP_TO_HIDDEN with split-kv, "triton-verify"
-    (verification and the drafter's steps through them too). The kernels make a plain step's
-    block 6 kernels instead of 16, which is what a launch-bound step needs."""
-    if not compiled or importlib.util.find_spec("triton") is None:
-        return "gemm", "eager"
-    if why_not_split_kv(head_dim) is not None:
-        return "triton", "eager"
-    return ("triton-verify" if hidden_size <= FEW_ROW_KERNELS_UP_TO_HIDDEN else "triton"), "split-kv"
-
-
 def _check_split_kv(head_dim: int, device: torch.device) -> None:
     """Refuse attention="split-kv" where its Triton kernels cannot run, saying what it needs."""
     _check_triton("attention='split-kv'", "attention='eager'", device)
     why = why_not_split_kv(head_dim)
     if why is not None:
         raise UnsupportedTarget(f"LlamaTarget: attention='split-kv' {why}; use attention='eager'")
-
-
-# -- fused projections ---------------------------------------------------------------------------
-
-
-def stacked_rows(parts: Sequence[Tensor]) -> Tensor | None:
-    """The rows of ``parts`` (weights [r_i, H] or biases [r_i]) as one tensor [sum r_i, ...] when
-    they already lie one after another in one storage (as :func:`fuse_projections` leaves them): a
-    view, no copy. None when they do not."""
-    first = parts[0]
-    if first.dim() not in (1, 2) or first.device.type == "meta":
-        return None
-    ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-    for p in parts:
-        if (p.dim() != first.dim() or p.shape[1:] != first.shape[1:] or p.dtype != first.dtype
-                or p.device != first.device or not p.is_contiguous()
-                or p.untyped_storage().data_ptr() != ptr or p.storage_offset() != offset):
-            return None
-        offset += p.numel()
-    rows = sum(p.shape[0] for p in parts)
-    shape, stride = ((rows, first.shape[1]), (first.shape[1], 1)) if first.dim() == 2 else ((rows,), (1,))
-    return torch.as_strided(first.detach(), shape, stride)  # from first's storage offset on
-
-
-def why_not_stackable(linears: Sequence[nn.Module]) -> str | None:
-    """None when these projections' weights (and biases) can be stacked into one tensor; else why not."""
-    for m in linears:
-        if not isinstance(m, nn.Linear):
-            return f"{type(m).__name__} is not an nn.Linear"
-    for name in ("weight", "bias"):
-        params = [getattr(m, name) for m in linears]
-        if all(p is None for p in params):
-            continue
-        if any(p is None for p in params):
-            return f"only some of them have a {name}"
-        for p in params:
-            if p.device.type == "meta":
-                return "its parameters are on the meta device (not loaded)"
-            if type(p) is not nn.Parameter or p.layout != torch.strided:
-                return f"its {name} is a {type(p).__name__}, not a plain nn.Parameter (quantized?)"
-            if not p.dtype.is_floating_point or not p.is_contiguous():
-                return f"its {name} is {p.dtype}{'' if p.is_contiguous() else ', not contiguous'}"
-        if len({(p.dtype, p.device, p.shape[1:]) for p in params}) > 1:
-            return f"their {name}s differ in dtype, device or width"
-    return None
-
-
-def _projection_groups(block: nn.Module) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
-    """A decoder block's (q_proj, k_proj, v_proj) and (gate_proj, up_proj), in row order."""
-    attn, mlp = block.self_attn, block.mlp
-    return (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
-
-
-def fuse_projections(model: nn.Module) -> str | None:
-    """Stack each decoder block's q/k/v projections into one weight and gate/up into another, in
-    place, so that a step runs one GEMM where it ran three (two), without a second copy of any weight.
-
-    For every block: one new contiguous tensor [(Hq+2Hkv)*D, H] holds the rows of q_proj.weight,
-    k_proj.weight and v_proj.weight one after another, one [2I, H] those of gate_proj.weight and
-    up_proj.weight (and the biases likewise, [(Hq+2Hkv)*D] for Qwen2's q/k/v), and each of the
-    model's parameters becomes a view of its rows (``param.data = fused[rows]``: the same Parameter
-    objects, their storage shared, the old tensors freed). The Hugging Face model computes exactly
-    as before (it still multiplies by q_proj.weight, now a view), its ``state_dict`` keys and values
-    are unchanged, in-place writes (an optimizer, ``load_state_dict``) reach the fused tensors, and
-    ``save_pretrained`` writes the same tensors. Converting or moving the model afterwards
-    (``.to``, ``.half()``) gives every parameter its own storage again: fuse again then.
-
-    Idempotent: projections whose rows already lie one after another in one storage are left alone.
-    All or nothing: when some block's projections cannot be stacked (parameters on the ``meta``
-    device, not plain ``nn.Parameter``s as with quantized weights, mixed dtypes, a bias on some of
-    them only), nothing changes and the reason is returned. Returns None when every block is fused.
-    """
-    blocks = find_decoder_blocks(model)
-    groups = []
-    for i, block in enumerate(blocks):
-        try:
-            qkv, gate_up = _projection_groups(block)
-        except AttributeError as e:
-            return f"block {i}: {e}"
-        for group, names in ((qkv, "q/k/v"), (gate_up, "gate/up")):
-            why = why_not_stackable(group)
-            if why is not None:
-                return f"block {i} {names}: {why}"
-            groups.append(group)
-    stack_rows(groups)
-    return None
-
-
-def stack_rows(groups: Sequence[Sequence[nn.Module]]) -> None:
-    """For each group of projections (checked stackable: :func:`why_not_stackable`), one new
-    contiguous tensor holding their weights' rows one after another (and their biases'), each
-    parameter becoming a view of its rows (``param.data = fused[rows]``: the same Parameter, its
-    old tensor freed). Groups already stacked are left alone (:func:`fuse_projections`; the
-    drafter's, :func:`eyas.engine.draft_kernels.fuse_drafter_projections`)."""
-    with torch.no_grad():
-        for group in groups:
-            for name in ("weight", "bias"):
-                params = [getattr(m, name) for m in group]
-                if params[0] is None or stacked_rows(params) is not None:  # no bias, or already stacked
-                    continue
-                fused = torch.cat([p.detach() for p in params])  # [sum of rows, in] (or [sum of rows])
-                start = 0
-                for p in params:
-                    p.data = fused[start:start + p.shape[0]]  # a contiguous row slice: a view
-                    start += p.shape[0]
-
-
-# -- the step's pure functions (eager on the CPU, compiled on a GPU) ----------------------------------
-
-
-class BlockWeights(NamedTuple):
-    """One decoder block's weight tensors (the model's own storage, detached; None = absent).
-
-    ``qkv`` and ``gate_up`` hold one fused tensor when the projections are fused
-    (:func:`fuse_projections`: one GEMM each), else the separate matrices (one GEMM each)."""
-
-    input_norm: Tensor  # [H]
-    qkv: tuple[Tensor, ...]  # ([(Hq+2Hkv)*D, H],) fused, or (q [Hq*D, H], k [Hkv*D, H], v [Hkv*D, H])
-    qkv_bias: tuple[Tensor, ...] | None  # likewise ([(Hq+2Hkv)*D],) or (q, k, v) biases (Qwen2)
-    o: Tensor  # [H, Hq*D]
-    o_bias: Tensor | None
-    q_norm: Tensor | None  # [D] (Qwen3: RMSNorm per head, before the rotation)
-    k_norm: Tensor | None
-    post_norm: Tensor  # [H]
-    gate_up: tuple[Tensor, ...]  # ([2I, H],) fused, or (gate [I, H], up [I, H])
-    gate_up_bias: tuple[Tensor, ...] | None
-    down: Tensor  # [H, I]
-    down_bias: Tensor | None
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Hugging Face's LlamaRMSNorm: float32, x * rsqrt(mean(x^2) + eps), cast back, times the weight."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def linear(a: Tensor, w: Tensor, bias: Tensor | None = None, *, matvec: bool = False) -> Tensor:
-    """a [B, in] times w [out, in] transposed, plus bias [out] -> [B, out] (``F.linear``; a [..., in]
-    with more dimensions -> [..., out], by F.linear).
-
-    ``matvec`` (for compiled steps; B = 1 only, else ignored): the product written as a float32
-    reduction, sum_k w[n, k] * a[k], which inductor turns into one Triton kernel that streams w once,
-    with a's cast and any cheap pointwise producer of a (a norm's scaling) fused into its loads (not
-    an expensive one: every program would recompute it, see :func:`_down`). On an H200,
-    in CUDA graphs, an 8B-shaped step's matrices take 1.11x the bandwidth floor with cuBLAS and
-    1.00x as tuned reductions (``benchmarks/2026-12-01-matvec-h200.md``); a small model's step
-    gains more, from fewer kernels. Run eagerly it would materialise w * a: compiled functions
-    only. The sum is float32 like cuBLAS's accumulator; only its order differs."""
-    if matvec and a.shape[0] == 1:
-        y = (w.float() * a.float()).sum(-1)[None]  # [1, out], float32
-        return (y if bias is None else y + bias.float()).to(a.dtype)
-    B = a.shape[0]
-    if a.device.type == "cpu" and a.dim() == 2 and B <= CPU_TRANSPOSED_ROWS:
-        # On the CPU, y^T = w a^T (a GEMM whose second operand has B columns) streams w faster than
-        # F.linear for a few rows, and one row runs as two (MKL's GEMV is slower still). The
-        # products of SmolLM2's step (540 MB of float32 weights, from DRAM) on the 2-core EPYC,
-        # medians of 3 rounds: 1, 2, 4, 7 rows 52, 94, 85, 108 ms with F.linear and 27, 30, 43,
-        # 66 ms so (benchmarks/2026-12-02-cpu-demo.md).
-        rows = a if B > 1 else torch.cat([a, a])  # [max(B, 2), in]
-        y = (w @ rows.T).T[:B].contiguous()  # [B, out]
-        return y if bias is None else y + bias
-    return F.linear(a, w, bias)
-
-
-def project(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None,
-            sizes: Sequence[int], *, matvec: bool = False) -> tuple[Tensor, ...]:
-    """a [B, H] through stacked projections of output widths ``sizes``: one GEMM by the fused weight
-    [sum(sizes), H] whose output [B, sum(sizes)] is split into views [B, size] (no copy), or one
-    GEMM by each separate weight [size, H]. ``matvec``: see :func:`linear`."""
-    if len(weights) == 1:
-        return linear(a, weights[0], None if biases is None else biases[0], matvec=matvec).split(list(sizes), dim=-1)
-    return tuple(linear(a, w, None if biases is None else biases[j], matvec=matvec) for j, w in enumerate(weights))
-
-
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half rope: x [B, heads, D], cos/sin [B, 1, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-def _prologue(ids: Tensor, pos: Tensor, block: Tensor, start: Tensor, embed: Tensor, inv_freq: Tensor, *,
-              n_keys: int, rope_scaling: float) -> tuple[Tensor, ...]:
-    """A step's inputs on the device. ids, pos [B] long; block [B, B] bool (new token i may attend
-    new token j); start [1] long (cache_len: the first slot written); embed [V, H]; inv_freq [D/2].
-
-    Returns h [B, H] (the embeddings: boundary 0), zero [B, H] (the residual still to add: none),
-    cos, sin [B, 1, D] (Hugging Face's rotary embedding, attention scaling included, in the model's
-    dtype), slots [B] long (start .. start+B-1) and mask [B, n_keys] bool: every committed entry
-    (index < start), then the block at start .. start+B-1, nothing after."""
-    B = ids.shape[0]
-    h = F.embedding(ids, embed)  # [B, H]
-    freqs = pos.float()[:, None] * inv_freq.float()[None, :]  # [B, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [B, D]
-    cos = (emb.cos() * rope_scaling).to(h.dtype)[:, None]  # [B, 1, D]
-    sin = (emb.sin() * rope_scaling).to(h.dtype)[:, None]
-    rel = torch.arange(n_keys, device=ids.device) - start  # [n_keys]: entry index - cache_len
-    in_block = block[:, rel.clamp(0, B - 1)]  # [B, n_keys]: block[i, entry - cache_len]
-    mask = (rel < 0) | ((rel < B) & in_block)  # [B, n_keys]
-    slots = start + torch.arange(B, device=ids.device)  # [B]
-    return h, torch.zeros_like(h), cos, sin, slots, mask
-
-
-def _before_attention(x: Tensor, d: Tensor | None, w: BlockWeights, kv_heads: int, head_dim: int, *, eps: float,
-                      qk_eps: float, matvec: OneRow) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A block's front for B tokens: the stream entering it h_in = x + d [B, H] (the previous
-    block's last residual add is done here, fused with this block's norm; d None: x alone), and its
-    queries, keys and values q [B, Hq, D], k, v [B, Hkv, D], not yet rotated (views of the fused
-    projection's output; Qwen3's per-head norms applied). ``matvec``: see :func:`_in_kernels`."""
-    h_in = x if d is None else x + d  # [B, H]
-    B, Hkv, D = h_in.shape[0], kv_heads, head_dim
-    Hq = w.o.shape[1] // D
-    sizes = (Hq * D, Hkv * D, Hkv * D)
-    if _in_kernels(matvec, h_in):  # the norm in the product's kernel
-        q, k, v = stacked_products(h_in, w.qkv, w.qkv_bias, prologue="rms", norm=w.input_norm,
-                                   eps=eps).split(sizes, dim=-1)
-    else:
-        q, k, v = project(rms_norm(h_in, w.input_norm, eps), w.qkv, w.qkv_bias, sizes,
-                          matvec=matvec == "reduce")  # [B, Hq*D], [B, Hkv*D] x 2
-    q, k, v = q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D)  # (views of the fused output too)
-    if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
-        q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
-    return h_in, q, k, v
-
-
-def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
-           values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
-           matvec: OneRow = "gemm", sdpa: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """One decoder block for B tokens. The stream entering it is x + d [B, H] (the previous block's
-    last residual add is done here, fused with this block's norm; d None: x alone); cos, sin
-    [B, 1, D]; slots [B] (where the new keys/values go); mask [B, n] bool over the first n cache
-    entries; keys, values [Hkv, C, D] this block's cache, written in place at ``slots``.
-
-    Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
-    attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects
-    (where :func:`_in_kernels`: the gate/up output [B, 2I], SiLU(gate) * up done in the down
-    product's kernel). ``matvec``: see :func:`_in_kernels`. ``sdpa``: attention as one
-    ``scaled_dot_product_attention`` call (a fused kernel on a GPU, which keeps the probabilities in
-    float32 for PV) instead of the eager order's three steps (QK in the model's dtype; scale, mask
-    and softmax in float32, cast back; PV)."""
-    Hkv, _, D = keys.shape
-    h_in, q, k, v = _before_attention(x, d, w, Hkv, D, eps=eps, qk_eps=qk_eps, matvec=matvec)
-    out = _attend(q, k, v, cos, sin, slots, mask, keys, values, scaling=scaling, sdpa=sdpa)
-    return _after_attention(h_in, out, w, eps=eps, matvec=matvec)
-
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, keys: Tensor,
-            values: Tensor, *, scaling: float, sdpa: bool = False) -> Tensor:
-    """:func:`_layer`'s attention: q [B, Hq, D] and k [B, Hkv, D] rotated, k and v [B, Hkv, D]
-    written to keys, values [Hkv, C, D] at ``slots``, then the B queries attend the first n entries
-    under mask [B, n]. Returns out [B, Hq*D], query head j attending key-value head j // G."""
-    Hkv, _, D = keys.shape
-    B, Hq = q.shape[:2]
-    G = Hq // Hkv
-    n = mask.shape[1]
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
-    # Two writes: inductor fuses the keys' with rope (a stacked write of both took one kernel more)
-    keys.index_copy_(1, slots, k.transpose(0, 1))  # [Hkv, B, D] into [Hkv, C, D]
-    values.index_copy_(1, slots, v.transpose(0, 1))
-    keys, values = keys[:, :n], values[:, :n]  # [Hkv, n, D]: the entries attended
-    # Grouped-query attention without copying the cache: query head j reads key/value head j // G,
-    # so the G query heads of a group become G*B rows against their shared keys.
-    qg = q.view(B, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * B, D)  # rows (g, b)
-    if sdpa:  # row (g, b) attends under mask[b]: the mask repeated per group, [G*B, n] (no row is all False)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask.repeat(G, 1), scale=scaling)
-    else:
-        scores = torch.matmul(qg, keys.transpose(1, 2))  # [Hkv, G*B, n], the model's dtype
-        scores = (scores.float() * scaling).view(Hkv, G, B, n).masked_fill(~mask, float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, G * B, n)
-        out = torch.matmul(p, values)  # [Hkv, G*B, D]
-    return out.view(Hkv, G, B, D).permute(2, 0, 1, 3).reshape(B, Hq * D)  # head j = g-th of group j // G
-
-
-def _layer_split_kv(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor, kv: Tensor,
-                    w: BlockWeights, *, eps: float, qk_eps: float, scaling: float,
-                    matvec: OneRow = "gemm") -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_layer` with attention by :func:`~eyas.engine.decode_attention.decode_attention`'s two
-    Triton kernels, which also rotate q and k and write k and v at slots (slots[0] = cache_len;
-    float32 scores, the probabilities rounded for PV). kv [2, Hkv, C, D]: the block's cache as ONE
-    tensor: handed to a Triton kernel that writes it, two aliasing views (keys, values) made
-    inductor clone them and copy them back (7 us a block on the H200), while the eager order's
-    index_copy_ writes are cheaper through two views (one tensor there cost a copy of the block's
-    cache a step: ``benchmarks/2026-12-02-split-kv-h200.md``)."""
-    from eyas.engine.decode_attention import decode_attention
-
-    Hkv, _, D = kv.shape[1:]
-    h_in, q, k, v = _before_attention(x, d, w, Hkv, D, eps=eps, qk_eps=qk_eps, matvec=matvec)
-    B, Hq = q.shape[:2]
-    out = decode_attention(q.reshape(B, Hq * D), k.reshape(B, Hkv * D), v.reshape(B, Hkv * D), cos[:, 0], sin[:, 0],
-                           kv, mask, slots, scaling)
-    return _after_attention(h_in, out, w, eps=eps, matvec=matvec)
-
-
-def _after_attention(h_in: Tensor, out: Tensor, w: BlockWeights, *, eps: float,
-                     matvec: OneRow) -> tuple[Tensor, Tensor, Tensor]:
-    """The rest of :func:`_layer` from the attention's output out [B, Hq*D]: the o projection and
-    its residual add, the post-attention norm, gate/up and SiLU(gate) * up (where :func:`_in_kernels`:
-    the o product with its residual add, then gate/up with its norm, two kernels; one row leaves the
-    SiLU to :func:`_down`'s kernel and returns the gate/up output [1, 2I], more rows of a fused
-    gate/up compute SiLU(gate) * up [B, I] in the gate/up kernel's epilogue, ``glu``)."""
-    I = w.down.shape[1]
-    if _in_kernels(matvec, out):
-        h = _fused_matvec(out.contiguous(), w.o, bias=w.o_bias, residual=h_in)
-        if h.shape[0] > 1 and len(w.gate_up) == 1:  # few rows: the SiLU once, in the gate/up kernel
-            return h_in, h, _fused_matvec(h, w.gate_up[0], prologue="rms", norm=w.post_norm, eps=eps,
-                                          bias=None if w.gate_up_bias is None else w.gate_up_bias[0], glu=True)
-        return h_in, h, stacked_products(h, w.gate_up, w.gate_up_bias, prologue="rms", norm=w.post_norm,
-                                         eps=eps)  # [B, 2I]
-    by_reduction = matvec == "reduce"
-    h = h_in + linear(out, w.o, w.o_bias, matvec=by_reduction)
-    gate, up = project(rms_norm(h, w.post_norm, eps), w.gate_up, w.gate_up_bias, (I, I),
-                       matvec=by_reduction)  # [B, I] each
-    return h_in, h, F.silu(gate) * up
-
-
-def _fused_matvec(x: Tensor, w: Tensor, **options) -> Tensor:
-    """:func:`eyas.engine.matvec.matvec`, imported at its first use: Triton is needed only where
-    ``matvec="triton"`` is asked for (and checked then, by :func:`_check_triton`)."""
-    from eyas.engine.matvec import matvec
-
-    return matvec(x, w, **options)
-
-
-def _in_kernels(matvec: OneRow, a: Tensor) -> bool:
-    """Whether a product of a [B, ...] runs our Triton kernels (:mod:`eyas.engine.matvec`, the norms,
-    SiLU and residual adds in the products' kernels): with ``matvec="triton"`` and B = 1 (the
-    one-row kernel), or ``"triton-verify"`` and B <= ``KERNEL_ROWS`` (more rows by the few-row
-    kernel). ``"gemm"``: F.linear; ``"reduce"``: one row as a float32 reduction (see :func:`linear`).
-    Other steps use F.linear."""
-    B = a.shape[0]
-    return (matvec == "triton" and B == 1) or (matvec == "triton-verify" and B <= KERNEL_ROWS)
-
-
-def stacked_products(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor | None, ...] | None,
-                     **options) -> Tensor:
-    """The rows a [B, K] through stacked projections with eyas' kernels (:func:`eyas.engine.matvec.matvec`
-    and its ``options``, e.g. the norm as an "rms" prologue): [B, sum of their rows], one kernel for
-    a fused weight, else one per separate weight (each repeating the prologue), concatenated. The
-    target's q/k/v and gate/up, and the drafter's (:mod:`eyas.engine.draft_kernels`)."""
-    rows = [_fused_matvec(a, w, bias=None if biases is None else biases[j], **options) for j, w in enumerate(weights)]
-    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=-1)
-
-
-def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
-          matvec: OneRow = "gemm") -> tuple[Tensor, Tensor | None]:
-    """A block's last product: the MLP's activation act [B, I] by down [H, I], m [B, H]. Returns the
-    block's output as (x, d) for the next block: (h, m), the add left to the next norm, or with
-    ``matvec="reduce"`` and one row, or where :func:`_in_kernels`, (h + m, None), the add done in
-    this product's kernel (with the Triton kernels, act may be the gate/up output [B, 2I], and the
-    kernel computes SiLU(gate) * up: see :func:`_after_attention`).
-
-    A function of its own (compiled apart from :func:`_layer`) so that act reaches it as a buffer:
-    compiled together, inductor inlines SiLU(gate) * up into the down reduction's loads, and every
-    program of that weight-streaming kernel recomputes the exponentials of the whole [I] vector (on
-    the 8B shape, in one H200 call: 34.5 us a block, against 29.2 us with act read from a buffer,
-    written by a 1.2 us kernel; ``benchmarks/2026-12-02-llama8b-h200.md``). Saving that kernel by
-    computing gate and up as two reductions that inductor fuses with SiLU was slower (63.5 us for
-    gate/up against 56.1 us as one reduction of the fused weight, in one call)."""
-    if _in_kernels(matvec, act):  # act: the gate/up output [B, 2I] (SiLU in this kernel), or SiLU(gate) * up
-        prologue = "silu" if act.shape[1] == 2 * down.shape[1] else None
-        return _fused_matvec(act, down, prologue=prologue, bias=down_bias, residual=h), None
-    m = linear(act, down, down_bias, matvec=matvec == "reduce")
-    if matvec == "reduce" and act.shape[0] == 1:
-        return h + m, None
-    return h, m
-
-
-def _head(x: Tensor, d: Tensor | None, norm: Tensor, lm_head: Tensor, lm_bias: Tensor | None, *,
-          eps: float, matvec: OneRow = "gemm") -> tuple[Tensor, Tensor]:
-    """The last block's output x + d [B, H] (boundary L; d None: x) and the logits [B, V]."""
-    h = x if d is None else x + d
-    if _in_kernels(matvec, h):
-        return h, _fused_matvec(h, lm_head, prologue="rms", norm=norm, eps=eps, bias=lm_bias)
-    return h, linear(rms_norm(h, norm, eps), lm_head, lm_bias, matvec=matvec == "reduce")
-
-
-class _StepFunctions(NamedTuple):
-    """A step's four functions (eager or compiled), up to how many rows their blocks return their
-    output whole (see :func:`_down`: the blocks then pass no residual along; 0: never), and
-    split-kv's layer (:func:`_layer_split_kv`, which takes a block's cache as one tensor kv
-    [2, Hkv, C, D]; ``layer`` takes keys, values) with the most rows a step runs it for."""
-
-    prologue: Callable
-    layer: Callable
-    down: Callable
-    head: Callable
-    whole_output_rows: int
-    split_kv_layer: Callable | None = None
-    split_kv_rows: int = 0
 
 
 class _Inputs(NamedTuple):
@@ -646,54 +174,17 @@ class LlamaTarget(Target):
     the last rung) that holds cache_len + the token bucket. ``compile`` (default: with
     ``cuda_graphs``) compiles the fixed-shape step with inductor; it applies on a GPU only.
 
-    ``matvec`` says how the fixed-shape steps multiply by the weights: ``"gemm"`` (``F.linear``:
-    cuBLAS), ``"reduce"`` (steps of one token: a float32 reduction that inductor compiles into one
-    weight-streaming kernel, see :func:`linear`), ``"reduce-tuned"`` (the same, with inductor's
-    coordinate-descent tuning of every kernel's block sizes: a longer compilation), ``"triton"``
-    (steps of one token, plain decoding: :mod:`eyas.engine.matvec`'s one-row kernel, one Triton
-    kernel per product that also does the norm before it, SiLU(gate) * up and the residual add, 4
-    kernels a block; it needs Triton, like split-kv), ``"triton-verify"`` (those kernels for every
-    fixed-shape step of up to ``KERNEL_ROWS`` = 64 tokens, the verification of a tree included,
-    more rows by the few-row kernel; with split-kv attention, verification attends through it
-    too; and the drafter's steps run the same kernels, :mod:`eyas.engine.draft_kernels`), or
-    ``"auto"`` (the default: where the steps are compiled on a GPU and triton is installed,
-    ``"triton-verify"`` for a model of hidden size up to ``FEW_ROW_KERNELS_UP_TO_HIDDEN`` (1024)
-    with split-kv attention, ``"triton"`` for larger ones, else ``"gemm"``; :func:`_auto_kernels`).
-    Other steps use ``F.linear``.
-    Measured on an H200 in bf16 (``benchmarks/2026-12-01-matvec-h200.md``): a SmolLM2-shaped plain
-    step 1.229 ms (gemm), 0.976 (reduce), 0.933 (reduce-tuned); an 8B-shaped one 4.949, 6.458 and
-    4.849 ms, warm-up 27, 4 and 89 s; with the down product compiled apart (:func:`_down`), 4.878
-    (gemm) and 4.427 ms (reduce-tuned) on one machine (``benchmarks/2026-12-02-llama8b-h200.md``:
-    1.37x and 1.24x the floor). Not the default: the float32 greedy identity test with the HF
-    model failed once on that GPU with ``"reduce"`` and passed on 2026-12-02. With ``"triton"`` and
-    split-kv attention the 8B-shaped plain step took 4.244 and 4.206 ms on two machines, 1.19x the
-    floor, against 5.190 and 5.073 ms with cuBLAS
-    (``benchmarks/2026-12-02-matvec-triton-h200.md``); a SmolLM2-shaped one 0.614 ms against 1.404.
-    ``"triton-verify"`` (``benchmarks/2026-12-02-verify-kernels-h200.md``): its first
-    version verified 24 tokens in 13.02 ms on the 8B shape against 5.49 with cuBLAS, and on
-    SmolLM2's MT-bench speculative decoding ran at 1164.5 tok/s against 1299.9 (one call; the down
-    product's SiLU prologue took 4-7x cuBLAS's time). With the SiLU in the gate/up kernel (glu) and
-    measured tilings, SmolLM2-shaped verification of 24 tokens took 1.146 ms against 1.365 with
-    cuBLAS (another call), while the 8B step's compilation ran out of shared memory (since fixed,
-    measured since: 7.25 ms, against 5.45 with cuBLAS). With ``"triton"``, eyas plain decoded
-    SmolLM2 at 1415.6 tok/s against 860.4 with cuBLAS, and speculative decoding (cuBLAS
-    verification) at 1299.9; with ``"triton-verify"`` and the drafter's round functions compiled
-    whole, speculative decoding ran at 1556.7 tok/s against 1410.0 plain, 1.10x
-    (``benchmarks/2026-12-02-round-compile-h200.md``).
-
-    ``attention`` says how the steps attend over the cache: ``"auto"`` (the default: ``"split-kv"``
-    where ``matvec``'s auto picks eyas' kernels and the head dimension is a power of two of at least
-    16, else ``"eager"``), ``"eager"`` (Hugging Face's eager
-    order: QK, a float32 softmax under the mask, PV; three kernels a block on a GPU), ``"sdpa"``
-    (one ``scaled_dot_product_attention`` call a block, a fused kernel on a GPU; equal to the model
-    in float32 on the CPU), or ``"split-kv"`` (the fixed-shape steps of one token, and with
-    ``matvec="triton-verify"`` those of up to 64: two Triton kernels a block that also rotate q and
-    k and write the cache, :mod:`eyas.engine.decode_attention`; it needs Triton, a GPU or
-    ``TRITON_INTERPRET=1``, and a power-of-two head dimension). On an H200, 8B-shaped, bf16
-    (``benchmarks/2026-12-02-split-kv-h200.md``): SDPA 6.245 ms a plain step against 5.391 eager
-    (gemm, one call); split-kv with gemm 4.769 ms and 400 kernels (1.34x the floor, another
-    machine); verifying 24 tokens with gemm, 5.98 ms split-kv against 5.59 eager (one call). SDPA
-    is opt-in (slower); split-kv goes with ``matvec="triton"`` (above)."""
+    ``matvec`` (one of ``MATVEC_CHOICES``) says how the fixed-shape steps multiply by the weights:
+    cuBLAS (``"gemm"``), float32 reductions that inductor compiles (``"reduce"``, ``"reduce-tuned"``),
+    or eyas' Triton kernels for the steps of one token (``"triton"``) or of up to ``KERNEL_ROWS`` = 64
+    tokens, a tree's verification included (``"triton-verify"``); other steps use ``F.linear``.
+    ``attention`` (one of ``ATTENTION_CHOICES``) says how the steps attend over the cache: Hugging
+    Face's eager order (``"eager"``), one ``scaled_dot_product_attention`` call a block (``"sdpa"``),
+    or split-KV Triton kernels (``"split-kv"``). ``"auto"``, the default of both, picks the Triton
+    kernels where the steps are compiled on a GPU and triton is installed (split-kv where the head
+    dimension allows it; :func:`~eyas.engine.llama_kernels._auto_kernels`), else ``"gemm"`` and
+    ``"eager"``; an option whose kernels cannot run where the model is gets refused, with the reason.
+    Each choice, and what it measured: :mod:`eyas.engine.llama_kernels`."""
 
     def __init__(self, model: nn.Module, spec: CaptureSpec, max_length: int | None = None,
                  default_capacity: int = 4096, fixed_shapes: bool = False, cuda_graphs: bool = False,
@@ -725,37 +216,11 @@ class LlamaTarget(Target):
         self.vocab_size = lm_head.weight.shape[0]
 
         # The weights, gathered once: detached references to the model's parameters (no copies).
-        def w(module: nn.Module | None, name: str = "weight") -> Tensor | None:
-            t = getattr(module, name, None) if module is not None else None
-            return None if t is None else t.detach()
-
-        def rows(group: Sequence[nn.Module], name: str = "weight") -> tuple[Tensor, ...] | None:
-            """The group's weights (biases) as (the fused tensor,), a view of the rows the model's
-            parameters share, or the separate tensors when not fused."""
-            parts = [w(m, name) for m in group]
-            if parts[0] is None:
-                return None
-            if self.unfused_reason is None:
-                fused = stacked_rows(parts)
-                assert fused is not None, "fuse_projections left rows apart"
-                return (fused,)
-            return tuple(parts)  # type: ignore[arg-type]
-
-        self.weights = []
-        for b in blocks:
-            qkv, gate_up = _projection_groups(b)
-            self.weights.append(BlockWeights(
-                input_norm=w(b.input_layernorm), qkv=rows(qkv), qkv_bias=rows(qkv, "bias"),
-                o=w(b.self_attn.o_proj), o_bias=w(b.self_attn.o_proj, "bias"),
-                q_norm=w(getattr(b.self_attn, "q_norm", None)), k_norm=w(getattr(b.self_attn, "k_norm", None)),
-                post_norm=w(b.post_attention_layernorm),
-                gate_up=rows(gate_up), gate_up_bias=rows(gate_up, "bias"),
-                down=w(b.mlp.down_proj), down_bias=w(b.mlp.down_proj, "bias"),
-            ))  # type: ignore[arg-type]
+        self.weights = [block_weights(b, fused=self.unfused_reason is None) for b in blocks]
         self.embed_weight = base.embed_tokens.weight.detach()  # [V, H]
         self.inv_freq = base.rotary_emb.inv_freq  # [D/2] (a buffer: rope scaling already applied)
         self.norm_weight = base.norm.weight.detach()  # [H]
-        self.lm_head_weight, self.lm_head_bias = w(lm_head), w(lm_head, "bias")  # [V, H], None
+        self.lm_head_weight, self.lm_head_bias = detached(lm_head), detached(lm_head, "bias")  # [V, H], None
 
         def eps_of(norm: nn.Module) -> float:
             return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", getattr(cfg, "rms_norm_eps", 1e-6))))
@@ -831,28 +296,9 @@ class LlamaTarget(Target):
                         + ["attention-split-kv"] * (own and self._fixed.split_kv_layer is not None))
 
     def _functions(self, backend: str | None, matvec: str = "gemm", attention: str = "eager") -> _StepFunctions:
-        """The step's functions (prologue, layer, down, head) with this model's constants, ``matvec``
-        and ``attention`` bound; compiled with ``backend`` (None: eager). Compiled, every call with a
-        bucket's shapes hits the same compilation."""
-        c = self._consts
-        how: OneRow = "reduce" if matvec == "reduce-tuned" else matvec  # type: ignore[assignment]
-        block = dict(eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"], matvec=how)
-        fns = [functools.partial(_prologue, rope_scaling=c["rope_scaling"]),
-               functools.partial(_layer, **block, sdpa=attention == "sdpa"),
-               functools.partial(_down, matvec=how), functools.partial(_head, eps=c["eps"], matvec=how)]
-        whole_rows = {"gemm": 0, "reduce": 1, "triton": 1, "triton-verify": KERNEL_ROWS}[how]  # see _down
-        # split-kv: the steps of one token; with the Triton kernels for verification, those steps too
-        split_rows = 0 if attention != "split-kv" else KERNEL_ROWS if how == "triton-verify" else 1
-        if split_rows:
-            fns.append(functools.partial(_layer_split_kv, **block))
-        if backend is not None:
-            # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _down and
-            # _head: per token bucket; per model) are separate compilations of one code object
-            # (functools.partial's): 6 token buckets x 4 key buckets = 24 of _layer for C = 4096.
-            raise_recompile_limits()
-            options = {"coordinate_descent_tuning": True} if matvec == "reduce-tuned" else None
-            fns = [torch.compile(f, backend=backend, fullgraph=True, dynamic=False, options=options) for f in fns]
-        return _StepFunctions(*fns[:4], whole_rows, fns[4] if split_rows else None, split_rows)
+        """The step's functions with this model's constants, ``matvec`` and ``attention`` bound;
+        compiled with ``backend`` (None: eager): :func:`~eyas.engine.llama_steps.step_functions`."""
+        return step_functions(self._consts, backend, matvec, attention)
 
     # -- cache --------------------------------------------------------------------------------
 
@@ -913,7 +359,7 @@ class LlamaTarget(Target):
         prologue, layer, down, head, whole_output_rows, split_kv_layer, split_kv_rows = fns
         x, d, cos, sin, slots, mask = prologue(*inputs, self.embed_weight, self.inv_freq, n_keys=n_keys)
         if x.shape[0] <= whole_output_rows:
-            d = None  # every block returns its output whole (see _down): one compilation of _layer
+            d = None  # every block returns its output whole (see llama_steps._down): one compilation of _layer
         layer_takes_kv = split_kv_layer is not None and x.shape[0] <= split_kv_rows
         layer = split_kv_layer if layer_takes_kv else layer
         captured: list[Tensor | None] = [None] * self.spec.num_slots
