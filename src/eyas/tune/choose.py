@@ -18,18 +18,19 @@ from eyas.tune.acceptance import AcceptanceProfile
 from eyas.tune.cost import CostModel
 from eyas.tune.predict import Candidate, predict_candidate
 from eyas.tune.reason import explain_choice
-from eyas.tune.space import DEFAULT_TOPKS, DEFAULT_TOTALS, candidate_trees
+from eyas.tune.space import DEFAULT_DEPTHS, DEFAULT_TOPKS, DEFAULT_TOTALS, candidate_trees
 
 
 @dataclass
 class TreeChoice:
-    """The chosen tree, what the model predicts for it, every candidate (best first), the reason
-    and the two measurements it came from."""
+    """The chosen tree, what the model predicts for it, every candidate (best first), the reason,
+    the two measurements it came from and the temperature it was chosen for."""
 
     candidates: list[Candidate]  # every candidate considered, best first: the choice is candidates[0]
     reason: str
     cost: CostModel
     acceptance: AcceptanceProfile
+    temperature: float = 0.0
 
     @property
     def spec(self) -> TreeSpec:
@@ -51,6 +52,7 @@ class TreeChoice:
         """The JSON ``tree_auto`` entry."""
         cost = self.cost.to_dict()
         return {
+            "temperature": self.temperature, "tree": self.spec.label,
             "depth": self.spec.depth, "top_k": self.spec.top_k, "total_tokens": self.spec.total_tokens,
             "predicted_tau": round(self.predicted_tau, 4), "predicted_speedup": round(self.predicted_speedup, 4),
             "round_ms": round(self.round_s * 1e3, 4), "plain_ms": round(self.cost.plain_s * 1e3, 4),
@@ -65,12 +67,15 @@ class TreeChoice:
 
 def choose_tree(cost: CostModel, acceptance: AcceptanceProfile, depths: Sequence[int] | None = None,
                 topks: Sequence[int] = DEFAULT_TOPKS, totals: Sequence[int] = DEFAULT_TOTALS,
-                specs: Sequence[TreeSpec] | None = None) -> TreeChoice:
+                specs: Sequence[TreeSpec] | None = None, temperature: float | None = None) -> TreeChoice:
     """The candidate with the highest predicted speedup tau * plain_s / round_s (ties: the cheaper
     round, then the smaller tree). The candidates are ``specs`` when given, else the space of
-    depths (default 1 .. the acceptance profile's depth) x topks x totals."""
-    depths = depths or range(1, acceptance.max_depth + 1)
-    space = list(specs) if specs is not None else candidate_trees(depths, topks, totals)
+    ``depths`` (default :data:`~eyas.tune.space.DEFAULT_DEPTHS`, 1 .. 8, whatever depth the profile
+    measured: a depth past it reuses its last depth's hit rates, and the replay falls back to the
+    expectation where no round of that depth fits) x topks x totals. ``temperature``: the choice's
+    (default: the acceptance profile's)."""
+    space = list(specs) if specs is not None else candidate_trees(depths or DEFAULT_DEPTHS, topks, totals)
     cands = [predict_candidate(spec, cost, acceptance) for spec in space]
     cands.sort(key=lambda c: (-round(c.speedup, 9), c.round_s, c.spec.total_tokens, c.spec.depth, c.spec.top_k))
-    return TreeChoice(cands, explain_choice(cands[0], cands, cost, acceptance), cost, acceptance)
+    t = acceptance.temperature if temperature is None else float(temperature)
+    return TreeChoice(cands, explain_choice(cands[0], cands, cost, acceptance), cost, acceptance, t)

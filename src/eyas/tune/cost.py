@@ -11,7 +11,8 @@ The model (seconds; every table holds medians of timed repeats and is read by :f
     bookkeeping_s(T)    the acceptance walk over T verified rows (an argmax per row, one sync) +
                         compacting the target's cache to the accepted path
     parts_s(spec, tau) = draft_s(D, K) + verify_s(N + 1) + extend_s(tau) + bookkeeping_s(N + 1)
-    round_s(spec, tau) = parts_s(spec, tau) + round_overhead_s
+    round_s(spec, tau) = the round timed end to end when it was (round_s_by_tree, eyas.tune.rounds),
+                         else (parts_s(spec, tau) + round_overhead_s) * round_scale
     plain_s             one token of the engine's plain decoding loop
 
 (N = spec.total_tokens draft nodes; the root is verified too, hence N + 1.)
@@ -40,7 +41,8 @@ from eyas.engine.sampling import GREEDY, accept_greedy
 from eyas.engine.speculative import plain_generate, speculative_generate, start, step
 from eyas.engine.stats import synchronize
 from eyas.engine.target import Target
-from eyas.engine.tree import DraftState, DraftTree, TreeSpec
+from eyas.engine.draft_state import DraftState
+from eyas.engine.tree import DraftTree, TreeSpec
 from eyas.errors import EyasError
 from eyas.tune.space import DEFAULT_DEPTHS, DEFAULT_TOPKS
 
@@ -87,10 +89,13 @@ class CostModel:
     round_overhead_s    what a real round costs beyond the sum of the parts above (syncs, small host
                         copies, Python between the phases): a chain-of-1 request's rounds, per round
                         (its start not timed), minus the model's round of that chain; never negative
-    round_s_by_tree     TreeSpec -> one real round of that tree (:func:`time_rounds`): what
-                        ``--tree auto`` ranks its shortlist by. At fixed shapes (the fast target) a
-                        round costs the same whatever it accepts, so a round timed on random context
-                        is the round a request will pay
+    round_s_by_tree     TreeSpec -> one real round of that tree (:func:`eyas.tune.rounds.time_rounds`,
+                        at the temperature tuned): what ``--tree auto`` ranks its shortlist by. At
+                        fixed shapes (the fast target) a round costs the same whatever it accepts, so
+                        a round timed on random context is the round a request will pay
+    round_scale         the model's rounds scaled to the timed ones (:meth:`fit_round_scale`: the
+                        median of timed / modelled over the timed trees; 1 until rounds are timed),
+                        so that trees not timed are ranked on the timed rounds' scale
     """
 
     verify_s_by_tokens: dict[int, float]
@@ -103,6 +108,7 @@ class CostModel:
     context: int = 0  # tokens in the cache while timing
     device: str = "cpu"
     round_s_by_tree: dict[TreeSpec, float] = field(default_factory=dict)  # rounds timed end to end
+    round_scale: float = 1.0
 
     def verify_s(self, n: int) -> float:
         """One verification forward over n tokens (the root + n - 1 draft nodes)."""
@@ -129,12 +135,27 @@ class CostModel:
         n = int(spec.total_tokens) + 1
         return self.draft_s(spec.depth, spec.top_k) + self.verify_s(n) + self.extend_s(tau) + self.bookkeeping_s(n)
 
+    def model_round_s(self, spec: TreeSpec, tau: float) -> float:
+        """The model's round, before any scaling: parts_s + round_overhead_s."""
+        return self.parts_s(spec, tau) + self.round_overhead_s
+
     def round_s(self, spec: TreeSpec, tau: float) -> float:
-        """The round of ``spec`` as timed end to end (:func:`time_rounds`) when it was, else the
-        model: parts_s + round_overhead_s."""
+        """The round of ``spec`` as timed end to end (``eyas.tune.rounds.time_rounds``) when it was,
+        else the model's round times ``round_scale``."""
         if spec in self.round_s_by_tree:
             return self.round_s_by_tree[spec]
-        return self.parts_s(spec, tau) + self.round_overhead_s
+        return self.model_round_s(spec, tau) * self.round_scale
+
+    def fit_round_scale(self, taus: dict[TreeSpec, float]) -> float:
+        """round_scale = the median over the timed trees of timed round / model_round_s(spec, taus[spec])
+        (the model's parts are timed apart, each with a sync; on a GPU a real round overlaps its
+        launches with its host work, so the sum can be far from it); unchanged without a timed
+        tree. Returns the scale."""
+        ratios = [t / self.model_round_s(s, taus[s]) for s, t in self.round_s_by_tree.items()
+                  if s in taus and self.model_round_s(s, taus[s]) > 0]
+        if ratios:
+            self.round_scale = statistics.median(ratios)
+        return self.round_scale
 
     def to_dict(self) -> dict[str, Any]:
         ms = lambda t: {int(k): round(v * 1e3, 4) for k, v in sorted(t.items())}  # noqa: E731
@@ -142,7 +163,8 @@ class CostModel:
                 "draft_base_ms_by_topk": ms(self.draft_base_s), "draft_step_ms_by_topk": ms(self.draft_step_s_by_topk),
                 "extend_ms_by_tokens": ms(self.extend_s_by_tokens),
                 "bookkeeping_ms_by_tokens": ms(self.bookkeeping_s_by_tokens),
-                "round_overhead_ms": round(self.round_overhead_s * 1e3, 4), "context": self.context,
+                "round_overhead_ms": round(self.round_overhead_s * 1e3, 4), "round_scale": round(self.round_scale, 4),
+                "context": self.context,
                 "device": self.device,
                 "round_ms_by_tree": [{"depth": s.depth, "top_k": s.top_k, "total_tokens": s.total_tokens,
                                       "round_ms": round(t * 1e3, 4)} for s, t in self.round_s_by_tree.items()]}
@@ -343,36 +365,6 @@ def time_round_overhead(tc: TimingContext, drafter: Eagle3Drafter, parts: CostMo
             per_round = (time.perf_counter() - t0) / len(st.accept_lengths)
             over.append(per_round - parts.parts_s(chain, st.tau))
     return max(0.0, min(over)) if over else 0.0
-
-
-@torch.no_grad()
-def time_rounds(target: Target, drafter: Eagle3Drafter, specs: Sequence[TreeSpec], *, rounds: int = 6,
-                warmup: int = 2, context: int = 128, seed: int = 0) -> dict[TreeSpec, float]:
-    """spec -> seconds of one round of the engine (``speculative.step``: draft, verify, accept,
-    commit, with the round's one read of the device) on a random context, the mean of ``rounds``
-    rounds after ``warmup`` untimed ones (which capture any new CUDA graphs). No phase clock runs
-    (timing "off"): the round is timed as a request pays it. The target is reset at the end."""
-    ctx = max(2, min(int(context), target.max_length - (warmup + rounds + 1) * (max(s.depth for s in specs) + 1) - 2))
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, target.vocab_size, (ctx,), generator=g).tolist()
-    out: dict[TreeSpec, float] = {}
-    try:
-        for spec in specs:
-            s = start(target, prompt, drafter, tree=spec, max_new_tokens=(warmup + rounds) * (spec.depth + 1) + 1,
-                      timing="off")
-            for _ in range(warmup):
-                step(s)
-            synchronize(target.device)
-            t0, n = time.perf_counter(), 0
-            while n < rounds and not s.done:
-                step(s)
-                n += 1
-            synchronize(target.device)
-            if n:
-                out[spec] = (time.perf_counter() - t0) / n
-    finally:
-        target.reset()
-    return out
 
 
 @torch.no_grad()

@@ -9,7 +9,8 @@ and the cost model (:mod:`eyas.tune.cost`). The sentence, in order:
     [; the best chain|tree (whichever kind did not win), D',K',N', would give tau .. at .. ms per round (..x)]
     [; no candidate is predicted to beat plain decoding ...]         (when S < 1)
     [; acceptance from <the profile's source>]
-    [; acceptance was measured greedily, sampling at temperature T usually accepts less]   (sampling)
+    [; acceptance was measured greedily, sampling at temperature T usually accepts less]
+                                (sampling, with acceptance not measured at T: training metrics)
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from eyas.tune.predict import Candidate
 
 
 def tree_label(spec: TreeSpec) -> str:
-    """'DEPTH,TOPK,TOTAL', as ``--tree`` takes it."""
-    return f"{spec.depth},{spec.top_k},{spec.total_tokens}"
+    """The ``--tree`` text of ``spec`` (:attr:`TreeSpec.label`): 'DEPTH,TOPK,TOTAL', 'DEPTH' for a chain."""
+    return spec.label
 
 
 def _ms(seconds: float) -> str:
@@ -54,8 +55,9 @@ def explain_choice(best: Candidate, candidates: Sequence[Candidate], cost: CostM
     return text + f"; acceptance from {acceptance.source}" if acceptance.source else text
 
 
-def sampling_caveat(temperature: float) -> str:
-    """What to add to the line when the request samples: acceptance was measured greedily."""
-    if temperature <= 0:
+def sampling_caveat(temperature: float, acceptance: AcceptanceProfile | None = None) -> str:
+    """What to add to the line when the tree serves sampled requests but its acceptance was not
+    measured at their temperature (a profile from training metrics, or a greedy calibration)."""
+    if temperature <= 0 or (acceptance is not None and acceptance.temperature == temperature):
         return ""
     return f"; acceptance was measured greedily, sampling at temperature {temperature} usually accepts less"
