@@ -48,7 +48,12 @@ from eyas.tune import time_rounds
 # after eyas: spec_gpu puts this checkout's src first on sys.path, and eyas must stay the one on
 # PYTHONPATH (an older src, to compare versions)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_gpu import atomic_write, hf_runner, idle_text, profile_rounds  # noqa: E402  (a sibling benchmark script)
+from spec_gpu import atomic_write, idle_text, profile_rounds  # noqa: E402  (a sibling benchmark script)
+
+try:  # eyas bench's HF baseline; an older src under comparison may predate eyas.bench.hf
+    from eyas.bench.hf import hf_runner
+except ImportError:  # pragma: no cover
+    from spec_gpu import hf_runner  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFTER = REPO / "src" / "eyas" / "interop" / "embedded" / "smollm2-135m-instruct"
@@ -111,8 +116,9 @@ def load_real(path: str, draft: str, random_weights: bool):
 
 
 def hf_compiled(loaded, cache_len: int, new: int, warm: list[int]) -> tuple[Callable[[list[int]], object], float]:
-    """spec_gpu.py's hf_compiled decoder (Hugging Face generate, greedy, on a static cache with its
-    decoding step compiled), compiled now on ``warm``: (run(prompt), seconds of the three warm-up calls)."""
+    """The hf_compiled decoder of spec_gpu.py and `eyas bench` on a GPU (eyas.bench.hf: Hugging Face
+    generate, greedy, on a static cache with its decoding step compiled), compiled now on ``warm``:
+    (run(prompt), seconds of the three warm-up calls)."""
     from transformers import CompileConfig, StaticCache
 
     eos = list(loaded.eos_ids)

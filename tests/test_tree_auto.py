@@ -1,6 +1,9 @@
 """`--tree auto` (eyas.tune): the tau model against hand-computed values, the choice
-under synthetic cost models (flat verification -> a big tree, steep -> a chain), the calibration
-against the drafting engine it models, measurements that leave the target usable, and the CLI.
+under synthetic cost models (flat verification -> a big tree, steep -> a chain), the search space
+(depths 1 to 8 whatever the profile measured), the shortlist of real rounds, a plan per temperature,
+the calibration against the drafting engine it models (greedy, and sampled at a temperature: text the
+target sampled predicts the engine's sampled rounds), the shipped calibration prompts, measurements
+that leave the target usable, and the CLI.
 
 CPU, float32, tiny models (tests/support/tiny.py, tests/support/toy.py), one torch thread.
 """
@@ -16,13 +19,15 @@ from typer.testing import CliRunner
 
 from eyas.cli.main import app
 from eyas.drafter.ttt import accept_length
-from eyas.engine import HFTarget, TreeSpec, plain_generate, speculative_generate
+from eyas.engine import HFTarget, SamplingParams, TreeSpec, plain_generate, speculative_generate
 from eyas.engine.sampling import GREEDY
-from eyas.engine.tree import DraftState
+from eyas.engine.draft_state import DraftState
 from eyas.errors import EyasError
 from eyas.tune import (
-    AcceptanceProfile, CostModel, TreeAutoError, acceptance_from_metrics, candidate_trees, choose_tree, expected_tau,
-    measure_acceptance, measure_cost, predict_tau, simulate_rounds, teacher_forced_ranks, time_rounds, tune_tree,
+    CALIBRATION_POSITIONS, AcceptanceProfile, CostModel, TreeAutoError, TreePlanChoice, acceptance_from_metrics,
+    calibration_conversations, calibration_sets, candidate_trees, check_prediction, choose_tree, expected_tau,
+    measure_acceptance, measure_cost, predict_tau, shortlist, simulate_rounds, teacher_forced_ranks, time_rounds,
+    tune_tree, tune_trees,
 )
 from tests.support.tiny import SPEC4, random_prompts
 
@@ -155,7 +160,7 @@ def test_tune_tree_falls_back_to_training_metrics_and_refuses_without_acceptance
 
     cost = CostModel({1: 10e-3, 64: 10e-3}, **PARTS)
     monkeypatch.setattr(auto, "measure_cost", lambda target, drafter: cost)  # the model's numbers, not this CPU's
-    monkeypatch.setattr(auto, "time_rounds", lambda target, drafter, specs: {})  # no round timed: the model decides
+    monkeypatch.setattr(auto, "time_rounds", lambda target, drafter, specs, **kw: {})  # none timed: the model decides
     from eyas.contract import ValidationMetrics
 
     metrics = ValidationMetrics(step=9, conditional_accuracy_per_position=[0.8, 0.6])
@@ -173,28 +178,152 @@ def test_tune_tree_falls_back_to_training_metrics_and_refuses_without_acceptance
 
 @pytest.mark.unit
 def test_tune_tree_times_a_shortlist_end_to_end_and_chooses_on_those_rounds(monkeypatch):
-    """The model shortlists its best trees and chains; their rounds, timed end to end, decide:
-    here a chain's real round is 50x cheaper than the trees', so the chain wins and the choice
-    reports the timed round, not the model's."""
+    """The model shortlists the best tree of every depth, its best trees and chains; their rounds,
+    timed end to end, decide, with a second batch timed once the model is scaled to them: here a
+    chain's real round is 50x cheaper than the trees', so the chain wins and the choice reports the
+    timed round, not the model's."""
     import eyas.tune.auto as auto
     from eyas.contract import ValidationMetrics
 
     cost = CostModel({1: 10e-3, 64: 10e-3}, **PARTS)
-    timed: list[TreeSpec] = []
+    batches: list[list[TreeSpec]] = []
 
-    def fake_rounds(target, drafter, specs):
-        timed.extend(specs)
+    def fake_rounds(target, drafter, specs, **kw):
+        batches.append(list(specs))
         return {s: 1e-3 if s.top_k == 1 else 50e-3 for s in specs}
 
     monkeypatch.setattr(auto, "measure_cost", lambda target, drafter: cost)
     monkeypatch.setattr(auto, "time_rounds", fake_rounds)
     metrics = ValidationMetrics(step=9, conditional_accuracy_per_position=[0.8, 0.6, 0.5])
     choice = tune_tree(None, None, [], SimpleNamespace(metrics=metrics))
-    assert len(timed) == auto.SHORTLIST and sum(s.top_k == 1 for s in timed) == 2
-    assert {c.spec for c in choice.candidates} == set(timed)  # the choice is among the timed rounds
+    first, second = batches
+    assert len(first) == auto.SHORTLIST and sum(s.top_k == 1 for s in first) == 2
+    assert {s.depth for s in first if s.top_k > 1} == set(range(1, 9))  # every depth's best tree is timed
+    assert len(second) == auto.REFINE_TREES and not set(second) & set(first)
+    timed = set(first) | set(second)
+    assert {c.spec for c in choice.candidates} == timed  # the choice is among the timed rounds
     assert choice.spec.top_k == 1 and choice.round_s == 1e-3
     assert {"depth": choice.spec.depth, "top_k": 1, "total_tokens": choice.spec.total_tokens,
             "round_ms": 1.0} in choice.to_dict()["cost"]["round_ms_by_tree"]
+    # the model was put on the timed rounds' scale before the second batch was picked
+    assert choice.cost.round_scale != 1.0 and cost.round_s_by_tree == {}  # the shared measurement is untouched
+
+
+@pytest.mark.unit
+def test_the_space_reaches_depth_8_whatever_the_profile_measured():
+    """choose_tree searches depths 1 to 8, top-k up to 10, totals up to 63, even from a profile of
+    two depths (a depth past the profile reuses its last depth's rates)."""
+    cost = CostModel({1: 10e-3, 64: 10e-3}, **PARTS)
+    choice = choose_tree(cost, AcceptanceProfile([[0.9, 0.95, 0.97], [0.9, 0.95, 0.97]]))
+    specs = {c.spec for c in choice.candidates}
+    assert {s.depth for s in specs} == set(range(1, 9))
+    assert max(s.top_k for s in specs) == 10 and max(s.total_tokens for s in specs) == 63
+    assert TreeSpec(8, 10, 63) in specs and TreeSpec.chain(8) in specs
+    assert choice.spec.depth == 8  # flat verification and a good drafter: the deepest tree
+
+
+@pytest.mark.unit
+def test_shortlist_takes_every_depths_best_tree_then_the_best_overall():
+    cost = CostModel({1: 10e-3, 16: 10.5e-3, 32: 12e-3, 64: 18e-3}, **PARTS)
+    ranked = choose_tree(cost, SYNTHETIC).candidates
+    specs = shortlist(ranked, trees=10, chains=2)
+    trees = [s for s in specs if s.top_k > 1]
+    assert len(trees) == 10 and len(specs) == 12 and len(set(specs)) == 12
+    assert {s.depth for s in trees} == set(range(1, 9))
+    assert ranked[0].spec in specs  # the model's best is always timed
+    assert [s for s in specs if s.top_k == 1] == [c.spec for c in ranked if c.spec.top_k == 1][:2]
+    assert specs == sorted(specs, key=[c.spec for c in ranked].index)  # in rank order
+
+
+@pytest.mark.unit
+def test_round_scale_puts_the_model_on_the_timed_rounds_scale():
+    cost = CostModel({1: 1e-3, 64: 1e-3}, plain_s=1e-3)
+    a, b, c = TreeSpec.chain(1), TreeSpec(2, 2, 4), TreeSpec(3, 2, 6)
+    assert cost.round_s(c, 2.0) == pytest.approx(cost.model_round_s(c, 2.0))
+    cost.round_s_by_tree = {a: 0.5 * cost.model_round_s(a, 1.5), b: 0.7 * cost.model_round_s(b, 2.0)}
+    assert cost.fit_round_scale({a: 1.5, b: 2.0}) == pytest.approx(0.6)
+    assert cost.round_s(c, 2.0) == pytest.approx(0.6 * cost.model_round_s(c, 2.0))  # not timed: scaled
+    assert cost.round_s(a, 1.5) == cost.round_s_by_tree[a]  # timed: as timed
+    assert cost.to_dict()["round_scale"] == 0.6
+
+
+@pytest.mark.unit
+def test_tune_trees_chooses_per_temperature_on_one_hardware_measurement(monkeypatch):
+    """One call tunes every temperature: the parts are measured once, each temperature is calibrated
+    at its own temperature and its rounds timed at it, and the plan holds the greedy tree and the
+    sampled one."""
+    import eyas.tune.auto as auto
+
+    cost = CostModel({1: 10e-3, 16: 10.5e-3, 32: 12e-3, 64: 18e-3}, **PARTS)
+    measured, calibrated, timed_at = [], [], []
+    monkeypatch.setattr(auto, "measure_cost", lambda target, drafter: measured.append(1) or cost)
+
+    def fake_acceptance(target, drafter, prompts, *, temperature, **kw):
+        calibrated.append((temperature, kw["positions"]))
+        # sampling accepts less: a shallower profile
+        good = 0.3 if temperature == 0 else 0.6
+        return AcceptanceProfile([[1 - good * 0.7 ** (k - 1) for k in range(1, 11)] for _ in range(8)],
+                                 f"at {temperature}", [100] * 8, temperature=temperature)
+
+    def fake_rounds(target, drafter, specs, *, sampling, **kw):
+        timed_at.append(sampling.temperature)
+        return {s: cost.model_round_s(s, 2.0) for s in specs}
+
+    monkeypatch.setattr(auto, "measure_acceptance", fake_acceptance)
+    monkeypatch.setattr(auto, "time_rounds", fake_rounds)
+    plan = tune_trees(None, None, [[1, 2, 3]], None, temperatures=(0.0, 1.0))
+    assert isinstance(plan, TreePlanChoice) and measured == [1]
+    assert calibrated == [(0.0, CALIBRATION_POSITIONS), (1.0, CALIBRATION_POSITIONS)]
+    assert set(timed_at) == {0.0, 1.0}
+    greedy, sampled = plan.choices
+    assert (greedy.temperature, sampled.temperature) == (0.0, 1.0) == tuple(plan.temperatures)
+    assert plan.plan.greedy == greedy.spec and plan.plan.sampled == sampled.spec
+    assert sampled.predicted_tau < greedy.predicted_tau
+    assert plan.for_temperature(0.8) is sampled and plan.for_temperature(0) is greedy
+    assert "sampling at temperature" not in sampled.reason  # measured at its temperature: no caveat
+    d = plan.to_dict()
+    assert d["plan"] == plan.plan.to_dict() and [c["temperature"] for c in d["choices"]] == [0.0, 1.0]
+    check = check_prediction(sampled, measured_tau=sampled.predicted_tau / 1.05, measured_round_ms=None,
+                             measured_speedup=None)
+    assert check.tau_error == pytest.approx(0.05, abs=1e-4) and check.round_error is None
+    assert check.to_dict()["tree"] == sampled.spec.label
+
+
+@pytest.mark.unit
+def test_plan_of_several_sampled_temperatures_takes_their_best_shared_tree():
+    cost = CostModel({1: 10e-3, 16: 10.5e-3, 32: 12e-3, 64: 18e-3}, **PARTS)
+    specs = [TreeSpec.chain(2), TreeSpec(3, 4, 12), TreeSpec(6, 8, 48)]
+    prof = lambda good, t: AcceptanceProfile([[1 - good * 0.7 ** (k - 1) for k in range(1, 11)]] * 8,  # noqa: E731
+                                             temperature=t)
+    choices = [choose_tree(cost, prof(g, t), specs=specs) for g, t in ((0.5, 0.7), (0.9, 1.0))]
+    plan = TreePlanChoice(choices, cost).plan
+    mean = {s: sum({c.spec: c.speedup for c in ch.candidates}[s] for ch in choices) / 2 for s in specs}
+    assert plan.sampled == max(specs, key=mean.get) and plan.greedy == plan.sampled  # no greedy tuned
+    with pytest.raises(ValueError, match="at least one temperature"):
+        TreePlanChoice([], cost)
+
+
+@pytest.mark.unit
+def test_shipped_calibration_prompts_come_from_five_training_sets_and_no_evaluation_set():
+    import re
+
+    from eyas.bench import NAMED_SETS
+    from eyas.bench.prompts import set_path
+    from eyas.data.conversations import read_conversations
+
+    convs = calibration_conversations()
+    sets = calibration_sets(convs)
+    assert len(convs) == 50 and len(sets) == 5 and "gsm8k_train" in sets
+    assert calibration_sets(calibration_conversations(limit=5)) == sets  # interleaved: any 5 cover every set
+    assert all(len(c.messages) == 1 and c.messages[0]["role"] == "user" for c in convs)
+
+    def runs(text: str, n: int = 8) -> set[tuple[str, ...]]:
+        w = re.findall(r"\w+", text.lower())
+        return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
+
+    evaluation = set().union(*(runs(m["content"]) for name in NAMED_SETS
+                               for c in read_conversations(set_path(name)).conversations for m in c.messages))
+    assert not any(runs(c.messages[0]["content"]) & evaluation for c in convs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,6 +395,51 @@ def test_calibration_replay_is_the_engines_chain_and_predicts_trees(llama, train
 
 
 @pytest.mark.integration
+def test_sampled_calibration_samples_reproducibly_and_stops_at_its_positions(llama, trained_drafter):
+    """At a temperature the calibration text is the target's own sample (not its greedy text), the
+    same for the same seed; ``positions`` stops it after the prompt that reaches them."""
+    target = HFTarget(llama, SPEC4)
+    prompts = random_prompts(6, 128, seed=8, lengths=(4, 8))
+    kw = dict(max_depth=3, max_topk=3, new_tokens=24)
+    greedy = measure_acceptance(target, trained_drafter, prompts, **kw)
+    hot = measure_acceptance(target, trained_drafter, prompts, temperature=1.0, seed=3, **kw)
+    again = measure_acceptance(target, trained_drafter, prompts, temperature=1.0, seed=3, **kw)
+    other = measure_acceptance(target, trained_drafter, prompts, temperature=1.0, seed=4, **kw)
+    assert hot.sequences == again.sequences and hot.hit == again.hit  # reproducible from the seed
+    assert hot.sequences != other.sequences and hot.sequences != greedy.sequences
+    assert hot.temperature == 1.0 and hot.source.startswith("sampled (temperature 1) calibration on 6 prompt(s)")
+    assert greedy.source.startswith("greedy calibration") and greedy.to_dict()["temperature"] == 0.0
+    assert hot.hit[0][0] < greedy.hit[0][0]  # the drafter learned greedy text: samples hit its top-1 less
+    part = measure_acceptance(target, trained_drafter, prompts, positions=30, **kw)
+    assert part.positions >= 30 and len(part.sequences) < len(prompts)
+    assert part.sequences == greedy.sequences[: len(part.sequences)]
+    assert target.cache_len == 0
+
+
+@pytest.mark.integration
+def test_sampled_replay_predicts_the_engines_sampled_rounds(llama, trained_drafter):
+    """A sampled request drafts the greedy tree and accepts a path exactly when the target's own sample
+    follows it, so the replay over text the target sampled at T predicts the engine's top-k sampled
+    rounds at T (different draws: a statistical match, over enough prompts), trees and chains."""
+    target = HFTarget(llama, SPEC4)
+    prompts = random_prompts(16, 128, seed=5, lengths=(4, 10))
+    T = 0.7
+    acc = measure_acceptance(target, trained_drafter, prompts, max_depth=4, max_topk=4, new_tokens=48, temperature=T,
+                             seed=100)
+    for spec in (TreeSpec.chain(2), TreeSpec(3, 4, 12)):
+        rounds = tokens = 0
+        for i, p in enumerate(prompts):
+            g = torch.Generator().manual_seed(1000 + i)
+            st = speculative_generate(target, trained_drafter, p, tree=spec, sampling=SamplingParams(T),
+                                      max_new_tokens=48, generator=g).stats
+            rounds, tokens = rounds + len(st.accept_lengths), tokens + sum(st.accept_lengths)
+        assert predict_tau(acc, spec) == pytest.approx(tokens / rounds, abs=0.06), spec
+    # the same replay on greedy text over-predicts these sampled rounds
+    greedy = measure_acceptance(target, trained_drafter, prompts, max_depth=4, max_topk=4, new_tokens=48)
+    assert predict_tau(greedy, TreeSpec(3, 4, 12)) > predict_tau(acc, TreeSpec(3, 4, 12)) + 0.2
+
+
+@pytest.mark.integration
 def test_measurement_leaves_the_target_usable(llama, trained_drafter):
     target = HFTarget(llama, SPEC4)
     prompt = random_prompts(1, 128, seed=9, lengths=(8, 8))[0]
@@ -300,21 +474,58 @@ def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy_drafter, tmp
     target, draft = toy_drafter
     r = runner.invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--prompts", "gsm8k",
                             "--limit", "2", "--max-new-tokens", "8", "--tree", "auto", "--device", "cpu",
-                            "--png", str(tmp_path / "b.png"), "--json"])
+                            "--calibration-positions", "40", "--png", str(tmp_path / "b.png"), "--json"])
     assert r.exit_code == 0, (r.output, r.exception)
     report = json.loads(r.stdout)  # the candidates table and the reason went to stderr
     auto = report["tree_auto"]
     assert report["tree"] == [auto["depth"], auto["top_k"], auto["total_tokens"]]
-    assert auto["reason"].startswith(f"chose {auto['depth']},{auto['top_k']},{auto['total_tokens']} because")
+    assert auto["reason"].startswith(f"chose {auto['tree']} because")
     assert auto["predicted_tau"] >= 1 and auto["predicted_speedup"] > 0
     assert set(auto["verify_ms_by_tokens"]) == {"1", "2", "4", "8", "16", "32", "64"}
-    assert auto["acceptance"]["source"].startswith("greedy calibration on 2 prompt(s)")
+    assert auto["acceptance"]["source"].startswith("greedy calibration on ")  # the shipped prompts
+    assert auto["acceptance"]["positions"] >= 40 and auto["temperature"] == 0.0
     assert auto["candidates"][0]["depth"] == auto["depth"]
-    assert len(auto["cost"]["round_ms_by_tree"]) == 8  # the shortlist, timed end to end
+    assert len(auto["cost"]["round_ms_by_tree"]) == 14 + 4  # the shortlist, then the second batch, timed end to end
     assert auto["measured_round_ms"] == pytest.approx(report["sets"][0]["round_ms"], rel=1e-3)
     assert auto["round_prediction_error"] == pytest.approx(auto["round_ms"] / auto["measured_round_ms"] - 1, abs=1e-3)
+    assert auto["measured_tau"] == report["sets"][0]["tau"]
+    assert auto["tau_error"] == pytest.approx(auto["predicted_tau"] / auto["measured_tau"] - 1, abs=1e-3)
+    assert auto["measured_speedup"] == report["sets"][0]["speedup_vs_plain"]
     assert report["sets"][0]["identical_to_plain"] is True
     assert "chose" in r.stderr and "--tree auto" in r.stderr
+
+
+@pytest.mark.integration
+def test_bench_tree_auto_at_two_temperatures_against_fixed_trees(toy_drafter, tmp_path):
+    """The command a GPU run measures the bars with, on the toy: --tree auto tuned at each
+    temperature, fixed trees on the same prompts, each temperature reported on its own with the
+    prediction against the measurement and auto against the best fixed tree."""
+    target, draft = toy_drafter
+    r = runner.invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--prompts", "gsm8k",
+                            "--prompts", "mt_bench", "--limit", "1", "--max-new-tokens", "8", "--temperatures", "0,1",
+                            "--tree", "auto", "--tree", "3,2,5", "--tree", "2", "--calibration-positions", "24",
+                            "--device", "cpu", "--no-hf", "--png", str(tmp_path / "b.png"), "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    report = json.loads(r.stdout)
+    assert [t["temperature"] for t in report["temperatures"]] == [0.0, 1.0]
+    assert report["tree_plan"]["greedy"] == report["temperatures"][0]["tree"]
+    assert report["tree_plan"]["sampled"] == report["temperatures"][1]["tree"]
+    for sec in report["temperatures"]:
+        auto = sec["tree_auto"]
+        assert auto["temperature"] == sec["temperature"] and auto["tree"] == sec["tree_label"]
+        how = "greedy" if sec["temperature"] == 0 else "sampled (temperature 1)"
+        assert auto["acceptance"]["source"].startswith(f"{how} calibration on ")
+        assert auto["measured_tau"] == sec["overall"]["tau"] and "tau_error" in auto
+        runs = {t["tree"]: t for t in sec["trees"]}
+        assert {"3,2,5", "2"} <= set(runs) and sec["trees"][0]["auto"]
+        assert all([s["set"] for s in t["sets"]] == ["gsm8k", "mt_bench"] for t in sec["trees"])
+        c = sec["comparison"]
+        best = max(c["fixed"], key=lambda f: f["tokens_per_s"])
+        assert c["best_fixed"] == best["tree"] and c["auto"] == auto["tree"]
+        assert c["auto_vs_best_fixed"] == pytest.approx(c["auto_tokens_per_s"] / best["tokens_per_s"], abs=1e-3)
+        assert isinstance(c["auto_within_3pct_of_best_fixed"], bool) and isinstance(c["tau_within_10pct"], bool)
+        ident = sec["sets"][0]["identical_to_plain"]
+        assert ident is (True if sec["temperature"] == 0 else None)
 
 
 @pytest.mark.integration
@@ -323,15 +534,29 @@ def test_bad_tree_text_is_a_clean_cli_error(toy_drafter):
     r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",
                             "--max-new-tokens", "2", "--tree", "6,4", "--device", "cpu"])
     assert r.exit_code == 2 and "--tree: expected DEPTH,TOPK,TOTAL" in r.stderr and "'6,4'" in r.stderr
+    for args, message in (
+            (["--tree-sampled", "6,x"], "--tree-sampled: expected DEPTH,TOPK,TOTAL like '6,10,60', DEPTH for a chain, "
+                                        "or auto; found '6,x'"),
+            (["--tree-sampled", "0"], "--tree-sampled: expected DEPTH,TOPK,TOTAL"),
+            (["--sampled-drafts", "beam"], "--sampled-drafts: expected one of top-k, gumbel, found 'beam'")):
+        r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",
+                                "--max-new-tokens", "2", "--device", "cpu", *args])
+        assert r.exit_code == 2 and message in " ".join(r.stderr.split()), (args, r.stderr)
 
 
 @pytest.mark.integration
 def test_generate_tree_auto(toy_drafter):
     target, draft = toy_drafter
     r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",
-                            "--max-new-tokens", "6", "--tree", "auto", "--device", "cpu", "--json"])
+                            "--max-new-tokens", "6", "--tree", "3,2,5", "--tree-sampled", "auto", "--temperature",
+                            "0.8", "--calibration-positions", "16", "--device", "cpu", "--json"])
     assert r.exit_code == 0, (r.output, r.exception)
     out = json.loads(r.stdout)
-    auto = out["tree_auto"]
-    assert out["tree"] == [auto["depth"], auto["top_k"], auto["total_tokens"]]
-    assert "calibration on 1 prompt(s)" in auto["acceptance"]["source"]
+    auto = out["tree_auto"]  # a sampled request: its tree tuned at its temperature
+    assert out["tree"] == [auto["depth"], auto["top_k"], auto["total_tokens"]] and auto["temperature"] == 0.8
+    assert auto["acceptance"]["source"].startswith("sampled (temperature 0.8) calibration on 1 prompt(s)")
+    r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",
+                            "--max-new-tokens", "6", "--tree", "3,2,5", "--tree-sampled", "auto", "--device", "cpu",
+                            "--json"])
+    out = json.loads(r.stdout)  # a greedy request: --tree, nothing tuned
+    assert r.exit_code == 0 and out["tree"] == [3, 2, 5] and "tree_auto" not in out

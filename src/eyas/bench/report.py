@@ -11,9 +11,9 @@ if TYPE_CHECKING:
     from eyas.tune import TreeChoice
 
 
-def bench_table(summaries: Sequence[dict[str, Any]]) -> Table:
+def bench_table(summaries: Sequence[dict[str, Any]], title: str = "") -> Table:
     """tokens/s is the mean of per-prompt rates (as in the EAGLE papers); the JSON has totals too."""
-    t = Table(title="eyas bench: tokens/s (mean of per-prompt rates)")
+    t = Table(title=f"eyas bench{': ' + title if title else ''}: tokens/s (mean of per-prompt rates)")
     for col in ("set", "n", "tau", "spec", "plain", "hf", "x plain", "x hf", "same as plain"):
         t.add_column(col)
     for s in summaries:
@@ -82,3 +82,40 @@ def auto_tree_table(choice: TreeChoice, top: int = 8) -> Table:
         t.add_row(tree_label(c.spec), f"{c.tau:.2f}", f"{c.draft_s * 1e3:.2f}",
                   f"{c.verify_s * 1e3:.2f}", f"{c.round_s * 1e3:.2f}", f"{c.speedup:.2f}x", style=style)
     return t
+
+
+def trees_table(temperature: dict[str, Any]) -> Table:
+    """Every tree run at one temperature (a :meth:`eyas.bench.sweep.TemperatureRun.to_dict`), all sets
+    pooled: tau, tokens/s, the speedups; the tree ``--tree auto`` chose is marked, with its prediction."""
+    auto = temperature.get("tree_auto")
+    t = Table(title=f"temperature {temperature['temperature']:g}: every tree, all sets pooled")
+    for col in ("tree", "asked as", "tau", "spec tok/s", "x plain", "x hf", "pred. tau", "pred. x plain"):
+        t.add_column(col, justify="right")
+    for run in temperature["trees"]:
+        o = run["overall"]
+        mine = auto is not None and run["auto"]
+        t.add_row(run["tree"], " ".join(run["asked_as"]), f"{o['tau']:.2f}", f"{o['tokens_per_s']['speculative']:.1f}",
+                  *("-" if x is None else f"{x:.2f}" for x in (o["speedup_vs_plain"], o["speedup_vs_hf"])),
+                  f"{auto['predicted_tau']:.2f}" if mine else "", f"{auto['predicted_speedup']:.2f}" if mine else "",
+                  style="bold green" if mine else None)
+    return t
+
+
+def prediction_line(temperature: dict[str, Any]) -> str:
+    """``--tree auto``'s prediction against the measurement at one temperature, and the comparison
+    with the best fixed tree when there was one."""
+    a = temperature.get("tree_auto")
+    if a is None:
+        return ""
+    pct = lambda x: "-" if x is None else f"{100 * x:+.1f}%"  # noqa: E731
+    text = (f"temperature {temperature['temperature']:g}: --tree auto chose {a['tree']}: tau predicted "
+            f"{a['predicted_tau']:.2f}, measured {a['measured_tau']:.2f} ({pct(a['tau_error'])}); round predicted "
+            f"{a['predicted_round_ms']:.2f} ms, measured "
+            + ("-" if a["measured_round_ms"] is None else f"{a['measured_round_ms']:.2f} ms")
+            + f" ({pct(a['round_prediction_error'])}); speedup over plain predicted {a['predicted_speedup']:.2f}x, "
+            f"measured " + ("-" if a["measured_speedup"] is None else f"{a['measured_speedup']:.2f}x"))
+    c = temperature.get("comparison")
+    if c is not None and c["auto_vs_best_fixed"] is not None:
+        text += (f"; auto at {c['auto_vs_best_fixed']:.3f}x the best fixed tree ({c['best_fixed']}, "
+                 f"{c['best_fixed_tokens_per_s']:.1f} tok/s)")
+    return text

@@ -1,16 +1,19 @@
 """`eyas bench`: speculative, plain and Hugging Face `generate` on the same prompts, in one process.
 
-Per prompt the three methods run back to back (so machine noise hits them alike); per set we report
-the accept length tau, tokens/s as the EAGLE papers do (the mean of per-prompt tokens/s) and as
-total tokens over total time, the speedups, the acceptance per draft position, and, for greedy
-decoding, whether every speculative output equals the plain one token for token.
+Per prompt the methods run back to back (so machine noise hits them alike): speculative decoding
+with each tree benchmarked, then eyas plain decoding, then the HF baseline (:mod:`eyas.bench.hf`);
+every method of a prompt is seeded alike. Per set and tree we report the accept length tau, tokens/s
+as the EAGLE papers do (the mean of per-prompt tokens/s) and as total tokens over total time, the
+speedups over plain and HF (each tree against the same plain and HF runs), the acceptance per draft
+position, and, for greedy decoding, whether every speculative output equals the plain one token for
+token. :func:`merge` pools a tree's sets into one ``overall`` result.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from tqdm import tqdm
@@ -21,6 +24,9 @@ from eyas.drafter.model import Eagle3Drafter
 from eyas.targets import LoadedTarget
 from eyas.engine import GenerationStats, SamplingParams, Target, TreeSpec, plain_generate, speculative_generate
 from eyas.engine.stats import synchronize
+
+if TYPE_CHECKING:
+    from eyas.bench.hf import HFGenerate
 
 METHODS = ("speculative", "plain", "hf")
 
@@ -47,10 +53,15 @@ class MethodRuns:
 
 @dataclass
 class SetResult:
+    """One prompt set with one tree: its speculative runs and stats, and the plain and HF runs it is
+    compared with (shared, as objects, by the trees benchmarked on the same prompts)."""
+
     name: str
     greedy: bool
     runs: dict[str, MethodRuns] = field(default_factory=lambda: {m: MethodRuns() for m in METHODS})
     stats: list[GenerationStats] = field(default_factory=list)  # speculative, per prompt
+    tree: TreeSpec | None = None
+    temperature: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         # tau: tokens per drafting-verification round (accepted drafts + the bonus), as in the EAGLE
@@ -64,6 +75,8 @@ class SetResult:
         spec, plain, hf = (self.runs[m] for m in METHODS)
         return {
             "set": self.name,
+            "tree": self.tree.label if self.tree is not None else None,
+            "temperature": self.temperature,
             "prompts": len(self.stats),
             "new_tokens": new,
             "rounds": len(per_round),  # speculative rounds after the prefill
@@ -84,6 +97,21 @@ class SetResult:
             "identical_to_hf": (all(a == b for a, b in zip(spec.outputs, hf.outputs))
                                 if self.greedy and hf.outputs else None),  # None: greedy off, or HF not run
         }
+
+
+def merge(results: Sequence[SetResult], name: str = "overall") -> SetResult:
+    """The results of several sets (one tree, one temperature) pooled as one set: every prompt's
+    runs and stats, in order."""
+    out = SetResult(name, all(r.greedy for r in results), tree=results[0].tree if results else None,
+                    temperature=results[0].temperature if results else 0.0)
+    for r in results:
+        for m in METHODS:
+            runs = out.runs[m]
+            runs.new_tokens += r.runs[m].new_tokens
+            runs.seconds += r.runs[m].seconds
+            runs.outputs += r.runs[m].outputs
+        out.stats += r.stats
+    return out
 
 
 def sum_lists(lists: Sequence[list[int]]) -> list[int]:
@@ -107,21 +135,53 @@ def _histogram(values: list[int]) -> dict[int, int]:
     return dict(sorted(h.items()))
 
 
-@torch.no_grad()
-def hf_generate(model: Any, ids: torch.Tensor, sampling: SamplingParams, max_new_tokens: int,
-                eos_token_ids: list[int], pad_token_id: int | None) -> list[int]:
-    """Hugging Face `generate` with every setting explicit (the model's generation_config could
-    otherwise add top-k or a repetition penalty); returns the new tokens, EOS included."""
-    kw: dict[str, Any] = dict(do_sample=False) if sampling.greedy else dict(
-        do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         eos_token_id=eos_token_ids or None, pad_token_id=pad_token_id,
-                         repetition_penalty=1.0, **kw)
-    new = out[0, ids.shape[1]:].tolist()
-    for i, t in enumerate(new):  # generate pads after EOS in batches; keep up to the first EOS
-        if t in eos_token_ids:
-            return new[: i + 1]
-    return new
+def bench_trees(
+    name: str,
+    prompts: Sequence[Conversation],
+    loaded: LoadedTarget,
+    target: Target,
+    drafter: Eagle3Drafter,
+    trees: Sequence[TreeSpec],
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    seed: int = 0,
+    progress: bool = True,
+    hf: HFGenerate | None = None,
+    sampled_drafts: str = "top-k",
+) -> list[SetResult]:
+    """Each prompt of the set through speculative decoding with each tree of ``trees`` (``drafter``
+    on ``target``, the engine view of ``loaded``; ``sampled_drafts``: how a sampled request drafts),
+    then plain decoding, then ``hf`` (None: not run; its figures are then absent: 0 tokens/s,
+    speedups and identity None), back to back, each seeded ``seed + i`` for prompt i; all stop at the
+    target's eos ids. One result per tree, in order; they share the plain and HF runs."""
+    tokenizer = loaded.tokenizer
+    eos = list(loaded.eos_ids)
+    shared = {"plain": MethodRuns(), "hf": MethodRuns()}
+    results = [SetResult(name, sampling.greedy, runs={"speculative": MethodRuns(), **shared}, tree=t,
+                         temperature=sampling.temperature) for t in trees]
+    for i, conv in enumerate(tqdm(prompts, desc=f"bench {name}", disable=not progress, dynamic_ncols=True)):
+        ids = render_prompt(conv, tokenizer).to(target.device)[None]  # [1, n]
+        for tree, result in zip(trees, results):
+            g = torch.Generator(device=target.device).manual_seed(seed + i)
+            t0 = time.perf_counter()
+            r = speculative_generate(target, drafter, ids, tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
+                                     eos_token_ids=eos, generator=g, sampled_drafts=sampled_drafts)
+            synchronize(target.device)
+            result.runs["speculative"].add(r.tokens, time.perf_counter() - t0)
+            result.stats.append(r.stats)
+        g = torch.Generator(device=target.device).manual_seed(seed + i)
+        t0 = time.perf_counter()
+        p = plain_generate(target, ids, sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+                           generator=g)
+        synchronize(target.device)
+        shared["plain"].add(p.tokens, time.perf_counter() - t0)
+        if hf is None:
+            continue
+        t0 = time.perf_counter()
+        h = hf(ids, sampling, seed + i)
+        synchronize(target.device)
+        shared["hf"].add(h, time.perf_counter() - t0)
+    return results
 
 
 def bench_set(
@@ -136,32 +196,13 @@ def bench_set(
     seed: int = 0,
     progress: bool = True,
     compare_hf: bool = True,
+    hf: HFGenerate | None = None,
 ) -> SetResult:
-    """Each prompt of the set through speculative decoding (``drafter`` on ``target``, the engine
-    view of ``loaded``), plain decoding and HF ``generate`` of ``loaded.model``, back to back, each
-    method seeded alike per prompt; all stop at the target's eos ids. ``compare_hf=False`` leaves HF
-    ``generate`` out (its figures are then absent: 0 tokens/s, speedups and identity None)."""
-    model, tokenizer = loaded.model, loaded.tokenizer
-    eos = list(loaded.eos_ids)
-    result = SetResult(name, sampling.greedy)
-    for i, conv in enumerate(tqdm(prompts, desc=f"bench {name}", disable=not progress, dynamic_ncols=True)):
-        ids = render_prompt(conv, tokenizer).to(target.device)[None]  # [1, n]
-        g = torch.Generator(device=target.device).manual_seed(seed + i)
-        t0 = time.perf_counter()
-        r = speculative_generate(target, drafter, ids, tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
-                                 eos_token_ids=eos, generator=g)
-        synchronize(target.device)
-        result.runs["speculative"].add(r.tokens, time.perf_counter() - t0)
-        result.stats.append(r.stats)
-        g = torch.Generator(device=target.device).manual_seed(seed + i)
-        t0 = time.perf_counter()
-        p = plain_generate(target, ids, sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos, generator=g)
-        synchronize(target.device)
-        result.runs["plain"].add(p.tokens, time.perf_counter() - t0)
-        if not compare_hf:
-            continue
-        t0 = time.perf_counter()
-        h = hf_generate(model, ids, sampling, max_new_tokens, eos, tokenizer.pad_token_id)
-        synchronize(target.device)
-        result.runs["hf"].add(h, time.perf_counter() - t0)
-    return result
+    """:func:`bench_trees` with one tree; ``compare_hf`` without ``hf``: eager HF ``generate``
+    (``compare_hf=False`` leaves HF out)."""
+    if hf is None and compare_hf:
+        from eyas.bench.hf import hf_baseline
+
+        hf = hf_baseline(loaded.model, loaded.eos_ids, loaded.tokenizer.pad_token_id, max_new_tokens, mode="eager")
+    return bench_trees(name, prompts, loaded, target, drafter, [tree], sampling, max_new_tokens, seed, progress,
+                       hf if compare_hf else None)[0]

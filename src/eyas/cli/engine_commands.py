@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 from eyas.cli.common import (ATTENTION_HELP, DRAFT_DTYPE_HELP, DRAFT_HELP, MATVEC_HELP, TARGET_HELP, TARGET_IMPL_HELP,
-                             console, err)
+                             console, err, fail)
 from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
 
@@ -19,8 +19,59 @@ if TYPE_CHECKING:
     from eyas.targets import LoadedTarget
 
 TREE_HELP = ("DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24), DEPTH for a chain, or 'auto': time the "
-             "target's verification and the drafter on this hardware, measure the drafter's acceptance on a "
-             "short greedy calibration, and use the tree with the best predicted speedup")
+             "target's verification and the drafter's rounds on this hardware, calibrate the drafter's acceptance "
+             "on text the target decodes at the temperature served (prompts shipped with eyas, from training sets), "
+             "and use the tree with the best predicted speedup")
+TREE_SAMPLED_HELP = ("the tree of sampled requests (temperature > 0), as --tree (auto: tuned at the temperature "
+                     "served); default: the same as --tree")
+SAMPLED_DRAFTS_HELP = ("how a sampled request drafts: top-k (the greedy tree, verified by EAGLE's rule for top-k "
+                       "drafts; the default) | gumbel (children drawn without replacement, recursive rejection "
+                       "sampling)")
+CALIBRATION_HELP = "--tree auto: round positions its calibration measures at each temperature"
+
+
+def parse_tree(option: str, text: str) -> Any:
+    """``auto`` (the string) or a TreeSpec; anything else fails naming the option, what it expects
+    and what it found."""
+    from eyas.engine import TreeSpec
+    from eyas.errors import EyasError
+
+    if is_auto(text):
+        return "auto"
+    try:
+        return TreeSpec.parse(text)
+    except EyasError as e:
+        detail = "" if "expected DEPTH,TOPK,TOTAL" in str(e) else f" ({e})"
+        fail(f"{option}: expected DEPTH,TOPK,TOTAL like '6,10,60', DEPTH for a chain, or auto; found {text!r}{detail}")
+
+
+def parse_temperatures(temperature: float | None, temperatures: str | None) -> list[float]:
+    """``--temperature`` or ``--temperatures 0,1`` (not both) -> the temperatures to run, in order,
+    once each; default [0.0]."""
+    if temperature is not None and temperatures is not None:
+        fail(f"--temperature {temperature:g} and --temperatures {temperatures}: expected one of the two, found both")
+    if temperatures is None:
+        out = [0.0 if temperature is None else float(temperature)]
+    else:
+        try:
+            out = [float(x) for x in temperatures.split(",") if x.strip()]
+        except ValueError:
+            out = []
+        if not out:
+            fail(f"--temperatures: expected comma-separated numbers such as 0,1, found {temperatures!r}")
+    bad = [t for t in out if not t >= 0]
+    if bad:
+        name = "--temperatures" if temperatures is not None else "--temperature"
+        fail(f"{name}: expected temperatures >= 0, found {', '.join(f'{t:g}' for t in bad)}")
+    return list(dict.fromkeys(out))
+
+
+def check_sampled_drafts(value: str) -> str:
+    from eyas.engine.sampling import SAMPLED_DRAFTS
+
+    if value not in SAMPLED_DRAFTS:
+        fail(f"--sampled-drafts: expected one of {', '.join(SAMPLED_DRAFTS)}, found {value!r}")
+    return value
 
 
 def load_for_serving(target: str, draft: Path, device: str, force: bool, target_impl: str = "auto",
@@ -54,20 +105,26 @@ def is_auto(tree: str) -> bool:
     return tree.strip().lower() == "auto"
 
 
-def auto_tree(tgt: Any, drafter: Any, calibration: list[Any], contract: Any, eos: list[int], temperature: float,
-              out: Any) -> Any:
-    """`--tree auto`: :func:`eyas.tune.tune_tree` (measure, calibrate on ``calibration``, choose),
-    then print the candidates and the reason on ``out``; returns the TreeChoice."""
+def auto_trees(tgt: Any, drafter: Any, loaded: Any, contract: Any, temperatures: list[float], positions: int,
+               out: Any, progress: bool) -> Any:
+    """`--tree auto` at ``temperatures``: :func:`eyas.tune.tune_trees` (the hardware measured once, the
+    shipped calibration prompts decoded at each temperature until ``positions`` positions, a choice
+    per temperature), then each temperature's candidates and reason printed on ``out``; returns the
+    TreePlanChoice."""
     from eyas.bench.report import auto_tree_table
-    from eyas.tune import tune_tree
+    from eyas.tune import calibration_prompts, tune_trees
 
     t0 = time.perf_counter()
-    out.print("[dim]--tree auto: timing target verification and drafting on this hardware...[/]")
-    choice = _run(tune_tree, tgt, drafter, calibration, contract, eos_token_ids=eos, temperature=temperature)
-    out.print(auto_tree_table(choice))
-    out.print(choice.reason, highlight=False)
+    temps = ", ".join(f"{t:g}" for t in temperatures)
+    out.print(f"[dim]--tree auto: timing target verification and drafting on this hardware; calibrating at "
+              f"temperature {temps} on up to {positions} positions...[/]")
+    plan = _run(tune_trees, tgt, drafter, calibration_prompts(loaded.tokenizer), contract, temperatures=temperatures,
+                eos_token_ids=list(loaded.eos_ids), positions=positions, progress=progress)
+    for choice in plan.choices:
+        out.print(auto_tree_table(choice))
+        out.print(f"temperature {choice.temperature:g}: {choice.reason}", highlight=False)
     out.print(f"[dim]--tree auto took {time.perf_counter() - t0:.1f}s[/]")
-    return choice
+    return plan
 
 
 def generate_cmd(
@@ -80,6 +137,9 @@ def generate_cmd(
     top_k: int = typer.Option(0),
     max_new_tokens: int = typer.Option(256),
     tree: str = typer.Option("5", help=TREE_HELP),
+    tree_sampled: Optional[str] = typer.Option(None, help=TREE_SAMPLED_HELP),
+    sampled_drafts: str = typer.Option("top-k", help=SAMPLED_DRAFTS_HELP),
+    calibration_positions: int = typer.Option(2000, min=1, help=CALIBRATION_HELP),
     seed: int = typer.Option(0),
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
@@ -93,9 +153,12 @@ def generate_cmd(
     import torch
 
     from eyas.data.render import render_prompt
-    from eyas.engine import SamplingParams, TreeSpec, speculative_generate
+    from eyas.engine import SamplingParams, speculative_generate
 
     sampling = _run(SamplingParams, temperature, top_p, top_k)  # checked before anything loads
+    greedy_tree = parse_tree("--tree", tree)
+    sampled_tree = parse_tree("--tree-sampled", tree_sampled) if tree_sampled is not None else greedy_tree
+    check_sampled_drafts(sampled_drafts)
     draft = str(_run(resolve_draft, draft, target))
     loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl, draft_dtype,
                                                         matvec, attention)
@@ -103,24 +166,25 @@ def generate_cmd(
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = render_prompt(messages, tokenizer).to(tgt.device)[None]
     choice = None
-    if is_auto(tree):  # calibrated on the prompt itself
-        choice = auto_tree(tgt, drafter, [ids[0]], contract, list(loaded.eos_ids), temperature,
-                           err if json_out else console)
+    spec_tree = greedy_tree if sampling.greedy else sampled_tree  # the tree of this request's kind
+    if spec_tree == "auto":  # tuned at this request's temperature
+        plan = auto_trees(tgt, drafter, loaded, contract, [temperature], calibration_positions,
+                          err if json_out else console, progress=not json_out)
+        choice = plan.choices[0]
         spec_tree = choice.spec
-    else:
-        spec_tree = _run(TreeSpec.parse, tree)
     stream = (lambda t: None) if json_out else (lambda t: console.print(tokenizer.decode([t]), end="", highlight=False))
     t0 = time.perf_counter()
     r = speculative_generate(tgt, drafter, ids, tree=spec_tree,
                              sampling=sampling, max_new_tokens=max_new_tokens,
-                             eos_token_ids=loaded.eos_ids,
+                             eos_token_ids=loaded.eos_ids, sampled_drafts=sampled_drafts,
                              generator=torch.Generator(device=tgt.device).manual_seed(seed), on_token=stream)
     wall = time.perf_counter() - t0
     stats = r.stats.to_dict()
     text = tokenizer.decode(r.tokens, skip_special_tokens=True)
     if json_out:
         report = {"text": text, "tokens": r.tokens, "wall_s": round(wall, 3), "target_impl": tgt.implementation,
-                  "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens], "stats": stats}
+                  "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens], "temperature": temperature,
+                  "sampled_drafts": sampled_drafts, "stats": stats}
         if choice is not None:
             report["tree_auto"] = choice.to_dict()
         _print_json(report)
@@ -130,8 +194,8 @@ def generate_cmd(
         f"[dim]{stats['new_tokens']} tokens in {stats['rounds']} rounds: tau {stats['tau']:.2f}, "
         f"{stats['tokens_per_s']:.1f} tok/s; acceptance per position "
         f"{[round(a, 2) for a in stats['acceptance_at_depth']]}; draft {stats['time_draft']:.2f}s, "
-        f"verify {stats['time_verify']:.2f}s, bookkeeping {stats['time_bookkeeping']:.2f}s; stop: {stats['stop_reason']}; "
-        f"target: {tgt.implementation}[/]"
+        f"verify {stats['time_verify']:.2f}s, bookkeeping {stats['time_bookkeeping']:.2f}s; "
+        f"stop: {stats['stop_reason']}; tree {spec_tree.label}; target: {tgt.implementation}[/]"
     )
 
 
@@ -141,8 +205,14 @@ def bench_cmd(
     prompts: list[str] = typer.Option(..., help="mt_bench|humaneval|gsm8k|alpaca|sum|qa or a prompt file; repeatable"),
     limit: Optional[int] = typer.Option(None, help="prompts per set"),
     max_new_tokens: int = typer.Option(256),
-    temperature: float = typer.Option(0.0, help="0 = greedy"),
-    tree: str = typer.Option("5", help=TREE_HELP),
+    temperature: Optional[float] = typer.Option(None, help="0 = greedy (default); not with --temperatures"),
+    temperatures: Optional[str] = typer.Option(None, help="run and report each temperature on its own, e.g. 0,1"),
+    tree: list[str] = typer.Option(["5"], help=TREE_HELP + "; repeatable: every tree runs on the same prompts at "
+                                   "every temperature (the first is the one reported as the bench's tree, the "
+                                   "others are compared with it, e.g. --tree auto --tree 4,8,15 --tree 6,10,60)"),
+    tree_sampled: Optional[str] = typer.Option(None, help=TREE_SAMPLED_HELP + " (replaces the first --tree above 0)"),
+    sampled_drafts: str = typer.Option("top-k", help=SAMPLED_DRAFTS_HELP),
+    calibration_positions: int = typer.Option(2000, min=1, help=CALIBRATION_HELP),
     seed: int = typer.Option(0),
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
@@ -153,59 +223,107 @@ def bench_cmd(
     out: Optional[Path] = typer.Option(None, help="also write the JSON report here"),
     force: bool = typer.Option(False),
     hf: bool = typer.Option(True, "--hf/--no-hf", help="also time Hugging Face `generate` (slow on a CPU)"),
+    hf_baseline: str = typer.Option("auto", help="the HF baseline: auto (a static cache and torch.compile on a GPU, "
+                                                 "eager on the CPU) | compiled | eager"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Speculative vs plain decoding vs HF `generate` on the same prompts, in one process."""
+    """Speculative decoding with one or more trees vs eyas plain decoding vs HF `generate`, on the same
+    prompts, in one process, each temperature on its own."""
+    from eyas.bench.hf import HF_BASELINES
+
+    temps = parse_temperatures(temperature, temperatures)
+    first = parse_tree("--tree", tree[0])
+    sampled_first = parse_tree("--tree-sampled", tree_sampled) if tree_sampled is not None else first
+    others = [(t.strip().lower() if is_auto(t) else t, parse_tree("--tree", t)) for t in tree[1:]]
+    check_sampled_drafts(sampled_drafts)
+    if hf_baseline not in HF_BASELINES:
+        fail(f"--hf-baseline: expected one of {', '.join(HF_BASELINES)}, found {hf_baseline!r}")
+
+    def asked(t: float) -> list[tuple[str, Any]]:
+        """The trees of temperature t: (as asked, TreeSpec or 'auto'), the primary first."""
+        primary = first if t == 0 else sampled_first
+        text = tree[0] if t == 0 or tree_sampled is None else tree_sampled
+        return [("auto" if primary == "auto" else text, primary)] + others
+
+    auto_temps = [t for t in temps if any(spec == "auto" for _, spec in asked(t))]
+    _bench(target, draft, prompts, limit, max_new_tokens, temps, asked, auto_temps, sampled_drafts,
+           calibration_positions, seed, device, target_impl, matvec, attention, draft_dtype, png, out, force,
+           hf_baseline if hf else None, json_out)
+
+
+def _bench(target: str, draft: Optional[str], prompts: list[str], limit: Optional[int], max_new_tokens: int,
+           temps: list[float], asked: Any, auto_temps: list[float], sampled_drafts: str, calibration_positions: int,
+           seed: int, device: str, target_impl: str, matvec: str, attention: str, draft_dtype: str,
+           png: Optional[Path], out: Optional[Path], force: bool, hf_mode: Optional[str], json_out: bool) -> None:
+    """`eyas bench` once its options are checked: load, tune (--tree auto), run each temperature
+    (eyas.bench.sweep), report."""
     import json
 
-    from eyas.bench import bench_set, bench_table, load_prompts, plot_accept_lengths
-    from eyas.bench.report import acceptance_lines
+    from eyas.bench import load_prompts, plot_accept_lengths
+    from eyas.bench.hf import hf_baseline
+    from eyas.bench.report import acceptance_lines, bench_table, prediction_line, trees_table
+    from eyas.bench.sweep import bench_temperature, tree_options
     from eyas.data.render import render_prompt
-    from eyas.engine import SamplingParams, TreeSpec
-    from eyas.tune import CALIBRATION_PROMPTS
 
-    sampling = _run(SamplingParams, temperature)  # checked before anything loads
     draft = str(_run(resolve_draft, draft, target))
+    sets = [(name, _run(load_prompts, name, limit)) for name in prompts]  # checked before anything loads
     loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl, draft_dtype,
                                                         matvec, attention)
     tokenizer = loaded.tokenizer
     err.print(f"[dim]target implementation: {tgt.implementation}; drafter in {str(drafter.fc.weight.dtype)[6:]}[/]")
-    sets = [(name, _run(load_prompts, name, limit)) for name in prompts]
-    choice = None
-    if is_auto(tree):  # calibrated on the first prompts of the first set
-        calibration = [render_prompt(c, tokenizer).tolist() for c in sets[0][1][:CALIBRATION_PROMPTS]]
-        choice = auto_tree(tgt, drafter, calibration, contract, list(loaded.eos_ids), temperature,
-                           err if json_out else console)
-        spec_tree = choice.spec
-    else:
-        spec_tree = _run(TreeSpec.parse, tree)
-    summaries = []
-    for name, convs in sets:
-        result = bench_set(Path(name).stem, convs, loaded, tgt, drafter, spec_tree, sampling,
-                           max_new_tokens, seed=seed, progress=not json_out, compare_hf=hf)
-        summaries.append(result.summary())
+    hf_gen = None
+    if hf_mode is not None:
+        rendered = [render_prompt(c, tokenizer) for _, convs in sets for c in convs]
+        longest = max((len(r) for r in rendered), default=1)
+        with err.status("[dim]HF baseline: compiling and warming generate (static cache) ...[/]"):
+            hf_gen = hf_baseline(loaded.model, loaded.eos_ids, tokenizer.pad_token_id, max_new_tokens, mode=hf_mode,
+                                 max_cache_len=longest + max_new_tokens + 8,
+                                 warm_ids=rendered[0].to(tgt.device)[None] if rendered else None)
+        err.print(f"[dim]HF baseline: {hf_gen.label}{'; ' + hf_gen.note if hf_gen.note else ''}[/]")
+    plan = None
+    if auto_temps:
+        plan = auto_trees(tgt, drafter, loaded, contract, auto_temps, calibration_positions,
+                          err if json_out else console, progress=not json_out)
+    runs = []
+    for t in temps:
+        choice = plan.for_temperature(t) if plan is not None and t in auto_temps else None
+        options = tree_options([(a, choice.spec if spec == "auto" else spec) for a, spec in asked(t)])
+        runs.append(bench_temperature(t, options, [(Path(n).stem, c) for n, c in sets], loaded, tgt, drafter,
+                                      max_new_tokens, seed=seed, progress=not json_out, hf=hf_gen,
+                                      sampled_drafts=sampled_drafts, choice=choice))
+    sections = [r.to_dict() for r in runs]
     png = png or (out.with_suffix(".png") if out else Path("bench.png"))
-    plot_accept_lengths(summaries, png)
-    report = {"target": target, "draft": str(draft), "tree": [spec_tree.depth, spec_tree.top_k, spec_tree.total_tokens],
-              "temperature": temperature, "max_new_tokens": max_new_tokens, "device": str(tgt.device),
-              "target_impl": tgt.implementation,
-              "sets": summaries, "png": str(png)}
-    if choice is not None:
-        report["tree_auto"] = choice.to_dict()
-        rounds = sum(s["rounds"] for s in summaries)
-        if rounds:  # the rounds this run paid, against the prediction
-            measured_ms = sum((s["round_ms"] or 0.0) * s["rounds"] for s in summaries) / rounds
-            report["tree_auto"]["measured_round_ms"] = round(measured_ms, 4)
-            report["tree_auto"]["round_prediction_error"] = round(choice.round_s * 1e3 / measured_ms - 1, 4)
+    many = len(sections) > 1
+    plot_accept_lengths([{**s, "set": f"{s['set']} @ T={sec['temperature']:g}" if many else s["set"]}
+                         for sec in sections for s in sec["sets"]], png)
+    head = sections[0]
+    report = {"target": target, "draft": str(draft), "max_new_tokens": max_new_tokens, "device": str(tgt.device),
+              "target_impl": tgt.implementation, "sampled_drafts": sampled_drafts,
+              "hf_baseline": hf_gen.label if hf_gen is not None else None,
+              "hf": hf_gen.to_dict() if hf_gen is not None else None,
+              "temperatures": sections,
+              # the first temperature's figures under the keys a one-temperature bench always had
+              "temperature": head["temperature"], "tree": head["tree"], "sets": head["sets"], "png": str(png)}
+    if "tree_auto" in head:
+        report["tree_auto"] = head["tree_auto"]
+    if plan is not None:
+        report["tree_plan"] = plan.plan.to_dict()
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
     if json_out:
         _print_json(report)
         return
-    console.print(bench_table(summaries))
-    for line in acceptance_lines(summaries):
-        console.print(line, highlight=False)
+    if hf_gen is not None:
+        console.print(f"hf = Hugging Face {hf_gen.label}", highlight=False)
+    for sec in sections:
+        console.print(bench_table(sec["sets"], f"temperature {sec['temperature']:g}, tree {sec['tree_label']}"))
+        for line in acceptance_lines(sec["sets"]):
+            console.print(line, highlight=False)
+        if len(sec["trees"]) > 1:
+            console.print(trees_table(sec))
+        if prediction_line(sec):
+            console.print(prediction_line(sec), highlight=False)
     err.print(f"accept-length histogram: {png}")
 
 
