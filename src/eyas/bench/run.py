@@ -148,39 +148,53 @@ def bench_trees(
     progress: bool = True,
     hf: HFGenerate | None = None,
     sampled_drafts: str = "top-k",
+    warm: bool = False,
 ) -> list[SetResult]:
     """Each prompt of the set through speculative decoding with each tree of ``trees`` (``drafter``
     on ``target``, the engine view of ``loaded``; ``sampled_drafts``: how a sampled request drafts),
     then plain decoding, then ``hf`` (None: not run; its figures are then absent: 0 tokens/s,
     speedups and identity None), back to back, each seeded ``seed + i`` for prompt i; all stop at the
-    target's eos ids. One result per tree, in order; they share the plain and HF runs."""
+    target's eos ids. One result per tree, in order; they share the plain and HF runs.
+
+    ``warm``: the first prompt through every method once, untimed, before the timed ones: on a GPU a
+    tree new to the process compiles and captures its drafter's steps, and a temperature new to it its
+    acceptance, inside its first request (seconds), which would otherwise land in one tree's figures."""
     tokenizer = loaded.tokenizer
     eos = list(loaded.eos_ids)
     shared = {"plain": MethodRuns(), "hf": MethodRuns()}
     results = [SetResult(name, sampling.greedy, runs={"speculative": MethodRuns(), **shared}, tree=t,
                          temperature=sampling.temperature) for t in trees]
-    for i, conv in enumerate(tqdm(prompts, desc=f"bench {name}", disable=not progress, dynamic_ncols=True)):
-        ids = render_prompt(conv, tokenizer).to(target.device)[None]  # [1, n]
+
+    def run(ids: torch.Tensor, i: int, record: bool) -> None:
         for tree, result in zip(trees, results):
             g = torch.Generator(device=target.device).manual_seed(seed + i)
             t0 = time.perf_counter()
             r = speculative_generate(target, drafter, ids, tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
                                      eos_token_ids=eos, generator=g, sampled_drafts=sampled_drafts)
             synchronize(target.device)
-            result.runs["speculative"].add(r.tokens, time.perf_counter() - t0)
-            result.stats.append(r.stats)
+            if record:
+                result.runs["speculative"].add(r.tokens, time.perf_counter() - t0)
+                result.stats.append(r.stats)
         g = torch.Generator(device=target.device).manual_seed(seed + i)
         t0 = time.perf_counter()
         p = plain_generate(target, ids, sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos,
                            generator=g)
         synchronize(target.device)
-        shared["plain"].add(p.tokens, time.perf_counter() - t0)
+        if record:
+            shared["plain"].add(p.tokens, time.perf_counter() - t0)
         if hf is None:
-            continue
+            return
         t0 = time.perf_counter()
         h = hf(ids, sampling, seed + i)
         synchronize(target.device)
-        shared["hf"].add(h, time.perf_counter() - t0)
+        if record:
+            shared["hf"].add(h, time.perf_counter() - t0)
+
+    rendered = [render_prompt(conv, tokenizer).to(target.device)[None] for conv in prompts]  # [1, n] each
+    if warm and rendered:
+        run(rendered[0], 0, record=False)
+    for i, ids in enumerate(tqdm(rendered, desc=f"bench {name}", disable=not progress, dynamic_ncols=True)):
+        run(ids, i, record=True)
     return results
 
 

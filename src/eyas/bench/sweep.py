@@ -5,6 +5,8 @@ of it on the same prompts, ``--tree auto`` held against the fixed trees and agai
         the trees of T: the primary tree (``--tree`` at 0, ``--tree-sampled`` above it; ``auto``: the
         tree ``--tree auto`` chose for T), then every other ``--tree`` given, each spec run once
         (a fixed tree that auto also chose is one run under both names)
+        warm-up:     the first prompt through every tree and method at T, untimed (a tree or a
+                     temperature new to the process compiles and captures in its first request)
         for each set: bench_trees(set, the trees of T, T)       (eyas.bench.run: per prompt, each tree,
                                                                  then plain, then the HF baseline)
         overall:     the sets pooled (eyas.bench.run.merge)
@@ -153,9 +155,10 @@ def bench_temperature(temperature: float, options: Sequence[TreeOption],
         raise ValueError(f"bench_temperature: --tree auto chose {choice.spec.label}, which is not among the trees run")
     sampling = SamplingParams(temperature)
     per_tree: list[list[SetResult]] = [[] for _ in options]
-    for name, convs in sets:
+    for k, (name, convs) in enumerate(sets):
         results = bench_trees(name, convs, loaded, target, drafter, [o.spec for o in options], sampling,
-                              max_new_tokens, seed=seed, progress=progress, hf=hf, sampled_drafts=sampled_drafts)
+                              max_new_tokens, seed=seed, progress=progress, hf=hf, sampled_drafts=sampled_drafts,
+                              warm=k == 0)  # every tree and method once at this temperature, untimed
         for acc, r in zip(per_tree, results):
             acc.append(r)
     return TemperatureRun(float(temperature), [TreeRun(o, r) for o, r in zip(options, per_tree)], choice)
