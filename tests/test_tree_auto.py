@@ -202,6 +202,7 @@ def test_tune_tree_times_a_shortlist_end_to_end_and_chooses_on_those_rounds(monk
     assert len(second) == auto.REFINE_TREES and not set(second) & set(first)
     timed = set(first) | set(second)
     assert {c.spec for c in choice.candidates} == timed  # the choice is among the timed rounds
+    assert choice.searched == len(candidate_trees()) > 250  # ...the model ranked the whole space first
     assert choice.spec.top_k == 1 and choice.round_s == 1e-3
     assert {"depth": choice.spec.depth, "top_k": 1, "total_tokens": choice.spec.total_tokens,
             "round_ms": 1.0} in choice.to_dict()["cost"]["round_ms_by_tree"]
@@ -486,6 +487,7 @@ def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy_drafter, tmp
     assert auto["acceptance"]["positions"] >= 40 and auto["temperature"] == 0.0
     assert auto["candidates"][0]["depth"] == auto["depth"]
     assert len(auto["cost"]["round_ms_by_tree"]) == 14 + 4  # the shortlist, then the second batch, timed end to end
+    assert auto["candidates_considered"] == 18 and auto["trees_searched"] == len(candidate_trees())  # depths 1..8
     assert auto["measured_round_ms"] == pytest.approx(report["sets"][0]["round_ms"], rel=1e-3)
     assert auto["round_prediction_error"] == pytest.approx(auto["round_ms"] / auto["measured_round_ms"] - 1, abs=1e-3)
     assert auto["measured_tau"] == report["sets"][0]["tau"]

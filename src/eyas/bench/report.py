@@ -73,8 +73,9 @@ def auto_tree_table(choice: TreeChoice, top: int = 8) -> Table:
     chain = next((c for c in choice.candidates if c.spec.top_k == 1), None)
     if chain is not None and chain not in rows:
         rows.append(chain)
-    t = Table(title=f"--tree auto: {len(choice.candidates)} trees considered (plain step "
-                    f"{choice.cost.plain_s * 1e3:.2f} ms)")
+    searched = max(choice.searched, len(choice.candidates))
+    t = Table(title=f"--tree auto at temperature {choice.temperature:g}: {searched} trees searched, "
+                    f"{len(choice.candidates)} timed end to end (plain step {choice.cost.plain_s * 1e3:.2f} ms)")
     for col in ("depth,topk,total", "pred. tau", "draft ms", "verify ms", "round ms", "pred. speedup"):
         t.add_column(col, justify="right")
     for c in rows:

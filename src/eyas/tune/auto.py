@@ -83,6 +83,7 @@ def choose_at(target: Target, drafter: Eagle3Drafter, cost: CostModel, acceptanc
         cost.round_s_by_tree.update(time_rounds(target, drafter, second, sampling=sampling, seed=seed))
     timed = [c.spec for c in ranked if c.spec in cost.round_s_by_tree]
     choice = choose_tree(cost, acceptance, specs=timed or None, temperature=temperature)
+    choice.searched = len(ranked)
     choice.reason += sampling_caveat(temperature, acceptance)
     return choice
 

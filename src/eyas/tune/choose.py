@@ -31,6 +31,7 @@ class TreeChoice:
     cost: CostModel
     acceptance: AcceptanceProfile
     temperature: float = 0.0
+    searched: int = 0  # trees the model ranked before the timed ones were chosen from (0: candidates only)
 
     @property
     def spec(self) -> TreeSpec:
@@ -62,6 +63,7 @@ class TreeChoice:
             "acceptance": self.acceptance.to_dict(),
             "candidates": [c.to_dict() for c in self.candidates[:top]],
             "candidates_considered": len(self.candidates),
+            "trees_searched": max(self.searched, len(self.candidates)),
         }
 
 
