@@ -23,7 +23,7 @@ import torch
 
 from eyas.cli.engine_commands import load_for_serving
 from eyas.engine import SamplingParams, TreeSpec
-from eyas.engine.tree import DraftState
+from eyas.engine.draft_state import DraftState
 from eyas.interop import resolve_draft
 
 

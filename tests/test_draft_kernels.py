@@ -24,7 +24,8 @@ from eyas.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eyas.engine.draft_kernels import (  # noqa: E402
     UnsupportedDraftKernels, draft_weights, fuse_drafter_projections, kernel_step, why_not_kernels)
 from eyas.engine.sampling import GREEDY, SamplingParams  # noqa: E402
-from eyas.engine.tree import DraftState, TreeSpec  # noqa: E402
+from eyas.engine.draft_state import DraftState  # noqa: E402
+from eyas.engine.tree import TreeSpec  # noqa: E402
 
 H, H_T, SLOTS, VOCAB, DRAFT_VOCAB = 32, 24, 3, 100, 40
 C = 96  # cache slots of the step tests
@@ -252,7 +253,7 @@ def test_greedy_speculative_with_the_drafters_triton_step_is_token_identical_to_
     kernels (its re-reads and expansions), and greedy speculative decoding emits the plain greedy
     tokens, as with the drafter's forward (float32). Slow on the CPU: Triton's interpreter."""
     from eyas.engine import LlamaTarget, plain_generate, speculative_generate
-    from eyas.engine.speculative import _rounds
+    from eyas.engine.speculative import draft_states
     from tests.support.tiny import SPEC4, random_prompts
 
     llama, drafter = llama.to(DEVICE), trained_drafter.to(DEVICE)
@@ -263,6 +264,6 @@ def test_greedy_speculative_with_the_drafters_triton_step_is_token_identical_to_
         out = speculative_generate(fast, drafter, prompt, tree=TreeSpec(3, 3, 8), max_new_tokens=12)
         assert out.tokens == plain.tokens, prompt
         accepted += sum(out.stats.accept_lengths) - len(out.stats.accept_lengths)
-    (_, state), = _rounds(fast).draft_states.values()
+    state, = draft_states(fast)
     assert state.kernels == "triton" and state.unfused_reason is None
     assert accepted > 3  # drafts were accepted: the kernels' cache entries were read by later rounds

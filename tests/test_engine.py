@@ -19,7 +19,7 @@ from eyas.drafter.build import new_drafter
 from eyas.engine import (
     HFTarget, SamplingParams, TreeSpec, plain_generate, rejection_rule, speculative_generate,
 )
-from eyas.engine.tree import DraftState
+from eyas.engine.draft_state import DraftState
 from tests.support.lossless import (
     SPEC3, Z_999, chi_square, exact_first_three, make_small_vocab, wilson_hilferty_critical,
 )

@@ -216,14 +216,41 @@ def test_a_compiled_drafter_drafts_what_the_eager_one_does(llama, trained_drafte
         results[mode] = [speculative_generate(target, trained_drafter, p, tree=tree, max_new_tokens=24).tokens
                          for p in prompts]
         if mode:
-            from eyas.engine.speculative import _rounds
+            from eyas.engine.speculative import draft_states
 
-            (_, state), = _rounds(target).draft_states.values()
+            state, = draft_states(target)
             assert sorted(state.compiled_rounds) == sorted([f"draft {tree}", "re-read"])
             assert all(c.error is None and c.compiled is not None and c.seconds > 0
                        for c in state.compiled_rounds.values())
     plain = [plain_generate(LlamaTarget(llama, SPEC4, max_length=128), p, max_new_tokens=24).tokens for p in prompts]
     assert results["aot_eager"] == results[False] == plain
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("drafts", ["top-k", "gumbel"])
+def test_sampled_rounds_compiled_sample_what_the_eager_ones_do(llama, trained_drafter, drafts):
+    """Sampled requests at two temperatures on one target: compiled ("aot_eager") they emit exactly
+    the tokens of the eager drafter (the same CounterStream draws, the temperature an input of the
+    draft and of the acceptance), and both temperatures share one compiled draft: the greedy draft
+    (top-k drafts) or one Gumbel draft whose parameters are an input."""
+    from eyas.engine.speculative import draft_states
+
+    tree, prompt = TreeSpec(3, 3, 8), random_prompts(1, 128, seed=6)[0]
+    results = {}
+    for mode in (False, "aot_eager"):
+        target = LlamaTarget(llama, SPEC4, max_length=128, fixed_shapes=True)
+        target.compile_drafter = mode
+        results[mode] = [speculative_generate(target, trained_drafter, prompt, tree=tree, max_new_tokens=20,
+                                              sampling=SamplingParams(temperature=t), sampled_drafts=drafts,
+                                              generator=torch.Generator().manual_seed(3)).tokens
+                         for t in (0.7, 1.0)]
+        if mode:
+            state, = draft_states(target)
+            drafted = "draft" if drafts == "top-k" else "gumbel draft"
+            assert sorted(state.compiled_rounds) == sorted([f"{drafted} {tree}", "re-read"])
+            assert all(c.error is None and c.compiled is not None for c in state.compiled_rounds.values())
+    assert results["aot_eager"] == results[False]
+    assert results[False][0] != results[False][1]  # the temperatures differ in what they sample
 
 
 @pytest.mark.integration
@@ -283,16 +310,16 @@ def test_one_drafter_state_serves_short_and_long_requests_on_fixed_shapes(llama,
     """On a fixed-shape target the drafter's state is sized for the target's whole context at the
     first request, so a later, longer request reuses it (its compiled and captured steps) instead
     of building, compiling and capturing a larger one mid-request."""
-    from eyas.engine.speculative import _rounds
+    from eyas.engine.speculative import draft_states
 
     target = LlamaTarget(llama, SPEC4, max_length=1024, fixed_shapes=True)
     tree = TreeSpec(4, 4, 16)
     short, long = random_prompts(1, 128, seed=3, lengths=(8, 8))[0], random_prompts(1, 128, seed=4, lengths=(600, 600))[0]
     speculative_generate(target, trained_drafter, short, tree=tree, max_new_tokens=8)
-    (_, first), = _rounds(target).draft_states.values()
+    first, = draft_states(target)
     assert first.max_len >= 1024 + tree.scratch_slots + tree.depth + 1
     speculative_generate(target, trained_drafter, long, tree=tree, max_new_tokens=8)
-    (_, second), = _rounds(target).draft_states.values()
+    second, = draft_states(target)
     assert second is first
 
 
@@ -399,7 +426,7 @@ def test_a_prompt_read_in_fixed_chunks_equals_one_exact_step(trained_drafter, be
     chunks of PROMPT_CHUNK rows through one function, the last chunk padded: the same committed
     cache entries and the same root as one exact-shape step of all the rows, in float32. Where the
     last chunk's pads would not fit in the cache, the read runs as that exact step."""
-    from eyas.engine.tree import PROMPT_CHUNK, DraftState
+    from eyas.engine.draft_state import PROMPT_CHUNK, DraftState
 
     g = torch.Generator().manual_seed(1)
     n = 2 * PROMPT_CHUNK + 13

@@ -9,14 +9,17 @@
     result.tokens, result.stats.tau, result.stats.tokens_per_s
 
 Modules: target.py (the target interface and HFTarget), llama.py (LlamaTarget: our own forward for
-Llama-family targets, a static KV cache written by index and capture inside the forward), tree.py
-(drafting and masks), sampling.py (distributions and acceptance rules), speculative.py (the decoding
-loops: a Session per request, ``start`` and ``step``), batched.py (BatchedLlama: many prompts at
-once with continuous batching, for ``eyas regenerate --engine fast``), graphs.py (CUDA graphs of
-fixed-shape steps),
-observe.py (what an observer such as ``eyas trace`` is shown each round), stopping.py (stop
-conditions), stats.py (per-request statistics and phase timing), errors.py (the engine's user errors). Choosing a tree for this hardware and this drafter
-(``--tree auto``) is a tuning tool, not the runtime: see :mod:`eyas.tune`.
+Llama-family targets, a static KV cache written by index and capture inside the forward; its pure step
+functions in llama_steps.py, its products' and attention's dispatch in llama_kernels.py), tree.py (the
+tree's shape, TreeSpec and TreePlan, and a drafted tree's tensors), draft_state.py (the drafter's cache
+and the drafting of a tree), sampling.py (distributions, random draws and acceptance rules),
+verdict.py (a round's acceptance on the device, captured), speculative.py (the decoding loops: a
+Session per request, ``start`` and ``step``), batched.py (BatchedLlama: many prompts at once with
+continuous batching, for ``eyas regenerate --engine fast``), graphs.py (CUDA graphs of fixed-shape
+steps), observe.py (what an observer such as ``eyas trace`` is shown each round), stopping.py (stop
+conditions), stats.py (per-request statistics and phase timing), errors.py (the engine's user
+errors). Choosing a tree for this hardware and this drafter (``--tree auto``) is a tuning tool, not
+the runtime: see :mod:`eyas.tune`.
 """
 
 from eyas.engine.errors import RequestError, SessionError

@@ -28,7 +28,7 @@ ms a round against 0.82 with the forward, before the gate/up kernel's glu and be
 functions were compiled whole (``benchmarks/2026-12-02-verify-kernels-h200.md``); with both, a
 round of tree 4,8,31 drafted in 0.60 ms (``benchmarks/2026-12-02-round-compile-h200.md``, call 2).
 
-Invariants the callers keep (``tree.DraftState``: the expansion writes slots m + scratch + arange(r),
+Invariants the callers keep (``draft_state.DraftState``: the expansion writes slots m + scratch + arange(r),
 the re-read and extend length + arange(B)): the step's r tokens write the consecutive cache slots
 start .. start + r - 1 (start = slots[0]), and every entry its mask allows below start was written
 before (the committed entries, the node's ancestors); decode_attention reads entries p < start from

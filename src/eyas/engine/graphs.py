@@ -11,7 +11,7 @@ module's weights, a KV cache written by index) must stay at the same address: in
 only. Python code inside the function runs once, at capture: no host reads, no data-dependent
 branches.
 
-Used for the drafter's steps (``tree.DraftState``): the expansion of the frontier at each depth
+Used for the drafter's steps (``draft_state.DraftState``): the expansion of the frontier at each depth
 and the re-read of the accepted tokens, both at shapes fixed by the tree; the whole greedy draft; the
 greedy acceptance. :func:`capture` (warm up on a side stream, then capture) also serves
 ``LlamaTarget``'s bucketed steps. A function whose capture fails (an op a graph cannot hold) warns and runs eagerly:

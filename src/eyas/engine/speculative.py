@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -44,15 +44,13 @@ from eyas.drafter.model import Eagle3Drafter
 from eyas.engine.draft_kernels import kernels_for
 from eyas.engine.observe import RoundObserver
 from eyas.engine.errors import RequestError, SessionError
-from eyas.engine.graphs import CompiledOrEager, StepGraphs
-from eyas.engine.sampling import (
-    GREEDY, SAMPLED_DRAFTS, AcceptRule, CounterStream, SamplingParams, Verdict, accept_greedy, accept_sampling,
-    accept_top_k_drafts, probabilities, rejection_rule, sample,
-)
+from eyas.engine.draft_state import DraftState
+from eyas.engine.sampling import GREEDY, AcceptRule, CounterStream, SamplingParams, probabilities, rejection_rule, sample
 from eyas.engine.stats import STOP_MAX_LENGTH, STOP_MAX_NEW_TOKENS, Clock, GenerationStats
 from eyas.engine.stopping import StopCriteria
 from eyas.engine.target import Target
-from eyas.engine.tree import DraftState, DraftTree, TreePlan, TreeSpec
+from eyas.engine.tree import DraftTree, TreePlan, TreeSpec
+from eyas.engine.verdict import Acceptance, Readback, round_verdict
 
 STOP_CANCELLED = "cancelled"
 
@@ -110,23 +108,18 @@ class Session:
         if len(prompt) > target.max_length:
             raise RequestError(f"prompt of {len(prompt)} tokens is longer than the target's context "
                              f"({target.max_length} positions)")
-        if sampled_drafts not in SAMPLED_DRAFTS:
-            raise RequestError(f"sampled_drafts: expected one of {list(SAMPLED_DRAFTS)}, found {sampled_drafts!r}")
         self.target, self.drafter, self.tree, self.sampling = target, drafter, tree, sampling
-        self.generator, self.accept_rule = generator, accept_rule
-        # How the tree is drafted and verified: "greedy", "top-k" (a sampled request on the greedy
-        # draft, EAGLE's rule: sampling.accept_top_k_drafts) or "gumbel" (children drawn from q)
-        self.verification = "greedy" if sampling.greedy else sampled_drafts
-        # what the drafter drafts with: the greedy tree unless children are drawn from q
-        self.draft_sampling = sampling if self.verification == "gumbel" else GREEDY
-        # temperature, top_p, top_k on the device: an input of the captured acceptance (one graph for
-        # every temperature)
-        self.sampling_tensor = sampling.as_tensor(target.device) if self.verification == "top-k" else None
+        self.generator = generator
         # Sampled rounds draw from a stream keyed by one draw of the generator and by the round's
         # committed length (CounterStream): no generator inside a round, so a round is one function
         # of device tensors that a CUDA graph can hold. Plain steps draw from the generator.
         self.draws = (CounterStream.from_generator(generator, target.device)
                       if drafter is not None and not sampling.greedy else None)
+        # How the tree is drafted and verified: greedy, top-k drafts (a sampled request on the greedy
+        # draft, EAGLE's rule) or gumbel (children drawn from q); the drafter drafts greedily unless
+        # children are drawn from q
+        self.acceptance = Acceptance.of(sampling, sampled_drafts, accept_rule, self.draws, target.device)
+        self.draft_sampling = sampling if self.acceptance.how == "gumbel" else GREEDY
         self.observer = observer  # sees each round's features when given
         self.x = list(prompt)  # committed tokens x_0 .. x_m
         self.max_new_tokens = max_new_tokens
@@ -139,7 +132,7 @@ class Session:
         self.positions = torch.arange(self.max_len, device=target.device)  # position ids, sliced per step
         self.next_tree: DraftTree | None = None  # a pipelined round's draft of the next round
         self.next_token: Tensor | None = None  # plain decoding: the token after s.last, computed ahead
-        self.readback = _Readback(target.device)
+        self.readback = Readback(target.device)
         self._finished = False
 
     @property
@@ -182,24 +175,15 @@ class Session:
         return kept
 
 
-@dataclass
-class _TargetRounds:
-    """What the decoding loop keeps per target, because it lives as long as the target's KV cache:
-    the drafter's state per (drafter, tree), each with the drafter it was built for (the key holds
-    only its id), and the verdict's CUDA graphs per (tree depth, sampling, acceptance rule, re-read)."""
-
-    draft_states: dict[tuple[int, TreeSpec], tuple[Eagle3Drafter, DraftState]] = field(default_factory=dict)
-    verdicts: dict[tuple, StepGraphs] = field(default_factory=dict)
+# The drafter's state per target and (drafter, tree), each with the drafter it was built for (the key
+# holds only its id): it lives as long as the target's KV cache, and goes with the target.
+_DRAFT_STATES: weakref.WeakKeyDictionary[Target, dict[tuple[int, TreeSpec], tuple[Eagle3Drafter, DraftState]]] = (
+    weakref.WeakKeyDictionary())
 
 
-# One per target, gone with it.
-_ROUNDS: weakref.WeakKeyDictionary[Target, _TargetRounds] = weakref.WeakKeyDictionary()
-
-
-def _rounds(target: Target) -> _TargetRounds:
-    if target not in _ROUNDS:
-        _ROUNDS[target] = _TargetRounds()
-    return _ROUNDS[target]
+def draft_states(target: Target) -> list[DraftState]:
+    """The drafter states ``target``'s sessions have used, one per (drafter, tree)."""
+    return [state for _, state in _DRAFT_STATES.get(target, {}).values()]
 
 
 def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len: int) -> DraftState:
@@ -216,7 +200,7 @@ def _draft_state(target: Target, drafter: Eagle3Drafter, tree: TreeSpec, max_len
     True or a backend). Its steps run through the Triton kernels (``DraftState(kernels="triton")``)
     when the target verifies through them (``LlamaTarget(matvec="triton-verify")``) and the drafter
     can (else, with a warning, its forward: :func:`~eyas.engine.draft_kernels.kernels_for`)."""
-    states = _rounds(target).draft_states
+    states = _DRAFT_STATES.setdefault(target, {})
     key = (id(drafter), tree)
     need = max_len + tree.scratch_slots + tree.depth + 1
     size = max(256, 1 << (need - 1).bit_length())
@@ -307,36 +291,12 @@ def step(s: Session) -> list[int]:
     return tokens
 
 
-class _Readback:
-    """A round's one device-to-host transfer, started as soon as its value is queued: on a GPU the
-    copy goes into pinned memory behind the verdict and the host waits for that copy alone (an
-    event), not for the drafting queued after it. On the CPU it is a plain read."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.event = torch.cuda.Event() if self.cuda else None
-        self.buffer: Tensor | None = None  # pinned host memory (GPU) or the tensor itself (CPU)
-
-    def start(self, x: Tensor) -> None:
-        if not self.cuda:
-            self.buffer = x
-            return
-        if self.buffer is None or self.buffer.shape != x.shape or self.buffer.dtype != x.dtype:
-            self.buffer = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        self.buffer.copy_(x, non_blocking=True)
-        self.event.record()  # type: ignore[union-attr]
-
-    def wait(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.buffer.tolist()  # type: ignore[union-attr]
-
-
 def _draft(s: Session, depth: int, length: Tensor | None = None) -> DraftTree:
     """The round's tree of ``depth`` levels: the greedy draft (greedy and top-k sampled requests share
     its captured function), or children drawn from q (``gumbel``, from the session's stream)."""
-    draws = s.draws if s.verification == "gumbel" else None
-    return s.draft.draft(s.tree, depth, s.draft_sampling, draws, s.target.vocab_size, length=length)
+    draws = s.draws if s.acceptance.how == "gumbel" else None
+    return s.draft.draft(s.tree, depth, s.draft_sampling, draws, s.target.vocab_size, length=length,
+                         params=s.acceptance.params)
 
 
 def _pipelines(s: Session, gamma: int) -> bool:
@@ -362,7 +322,8 @@ def _speculative_round(s: Session) -> list[int]:
     if s.observer is not None:
         s.observer.target_forward(r, "verify", m + t.depths, f)
     with clock("bookkeeping"):
-        v, verdict, _ = _round_verdict(s, t, logits[0], torch.full((), m, dtype=torch.long, device=target.device))
+        v, verdict, _ = round_verdict(target, s.acceptance, t, logits[0],
+                                      torch.full((), m, dtype=torch.long, device=target.device))
         read = verdict.tolist()  # the round's one read of the device
         a, path_tokens, bonus, tree_depth = read[0], read[1:2 + t.depth], read[2 + t.depth], read[3 + t.depth]
         accepted = path_tokens[1:a + 1] + [bonus]  # x_{m+1} .. x_{m+a+1}
@@ -415,7 +376,7 @@ def _pipelined_round(s: Session) -> list[int]:
         logits, f = target.forward(t.tokens[None], (m + t.depths)[None], t.mask)
     with clock("bookkeeping"):
         length = torch.full((), m, dtype=torch.long, device=target.device)
-        v, packed, reread = _round_verdict(s, t, logits[0], length, f[0])
+        v, packed, reread = round_verdict(target, s.acceptance, t, logits[0], length, f[0])
         s.readback.start(packed)
         target.keep(v.path)
         draft.reread(reread.tokens, reread.features, reread.n, length)
@@ -437,84 +398,6 @@ def _pipelined_round(s: Session) -> list[int]:
     else:
         assert draft.length == target.cache_len == s.m, (draft.length, target.cache_len, s.m)
     return accepted[:kept]
-
-
-def _pack(t: DraftTree, v: Verdict) -> Tensor:
-    """What the host needs of a round, in one tensor (one transfer): a, the path's tokens
-    [depth+1], the bonus token and the tree's depth."""
-    return torch.cat([v.accepted[None], t.tokens[v.path], v.bonus[None], t.depths.max()[None]])
-
-
-class _Reread(NamedTuple):
-    """The drafter's re-read after a pipelined round, padded to depth + 1 entries."""
-
-    tokens: Tensor  # long [D+1]: x_{m+1} .. x_{m+a}, the bonus at index a, then pads
-    features: Tensor  # [D+1, S*H]: f[path], the target's features at x_m and the accepted nodes
-    n: Tensor  # long []: a + 1, the entries to commit
-
-
-def _round_verdict(s: Session, t: DraftTree, logits: Tensor, position: Tensor,
-                   features: Tensor | None = None) -> tuple[Verdict, Tensor, _Reread | None]:
-    """Acceptance and its pack: a function of tensors whose shapes the tree fixes, so on a target
-    with CUDA graphs it is captured once per (tree depth, sampling, rule) and replayed (its outputs
-    are the graph's, valid until the next round's replay). logits [N+1, V]; position long []: the
-    committed length m, where the session's CounterStream takes a sampled round's draws.
-
-    Returns (verdict, pack, re-read): the re-read when given the features f [N+1, S*H] (the
-    pipelined round), else None."""
-    how, sampling, rule, depth = s.verification, s.sampling, s.accept_rule, t.depth
-    filters = sampling.filters(s.target.vocab_size)
-    reread = features is not None
-
-    def verdict(tokens: Tensor, parents: Tensor, depths: Tensor, mask: Tensor, children: Tensor, valid: Tensor,
-                logits: Tensor, position: Tensor, *more: Tensor) -> tuple[Tensor, ...]:
-        if how == "greedy":
-            tree = DraftTree(tokens, parents, depths, mask, children, valid, depth)
-            v = accept_greedy(tree, logits)
-        elif how == "top-k":
-            params, key, *more = more  # type: ignore[assignment]
-            tree = DraftTree(tokens, parents, depths, mask, children, valid, depth)
-            v = accept_top_k_drafts(tree, logits, params, filters, CounterStream(key).at(position))
-        else:
-            proposals, key, *more = more  # type: ignore[assignment]
-            tree = DraftTree(tokens, parents, depths, mask, children, valid, depth, proposals)
-            v = accept_sampling(tree, logits, sampling, CounterStream(key).at(position), rule)
-        out = (v.path, v.accepted, v.bonus, _pack(tree, v))
-        if more:  # the features: the drafter's re-read, padded to depth + 1
-            following = torch.cat([tree.tokens[v.path[1:]], v.bonus[None]])  # [D+1]: x_{m+1} .. x_{m+a}, ...
-            index = torch.arange(following.shape[0], device=following.device)
-            following = torch.where(index == v.accepted, v.bonus, following)  # ... the bonus at a, pads after
-            out += (following, more[0][v.path], v.accepted + 1)
-        return out
-
-    args = (t.tokens, t.parents, t.depths, t.mask, t.children, t.valid, logits, position)
-    if how == "top-k":
-        args += (s.sampling_tensor, s.draws.key)
-    elif how == "gumbel":
-        args += (t.proposals, s.draws.key)
-    if reread:
-        args += (features,)
-    if getattr(s.target, "cuda_graphs", False):
-        graphs = _rounds(s.target).verdicts  # StepGraphs keys the shapes
-        # top-k: one graph for every temperature (the values are an input; the filters fix the ops)
-        key = (depth, how, filters, reread) if how == "top-k" else (depth, how, sampling, rule, reread)
-        if key not in graphs:
-            # Acceptance is some 35 small ops (greedy: argmax, the children's matches, the walk down
-            # the path, the pack and the re-read's padding) and sampled acceptance K steps of
-            # rejection sampling over [N+1, V] (p - q, norms, scatters): compiled where the target
-            # compiles, so they fuse into a few kernels. Only the pipelined round's (full depth: one
-            # compilation per tree and sampling): the last rounds of a request, shallower, would
-            # each compile mid-request (seconds each).
-            fused = reread and getattr(s.target, "compile", False)
-            # the target's logits (args[6]) and features (the last) read where its graph left them;
-            # the tree copied (the draft reads this graph's outputs, through the re-read: a cycle)
-            graphs[key] = StepGraphs(CompiledOrEager(verdict, "inductor", "acceptance") if fused else verdict,
-                                     in_place=(6, len(args) - 1) if reread else (6,))
-        run = graphs[key]
-    else:
-        run = verdict
-    path, accepted, bonus, packed, *rest = run(*args)
-    return Verdict(path, accepted, bonus), packed, (_Reread(*rest) if reread else None)
 
 
 def _plain_forward(s: Session, token: Tensor, position: int) -> Tensor:
