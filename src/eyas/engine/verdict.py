@@ -73,8 +73,9 @@ def pack(t: DraftTree, v: Verdict) -> Tensor:
 def round_verdict(target: Target, acceptance: Acceptance, t: DraftTree, logits: Tensor, position: Tensor,
                   features: Tensor | None = None) -> tuple[Verdict, Tensor, Reread | None]:
     """Acceptance and its pack: a function of tensors whose shapes the tree fixes, so on a target
-    with CUDA graphs it is captured once per (tree depth, sampling, rule) and replayed (its outputs
-    are the graph's, valid until the next round's replay). logits [N+1, V]; position long []: the
+    with CUDA graphs it is captured once per tree depth and kind of acceptance (greedy; top-k drafts
+    per filter set, for every temperature; Gumbel drafts per sampling parameters and rule) and
+    replayed (its outputs are the graph's, valid until the next round's replay). logits [N+1, V]; position long []: the
     committed length m, where the request's CounterStream takes a sampled round's draws.
 
     Returns (verdict, pack, re-read): the re-read when given the features f [N+1, S*H] (the
@@ -117,8 +118,9 @@ def round_verdict(target: Target, acceptance: Acceptance, t: DraftTree, logits: 
         key = (depth, how, filters, reread) if how == "top-k" else (depth, how, sampling, rule, reread)
         if key not in graphs:
             # Acceptance is some 35 small ops (greedy: argmax, the children's matches, the walk down
-            # the path, the pack and the re-read's padding) and sampled acceptance K steps of
-            # rejection sampling over [N+1, V] (p - q, norms, scatters): compiled where the target
+            # the path, the pack and the re-read's padding), top-k drafts' a softmax over [N+1, V] and
+            # [N+1, K] gathers, Gumbel drafts' K steps of rejection sampling over [N+1, V] (p - q,
+            # norms, scatters): compiled where the target
             # compiles, so they fuse into a few kernels. Only the pipelined round's (full depth: one
             # compilation per tree and sampling): the last rounds of a request, shallower, would
             # each compile mid-request (seconds each).
