@@ -26,7 +26,7 @@ def serve_cmd(
     host: str = typer.Option("127.0.0.1", help="the address to listen on"),
     port: int = typer.Option(8000, min=0, max=65535),
     tree: str = typer.Option("5", help="DEPTH,TOPK,TOTAL (EAGLE-2 dynamic tree, e.g. 6,4,24), DEPTH for a chain, or "
-                                        "'auto' (timed on this hardware, calibrated on MT-bench prompts, as eyas bench)"),
+                                        "'auto' (timed on this hardware, calibrated at temperatures 0 and 1, as eyas bench)"),
     tree_sampled: Optional[str] = typer.Option(None, help="the tree of requests at a temperature above 0 (DEPTH,TOPK,"
                                                           "TOTAL or DEPTH; default: --tree's)"),
     force: bool = typer.Option(False, help="start even when the start-up checks fail (/health and /metrics say so)"),

@@ -160,8 +160,8 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", tree_sampled
         # Every key bucket up to the capacity: a server's long requests should not pay a compilation.
         log("compiling the fast target's steps and capturing CUDA graphs")
         engine_target.warmup(context=engine_target.max_length)
-    if plan is None:  # --tree auto: timed on this hardware, calibrated on the first MT-bench prompts
-        plan = TreePlan.same(auto_tree(engine_target, drafter, loaded, contract, log))
+    if plan is None:  # --tree auto: timed on this hardware, calibrated at temperatures 0 and 1
+        plan = auto_trees(engine_target, drafter, loaded, contract, log)
         if tree_sampled:
             plan = TreePlan(plan.greedy, TreeSpec.parse(tree_sampled))
     if getattr(engine_target, "cuda_graphs", False):
@@ -193,20 +193,20 @@ def warm_rounds(target: Any, drafter: Any, plan: TreePlan, prompt: list[int], lo
                                  generator=torch.Generator(device=target.device).manual_seed(0))
 
 
-def auto_tree(target: Any, drafter: Any, loaded: LoadedTarget, contract: Any, log: Callable[[str], None]) -> TreeSpec:
-    """``--tree auto`` as ``eyas bench`` does it (:func:`eyas.tune.tune_tree`): the target's
-    verification and the drafter timed on this hardware, acceptance from a greedy calibration on the
-    first MT-bench prompts shipped with eyas; the tree with the best predicted speedup."""
-    from eyas.bench import load_prompts
-    from eyas.data.render import render_prompt
-    from eyas.tune import CALIBRATION_PROMPTS, tune_tree
+def auto_trees(target: Any, drafter: Any, loaded: LoadedTarget, contract: Any, log: Callable[[str], None]) -> TreePlan:
+    """``--tree auto`` as ``eyas bench`` does it (:func:`eyas.tune.tune_trees`): the target's
+    verification and the drafter's rounds timed on this hardware, acceptance calibrated on text the
+    target decodes at temperature 0 and at 1 (the calibration prompts shipped with eyas, drawn from
+    training sets); the greedy tree and the sampled one with the best predicted speedup."""
+    from eyas.tune import tune_trees
+    from eyas.tune.calibration import calibration_prompts
 
-    calibration = [render_prompt(c, loaded.tokenizer).tolist() for c in load_prompts("mt_bench", CALIBRATION_PROMPTS)]
-    log("--tree auto: timing the target's verification and the drafter, calibrating on "
-        f"{len(calibration)} MT-bench prompts")
-    choice = tune_tree(target, drafter, calibration, contract, eos_token_ids=list(loaded.eos_ids))
-    log(choice.reason)
-    return choice.spec
+    log("--tree auto: timing the target's verification and the drafter's rounds, calibrating at temperatures 0 and 1")
+    choice = tune_trees(target, drafter, calibration_prompts(loaded.tokenizer), contract, temperatures=(0.0, 1.0),
+                        eos_token_ids=list(loaded.eos_ids))
+    for c in choice.choices:
+        log(c.reason)
+    return choice.plan
 
 
 def generator_for(device: torch.device, seed: int) -> torch.Generator:
