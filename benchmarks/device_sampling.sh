@@ -10,9 +10,14 @@
 #                the engine's GPU tests of sampling (losslessness, one wait a round), spec_gpu.py on the six
 #                EAGLE sets at temperatures 0 and 1 (trees selected per temperature) and, at temperature 1 on
 #                MT-bench, drafts drawn from q (sampled_drafts="gumbel") against top-k drafts; then waits
+#   final ARGS   join the GGUF, then in the background: `eyas bench` on the six EAGLE sets at temperatures 0
+#                and 1 (--tree auto against fixed trees on the same prompts, eyas plain, HF generate with a
+#                static cache and torch.compile; ARGS: more bench options), then the engine's GPU tests
+#                (float32 greedy identity, sampling losslessness on the fast target, one wait a round); waits
 #   wait [S]     wait up to S seconds (default 540) for it to end; copy what is done into $OUT
 #
-# Results: $OUT/gputests.log, $OUT/spec.tar (/tmp/spec/{six,gumbel}/results.{json,md}), $OUT/spec.log.
+# Results: $OUT/gputests.log, $OUT/spec.tar (/tmp/spec/{six,gumbel}/results.{json,md}), $OUT/spec.log;
+# final: $OUT/bench.json, bench.png, bench.log, gputests.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -21,9 +26,16 @@ D=src/eyas/interop/embedded/smollm2-135m-instruct
 RUN=/tmp/spec
 
 collect() {
-  [ -d "$RUN" ] && (cd /tmp && tar cf "$OUT/spec.tar" spec) || true
-  for f in "$RUN"/*.log; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+  [ -d "$RUN/six" ] && (cd /tmp && tar cf "$OUT/spec.tar" spec/six spec/gumbel 2>/dev/null) || true
+  for f in "$RUN"/*.log "$RUN"/bench.json "$RUN"/bench.png; do [ -f "$f" ] && cp "$f" "$OUT/"; done
   true
+}
+
+join_gguf() {
+  for f in .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
+  [ -f /tmp/smol.gguf ] || cat /tmp/smol.p0 /tmp/smol.p1 /tmp/smol.p2 /tmp/smol.p3 > /tmp/smol.gguf
+  echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
+  python -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
 }
 
 case "${1:-}" in
@@ -36,10 +48,7 @@ case "${1:-}" in
     ;;
   start)
     shift
-    for f in .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
-    [ -f /tmp/smol.gguf ] || cat /tmp/smol.p0 /tmp/smol.p1 /tmp/smol.p2 /tmp/smol.p3 > /tmp/smol.gguf
-    echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
-    python -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+    join_gguf
     C=${COMMIT:?set COMMIT to the commit whose tree was sent}
     mkdir -p "$RUN"
     rm -f "$RUN/DONE"
@@ -56,7 +65,24 @@ case "${1:-}" in
         --engine-kwargs '{\"sampled_drafts\": \"gumbel\"}' > $RUN/gumbel.log 2>&1 || echo \"gumbel exit \$?\" >> $RUN/gumbel.log
       echo done > $RUN/DONE" > /dev/null 2>&1 &
     sleep 5
-    "$0" wait "${WAIT_S:-520}"
+    bash "$0" wait "${WAIT_S:-520}"
+    ;;
+  final)
+    shift
+    join_gguf
+    mkdir -p "$RUN"
+    rm -f "$RUN/DONE"
+    setsid nohup bash -c "
+      timeout ${BENCH_S:-420} python -m eyas.cli.main bench --target /tmp/smol.gguf --draft $D \
+        --prompts mt_bench --prompts humaneval --prompts gsm8k --prompts alpaca --prompts sum --prompts qa \
+        --temperatures 0,1 --max-new-tokens 128 --out $RUN/bench.json --png $RUN/bench.png --json $* \
+        > $RUN/bench.stdout 2> $RUN/bench.log; echo \"bench exit \$?\" >> $RUN/bench.log
+      timeout ${TESTS_S:-300} python -m pytest -q -p no:cacheprovider tests/test_engine_cuda.py \
+        -k 'float32 and triton-verify or lossless and fast or synchronises' > $RUN/gputests.log 2>&1
+      echo \"gputests exit \$?\" >> $RUN/gputests.log
+      echo done > $RUN/DONE" > /dev/null 2>&1 &
+    sleep 5
+    bash "$0" wait "${WAIT_S:-520}"
     ;;
   wait)
     limit=${2:-540} t=0
@@ -66,9 +92,10 @@ case "${1:-}" in
     tail -n 5 "$RUN/gputests.log" 2>/dev/null || true
     tail -n 25 "$RUN/spec.log" 2>/dev/null || true
     tail -n 8 "$RUN/gumbel.log" 2>/dev/null || true
+    grep -av "warn\|softmax\|^$\|it/s\]" "$RUN/bench.log" 2>/dev/null | tail -n 30 || true
     ;;
   *)
-    echo "usage: $0 part | start [spec_gpu.py ARGS] | wait [S]" >&2
+    echo "usage: $0 part | start [spec_gpu.py ARGS] | final [eyas bench ARGS] | wait [S]" >&2
     exit 2
     ;;
 esac
