@@ -503,12 +503,16 @@ def test_bench_tree_auto_at_two_temperatures_against_fixed_trees(toy_drafter, tm
     temperature, fixed trees on the same prompts, each temperature reported on its own with the
     prediction against the measurement and auto against the best fixed tree."""
     target, draft = toy_drafter
+    prompts = tmp_path / "mine.jsonl"  # calibrate on prompts like the ones served
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Tell me about owls."}]}) + "\n")
     r = runner.invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--prompts", "gsm8k",
                             "--prompts", "mt_bench", "--limit", "1", "--max-new-tokens", "8", "--temperatures", "0,1",
                             "--tree", "auto", "--tree", "3,2,5", "--tree", "2", "--calibration-positions", "24",
-                            "--device", "cpu", "--no-hf", "--png", str(tmp_path / "b.png"), "--json"])
+                            "--calibration-prompts", str(prompts), "--device", "cpu", "--no-hf",
+                            "--png", str(tmp_path / "b.png"), "--json"])
     assert r.exit_code == 0, (r.output, r.exception)
     report = json.loads(r.stdout)
+    assert report["calibration"] == {"prompts": str(prompts), "positions": 24}
     assert [t["temperature"] for t in report["temperatures"]] == [0.0, 1.0]
     assert report["tree_plan"]["greedy"] == report["temperatures"][0]["tree"]
     assert report["tree_plan"]["sampled"] == report["temperatures"][1]["tree"]
@@ -516,7 +520,7 @@ def test_bench_tree_auto_at_two_temperatures_against_fixed_trees(toy_drafter, tm
         auto = sec["tree_auto"]
         assert auto["temperature"] == sec["temperature"] and auto["tree"] == sec["tree_label"]
         how = "greedy" if sec["temperature"] == 0 else "sampled (temperature 1)"
-        assert auto["acceptance"]["source"].startswith(f"{how} calibration on ")
+        assert auto["acceptance"]["source"].startswith(f"{how} calibration on 1 prompt(s)")
         assert auto["measured_tau"] == sec["overall"]["tau"] and "tau_error" in auto
         runs = {t["tree"]: t for t in sec["trees"]}
         assert {"3,2,5", "2"} <= set(runs) and sec["trees"][0]["auto"]
@@ -540,7 +544,9 @@ def test_bad_tree_text_is_a_clean_cli_error(toy_drafter):
             (["--tree-sampled", "6,x"], "--tree-sampled: expected DEPTH,TOPK,TOTAL like '6,10,60', DEPTH for a chain, "
                                         "or auto; found '6,x'"),
             (["--tree-sampled", "0"], "--tree-sampled: expected DEPTH,TOPK,TOTAL"),
-            (["--sampled-drafts", "beam"], "--sampled-drafts: expected one of top-k, gumbel, found 'beam'")):
+            (["--sampled-drafts", "beam"], "--sampled-drafts: expected one of top-k, gumbel, found 'beam'"),
+            (["--tree", "auto", "--calibration-prompts", "nope.jsonl"],
+             "--calibration-prompts: expected a prompt file or one of mt_bench")):
         r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",
                                 "--max-new-tokens", "2", "--device", "cpu", *args])
         assert r.exit_code == 2 and message in " ".join(r.stderr.split()), (args, r.stderr)

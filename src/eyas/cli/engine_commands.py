@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -28,6 +29,44 @@ SAMPLED_DRAFTS_HELP = ("how a sampled request drafts: top-k (the greedy tree, ve
                        "drafts; the default) | gumbel (children drawn without replacement, recursive rejection "
                        "sampling)")
 CALIBRATION_HELP = "--tree auto: round positions its calibration measures at each temperature"
+CALIBRATION_PROMPTS_HELP = ("--tree auto: the prompts its calibration decodes, a prompt file or a named set "
+                            "(default: the 50 shipped with eyas, from five training sets; prompts like the ones "
+                            "you serve, which the drafter did not train on, predict best)")
+
+
+@dataclass
+class Calibration:
+    """What ``--tree auto`` calibrates on: ``positions`` per temperature, from ``prompts`` (a named set
+    or a prompt file; None: the prompts shipped with eyas)."""
+
+    positions: int
+    prompts: Optional[str] = None
+
+    def check(self) -> "Calibration":
+        """Fails (naming --calibration-prompts) before anything loads when the prompts cannot be read."""
+        if self.prompts is not None:
+            from eyas.bench import NAMED_SETS, load_prompts
+
+            if self.prompts not in NAMED_SETS and not Path(self.prompts).is_file():
+                fail(f"--calibration-prompts: expected a prompt file or one of {', '.join(NAMED_SETS)}, found "
+                     f"{self.prompts!r}: no such file")
+            if not _run(load_prompts, self.prompts):
+                fail(f"--calibration-prompts {self.prompts}: expected at least one prompt, found none")
+        return self
+
+    def token_ids(self, tokenizer: Any) -> list[list[int]]:
+        from eyas.tune import calibration_prompts
+
+        if self.prompts is None:
+            return calibration_prompts(tokenizer)
+        from eyas.bench import load_prompts
+        from eyas.data.render import render_prompt
+
+        return [render_prompt(c, tokenizer).tolist() for c in load_prompts(self.prompts)]
+
+    @property
+    def label(self) -> str:
+        return self.prompts or "eyas' calibration prompts (training sets)"
 
 
 def parse_tree(option: str, text: str) -> Any:
@@ -105,21 +144,22 @@ def is_auto(tree: str) -> bool:
     return tree.strip().lower() == "auto"
 
 
-def auto_trees(tgt: Any, drafter: Any, loaded: Any, contract: Any, temperatures: list[float], positions: int,
+def auto_trees(tgt: Any, drafter: Any, loaded: Any, contract: Any, temperatures: list[float], calibration: Calibration,
                out: Any, progress: bool) -> Any:
     """`--tree auto` at ``temperatures``: :func:`eyas.tune.tune_trees` (the hardware measured once, the
-    shipped calibration prompts decoded at each temperature until ``positions`` positions, a choice
-    per temperature), then each temperature's candidates and reason printed on ``out``; returns the
-    TreePlanChoice."""
+    calibration prompts decoded at each temperature until ``calibration.positions`` positions, a
+    choice per temperature), then each temperature's candidates and reason printed on ``out``;
+    returns the TreePlanChoice."""
     from eyas.bench.report import auto_tree_table
-    from eyas.tune import calibration_prompts, tune_trees
+    from eyas.tune import tune_trees
 
     t0 = time.perf_counter()
     temps = ", ".join(f"{t:g}" for t in temperatures)
     out.print(f"[dim]--tree auto: timing target verification and drafting on this hardware; calibrating at "
-              f"temperature {temps} on up to {positions} positions...[/]")
-    plan = _run(tune_trees, tgt, drafter, calibration_prompts(loaded.tokenizer), contract, temperatures=temperatures,
-                eos_token_ids=list(loaded.eos_ids), positions=positions, progress=progress)
+              f"temperature {temps} on up to {calibration.positions} positions of {calibration.label}...[/]")
+    plan = _run(tune_trees, tgt, drafter, calibration.token_ids(loaded.tokenizer), contract,
+                temperatures=temperatures, eos_token_ids=list(loaded.eos_ids), positions=calibration.positions,
+                progress=progress)
     for choice in plan.choices:
         out.print(auto_tree_table(choice))
         out.print(f"temperature {choice.temperature:g}: {choice.reason}", highlight=False)
@@ -140,6 +180,7 @@ def generate_cmd(
     tree_sampled: Optional[str] = typer.Option(None, help=TREE_SAMPLED_HELP),
     sampled_drafts: str = typer.Option("top-k", help=SAMPLED_DRAFTS_HELP),
     calibration_positions: int = typer.Option(2000, min=1, help=CALIBRATION_HELP),
+    calibration_prompts: Optional[str] = typer.Option(None, help=CALIBRATION_PROMPTS_HELP),
     seed: int = typer.Option(0),
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
@@ -159,6 +200,7 @@ def generate_cmd(
     greedy_tree = parse_tree("--tree", tree)
     sampled_tree = parse_tree("--tree-sampled", tree_sampled) if tree_sampled is not None else greedy_tree
     check_sampled_drafts(sampled_drafts)
+    calibration = Calibration(calibration_positions, calibration_prompts).check()
     draft = str(_run(resolve_draft, draft, target))
     loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl, draft_dtype,
                                                         matvec, attention)
@@ -168,7 +210,7 @@ def generate_cmd(
     choice = None
     spec_tree = greedy_tree if sampling.greedy else sampled_tree  # the tree of this request's kind
     if spec_tree == "auto":  # tuned at this request's temperature
-        plan = auto_trees(tgt, drafter, loaded, contract, [temperature], calibration_positions,
+        plan = auto_trees(tgt, drafter, loaded, contract, [temperature], calibration,
                           err if json_out else console, progress=not json_out)
         choice = plan.choices[0]
         spec_tree = choice.spec
@@ -213,6 +255,7 @@ def bench_cmd(
     tree_sampled: Optional[str] = typer.Option(None, help=TREE_SAMPLED_HELP + " (replaces the first --tree above 0)"),
     sampled_drafts: str = typer.Option("top-k", help=SAMPLED_DRAFTS_HELP),
     calibration_positions: int = typer.Option(2000, min=1, help=CALIBRATION_HELP),
+    calibration_prompts: Optional[str] = typer.Option(None, help=CALIBRATION_PROMPTS_HELP),
     seed: int = typer.Option(0),
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
@@ -236,6 +279,7 @@ def bench_cmd(
     sampled_first = parse_tree("--tree-sampled", tree_sampled) if tree_sampled is not None else first
     others = [(t.strip().lower() if is_auto(t) else t, parse_tree("--tree", t)) for t in tree[1:]]
     check_sampled_drafts(sampled_drafts)
+    calibration = Calibration(calibration_positions, calibration_prompts).check()
     if hf_baseline not in HF_BASELINES:
         fail(f"--hf-baseline: expected one of {', '.join(HF_BASELINES)}, found {hf_baseline!r}")
 
@@ -247,12 +291,12 @@ def bench_cmd(
 
     auto_temps = [t for t in temps if any(spec == "auto" for _, spec in asked(t))]
     _bench(target, draft, prompts, limit, max_new_tokens, temps, asked, auto_temps, sampled_drafts,
-           calibration_positions, seed, device, target_impl, matvec, attention, draft_dtype, png, out, force,
+           calibration, seed, device, target_impl, matvec, attention, draft_dtype, png, out, force,
            hf_baseline if hf else None, json_out)
 
 
 def _bench(target: str, draft: Optional[str], prompts: list[str], limit: Optional[int], max_new_tokens: int,
-           temps: list[float], asked: Any, auto_temps: list[float], sampled_drafts: str, calibration_positions: int,
+           temps: list[float], asked: Any, auto_temps: list[float], sampled_drafts: str, calibration: Calibration,
            seed: int, device: str, target_impl: str, matvec: str, attention: str, draft_dtype: str,
            png: Optional[Path], out: Optional[Path], force: bool, hf_mode: Optional[str], json_out: bool) -> None:
     """`eyas bench` once its options are checked: load, tune (--tree auto), run each temperature
@@ -282,7 +326,7 @@ def _bench(target: str, draft: Optional[str], prompts: list[str], limit: Optiona
         err.print(f"[dim]HF baseline: {hf_gen.label}{'; ' + hf_gen.note if hf_gen.note else ''}[/]")
     plan = None
     if auto_temps:
-        plan = auto_trees(tgt, drafter, loaded, contract, auto_temps, calibration_positions,
+        plan = auto_trees(tgt, drafter, loaded, contract, auto_temps, calibration,
                           err if json_out else console, progress=not json_out)
     runs = []
     for t in temps:
@@ -308,6 +352,7 @@ def _bench(target: str, draft: Optional[str], prompts: list[str], limit: Optiona
         report["tree_auto"] = head["tree_auto"]
     if plan is not None:
         report["tree_plan"] = plan.plan.to_dict()
+        report["calibration"] = {"prompts": calibration.label, "positions": calibration.positions}
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
