@@ -95,7 +95,11 @@ def test_bench_options_fail_naming_the_option_expected_and_found(toy_drafter):
                                         "chain, or auto; found '4,8'"),
             (["--tree", "auto", "--tree", "x"], "--tree: expected DEPTH,TOPK,TOTAL"),
             (["--sampled-drafts", "nucleus"], "--sampled-drafts: expected one of top-k, gumbel, found 'nucleus'"),
-            (["--hf-baseline", "fast"], "--hf-baseline: expected one of auto, compiled, eager, found 'fast'")):
+            (["--hf-baseline", "fast"], "--hf-baseline: expected one of auto, compiled, eager, found 'fast'"),
+            (["--tree", "auto", "--calibration-prompts", "nope"], "--calibration-prompts: expected a prompt file, "
+                                                                 "one of mt_bench"),
+            (["--limit", "80", "--tree", "auto", "--calibration-prompts", "held-out"],
+             "--calibration-prompts held-out: expected prompts past --limit in the benchmarked sets, found none")):
         r = runner.invoke(app, base + args)
         assert r.exit_code == 2 and message in " ".join(r.stderr.split()), (args, r.stderr)
 

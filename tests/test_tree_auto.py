@@ -475,7 +475,8 @@ def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy_drafter, tmp
     target, draft = toy_drafter
     r = runner.invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--prompts", "gsm8k",
                             "--limit", "2", "--max-new-tokens", "8", "--tree", "auto", "--device", "cpu",
-                            "--calibration-positions", "40", "--png", str(tmp_path / "b.png"), "--json"])
+                            "--calibration-positions", "40", "--calibration-prompts", "held-out",
+                            "--png", str(tmp_path / "b.png"), "--json"])
     assert r.exit_code == 0, (r.output, r.exception)
     report = json.loads(r.stdout)  # the candidates table and the reason went to stderr
     auto = report["tree_auto"]
@@ -483,7 +484,8 @@ def test_bench_tree_auto_reports_the_choice_and_stays_identical(toy_drafter, tmp
     assert auto["reason"].startswith(f"chose {auto['tree']} because")
     assert auto["predicted_tau"] >= 1 and auto["predicted_speedup"] > 0
     assert set(auto["verify_ms_by_tokens"]) == {"1", "2", "4", "8", "16", "32", "64"}
-    assert auto["acceptance"]["source"].startswith("greedy calibration on ")  # the shipped prompts
+    assert auto["acceptance"]["source"].startswith("greedy calibration on 1 prompt(s)")  # gsm8k's 3rd prompt
+    assert report["calibration"]["prompts"].startswith("held-out")  # the sets' prompts past --limit, never timed
     assert auto["acceptance"]["positions"] >= 40 and auto["temperature"] == 0.0
     assert auto["candidates"][0]["depth"] == auto["depth"]
     assert len(auto["cost"]["round_ms_by_tree"]) == 14 + 4  # the shortlist, then the second batch, timed end to end
@@ -546,7 +548,9 @@ def test_bad_tree_text_is_a_clean_cli_error(toy_drafter):
             (["--tree-sampled", "0"], "--tree-sampled: expected DEPTH,TOPK,TOTAL"),
             (["--sampled-drafts", "beam"], "--sampled-drafts: expected one of top-k, gumbel, found 'beam'"),
             (["--tree", "auto", "--calibration-prompts", "nope.jsonl"],
-             "--calibration-prompts: expected a prompt file or one of mt_bench")):
+             "--calibration-prompts: expected a prompt file, one of mt_bench"),
+            (["--tree", "auto", "--calibration-prompts", "held-out"],
+             "--calibration-prompts: expected a prompt file, one of mt_bench")):  # generate times no set
         r = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "Hello",
                                 "--max-new-tokens", "2", "--device", "cpu", *args])
         assert r.exit_code == 2 and message in " ".join(r.stderr.split()), (args, r.stderr)

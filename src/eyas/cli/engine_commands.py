@@ -30,43 +30,73 @@ SAMPLED_DRAFTS_HELP = ("how a sampled request drafts: top-k (the greedy tree, ve
                        "sampling)")
 CALIBRATION_HELP = "--tree auto: round positions its calibration measures at each temperature"
 CALIBRATION_PROMPTS_HELP = ("--tree auto: the prompts its calibration decodes, a prompt file or a named set "
-                            "(default: the 50 shipped with eyas, from five training sets; prompts like the ones "
-                            "you serve, which the drafter did not train on, predict best)")
+                            "(default: the 50 shipped with eyas, from five training sets); prompts like the ones you "
+                            "serve predict best")
+HELD_OUT = "held-out"
+BENCH_CALIBRATION_HELP = (CALIBRATION_PROMPTS_HELP + f"; '{HELD_OUT}': the prompts of the benchmarked sets that this "
+                          "run does not time (those after --limit), taken in turn from each set")
 
 
 @dataclass
 class Calibration:
     """What ``--tree auto`` calibrates on: ``positions`` per temperature, from ``prompts`` (a named set
-    or a prompt file; None: the prompts shipped with eyas)."""
+    or a prompt file; None: the prompts shipped with eyas; ``held-out``: ``conversations``, given by
+    ``eyas bench``: its sets' prompts it does not time)."""
 
     positions: int
     prompts: Optional[str] = None
+    conversations: Optional[list[Any]] = None
 
-    def check(self) -> "Calibration":
-        """Fails (naming --calibration-prompts) before anything loads when the prompts cannot be read."""
-        if self.prompts is not None:
-            from eyas.bench import NAMED_SETS, load_prompts
+    def check(self, held_out: bool = False) -> "Calibration":
+        """Fails (naming --calibration-prompts) before anything loads when the prompts cannot be read;
+        ``held_out``: whether ``held-out`` is allowed (eyas bench)."""
+        if self.prompts is None or (held_out and self.prompts == HELD_OUT):
+            return self
+        from eyas.bench import NAMED_SETS, load_prompts
 
-            if self.prompts not in NAMED_SETS and not Path(self.prompts).is_file():
-                fail(f"--calibration-prompts: expected a prompt file or one of {', '.join(NAMED_SETS)}, found "
-                     f"{self.prompts!r}: no such file")
-            if not _run(load_prompts, self.prompts):
-                fail(f"--calibration-prompts {self.prompts}: expected at least one prompt, found none")
+        if self.prompts not in NAMED_SETS and not Path(self.prompts).is_file():
+            fail(f"--calibration-prompts: expected a prompt file, one of {', '.join(NAMED_SETS)}"
+                 f"{f' or {HELD_OUT}' if held_out else ''}, found {self.prompts!r}: no such file")
+        if not _run(load_prompts, self.prompts):
+            fail(f"--calibration-prompts {self.prompts}: expected at least one prompt, found none")
+        return self
+
+    def hold_out(self, sets: list[str], limit: Optional[int]) -> "Calibration":
+        """``held-out``: the prompts of ``sets`` past the first ``limit`` of each, taken in turn from each
+        set (the timed prompts are the first ``limit``); fails when there are none."""
+        if self.prompts != HELD_OUT:
+            return self
+        from eyas.bench import load_prompts
+
+        rest = [_run(load_prompts, name)[limit:] for name in sets] if limit else []
+        self.conversations = [c for row in _zip_longest(rest) for c in row]
+        if not self.conversations:
+            fail(f"--calibration-prompts {HELD_OUT}: expected prompts past --limit in the benchmarked sets, found none "
+                 f"(--limit {limit})")
         return self
 
     def token_ids(self, tokenizer: Any) -> list[list[int]]:
+        from eyas.data.render import render_prompt
         from eyas.tune import calibration_prompts
 
+        if self.conversations is not None:
+            return [render_prompt(c, tokenizer).tolist() for c in self.conversations]
         if self.prompts is None:
             return calibration_prompts(tokenizer)
         from eyas.bench import load_prompts
-        from eyas.data.render import render_prompt
 
         return [render_prompt(c, tokenizer).tolist() for c in load_prompts(self.prompts)]
 
     @property
     def label(self) -> str:
+        if self.prompts == HELD_OUT:
+            return f"{HELD_OUT}: the benchmarked sets' prompts past --limit"
         return self.prompts or "eyas' calibration prompts (training sets)"
+
+
+def _zip_longest(rows: list[list[Any]]) -> list[list[Any]]:
+    """[[a1, a2], [b1]] -> [[a1, b1], [a2]]: one from each row in turn."""
+    return [[r[i] for r in rows if i < len(r)] for i in range(max(map(len, rows), default=0))]
 
 
 def parse_tree(option: str, text: str) -> Any:
@@ -255,7 +285,7 @@ def bench_cmd(
     tree_sampled: Optional[str] = typer.Option(None, help=TREE_SAMPLED_HELP + " (replaces the first --tree above 0)"),
     sampled_drafts: str = typer.Option("top-k", help=SAMPLED_DRAFTS_HELP),
     calibration_positions: int = typer.Option(2000, min=1, help=CALIBRATION_HELP),
-    calibration_prompts: Optional[str] = typer.Option(None, help=CALIBRATION_PROMPTS_HELP),
+    calibration_prompts: Optional[str] = typer.Option(None, help=BENCH_CALIBRATION_HELP),
     seed: int = typer.Option(0),
     device: str = typer.Option("auto"),
     target_impl: str = typer.Option("auto", help=TARGET_IMPL_HELP),
@@ -279,7 +309,7 @@ def bench_cmd(
     sampled_first = parse_tree("--tree-sampled", tree_sampled) if tree_sampled is not None else first
     others = [(t.strip().lower() if is_auto(t) else t, parse_tree("--tree", t)) for t in tree[1:]]
     check_sampled_drafts(sampled_drafts)
-    calibration = Calibration(calibration_positions, calibration_prompts).check()
+    calibration = Calibration(calibration_positions, calibration_prompts).check(held_out=True)
     if hf_baseline not in HF_BASELINES:
         fail(f"--hf-baseline: expected one of {', '.join(HF_BASELINES)}, found {hf_baseline!r}")
 
@@ -311,6 +341,8 @@ def _bench(target: str, draft: Optional[str], prompts: list[str], limit: Optiona
 
     draft = str(_run(resolve_draft, draft, target))
     sets = [(name, _run(load_prompts, name, limit)) for name in prompts]  # checked before anything loads
+    if auto_temps:
+        calibration.hold_out(prompts, limit)
     loaded, drafter, tgt, contract = load_for_serving(target, Path(draft), device, force, target_impl, draft_dtype,
                                                         matvec, attention)
     tokenizer = loaded.tokenizer
