@@ -237,6 +237,24 @@ def test_shortlist_takes_every_depths_best_tree_then_the_best_overall():
 
 
 @pytest.mark.unit
+def test_where_rounds_compile_the_shortlist_is_the_models_best_few():
+    """A target whose trees each compile their round functions (the fast target on a GPU, ~30 s a
+    tree on an H200) times the model's best 4 trees and best chain, not the best of every depth."""
+    from types import SimpleNamespace
+
+    from eyas.tune.rounds import COMPILED_SHORTLIST, Shortlist, shortlist_for
+
+    assert shortlist_for(SimpleNamespace(cuda_graphs=True, compile=True)) == COMPILED_SHORTLIST
+    assert shortlist_for(SimpleNamespace(cuda_graphs=False, compile=False)) == Shortlist()
+    cost = CostModel({1: 10e-3, 16: 10.5e-3, 32: 12e-3, 64: 18e-3}, **PARTS)
+    ranked = choose_tree(cost, SYNTHETIC).candidates
+    sizes = COMPILED_SHORTLIST
+    specs = shortlist(ranked, sizes.trees, sizes.chains, sizes.per_depth)
+    trees = [c.spec for c in ranked if c.spec.top_k > 1][:4]
+    assert specs == [c.spec for c in ranked if c.spec in set(trees) | {next(c.spec for c in ranked if c.spec.top_k == 1)}]
+
+
+@pytest.mark.unit
 def test_round_scale_puts_the_model_on_the_timed_rounds_scale():
     cost = CostModel({1: 1e-3, 64: 1e-3}, plain_s=1e-3)
     a, b, c = TreeSpec.chain(1), TreeSpec(2, 2, 4), TreeSpec(3, 2, 6)

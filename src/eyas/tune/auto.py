@@ -9,9 +9,10 @@
                    drafter's contract (acceptance_from_metrics)
       ranked     = choose_tree(cost, acceptance): every tree of the space, depths 1..8, top-k up to
                    10, total tokens up to 63 (eyas.tune.space), under the parts model
-      timed      = time_rounds(shortlist(ranked), at T)       (eyas.tune.rounds: real rounds)
+      timed      = time_rounds(shortlist(ranked), at T)       (eyas.tune.rounds: real rounds; 14 trees,
+                   5 where a tree's first round compiles: rounds.shortlist_for)
       scaled     = the model put on the timed rounds' scale (CostModel.fit_round_scale); the best
-                   REFINE_TREES trees not yet timed are timed too
+                   REFINE_TREES (4; 1 where rounds compile) trees not yet timed are timed too
       choice     = choose_tree(cost with those rounds, acceptance, the timed trees)
     plan       = TreePlanChoice(choices, cost).plan                 (eyas.tune.plan)
 
@@ -40,7 +41,9 @@ from eyas.tune.choose import TreeChoice, choose_tree
 from eyas.tune.cost import CostModel, measure_cost
 from eyas.tune.plan import TreePlanChoice
 from eyas.tune.reason import sampling_caveat
-from eyas.tune.rounds import REFINE_TREES, SHORTLIST_CHAINS, SHORTLIST_TREES, shortlist, time_rounds
+from eyas.tune.rounds import (  # noqa: F401 (REFINE_TREES: the tests read it here)
+    REFINE_TREES, SHORTLIST_CHAINS, SHORTLIST_TREES, Shortlist, shortlist, shortlist_for, time_rounds,
+)
 
 CALIBRATION_PROMPTS = 3  # kept for callers that calibrate on a prompt set's first prompts (eyas serve)
 SHORTLIST = SHORTLIST_TREES + SHORTLIST_CHAINS  # trees timed first (eyas.tune.rounds.shortlist)
@@ -66,21 +69,26 @@ def _acceptance(target: Target, drafter: Eagle3Drafter, calibration: Sequence[Se
 
 
 def choose_at(target: Target, drafter: Eagle3Drafter, cost: CostModel, acceptance: AcceptanceProfile,
-              temperature: float, *, seed: int = 0, refine: int = REFINE_TREES) -> TreeChoice:
+              temperature: float, *, seed: int = 0, sizes: Shortlist | None = None,
+              progress: bool = False) -> TreeChoice:
     """The tree for ``temperature`` from the shared parts ``cost`` and that temperature's
     ``acceptance``: the shortlist's rounds timed at the temperature, the model scaled to them, the
-    best ``refine`` trees not yet timed timed too, and the best timed tree chosen (module docstring).
-    ``cost`` is not changed: the choice holds a copy with its rounds."""
+    best ``sizes.refine`` trees not yet timed timed too, and the best timed tree chosen (module
+    docstring). ``sizes``: how many trees are timed (default: :func:`eyas.tune.rounds.shortlist_for`
+    the target). ``cost`` is not changed: the choice holds a copy with its rounds."""
+    sizes = sizes if sizes is not None else shortlist_for(target)
+    refine = sizes.refine
     cost = dataclasses.replace(cost, round_s_by_tree={}, round_scale=1.0)
     sampling = SamplingParams(temperature)
     ranked = choose_tree(cost, acceptance, temperature=temperature).candidates
-    first = shortlist(ranked)
-    cost.round_s_by_tree.update(time_rounds(target, drafter, first, sampling=sampling, seed=seed))
+    first = shortlist(ranked, sizes.trees, sizes.chains, sizes.per_depth)
+    cost.round_s_by_tree.update(time_rounds(target, drafter, first, sampling=sampling, seed=seed, progress=progress))
     cost.fit_round_scale({c.spec: c.tau for c in ranked})
     if refine > 0 and cost.round_s_by_tree:
         rescaled = choose_tree(cost, acceptance, temperature=temperature).candidates
         second = [c.spec for c in rescaled if c.spec not in cost.round_s_by_tree][:refine]
-        cost.round_s_by_tree.update(time_rounds(target, drafter, second, sampling=sampling, seed=seed))
+        cost.round_s_by_tree.update(time_rounds(target, drafter, second, sampling=sampling, seed=seed,
+                                                progress=progress))
     timed = [c.spec for c in ranked if c.spec in cost.round_s_by_tree]
     choice = choose_tree(cost, acceptance, specs=timed or None, temperature=temperature)
     choice.searched = len(ranked)
@@ -113,7 +121,7 @@ def tune_trees(target: Target, drafter: Eagle3Drafter, calibration: Sequence[Seq
     for t in temps:
         acceptance = _acceptance(target, drafter, calibration, contract, t, eos_token_ids=eos_token_ids,
                                  positions=positions, new_tokens=new_tokens, seed=seed, progress=progress)
-        choices.append(choose_at(target, drafter, cost, acceptance, t, seed=seed))
+        choices.append(choose_at(target, drafter, cost, acceptance, t, seed=seed, progress=progress))
     return TreePlanChoice(choices, cost)
 
 
