@@ -57,7 +57,6 @@ import subprocess
 import sys
 import time
 import traceback
-import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
@@ -69,6 +68,7 @@ if str(REPO / "src") not in sys.path:
 import torch  # noqa: E402
 
 from eyas.bench.run import sum_lists  # noqa: E402
+from eyas.bench.hf import hf_runner  # noqa: E402  (HF generate with every setting explicit; eyas bench runs it too)
 from eyas.engine.stats import synchronize  # noqa: E402
 
 SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
@@ -184,44 +184,6 @@ def eyas_plain(target: Any, eos: list[int], max_new: int, extra: dict[str, Any])
         g = torch.Generator(device=target.device).manual_seed(seed)
         r = plain_generate(target, ids, sampling=sampling, max_new_tokens=max_new, eos_token_ids=eos, generator=g, **kw)
         return r.tokens, r.stats
-
-    return run
-
-
-def hf_runner(model: Any, eos: list[int], pad: int, max_new: int, cache: Any = None, compile_config: Any = None,
-              disable_compile: bool = False):
-    """Hugging Face ``generate`` with every setting explicit (the model's generation_config could add
-    top-k or a repetition penalty). ``cache``: a StaticCache reused across calls (reset before each:
-    its tensors keep their addresses, so the compiled step's CUDA graphs replay instead of
-    re-recording); ``compile_config``: generate compiles the decoding step (transformers 5.x's
-    auto-compile with a static cache; the prefill stays eager)."""
-    from transformers import GenerationConfig
-
-    def run(ids: torch.Tensor, sampling: Any, seed: int) -> tuple[list[int], Any]:
-        kw: dict[str, Any] = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=pad, repetition_penalty=1.0,
-                                  num_beams=1)
-        if sampling.greedy:
-            kw.update(do_sample=False)
-        else:
-            kw.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0)
-        if compile_config is not None:
-            kw["compile_config"] = compile_config
-        if disable_compile:
-            kw["disable_compile"] = True
-        cfg = GenerationConfig(**kw)
-        torch.manual_seed(seed)
-        extra = {}
-        if cache is not None:
-            cache.reset()
-            extra["past_key_values"] = cache
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **extra)
-        new = out[0, ids.shape[1]:].tolist()
-        for i, t in enumerate(new):  # keep up to the first EOS, as the eyas decoders do
-            if t in eos:
-                return new[: i + 1], None
-        return new, None
 
     return run
 
