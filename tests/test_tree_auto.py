@@ -274,7 +274,7 @@ def test_tune_trees_chooses_per_temperature_on_one_hardware_measurement(monkeypa
     import eyas.tune.auto as auto
 
     cost = CostModel({1: 10e-3, 16: 10.5e-3, 32: 12e-3, 64: 18e-3}, **PARTS)
-    measured, calibrated, timed_at = [], [], []
+    measured, calibrated, timed_at, drafts = [], [], [], set()
     monkeypatch.setattr(auto, "measure_cost", lambda target, drafter: measured.append(1) or cost)
 
     def fake_acceptance(target, drafter, prompts, *, temperature, **kw):
@@ -284,8 +284,9 @@ def test_tune_trees_chooses_per_temperature_on_one_hardware_measurement(monkeypa
         return AcceptanceProfile([[1 - good * 0.7 ** (k - 1) for k in range(1, 11)] for _ in range(8)],
                                  f"at {temperature}", [100] * 8, temperature=temperature)
 
-    def fake_rounds(target, drafter, specs, *, sampling, **kw):
+    def fake_rounds(target, drafter, specs, *, sampling, sampled_drafts, **kw):
         timed_at.append(sampling.temperature)
+        drafts.add(sampled_drafts)
         return {s: cost.model_round_s(s, 2.0) for s in specs}
 
     monkeypatch.setattr(auto, "measure_acceptance", fake_acceptance)
@@ -300,6 +301,10 @@ def test_tune_trees_chooses_per_temperature_on_one_hardware_measurement(monkeypa
     assert sampled.predicted_tau < greedy.predicted_tau
     assert plan.for_temperature(0.8) is sampled and plan.for_temperature(0) is greedy
     assert "sampling at temperature" not in sampled.reason  # measured at its temperature: no caveat
+    assert drafts == {"top-k"} and "replayed for top-k drafts" not in sampled.reason
+    gumbel = tune_trees(None, None, [[1, 2, 3]], None, temperatures=(1.0,), sampled_drafts="gumbel").choices[0]
+    assert drafts == {"top-k", "gumbel"}  # its rounds timed as the served requests draft
+    assert "tau was replayed for top-k drafts, the served requests draw theirs (gumbel)" in gumbel.reason
     d = plan.to_dict()
     assert d["plan"] == plan.plan.to_dict() and [c["temperature"] for c in d["choices"]] == [0.0, 1.0]
     check = check_prediction(sampled, measured_tau=sampled.predicted_tau / 1.05, measured_round_ms=None,

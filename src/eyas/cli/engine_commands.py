@@ -175,7 +175,7 @@ def is_auto(tree: str) -> bool:
 
 
 def auto_trees(tgt: Any, drafter: Any, loaded: Any, contract: Any, temperatures: list[float], calibration: Calibration,
-               out: Any, progress: bool) -> Any:
+               out: Any, progress: bool, sampled_drafts: str = "top-k") -> Any:
     """`--tree auto` at ``temperatures``: :func:`eyas.tune.tune_trees` (the hardware measured once, the
     calibration prompts decoded at each temperature until ``calibration.positions`` positions, a
     choice per temperature), then each temperature's candidates and reason printed on ``out``;
@@ -189,7 +189,7 @@ def auto_trees(tgt: Any, drafter: Any, loaded: Any, contract: Any, temperatures:
               f"temperature {temps} on up to {calibration.positions} positions of {calibration.label}...[/]")
     plan = _run(tune_trees, tgt, drafter, calibration.token_ids(loaded.tokenizer), contract,
                 temperatures=temperatures, eos_token_ids=list(loaded.eos_ids), positions=calibration.positions,
-                progress=progress)
+                progress=progress, sampled_drafts=sampled_drafts)
     for choice in plan.choices:
         out.print(auto_tree_table(choice))
         out.print(f"temperature {choice.temperature:g}: {choice.reason}", highlight=False)
@@ -241,7 +241,7 @@ def generate_cmd(
     spec_tree = greedy_tree if sampling.greedy else sampled_tree  # the tree of this request's kind
     if spec_tree == "auto":  # tuned at this request's temperature
         plan = auto_trees(tgt, drafter, loaded, contract, [temperature], calibration,
-                          err if json_out else console, progress=not json_out)
+                          err if json_out else console, progress=not json_out, sampled_drafts=sampled_drafts)
         choice = plan.choices[0]
         spec_tree = choice.spec
     stream = (lambda t: None) if json_out else (lambda t: console.print(tokenizer.decode([t]), end="", highlight=False))
@@ -359,7 +359,7 @@ def _bench(target: str, draft: Optional[str], prompts: list[str], limit: Optiona
     plan = None
     if auto_temps:
         plan = auto_trees(tgt, drafter, loaded, contract, auto_temps, calibration,
-                          err if json_out else console, progress=not json_out)
+                          err if json_out else console, progress=not json_out, sampled_drafts=sampled_drafts)
     runs = []
     for t in temps:
         choice = plan.for_temperature(t) if plan is not None and t in auto_temps else None

@@ -70,29 +70,34 @@ def _acceptance(target: Target, drafter: Eagle3Drafter, calibration: Sequence[Se
 
 def choose_at(target: Target, drafter: Eagle3Drafter, cost: CostModel, acceptance: AcceptanceProfile,
               temperature: float, *, seed: int = 0, sizes: Shortlist | None = None,
-              progress: bool = False) -> TreeChoice:
+              progress: bool = False, sampled_drafts: str = "top-k") -> TreeChoice:
     """The tree for ``temperature`` from the shared parts ``cost`` and that temperature's
     ``acceptance``: the shortlist's rounds timed at the temperature, the model scaled to them, the
     best ``sizes.refine`` trees not yet timed timed too, and the best timed tree chosen (module
     docstring). ``sizes``: how many trees are timed (default: :func:`eyas.tune.rounds.shortlist_for`
-    the target). ``cost`` is not changed: the choice holds a copy with its rounds."""
+    the target). ``sampled_drafts``: how the served sampled requests draft (their rounds are timed so;
+    the replay models top-k drafts). ``cost`` is not changed: the choice holds a copy with its rounds."""
     sizes = sizes if sizes is not None else shortlist_for(target)
     refine = sizes.refine
     cost = dataclasses.replace(cost, round_s_by_tree={}, round_scale=1.0)
     sampling = SamplingParams(temperature)
     ranked = choose_tree(cost, acceptance, temperature=temperature).candidates
     first = shortlist(ranked, sizes.trees, sizes.chains, sizes.per_depth)
-    cost.round_s_by_tree.update(time_rounds(target, drafter, first, sampling=sampling, seed=seed, progress=progress))
+    cost.round_s_by_tree.update(time_rounds(target, drafter, first, sampling=sampling, seed=seed, progress=progress,
+                                            sampled_drafts=sampled_drafts))
     cost.fit_round_scale({c.spec: c.tau for c in ranked})
     if refine > 0 and cost.round_s_by_tree:
         rescaled = choose_tree(cost, acceptance, temperature=temperature).candidates
         second = [c.spec for c in rescaled if c.spec not in cost.round_s_by_tree][:refine]
         cost.round_s_by_tree.update(time_rounds(target, drafter, second, sampling=sampling, seed=seed,
-                                                progress=progress))
+                                                progress=progress, sampled_drafts=sampled_drafts))
     timed = [c.spec for c in ranked if c.spec in cost.round_s_by_tree]
     choice = choose_tree(cost, acceptance, specs=timed or None, temperature=temperature)
     choice.searched = len(ranked)
     choice.reason += sampling_caveat(temperature, acceptance)
+    if temperature > 0 and sampled_drafts != "top-k":
+        choice.reason += (f"; tau was replayed for top-k drafts, the served requests draw theirs ({sampled_drafts}): "
+                          f"they accept otherwise")
     return choice
 
 
@@ -100,7 +105,7 @@ def tune_trees(target: Target, drafter: Eagle3Drafter, calibration: Sequence[Seq
                contract: Contract | None = None, *, temperatures: Sequence[float] = (0.0, 1.0),
                eos_token_ids: Sequence[int] = (), positions: int | None = CALIBRATION_POSITIONS,
                new_tokens: int = CALIBRATION_TOKENS, seed: int = 0, progress: bool = False,
-               cost: CostModel | None = None) -> TreePlanChoice:
+               cost: CostModel | None = None, sampled_drafts: str = "top-k") -> TreePlanChoice:
     """Measure this hardware once and this drafter at every temperature in ``temperatures``, and
     choose each temperature's tree with the best predicted speedup (module docstring).
 
@@ -109,8 +114,9 @@ def tune_trees(target: Target, drafter: Eagle3Drafter, calibration: Sequence[Seq
     ``new_tokens`` each until ``positions`` positions are measured per temperature (None: all of
     them); ``contract``: the drafter's, whose training metrics stand in when the calibration
     measures no draft position; ``seed``: the sampled calibration's and the timed rounds'; ``cost``:
-    a measurement to reuse instead of timing the parts again. Raises :class:`TreeAutoError` when
-    neither source gives an acceptance profile."""
+    a measurement to reuse instead of timing the parts again; ``sampled_drafts``: how sampled requests
+    draft (``speculative_generate``'s). Raises :class:`TreeAutoError` when neither source gives an
+    acceptance profile."""
     temps = list(dict.fromkeys(float(t) for t in temperatures))
     if not temps:
         raise TreeAutoError("--tree auto: expected at least one temperature to tune, found none")
@@ -121,7 +127,8 @@ def tune_trees(target: Target, drafter: Eagle3Drafter, calibration: Sequence[Seq
     for t in temps:
         acceptance = _acceptance(target, drafter, calibration, contract, t, eos_token_ids=eos_token_ids,
                                  positions=positions, new_tokens=new_tokens, seed=seed, progress=progress)
-        choices.append(choose_at(target, drafter, cost, acceptance, t, seed=seed, progress=progress))
+        choices.append(choose_at(target, drafter, cost, acceptance, t, seed=seed, progress=progress,
+                                 sampled_drafts=sampled_drafts))
     return TreePlanChoice(choices, cost)
 
 
