@@ -380,18 +380,18 @@ def test_auto_picks_the_triton_kernels_on_the_compiled_gpu_path_only(monkeypatch
     order elsewhere (the CPU's eager steps here)."""
     import importlib.util
 
-    from eyas.engine.llama_kernels import FEW_ROW_KERNELS_UP_TO_HIDDEN as SMALL, _auto_kernels
+    from eyas.engine.llama_kernels import FEW_ROW_KERNELS_UP_TO_HIDDEN as SMALL, auto_kernels
 
     fast = LlamaTarget(tiny_model("llama", L), SPEC, max_length=64, fixed_shapes=True)
     assert (fast.matvec, fast.attention, fast.implementation) == ("gemm", "eager", "fast")
-    assert _auto_kernels(False, 64, 576) == ("gemm", "eager")
+    assert auto_kernels(False, 64, 576) == ("gemm", "eager")
     if importlib.util.find_spec("triton") is not None:
-        assert _auto_kernels(True, 64, 4096) == ("triton", "split-kv")  # an 8B: verification on cuBLAS
-        assert _auto_kernels(True, 64, SMALL) == _auto_kernels(True, 64, 576) == ("triton-verify", "split-kv")
-        assert _auto_kernels(True, 64, SMALL + 1) == ("triton", "split-kv")
-        assert _auto_kernels(True, 80, 576) == ("triton", "eager")  # no split-kv: plain steps only
+        assert auto_kernels(True, 64, 4096) == ("triton", "split-kv")  # an 8B: verification on cuBLAS
+        assert auto_kernels(True, 64, SMALL) == auto_kernels(True, 64, 576) == ("triton-verify", "split-kv")
+        assert auto_kernels(True, 64, SMALL + 1) == ("triton", "split-kv")
+        assert auto_kernels(True, 80, 576) == ("triton", "eager")  # no split-kv: plain steps only
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else object())
-    assert _auto_kernels(True, 64, 576) == ("gemm", "eager")  # no triton: cuBLAS
+    assert auto_kernels(True, 64, 576) == ("gemm", "eager")  # no triton: cuBLAS
 
 
 @pytest.mark.unit

@@ -23,7 +23,7 @@ The hidden state fed back is h (pre-norm), or norm(h) with ``norm_output`` (then
 Compiled by inductor, the prologue is 3 kernels, so a step is 10 kernels from fed-back states and 11
 from target features, against 20 and 21 for the compiled forward. The drafter runs them where the
 target verifies through its kernels (``matvec="triton-verify"``, the default for small targets:
-:func:`eyas.engine.llama._auto_kernels`). On SmolLM2's MT-bench, drafting through them cost 0.86
+:func:`eyas.engine.llama_kernels.auto_kernels`). On SmolLM2's MT-bench, drafting through them cost 0.86
 ms a round against 0.82 with the forward, before the gate/up kernel's glu and before the round
 functions were compiled whole (``benchmarks/2026-12-02-verify-kernels-h200.md``); with both, a
 round of tree 4,8,31 drafted in 0.60 ms (``benchmarks/2026-12-02-round-compile-h200.md``, call 2).

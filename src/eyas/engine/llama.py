@@ -73,13 +73,13 @@ from torch import Tensor, nn
 
 from eyas.convention.boundaries import CaptureSpec
 from eyas.engine.graphs import brief_error, capture
-from eyas.engine.llama_kernels import (ATTENTION_CHOICES, MATVEC_CHOICES, _auto_kernels, fuse_projections,
+from eyas.engine.llama_kernels import (ATTENTION_CHOICES, MATVEC_CHOICES, auto_kernels, fuse_projections,
                                        why_no_triton, why_not_split_kv)
 from eyas.engine.llama_kernels import (  # noqa: F401 (re-exported: other modules import them from here)
     CPU_TRANSPOSED_ROWS, FEW_ROW_KERNELS_UP_TO_HIDDEN, KERNEL_ROWS, OneRow, linear, project, stack_rows,
     stacked_products, stacked_rows, why_not_stackable)
 from eyas.engine.llama_steps import BlockWeights, rms_norm, rope  # noqa: F401 (re-exported, likewise)
-from eyas.engine.llama_steps import _StepFunctions, block_weights, detached, step_functions
+from eyas.engine.llama_steps import StepFunctions, block_weights, detached, step_functions
 from eyas.engine.target import Target
 from eyas.errors import EyasError
 from eyas.targets.structure import find_decoder_blocks, text_config
@@ -182,7 +182,7 @@ class LlamaTarget(Target):
     Face's eager order (``"eager"``), one ``scaled_dot_product_attention`` call a block (``"sdpa"``),
     or split-KV Triton kernels (``"split-kv"``). ``"auto"``, the default of both, picks the Triton
     kernels where the steps are compiled on a GPU and triton is installed (split-kv where the head
-    dimension allows it; :func:`~eyas.engine.llama_kernels._auto_kernels`), else ``"gemm"`` and
+    dimension allows it; :func:`~eyas.engine.llama_kernels.auto_kernels`), else ``"gemm"`` and
     ``"eager"``; an option whose kernels cannot run where the model is gets refused, with the reason.
     Each choice, and what it measured: :mod:`eyas.engine.llama_kernels`."""
 
@@ -257,7 +257,7 @@ class LlamaTarget(Target):
         if attention not in ATTENTION_CHOICES:
             raise UnsupportedTarget(f"LlamaTarget: attention must be one of {list(ATTENTION_CHOICES)}, "
                                     f"found {attention!r}")
-        auto_matvec, auto_attention = _auto_kernels(self.compile, self.head_dim, int(cfg.hidden_size))
+        auto_matvec, auto_attention = auto_kernels(self.compile, self.head_dim, int(cfg.hidden_size))
         self.matvec = auto_matvec if matvec == "auto" else matvec
         if self.matvec in ("triton", "triton-verify"):
             _check_triton(f"matvec={self.matvec!r}", "matvec='gemm'", self.device)
@@ -295,7 +295,7 @@ class LlamaTarget(Target):
                         + ["attention-sdpa"] * (self.attention == "sdpa")
                         + ["attention-split-kv"] * (own and self._fixed.split_kv_layer is not None))
 
-    def _functions(self, backend: str | None, matvec: str = "gemm", attention: str = "eager") -> _StepFunctions:
+    def _functions(self, backend: str | None, matvec: str = "gemm", attention: str = "eager") -> StepFunctions:
         """The step's functions with this model's constants, ``matvec`` and ``attention`` bound;
         compiled with ``backend`` (None: eager): :func:`~eyas.engine.llama_steps.step_functions`."""
         return step_functions(self._consts, backend, matvec, attention)
@@ -351,7 +351,7 @@ class LlamaTarget(Target):
         self._appended(T)
         return logits, (features if capture else None)
 
-    def _step(self, inputs: _Inputs, n_keys: int, fns: _StepFunctions) -> tuple[Tensor, Tensor]:
+    def _step(self, inputs: _Inputs, n_keys: int, fns: StepFunctions) -> tuple[Tensor, Tensor]:
         """One forward of B = len(inputs.ids) tokens attending the first ``n_keys`` cache entries; its
         shapes depend only on those two numbers. Returns logits [B, V] and the captured boundaries
         [B, S*H] in the spec's slot order (boundary b = the residual stream entering block b;

@@ -14,7 +14,7 @@ by the few-row kernel; with split-kv attention, verification attends through it 
 steps run the same kernels, :mod:`eyas.engine.draft_kernels`), or ``"auto"`` (the default: where the
 steps are compiled on a GPU and triton is installed, ``"triton-verify"`` for a model of hidden size up
 to ``FEW_ROW_KERNELS_UP_TO_HIDDEN`` (1024) with split-kv attention, ``"triton"`` for larger ones, else
-``"gemm"``; :func:`_auto_kernels`). Other steps use ``F.linear``.
+``"gemm"``; :func:`auto_kernels`). Other steps use ``F.linear``.
 
 Measured on an H200 in bf16 (``benchmarks/2026-12-01-matvec-h200.md``): a SmolLM2-shaped plain step
 1.229 ms (gemm), 0.976 (reduce), 0.933 (reduce-tuned); an 8B-shaped one 4.949, 6.458 and 4.849 ms,
@@ -49,13 +49,13 @@ machine); verifying 24 tokens with gemm, 5.98 ms split-kv against 5.59 eager (on
 opt-in (slower); split-kv goes with ``matvec="triton"`` (above).
 
 Dispatch. ``MATVEC_CHOICES`` and ``ATTENTION_CHOICES`` are the options' values, and
-:func:`_auto_kernels` what ``"auto"`` picks. :func:`why_no_triton` and :func:`why_not_split_kv` say
+:func:`auto_kernels` what ``"auto"`` picks. :func:`why_no_triton` and :func:`why_not_split_kv` say
 where eyas' Triton kernels cannot run (the target refuses an option that needs them there; the
 drafter's kernels, :mod:`eyas.engine.draft_kernels`, ask the same). A product of a step's rows runs
 through :func:`linear` (``F.linear``; one row as a float32 reduction with ``matvec="reduce"``; a few
 rows transposed on the CPU) or :func:`project` (stacked projections, one GEMM by a fused weight),
-or, where :func:`_in_kernels` says so, through :mod:`eyas.engine.matvec`'s kernels
-(:func:`stacked_products`, :func:`_fused_matvec`), which also do the norm before the product,
+or, where :func:`in_kernels` says so, through :mod:`eyas.engine.matvec`'s kernels
+(:func:`stacked_products`, :func:`fused_matvec`), which also do the norm before the product,
 SiLU(gate) * up and the residual add. The kernels are imported at their first use, so this module
 imports without Triton. The step's functions (:mod:`eyas.engine.llama_steps`) call these.
 
@@ -86,9 +86,9 @@ from eyas.targets.structure import find_decoder_blocks
 
 # How the fixed-shape steps multiply by the weights (LlamaTarget's matvec).
 MATVEC_CHOICES = ("auto", "gemm", "reduce", "reduce-tuned", "triton", "triton-verify")
-# What the step's functions do with their rows (see _in_kernels): "reduce-tuned" is "reduce" with
+# What the step's functions do with their rows (see in_kernels): "reduce-tuned" is "reduce" with
 # other compiler options; "auto" is "triton" or "triton-verify" on the compiled GPU path, else "gemm"
-# (see _auto_kernels).
+# (see auto_kernels).
 OneRow = Literal["gemm", "reduce", "triton", "triton-verify"]
 # With matvec="triton-verify", the fixed-shape steps of up to this many tokens run every product
 # through eyas.engine.matvec's kernels (its MAX_ROWS): a plain step, and trees of up to 63 drafted
@@ -132,7 +132,7 @@ def why_not_split_kv(head_dim: int) -> str | None:
 FEW_ROW_KERNELS_UP_TO_HIDDEN = 1024
 
 
-def _auto_kernels(compiled: bool, head_dim: int, hidden_size: int) -> tuple[str, str]:
+def auto_kernels(compiled: bool, head_dim: int, hidden_size: int) -> tuple[str, str]:
     """(matvec, attention) for "auto": eyas' Triton kernels where the fixed-shape steps are compiled
     on a GPU (the fast path) and triton is installed, else cuBLAS and the eager order ("gemm",
     "eager"). With the kernels: split-kv attention where the head dimension is one its kernels take
@@ -188,7 +188,7 @@ def project(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] |
     return tuple(linear(a, w, None if biases is None else biases[j], matvec=matvec) for j, w in enumerate(weights))
 
 
-def _fused_matvec(x: Tensor, w: Tensor, **options) -> Tensor:
+def fused_matvec(x: Tensor, w: Tensor, **options) -> Tensor:
     """:func:`eyas.engine.matvec.matvec`, imported at its first use: Triton is needed only where
     ``matvec="triton"`` is asked for (and checked then, by :func:`eyas.engine.llama._check_triton`)."""
     from eyas.engine.matvec import matvec
@@ -196,7 +196,7 @@ def _fused_matvec(x: Tensor, w: Tensor, **options) -> Tensor:
     return matvec(x, w, **options)
 
 
-def _in_kernels(matvec: OneRow, a: Tensor) -> bool:
+def in_kernels(matvec: OneRow, a: Tensor) -> bool:
     """Whether a product of a [B, ...] runs our Triton kernels (:mod:`eyas.engine.matvec`, the norms,
     SiLU and residual adds in the products' kernels): with ``matvec="triton"`` and B = 1 (the
     one-row kernel), or ``"triton-verify"`` and B <= ``KERNEL_ROWS`` (more rows by the few-row
@@ -212,7 +212,7 @@ def stacked_products(a: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tenso
     and its ``options``, e.g. the norm as an "rms" prologue): [B, sum of their rows], one kernel for
     a fused weight, else one per separate weight (each repeating the prologue), concatenated. The
     target's q/k/v and gate/up, and the drafter's (:mod:`eyas.engine.draft_kernels`)."""
-    rows = [_fused_matvec(a, w, bias=None if biases is None else biases[j], **options) for j, w in enumerate(weights)]
+    rows = [fused_matvec(a, w, bias=None if biases is None else biases[j], **options) for j, w in enumerate(weights)]
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=-1)
 
 
@@ -261,7 +261,7 @@ def why_not_stackable(linears: Sequence[nn.Module]) -> str | None:
     return None
 
 
-def _projection_groups(block: nn.Module) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
+def projection_groups(block: nn.Module) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
     """A decoder block's (q_proj, k_proj, v_proj) and (gate_proj, up_proj), in row order."""
     attn, mlp = block.self_attn, block.mlp
     return (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
@@ -290,7 +290,7 @@ def fuse_projections(model: nn.Module) -> str | None:
     groups = []
     for i, block in enumerate(blocks):
         try:
-            qkv, gate_up = _projection_groups(block)
+            qkv, gate_up = projection_groups(block)
         except AttributeError as e:
             return f"block {i}: {e}"
         for group, names in ((qkv, "q/k/v"), (gate_up, "gate/up")):

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eyas.engine.graphs import raise_recompile_limits
-from eyas.engine.llama_kernels import (KERNEL_ROWS, OneRow, _fused_matvec, _in_kernels, _projection_groups, linear,
+from eyas.engine.llama_kernels import (KERNEL_ROWS, OneRow, fused_matvec, in_kernels, projection_groups, linear,
                                        project, stacked_products, stacked_rows)
 
 
@@ -92,7 +92,7 @@ def block_weights(block: nn.Module, fused: bool) -> BlockWeights:
         return tuple(parts)  # type: ignore[arg-type]
 
     attn, mlp = block.self_attn, block.mlp
-    qkv, gate_up = _projection_groups(block)
+    qkv, gate_up = projection_groups(block)
     return BlockWeights(
         input_norm=w(block.input_layernorm), qkv=rows(qkv), qkv_bias=rows(qkv, "bias"),
         o=w(attn.o_proj), o_bias=w(attn.o_proj, "bias"),
@@ -142,12 +142,12 @@ def _before_attention(x: Tensor, d: Tensor | None, w: BlockWeights, kv_heads: in
     """A block's front for B tokens: the stream entering it h_in = x + d [B, H] (the previous
     block's last residual add is done here, fused with this block's norm; d None: x alone), and its
     queries, keys and values q [B, Hq, D], k, v [B, Hkv, D], not yet rotated (views of the fused
-    projection's output; Qwen3's per-head norms applied). ``matvec``: see :func:`_in_kernels`."""
+    projection's output; Qwen3's per-head norms applied). ``matvec``: see :func:`in_kernels`."""
     h_in = x if d is None else x + d  # [B, H]
     B, Hkv, D = h_in.shape[0], kv_heads, head_dim
     Hq = w.o.shape[1] // D
     sizes = (Hq * D, Hkv * D, Hkv * D)
-    if _in_kernels(matvec, h_in):  # the norm in the product's kernel
+    if in_kernels(matvec, h_in):  # the norm in the product's kernel
         q, k, v = stacked_products(h_in, w.qkv, w.qkv_bias, prologue="rms", norm=w.input_norm,
                                    eps=eps).split(sizes, dim=-1)
     else:
@@ -169,8 +169,8 @@ def _layer(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots: Tensor,
 
     Returns (h_in, h, act): the stream entering the block (its boundary) and the stream after
     attention [B, H], and the MLP's activation SiLU(gate) * up [B, I], which :func:`_down` projects
-    (where :func:`_in_kernels`: the gate/up output [B, 2I], SiLU(gate) * up done in the down
-    product's kernel). ``matvec``: see :func:`_in_kernels`. ``sdpa``: attention as one
+    (where :func:`in_kernels`: the gate/up output [B, 2I], SiLU(gate) * up done in the down
+    product's kernel). ``matvec``: see :func:`in_kernels`. ``sdpa``: attention as one
     ``scaled_dot_product_attention`` call (a fused kernel on a GPU, which keeps the probabilities in
     float32 for PV) instead of the eager order's three steps (QK in the model's dtype; scale, mask
     and softmax in float32, cast back; PV)."""
@@ -230,15 +230,15 @@ def _layer_split_kv(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots
 def _after_attention(h_in: Tensor, out: Tensor, w: BlockWeights, *, eps: float,
                      matvec: OneRow) -> tuple[Tensor, Tensor, Tensor]:
     """The rest of :func:`_layer` from the attention's output out [B, Hq*D]: the o projection and
-    its residual add, the post-attention norm, gate/up and SiLU(gate) * up (where :func:`_in_kernels`:
+    its residual add, the post-attention norm, gate/up and SiLU(gate) * up (where :func:`in_kernels`:
     the o product with its residual add, then gate/up with its norm, two kernels; one row leaves the
     SiLU to :func:`_down`'s kernel and returns the gate/up output [1, 2I], more rows of a fused
     gate/up compute SiLU(gate) * up [B, I] in the gate/up kernel's epilogue, ``glu``)."""
     I = w.down.shape[1]
-    if _in_kernels(matvec, out):
-        h = _fused_matvec(out.contiguous(), w.o, bias=w.o_bias, residual=h_in)
+    if in_kernels(matvec, out):
+        h = fused_matvec(out.contiguous(), w.o, bias=w.o_bias, residual=h_in)
         if h.shape[0] > 1 and len(w.gate_up) == 1:  # few rows: the SiLU once, in the gate/up kernel
-            return h_in, h, _fused_matvec(h, w.gate_up[0], prologue="rms", norm=w.post_norm, eps=eps,
+            return h_in, h, fused_matvec(h, w.gate_up[0], prologue="rms", norm=w.post_norm, eps=eps,
                                           bias=None if w.gate_up_bias is None else w.gate_up_bias[0], glu=True)
         return h_in, h, stacked_products(h, w.gate_up, w.gate_up_bias, prologue="rms", norm=w.post_norm,
                                          eps=eps)  # [B, 2I]
@@ -252,7 +252,7 @@ def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
           matvec: OneRow = "gemm") -> tuple[Tensor, Tensor | None]:
     """A block's last product: the MLP's activation act [B, I] by down [H, I], m [B, H]. Returns the
     block's output as (x, d) for the next block: (h, m), the add left to the next norm, or with
-    ``matvec="reduce"`` and one row, or where :func:`_in_kernels`, (h + m, None), the add done in
+    ``matvec="reduce"`` and one row, or where :func:`in_kernels`, (h + m, None), the add done in
     this product's kernel (with the Triton kernels, act may be the gate/up output [B, 2I], and the
     kernel computes SiLU(gate) * up: see :func:`_after_attention`).
 
@@ -263,9 +263,9 @@ def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
     written by a 1.2 us kernel; ``benchmarks/2026-12-02-llama8b-h200.md``). Saving that kernel by
     computing gate and up as two reductions that inductor fuses with SiLU was slower (63.5 us for
     gate/up against 56.1 us as one reduction of the fused weight, in one call)."""
-    if _in_kernels(matvec, act):  # act: the gate/up output [B, 2I] (SiLU in this kernel), or SiLU(gate) * up
+    if in_kernels(matvec, act):  # act: the gate/up output [B, 2I] (SiLU in this kernel), or SiLU(gate) * up
         prologue = "silu" if act.shape[1] == 2 * down.shape[1] else None
-        return _fused_matvec(act, down, prologue=prologue, bias=down_bias, residual=h), None
+        return fused_matvec(act, down, prologue=prologue, bias=down_bias, residual=h), None
     m = linear(act, down, down_bias, matvec=matvec == "reduce")
     if matvec == "reduce" and act.shape[0] == 1:
         return h + m, None
@@ -276,12 +276,12 @@ def _head(x: Tensor, d: Tensor | None, norm: Tensor, lm_head: Tensor, lm_bias: T
           eps: float, matvec: OneRow = "gemm") -> tuple[Tensor, Tensor]:
     """The last block's output x + d [B, H] (boundary L; d None: x) and the logits [B, V]."""
     h = x if d is None else x + d
-    if _in_kernels(matvec, h):
-        return h, _fused_matvec(h, lm_head, prologue="rms", norm=norm, eps=eps, bias=lm_bias)
+    if in_kernels(matvec, h):
+        return h, fused_matvec(h, lm_head, prologue="rms", norm=norm, eps=eps, bias=lm_bias)
     return h, linear(rms_norm(h, norm, eps), lm_head, lm_bias, matvec=matvec == "reduce")
 
 
-class _StepFunctions(NamedTuple):
+class StepFunctions(NamedTuple):
     """A step's four functions (eager or compiled), up to how many rows their blocks return their
     output whole (see :func:`_down`: the blocks then pass no residual along; 0: never), and
     split-kv's layer (:func:`_layer_split_kv`, which takes a block's cache as one tensor kv
@@ -297,7 +297,7 @@ class _StepFunctions(NamedTuple):
 
 
 def step_functions(consts: dict[str, float], backend: str | None, matvec: str = "gemm",
-                   attention: str = "eager") -> _StepFunctions:
+                   attention: str = "eager") -> StepFunctions:
     """The step's functions (prologue, layer, down, head) with a model's constants ``consts`` (eps,
     qk_eps, scaling, rope_scaling), ``matvec`` and ``attention`` bound; compiled with ``backend``
     (None: eager). Compiled, every call with a bucket's shapes hits the same compilation."""
@@ -319,4 +319,4 @@ def step_functions(consts: dict[str, float], backend: str | None, matvec: str = 
         raise_recompile_limits()
         options = {"coordinate_descent_tuning": True} if matvec == "reduce-tuned" else None
         fns = [torch.compile(f, backend=backend, fullgraph=True, dynamic=False, options=options) for f in fns]
-    return _StepFunctions(*fns[:4], whole_rows, fns[4] if split_rows else None, split_rows)
+    return StepFunctions(*fns[:4], whole_rows, fns[4] if split_rows else None, split_rows)
