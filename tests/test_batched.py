@@ -150,8 +150,8 @@ def test_the_decode_step_and_the_prefill_never_read_a_tensor_on_the_host(monkeyp
                 return fn(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(engine, "_step", guarded(engine._step))
-    monkeypatch.setattr(engine, "_prefill", guarded(engine._prefill))
+    monkeypatch.setattr(engine, "decode_step", guarded(engine.decode_step))
+    monkeypatch.setattr(engine, "prefill_rows", guarded(engine.prefill_rows))
     assert engine.run(prompts, 8, [7], temperature=0.8, top_p=0.9, seed=1).answers == expected
 
 
