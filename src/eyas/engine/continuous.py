@@ -1,0 +1,207 @@
+"""Continuous batching for a server: requests join and leave a running batch at every step
+(:class:`RowBatch`, over :class:`~eyas.engine.batched.BatchedLlama`'s rows, cache and step).
+
+:meth:`BatchedLlama.run <eyas.engine.batched.BatchedLlama.run>` answers a list of prompts known up
+front and reads the device every ``sync_every`` steps. A server does not know its requests up front,
+streams every token and stops a row at once (a stop string, a client gone), so :class:`RowBatch`
+exposes the same state one step at a time:
+
+- :meth:`RowBatch.admit` prefills requests into free rows (eagerly, in groups, as ``run`` does) and
+  returns each one's first token; a request that already has tokens (one that decoded speculatively
+  alone and is joined by others) is *resumed*: its prompt and its tokens but the last are prefilled,
+  and its last token is fed next, so the row continues exactly where the request stood;
+- :meth:`RowBatch.step` runs one decode step over every row (the fixed-shape step ``run`` runs: one
+  compiled function and CUDA graph per key bucket and mode) and reads its tokens back once, [2, R]
+  longs: the token each busy row chose, and whether it is still active on the device;
+- :meth:`RowBatch.release` frees a row at once (its request ended on the host, or was cancelled).
+
+Each row has its own sampling parameters (temperature, top-p; greedy rows take the argmax in a
+sampled step, ``Rows.greedy``), its own limit and its own random key (from the request's seed).
+A step's mode is the widest its busy rows need: ``greedy`` when every row is greedy, ``top_p`` when
+one filters, else ``sample``. Invariants:
+
+- a row's cache holds its own tokens only: entries 0 .. pos of row r are its request's sequence;
+  rows never read each other's entries (the step's mask is per row), so a greedy row's tokens are
+  the ones its request gets alone, up to the numerics of a batched product (equal in float32 on
+  the tested models; the server tests check it);
+- the host knows every busy row's position exactly (prompt + tokens - 1), so each step attends the
+  smallest key bucket above the longest row without reading the device;
+- a row is busy from its admission until :meth:`release`; a row the device finished (an eos token
+  or its limit) is reported ``finished`` once and must then be released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from eyas.engine.batched import BatchedLlama
+from eyas.engine.errors import RequestError
+from eyas.engine.sampling import SamplingParams
+
+_KEY_SPACE = 1 << 31  # counter_uniform's keys are int64; a seed of any size maps into this
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    """What a row decodes.
+
+    prompt: the tokens prefilled into the row (a resumed request: its prompt and every token it has
+        generated but the last).
+    max_new_tokens: the row's whole budget of new tokens, the ones already generated included.
+    next_token: resume only: the request's last token (already emitted), fed at the first step.
+    generated: resume only: the tokens the request has emitted (``next_token`` the last of them).
+    """
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+    next_token: int | None = None
+    generated: int = 0
+
+    @property
+    def resumed(self) -> bool:
+        return self.next_token is not None
+
+
+@dataclass(frozen=True)
+class RowTokens:
+    """A row's new tokens from :meth:`RowBatch.admit` or :meth:`RowBatch.step`; ``finished``: the
+    device ended the row (an eos token, or its limit) with the last of them."""
+
+    row: int
+    tokens: list[int]
+    finished: bool
+
+
+def step_mode(samplings: Sequence[SamplingParams]) -> str:
+    """The decode step's mode for rows with these sampling parameters (module docstring)."""
+    if all(s.greedy for s in samplings):
+        return "greedy"
+    return "top_p" if any(not s.greedy and s.top_p < 1 for s in samplings) else "sample"
+
+
+class RowBatch:
+    """A running batch of up to ``engine.rows`` requests, one per row (module docstring).
+
+    Args:
+        engine: the batched engine whose rows, cache and compiled steps it drives (its own: a
+            :meth:`BatchedLlama.run` on the same engine would reset the rows).
+        capacity: the positions a row may hold (prompt + new tokens): the served context.
+        eos_ids: the tokens that end every row.
+    """
+
+    def __init__(self, engine: BatchedLlama, capacity: int, eos_ids: Sequence[int] = ()) -> None:
+        self.engine, self.capacity = engine, int(capacity)
+        engine.ensure(self.capacity, self.capacity)
+        st = engine.state
+        assert st is not None
+        self.rows = engine.rows
+        st.active.zero_()
+        st.is_eos.zero_()
+        eos = [int(e) for e in eos_ids if 0 <= int(e) < engine.vocab_size]
+        if eos:
+            st.is_eos[torch.tensor(eos, device=engine.device)] = True
+        self.sampling: list[SamplingParams | None] = [None] * self.rows  # None: the row is free
+        self.pos = [0] * self.rows  # the position of the token the row feeds next (host-exact)
+        self.steps = 0  # decode steps run
+
+    # -- rows ------------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> list[int]:
+        return [r for r, s in enumerate(self.sampling) if s is not None]
+
+    @property
+    def free(self) -> list[int]:
+        return [r for r, s in enumerate(self.sampling) if s is None]
+
+    def mode(self) -> str:
+        return step_mode([s for s in self.sampling if s is not None])
+
+    def check(self, request: RowRequest) -> None:
+        """Raise :class:`RequestError` for a request no row can decode (names the field)."""
+        n, V = len(request.prompt), self.engine.vocab_size
+        if n == 0:
+            raise RequestError("prompt: expected at least one token, found none")
+        if min(request.prompt) < 0 or max(request.prompt) >= V:
+            raise RequestError(f"prompt: token ids must be in [0, {V}), found [{min(request.prompt)}, "
+                               f"{max(request.prompt)}]")
+        if request.sampling.top_k:
+            raise RequestError(f"top_k: the batched step samples with temperature and top_p only, found "
+                               f"top_k={request.sampling.top_k}")
+        room = request.max_new_tokens - request.generated  # tokens still to come
+        # positions fed: the prompt's 0 .. n-1, then n .. n + room - 2 (fresh; the last token is never
+        # fed) or n .. n + room - 1 (resumed: next_token at n first)
+        if room < 1 or n + room > self.capacity:
+            raise RequestError(f"max_new_tokens: {request.max_new_tokens} ({request.generated} generated) after "
+                               f"{n} prompt tokens: a row holds {self.capacity} positions")
+
+    @torch.no_grad()
+    def admit(self, requests: Sequence[RowRequest]) -> list[RowTokens]:
+        """Prefill ``requests`` into free rows (at most ``len(self.free)``), in order; returns each
+        one's row and first token (a resumed request: no token, its row feeds ``next_token``)."""
+        free = self.free
+        if len(requests) > len(free):
+            raise RequestError(f"admit: {len(requests)} requests, {len(free)} free rows")
+        for q in requests:
+            self.check(q)
+        if not requests:
+            return []
+        eng, st = self.engine, self.engine.state
+        assert st is not None
+        dev = eng.device
+        rows = free[:len(requests)]
+        index = torch.tensor(rows, dtype=torch.long, device=dev)
+        # the rows' parameters before the prefill: its first token is drawn with them
+        temps = [q.sampling.temperature if not q.sampling.greedy else 1.0 for q in requests]
+        st.temperature.index_copy_(0, index, torch.tensor(temps, dtype=st.temperature.dtype, device=dev))
+        st.drop_mass.index_copy_(0, index, torch.tensor([1.0 - q.sampling.top_p for q in requests],
+                                                        dtype=st.drop_mass.dtype, device=dev))
+        st.greedy.index_copy_(0, index, torch.tensor([q.sampling.greedy for q in requests], device=dev))
+        st.limit.index_copy_(0, index, torch.tensor([q.max_new_tokens for q in requests], device=dev))
+        keys = torch.tensor([q.seed % _KEY_SPACE for q in requests], dtype=torch.long)
+        mode = step_mode([q.sampling for q in requests])
+        eng.prefill_rows(list(zip(rows, range(len(requests)))), [list(q.prompt) for q in requests], keys, mode)
+        resumed = [(r, q) for r, q in zip(rows, requests) if q.resumed]
+        if resumed:  # the row continues the request: its token fed next, its count, active
+            at = torch.tensor([r for r, _ in resumed], dtype=torch.long, device=dev)
+            st.ids.index_copy_(0, at, torch.tensor([q.next_token for _, q in resumed], device=dev))
+            st.n_gen.index_copy_(0, at, torch.tensor([q.generated for _, q in resumed], device=dev))
+            st.active.index_fill_(0, at, True)
+        first, active = torch.stack((st.ids[index], st.active[index].long())).tolist()
+        out = []
+        for j, (r, q) in enumerate(zip(rows, requests)):
+            self.sampling[r] = q.sampling
+            self.pos[r] = len(q.prompt)
+            if not q.resumed:
+                out.append(RowTokens(r, [int(first[j])], not active[j]))
+        return out
+
+    @torch.no_grad()
+    def step(self) -> list[RowTokens]:
+        """One decode step of every row; each busy row's new token (module docstring)."""
+        busy = self.busy
+        if not busy:
+            return []
+        eng, st = self.engine, self.engine.state
+        assert st is not None
+        need = max(self.pos[r] for r in busy) + 1  # entries 0 .. pos attended
+        eng.decode_step(next(b for b in eng.buckets() if b >= need), self.mode())
+        self.steps += 1
+        ids, active = torch.stack((st.ids, st.active.long())).tolist()  # the step's one read of the device
+        out = []
+        for r in busy:
+            self.pos[r] += 1
+            out.append(RowTokens(r, [int(ids[r])], not active[r]))
+        return out
+
+    def release(self, row: int) -> None:
+        """Free ``row`` now (its request ended or was cancelled); the device stops advancing it."""
+        if self.sampling[row] is None:
+            return
+        self.sampling[row] = None
+        self.engine.state.active[row] = False  # type: ignore[union-attr]

@@ -1,0 +1,131 @@
+"""eyas.engine.continuous: a running batch that requests join and leave at every step gives each
+greedy request exactly its answer alone (HF ``generate`` in float32), whatever joins beside it and
+whenever; a resumed request continues where it stood; a sampled row draws from its own seed only;
+a released row stops at once; bad requests are refused with the field named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.engine.batched import BatchedLlama
+from eyas.engine.continuous import RowBatch, RowRequest, step_mode
+from eyas.engine.errors import RequestError
+from eyas.engine.sampling import SamplingParams
+from tests.support.tiny import random_prompts, tiny_model
+from tests.test_batched import hf_greedy
+
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]
+
+HOT = SamplingParams(temperature=1.0)
+
+
+def drive(batch: RowBatch, arrivals: dict[int, list[RowRequest]], stop_after: int = 200) -> dict[int, list[int]]:
+    """Run ``batch``: at step s the requests ``arrivals[s]`` arrive and wait for a free row; a row
+    is released when the device finishes it. Returns each request's tokens by arrival order."""
+    owner: dict[int, int] = {}
+    tokens: dict[int, list[int]] = {}
+    waiting: list[RowRequest] = []
+    n = 0
+    for s in range(stop_after):
+        waiting += arrivals.get(s, [])
+        while waiting and batch.free:
+            (got,) = batch.admit([waiting.pop(0)])
+            owner[got.row], tokens[n] = n, list(got.tokens)
+            n += 1
+            if got.finished:
+                batch.release(got.row)
+        for t in batch.step():
+            tokens[owner[t.row]] += t.tokens
+            if t.finished:
+                batch.release(t.row)
+        if not batch.busy and not waiting and s > max(arrivals):
+            break
+    return tokens
+
+
+def test_requests_joining_at_any_step_get_their_answer_alone():
+    model = tiny_model("llama", 3)
+    prompts = random_prompts(7, 128, seed=11, lengths=(1, 20))
+    want = [hf_greedy(model, p, 9, None)[0] for p in prompts]
+    batch = RowBatch(BatchedLlama(model, rows=3), capacity=64)
+    arrivals = {0: [RowRequest(prompts[0], 9)], 2: [RowRequest(prompts[1], 9), RowRequest(prompts[2], 9)],
+                5: [RowRequest(prompts[3], 9)], 11: [RowRequest(prompts[4], 9)], 12: [RowRequest(prompts[5], 9)],
+                20: [RowRequest(prompts[6], 9)]}
+    got = drive(batch, arrivals)
+    assert [got[i] for i in range(7)] == want
+    assert batch.busy == [] and not batch.engine.state.active.any()
+
+
+def test_a_resumed_request_continues_exactly_where_it_stood():
+    model = tiny_model("qwen2", 3)
+    prompt = random_prompts(1, 128, seed=3, lengths=(6, 6))[0]
+    want = hf_greedy(model, prompt, 12, None)[0]
+    batch = RowBatch(BatchedLlama(model, rows=2), capacity=64)
+    k = 5  # the request emitted want[:k] elsewhere (speculatively, alone); it joins the batch now
+    other = random_prompts(1, 128, seed=4, lengths=(3, 3))[0]
+    first = batch.admit([RowRequest(other, 12), RowRequest(prompt + want[:k - 1], 12, next_token=want[k - 1],
+                                                           generated=k)])
+    assert [t.row for t in first] == [0]  # the resumed row emits nothing at admission
+    rest: list[int] = []
+    for _ in range(12 - k):
+        rest += [t.tokens[0] for t in batch.step() if t.row == 1]
+    assert want[:k] + rest == want
+    assert batch.engine.state.active[1].item() is False  # its limit (12 tokens in all) ended it
+
+
+def test_a_sampled_row_draws_from_its_seed_alone_and_greedy_rows_beside_it_keep_their_answers():
+    model = tiny_model("llama", 2)
+    prompts = random_prompts(3, 128, seed=8, lengths=(4, 9))
+    want = hf_greedy(model, prompts[0], 8, None)[0]
+
+    def sampled(neighbours: list[RowRequest]) -> tuple[list[int], list[int]]:
+        batch = RowBatch(BatchedLlama(model, rows=3), capacity=32)
+        got = drive(batch, {0: [RowRequest(prompts[1], 8, HOT, seed=5), RowRequest(prompts[0], 8), *neighbours]})
+        return got[0], got[1]
+
+    alone, greedy_beside = sampled([])
+    crowded, greedy_crowded = sampled([RowRequest(prompts[2], 8, SamplingParams(temperature=0.7, top_p=0.8), seed=9)])
+    assert alone == crowded  # the draws depend on the row's seed and its logits only
+    assert greedy_beside == greedy_crowded == want  # a greedy row in a sampled (top_p) step: the argmax
+    batch = RowBatch(BatchedLlama(model, rows=3), capacity=32)
+    other_seed = drive(batch, {0: [RowRequest(prompts[1], 8, HOT, seed=6)]})[0]
+    assert other_seed != alone
+
+
+def test_a_released_row_stops_at_once_and_its_row_is_reused():
+    model = tiny_model("llama", 2)
+    prompts = random_prompts(3, 128, seed=2, lengths=(3, 8))
+    batch = RowBatch(BatchedLlama(model, rows=2), capacity=64)
+    a, b = batch.admit([RowRequest(prompts[0], 40), RowRequest(prompts[1], 40)])
+    batch.step()
+    batch.release(a.row)
+    assert batch.free == [a.row] and [t.row for t in batch.step()] == [b.row]
+    (c,) = batch.admit([RowRequest(prompts[2], 6)])
+    assert c.row == a.row
+    tokens = list(c.tokens)
+    while True:
+        mine = [t for t in batch.step() if t.row == c.row]
+        tokens += mine[0].tokens
+        if mine[0].finished:
+            break
+    assert tokens == hf_greedy(model, prompts[2], 6, None)[0]
+
+
+def test_bad_requests_are_refused_with_the_field_named_and_modes_follow_the_rows():
+    batch = RowBatch(BatchedLlama(tiny_model("llama", 2), rows=1), capacity=16)
+    with pytest.raises(RequestError, match="prompt: expected at least one token"):
+        batch.admit([RowRequest([], 4)])
+    with pytest.raises(RequestError, match=r"token ids must be in \[0, 128\), found \[1, 500\]"):
+        batch.admit([RowRequest([1, 500], 4)])
+    with pytest.raises(RequestError, match="max_new_tokens: 10 .* after 8 prompt tokens: a row holds 16 positions"):
+        batch.admit([RowRequest([1] * 8, 10)])
+    with pytest.raises(RequestError, match="top_k"):
+        batch.admit([RowRequest([1], 4, SamplingParams(temperature=1.0, top_k=5))])
+    batch.admit([RowRequest([1, 2], 4)])
+    with pytest.raises(RequestError, match="admit: 1 requests, 0 free rows"):
+        batch.admit([RowRequest([1], 4)])
+    assert step_mode([SamplingParams()]) == "greedy" and step_mode([SamplingParams(), HOT]) == "sample"
+    assert step_mode([HOT, SamplingParams(temperature=0.5, top_p=0.9)]) == "top_p"
+    assert step_mode([SamplingParams(top_p=0.5)]) == "greedy"  # top_p without a temperature: greedy
+    assert torch.equal(batch.engine.state.active, torch.tensor([True]))
