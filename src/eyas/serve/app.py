@@ -37,7 +37,8 @@ from eyas.serve.metrics import ServeMetrics
 from eyas.serve.protocol import APIError, ChatRequest, CompletionRequest, TextStream, parse
 from eyas.serve.startup import Served
 from eyas.serve.watchdog import Watchdog
-from eyas.serve.worker import DecodeWorker, Event, Job, QueueFull
+from eyas.serve.batching import make_worker
+from eyas.serve.worker import Event, Job, QueueFull
 
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
@@ -51,6 +52,8 @@ class ServeOptions:
     default_max_tokens: int = 256
     watch_window: int = 512
     watch_min_rounds: int = 64
+    max_rows: int | None = None  # the running batch's rows (None: 64 on a GPU, 8 on a CPU; 1: one request at a time)
+    retry_after_s: int = 1  # what a 503 for a full queue tells the client to wait
 
 
 class ServeState:
@@ -64,7 +67,8 @@ class ServeState:
         self.watchdog = Watchdog(served.prediction, target=served.target_name, draft=str(served.draft_path),
                                  window=options.watch_window, min_rounds=options.watch_min_rounds,
                                  on_verdict=self.metrics.verdict)
-        self.worker = DecodeWorker(served, max_queue=options.max_queue, on_round=self._round, on_done=self._done)
+        self.worker = make_worker(served, options.max_rows, max_queue=options.max_queue, on_round=self._round,
+                                  on_done=self._done, on_step=self.metrics.step)
         self.worker.on_cancelled_early = lambda job: self.metrics.cancelled.inc()
         self.draining = False
         self.created = int(time.time())
@@ -93,7 +97,7 @@ class ServeState:
 
 
 def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def _finish_reason(stop_reason: str | None) -> str:
@@ -200,7 +204,8 @@ def build_app(state: ServeState) -> FastAPI:
         try:
             state.worker.submit(job)
         except QueueFull as e:
-            raise APIError(503, "queue_full", f"the server is busy: {e}") from None
+            raise APIError(503, "queue_full", f"the server is busy: {e}; retry after {state.options.retry_after_s} s",
+                           headers={"retry-after": str(state.options.retry_after_s)}) from None
         state.metrics.waiting.set(state.worker.waiting)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -336,7 +341,8 @@ def build_app(state: ServeState) -> FastAPI:
         status = "draining" if state.draining else "degraded" if (pf.forced or v.alert) else "ok"
         body = {"status": status, "model": sv.model_name, "target": sv.target_name, "draft": str(sv.draft_path),
                 "forced": pf.forced, "preflight": pf.to_dict(), "watchdog": v.to_dict(),
-                "queue": {"running": 1 if state.worker.running is not None else 0, "waiting": state.worker.waiting},
+                "queue": {"running": state.worker.running_count, "waiting": state.worker.waiting,
+                          "max_rows": state.worker.max_rows},
                 "tree": sv.tree.to_dict()}
         if pf.forced:
             body["warning"] = (f"started with --force past {len(pf.failures)} failed check(s): "
@@ -345,7 +351,7 @@ def build_app(state: ServeState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        state.metrics.running.set(1 if state.worker.running is not None else 0)
+        state.metrics.running.set(state.worker.running_count)
         state.metrics.waiting.set(state.worker.waiting)
         return Response(state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 

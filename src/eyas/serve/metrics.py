@@ -21,7 +21,10 @@ Names (counters carry ``_total`` in the exposition):
     eyas_spec_acceptance_alert                     1 while the watchdog's verdict is "broken" (alert on == 1)
     eyas_preflight_forced                          1 when started with --force past failed checks
     eyas_preflight_failures                        the failed start-up checks
-    eyas_requests_running, eyas_requests_waiting, eyas_draining
+    eyas_requests_running, eyas_requests_waiting, eyas_draining   requests decoding, queued; 1 while shutting down
+    eyas_batch_rows                                busy rows of the running batch at the last step
+    eyas_decode_steps_total{kind}                  steps by what the scheduler chose: "speculative" (a request
+                                                   alone: a drafting-verification round) or "batched" (one token per row)
 
 The spec-decode counters use vLLM's names and meanings under the ``eyas_`` prefix, so ``eyas watch``
 reads this endpoint as it reads vLLM's.
@@ -78,7 +81,12 @@ class ServeMetrics:
         self.forced = Gauge("eyas_preflight_forced", "1 when the server was started with --force past failed checks.",
                             registry=r)
         self.failures = Gauge("eyas_preflight_failures", "Start-up checks that failed.", registry=r)
-        self.running = Gauge("eyas_requests_running", "Requests decoding now (0 or 1).", registry=r)
+        self.running = Gauge("eyas_requests_running", "Requests decoding now.", registry=r)
+        self.batch_rows = Gauge("eyas_batch_rows", "Busy rows of the running batch at the last step.", registry=r)
+        self.steps = Counter("eyas_decode_steps", "Decoding steps by kind: speculative (a request alone) or batched.",
+                             ["kind"], registry=r)
+        for kind in ("speculative", "batched"):
+            self.steps.labels(kind)
         self.waiting = Gauge("eyas_requests_waiting", "Requests queued.", registry=r)
         self.draining = Gauge("eyas_draining", "1 while shutting down (new requests get 503).", registry=r)
         self.forced.set(1 if forced else 0)
@@ -96,6 +104,11 @@ class ServeMetrics:
         for p in range(accepted):
             self.accepted_per_pos.labels(str(p)).inc()
         self.accept_length.observe(emitted)
+
+    def step(self, kind: str, rows: int) -> None:
+        """One step of the decode worker: ``kind`` speculative or batched, over ``rows`` requests."""
+        self.steps.labels(kind).inc()
+        self.batch_rows.set(rows)
 
     def finished(self, prompt_tokens: int, new_tokens: int, ttft: float | None, tpot: float | None) -> None:
         self.prompt_tokens.inc(prompt_tokens)

@@ -24,9 +24,11 @@ MAX_STOP = 4
 
 
 class APIError(Exception):
-    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, code: str, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.param = status, code, message, param
+        self.headers = headers  # extra response headers (Retry-After on a 503)
 
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"

@@ -1,4 +1,5 @@
-"""The decode worker: one thread, one FIFO queue, one request decoding at a time.
+"""The FIFO decode worker: one thread, one queue, one request decoding at a time (the continuous
+batching worker, :mod:`eyas.serve.batching`, serves many at once where the batched engine runs).
 
 Scheduling, and why. Each request is an engine :class:`~eyas.engine.Session`, advanced by
 :func:`~eyas.engine.step`. The target's KV cache holds one session at a time (the session that last
@@ -16,7 +17,6 @@ end before starting the next. Invariants:
   request is cancelled as soon as Starlette sees the disconnect, a non-streamed one within 0.25 s);
 - :meth:`DecodeWorker.stop` lets every queued job finish, then ends the thread (graceful shutdown).
 
-Batched verification of several requests in one forward is not done: see the README (Serving).
 """
 
 from __future__ import annotations
@@ -64,15 +64,16 @@ class QueueFull(Exception):
     pass
 
 
-_STOP = object()
+STOP = object()
 
 
-class DecodeWorker:
-    """Decodes jobs one at a time in arrival order on its own thread (see the module docstring).
+class Worker:
+    """What every decode worker shares: one thread, a bounded queue, the jobs' events.
 
-    ``on_round(depth, accepted, emitted)`` sees every speculative round of every request, and
+    Subclasses implement :meth:`_loop`; :meth:`submit` and :meth:`stop` are the request handlers'
+    side. ``on_round(depth, accepted, emitted)`` sees every speculative round of every request, and
     ``on_done(job, result, first_token_time, last_token_time)`` every finished one (the metrics and
-    the watchdog)."""
+    the watchdog); ``on_cancelled_early(job)`` a job cancelled before it decoded."""
 
     def __init__(self, served: Served, *, max_queue: int = 256,
                  on_round: Callable[[int, int, int], None] | None = None,
@@ -81,12 +82,20 @@ class DecodeWorker:
         self.on_round, self.on_done = on_round, on_done
         self.on_cancelled_early: Callable[[Job], None] | None = None
         self.queue: queue.Queue[Any] = queue.Queue()
-        self.running: Job | None = None
-        self.waiting = 0
+        self.waiting = 0  # jobs submitted and not yet decoding
+        self.max_rows = 1  # requests decoding at once, at most
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self.thread = threading.Thread(target=self._loop, name="eyas-decode", daemon=True)
-        self.thread.start()
+        self.thread = threading.Thread(target=self._run_loop, name="eyas-decode", daemon=True)
+
+    @property
+    def running(self) -> Job | None:
+        """A job decoding now (None: none)."""
+        raise NotImplementedError
+
+    @property
+    def running_count(self) -> int:
+        return 0 if self.running is None else 1
 
     def submit(self, job: Job) -> Job:
         with self._lock:
@@ -99,38 +108,81 @@ class DecodeWorker:
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish every queued job, then end the thread."""
-        self.queue.put(_STOP)
+        self.queue.put(STOP)
         self.thread.join(timeout)
 
-    def _loop(self) -> None:
+    def _taken(self) -> None:
+        with self._lock:
+            self.waiting -= 1
+
+    def _skip_cancelled(self, job: Job) -> bool:
+        """A job whose client left while it waited: answered 'cancelled', nothing computed."""
+        if not job.cancelled.is_set():
+            return False
+        job.emit(Event("done", error="cancelled", time=time.perf_counter()))
+        if self.on_cancelled_early is not None:
+            self.on_cancelled_early(job)
+        return True
+
+    def _report_rounds(self, stats: Any, drafted_before: list[int], accepted_before: list[int]) -> None:
+        """``on_round`` for the speculative round that just moved ``stats`` (the depth its tree
+        reached and the drafts accepted, from the per-depth counters before and after)."""
+        if self.on_round is None or not stats.accept_lengths:
+            return
+        depth = sum(1 for i, d in enumerate(stats.drafted_at_depth)
+                    if d > (drafted_before[i] if i < len(drafted_before) else 0))
+        accepted = sum(1 for i, a in enumerate(stats.accepted_at_depth)
+                       if a > (accepted_before[i] if i < len(accepted_before) else 0))
+        self.on_round(depth, accepted, stats.accept_lengths[-1])
+
+    def _start_session(self, job: Job) -> Any:
+        """The job's engine session on the served target (prefill and first token done)."""
+        sv = self.served
+        job.started = time.perf_counter()
+        return start(sv.target, job.prompt, sv.drafter, tree=sv.tree, sampling=job.sampling,
+                     max_new_tokens=job.max_new_tokens, eos_token_ids=sv.loaded.eos_ids, stop_strings=job.stop,
+                     decode=sv.tokenizer.decode if job.stop else None,
+                     generator=generator_for(sv.target.device, job.seed), timing="off")
+
+    def _run_loop(self) -> None:
         torch.set_grad_enabled(False)
+        self._loop()
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+
+class DecodeWorker(Worker):
+    """Decodes jobs one at a time in arrival order on its own thread (see the module docstring):
+    the worker of a target the batched engine cannot run, or of ``--max-rows 1``."""
+
+    def __init__(self, served: Served, **kwargs: Any) -> None:
+        super().__init__(served, **kwargs)
+        self._running: Job | None = None
+        self.thread.start()
+
+    @property
+    def running(self) -> Job | None:
+        return self._running
+
+    def _loop(self) -> None:
         while True:
             job = self.queue.get()
-            if job is _STOP:
+            if job is STOP:
                 return
-            with self._lock:
-                self.waiting -= 1
-            self.running = job
+            self._taken()
+            self._running = job
             try:
                 self._run(job)
             except Exception as e:  # noqa: BLE001 - a request's failure must not end the worker
                 job.emit(Event("done", error=f"{type(e).__name__}: {e}", time=time.perf_counter()))
             finally:
-                self.running = None
+                self._running = None
 
     def _run(self, job: Job) -> None:
-        sv = self.served
-        if job.cancelled.is_set():  # the client left while it waited: nothing was computed
-            job.emit(Event("done", error="cancelled", time=time.perf_counter()))
-            if self.on_cancelled_early is not None:
-                self.on_cancelled_early(job)
+        if self._skip_cancelled(job):
             return
-        job.started = time.perf_counter()
-        tok = sv.tokenizer
-        s = start(sv.target, job.prompt, sv.drafter, tree=sv.tree, sampling=job.sampling,
-                  max_new_tokens=job.max_new_tokens, eos_token_ids=sv.loaded.eos_ids, stop_strings=job.stop,
-                  decode=tok.decode if job.stop else None, generator=generator_for(sv.target.device, job.seed),
-                  timing="off")
+        s = self._start_session(job)
         first = last = None
         if s.out.tokens:
             first = last = time.perf_counter()
@@ -140,14 +192,9 @@ class DecodeWorker:
             if job.cancelled.is_set():
                 s.cancel()
                 break
-            acc_before, drafted_before = list(stats.accepted_at_depth), list(stats.drafted_at_depth)
+            drafted_before, accepted_before = list(stats.drafted_at_depth), list(stats.accepted_at_depth)
             tokens = step(s)
-            if self.on_round is not None and len(stats.accept_lengths) > 0:
-                depth = sum(1 for i, d in enumerate(stats.drafted_at_depth)
-                            if d > (drafted_before[i] if i < len(drafted_before) else 0))
-                accepted = sum(1 for i, a in enumerate(stats.accepted_at_depth)
-                               if a > (acc_before[i] if i < len(acc_before) else 0))
-                self.on_round(depth, accepted, stats.accept_lengths[-1])
+            self._report_rounds(stats, drafted_before, accepted_before)
             if tokens:
                 last = time.perf_counter()
                 first = first or last

@@ -1,0 +1,296 @@
+"""The continuous-batching worker of ``eyas serve``: many requests decode at once, and a request
+alone decodes speculatively.
+
+Scheduling. The worker thread owns a :class:`~eyas.engine.continuous.RowBatch` of ``--max-rows``
+rows on the batched engine, and the served target and drafter for speculative decoding. Between
+two steps it takes what was submitted, then:
+
+1. A request that is **alone** (no row busy, nobody waiting) decodes speculatively on the served
+   target, round after round (:func:`~eyas.engine.step`): at batch size 1 a round of tau tokens
+   costs about two plain steps, so speculation pays there and nowhere is it cheaper.
+2. When another request arrives while one decodes alone, the lone request **joins the batch**: its
+   prompt and its tokens are prefilled into a row, which continues from its last token
+   (:class:`~eyas.engine.continuous.RowRequest` ``next_token``), and speculation turns off. A
+   batched step advances every row by one token for about the cost of one plain step (the weights
+   are read once for all rows), so with two rows or more plain batched steps beat one request's
+   speculative rounds: speculation runs for a request alone only. Batched speculative rounds (a
+   tree per row) are not built yet.
+3. Otherwise waiting requests are prefilled into free rows (in arrival order: nobody is overtaken),
+   and one batched step runs. Each row's token goes to its request at once (streaming per row); a
+   row whose request ends (eos, its ``max_tokens``, a stop string, a client gone) is freed at once,
+   and the next step can fill it.
+
+Invariants: only the worker thread touches the engines and the sessions; each job's events arrive
+in order, ``tokens`` then exactly one ``done``; a greedy request gets the tokens it would get alone
+(losslessness of the speculative path; the batched step's rows never read each other's cache);
+:meth:`stop` lets every queued and running request finish. What was chosen shows in
+``/metrics``: ``eyas_decode_steps_total{kind}`` (speculative rounds, batched steps) and
+``eyas_batch_rows`` (busy rows at the last step).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from eyas.engine import step
+from eyas.engine.batched import BatchedLlama, fast_unsupported
+from eyas.engine.continuous import RowBatch, RowRequest
+from eyas.engine.speculative import STOP_CANCELLED, GenerationResult
+from eyas.engine.stats import GenerationStats
+from eyas.engine.stopping import StopCriteria
+from eyas.serve.startup import Served
+from eyas.serve.worker import STOP, DecodeWorker, Event, Job, Worker
+
+DEFAULT_ROWS = {"cuda": 64, "cpu": 8}  # --max-rows by device: a CPU's memory holds fewer rows' caches
+
+
+def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int = 256, speculate: bool = True,
+                on_round: Callable[[int, int, int], None] | None = None,
+                on_done: Callable[[Job, Any, float | None, float | None], None] | None = None,
+                on_step: Callable[[str, int], None] | None = None) -> Worker:
+    """The server's worker: a :class:`BatchWorker` of ``max_rows`` rows (None: :data:`DEFAULT_ROWS`
+    for the target's device) where the batched engine runs the target, else (an architecture it
+    does not run, a target split over devices, ``max_rows`` 1) the FIFO :class:`DecodeWorker`."""
+    model, device = served.loaded.model, served.target.device
+    rows = int(max_rows if max_rows is not None else DEFAULT_ROWS.get(device.type, 8))
+    if rows < 1:
+        raise ValueError(f"--max-rows: expected at least 1, found {rows}")
+    if rows == 1 or fast_unsupported(model) is not None:
+        return DecodeWorker(served, max_queue=max_queue, on_round=on_round, on_done=on_done)
+    batch = RowBatch(BatchedLlama(model, rows=rows), capacity=served.max_length, eos_ids=served.loaded.eos_ids)
+    return BatchWorker(served, batch, speculate=speculate, max_queue=max_queue, on_round=on_round, on_done=on_done,
+                       on_step=on_step)
+
+
+@dataclass
+class Live:
+    """A request decoding in a row: its job, its tokens, its stop conditions and its clock."""
+
+    job: Job
+    stop: StopCriteria
+    stats: GenerationStats
+    tokens: list[int] = field(default_factory=list)
+    first: float | None = None
+    last: float | None = None
+    reason: str | None = None
+
+
+class BatchWorker(Worker):
+    """Continuous batching with speculation for a request alone (module docstring).
+
+    ``on_step(kind, rows)`` sees every step: ``"speculative"`` (a lone request's round) or
+    ``"batched"`` (one step of ``rows`` busy rows)."""
+
+    def __init__(self, served: Served, batch: RowBatch, *, speculate: bool = True,
+                 on_step: Callable[[str, int], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(served, **kwargs)
+        self.batch, self.on_step = batch, on_step
+        self.max_rows = batch.rows
+        self.speculate = speculate and served.drafter is not None
+        self.pending: deque[Job] = deque()  # taken off the queue, waiting for a row
+        self.rows: dict[int, Live] = {}  # row -> its request
+        self.solo: tuple[Live, Any] | None = None  # the lone request and its speculative session
+        self.starting: Job | None = None  # a lone request whose prefill runs now
+        self.stopping = False
+        self.thread.start()
+
+    @property
+    def running(self) -> Job | None:
+        if self.solo is not None:
+            return self.solo[0].job
+        if self.starting is not None:
+            return self.starting
+        return next(iter(self.rows.values())).job if self.rows else None
+
+    @property
+    def running_count(self) -> int:
+        return len(self.rows) + (self.solo is not None or self.starting is not None)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            self._take(block=not (self.rows or self.solo or self.pending))
+            if self.stopping and not (self.rows or self.solo or self.pending):
+                return
+            try:
+                self._tick()
+            except Exception as e:  # noqa: BLE001 - a failure ends the requests it touched, not the worker
+                self._fail_all(f"{type(e).__name__}: {e}")
+
+    def _take(self, block: bool) -> None:
+        """Move submitted jobs to ``pending`` (waiting for one when ``block``); they count as
+        ``waiting`` until they leave it (:meth:`_next`)."""
+        while True:
+            try:
+                item = self.queue.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if item is STOP:
+                self.stopping = True
+                continue
+            self.pending.append(item)
+
+    def _next(self) -> Job:
+        """The first pending job, which starts decoding now."""
+        self._taken()
+        return self.pending.popleft()
+
+    def _tick(self) -> None:
+        """One scheduling decision and the work it leads to (module docstring, 1.-3.)."""
+        for job in [j for j in self.pending if j.cancelled.is_set()]:
+            self.pending.remove(job)
+            self._taken()
+            self._skip_cancelled(job)
+        if self.solo is not None:
+            if not self.pending or not self.batch.free:
+                self._solo_round()
+                return
+            self._join_batch()
+        if self.speculate and not self.rows and len(self.pending) == 1:
+            self._start_solo(self._next())
+            return
+        self._admit()
+        self._batched_step()
+
+    # -- a request alone: speculative rounds --------------------------------------------------------
+
+    def _start_solo(self, job: Job) -> None:
+        self.starting = job
+        try:
+            s = self._start_session(job)
+        except Exception as e:  # noqa: BLE001 - this request fails; the worker goes on
+            job.emit(Event("done", error=f"{type(e).__name__}: {e}", time=time.perf_counter()))
+            return
+        finally:
+            self.starting = None
+        live = Live(job, s.out.stop, s.stats)
+        self.solo = (live, s)
+        self._emit(live, list(s.out.tokens))
+        if s.done:
+            self._finish_solo()
+
+    def _solo_round(self) -> None:
+        assert self.solo is not None
+        live, s = self.solo
+        if live.job.cancelled.is_set():
+            s.cancel()
+        else:
+            drafted_before, accepted_before = list(s.stats.drafted_at_depth), list(s.stats.accepted_at_depth)
+            tokens = step(s)
+            self._report_rounds(s.stats, drafted_before, accepted_before)
+            if self.on_step is not None:
+                self.on_step("speculative", 1)
+            self._emit(live, tokens)
+        if s.done:
+            self._finish_solo()
+
+    def _finish_solo(self) -> None:
+        assert self.solo is not None
+        live, s = self.solo
+        self.solo = None
+        self._done(live, s.result())
+
+    def _join_batch(self) -> None:
+        """The lone request continues in a row: its prompt and tokens but the last prefilled, the
+        last fed next (others are waiting: module docstring, 2.)."""
+        assert self.solo is not None
+        live, s = self.solo
+        job = live.job
+        live.tokens = list(s.out.tokens)
+        (row,) = self.batch.free[:1]
+        self.batch.admit([RowRequest(s.x[:-1], job.max_new_tokens, job.sampling, job.seed, next_token=s.x[-1],
+                                     generated=len(live.tokens))])
+        self.solo = None
+        self.rows[row] = live
+
+    # -- the batch ----------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        free = self.batch.free
+        jobs = [self._next() for _ in range(min(len(free), len(self.pending)))]
+        if not jobs:
+            return
+        sv = self.served
+        now = time.perf_counter()
+        lives = []
+        for job in jobs:
+            job.started = now
+            stop = StopCriteria(job.max_new_tokens, sv.loaded.eos_ids, job.stop,
+                                sv.tokenizer.decode if job.stop else None)
+            lives.append(Live(job, stop, GenerationStats(prompt_tokens=len(job.prompt))))
+        try:
+            first = self.batch.admit([RowRequest(j.prompt, j.max_new_tokens, j.sampling, j.seed) for j in jobs])
+        except Exception as e:  # noqa: BLE001 - these requests fail (no row was taken); the others go on
+            for job in jobs:
+                job.emit(Event("done", error=f"{type(e).__name__}: {e}", time=time.perf_counter()))
+            return
+        for live, got in zip(lives, first):
+            self.rows[got.row] = live
+            live.stats.rounds += 1  # the prefill's round
+            self._row_tokens(got.row, got.tokens)
+
+    def _batched_step(self) -> None:
+        for row, live in list(self.rows.items()):
+            if live.job.cancelled.is_set():
+                live.reason = STOP_CANCELLED
+                self._end_row(row)
+        if not self.rows:
+            return
+        n = len(self.rows)
+        for got in self.batch.step():
+            self.rows[got.row].stats.rounds += 1
+            self._row_tokens(got.row, got.tokens)
+        if self.on_step is not None:
+            self.on_step("batched", n)
+
+    def _row_tokens(self, row: int, tokens: list[int]) -> None:
+        """A row's new tokens: emitted up to a stop condition, which ends the row."""
+        live = self.rows[row]
+        kept = []
+        for t in tokens:
+            live.tokens.append(t)
+            kept.append(t)
+            live.reason = live.stop.check(live.tokens)
+            if live.reason is not None:
+                break
+        self._emit(live, kept)
+        if live.reason is not None:
+            self._end_row(row)
+
+    def _end_row(self, row: int) -> None:
+        live = self.rows.pop(row)
+        self.batch.release(row)
+        stats = live.stats
+        stats.new_tokens, stats.stop_reason = len(live.tokens), live.reason or ""
+        stats.time_total = time.perf_counter() - (live.job.started or live.job.enqueued)
+        self._done(live, GenerationResult(list(live.tokens), stats))
+
+    # -- events ---------------------------------------------------------------------------------------
+
+    def _emit(self, live: Live, tokens: list[int]) -> None:
+        if not tokens:
+            return
+        live.last = time.perf_counter()
+        live.first = live.first or live.last
+        live.job.emit(Event("tokens", tokens, time=live.last))
+
+    def _done(self, live: Live, result: GenerationResult) -> None:
+        if self.on_done is not None:
+            self.on_done(live.job, result, live.first, live.last)
+        live.job.emit(Event("done", result=result, time=time.perf_counter()))
+
+    def _fail_all(self, error: str) -> None:
+        """An engine failure: every request decoding ends with the error; the rows are freed."""
+        lives = list(self.rows.values()) + ([self.solo[0]] if self.solo is not None else [])
+        for row in list(self.rows):
+            self.batch.release(row)
+        self.rows.clear()
+        self.solo = None
+        for live in lives:
+            live.job.emit(Event("done", error=error, time=time.perf_counter()))

@@ -1,0 +1,193 @@
+"""`eyas serve` with continuous batching (eyas.serve.batching) on the toy pair, float32 on the CPU.
+
+What must hold: 8 concurrent greedy requests each get exactly their single-request output, decoded
+in one running batch (the batched steps and the busy rows show in /metrics); a request decoding
+speculatively alone joins the batch when others arrive and still gets its own output; greedy rows
+beside sampled ones keep theirs; a client that leaves mid-stream frees its row at once; a full
+queue answers 503 with Retry-After; --max-rows 1 serves one request at a time (the FIFO worker)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from openai import OpenAI
+
+from eyas.convention import CaptureSpec
+from eyas.data.render import render_prompt
+from eyas.engine import build_target, speculative_generate
+from eyas.serve import ServeOptions, ServerThread, load_served
+from eyas.serve.batching import BatchWorker
+from eyas.serve.worker import DecodeWorker
+from tests.support.serving import chat, make_served_pair
+from tests.test_serve import metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
+
+TOKENS = 24
+OPTIONS = ServeOptions(max_rows=4, default_max_tokens=TOKENS, watch_window=64, watch_min_rounds=16)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    target, drafter, questions = make_served_pair(tmp_path_factory.mktemp("batching"))
+    return load_served(str(target), str(drafter), tree="3", model_name="toy"), questions
+
+
+@pytest.fixture(scope="module")
+def alone(served):
+    """Greedy output of a request alone: the engine's speculative decoding on a target of its own."""
+    sv, _ = served
+    own = build_target(sv.loaded.model, CaptureSpec(sv.target.spec.boundaries, sv.loaded.num_blocks), "auto")
+
+    def greedy(question: str, n: int = TOKENS) -> str:
+        ids = render_prompt(chat(question), sv.tokenizer).tolist()
+        out = speculative_generate(own, sv.drafter, ids, tree=sv.tree, max_new_tokens=n,
+                                   eos_token_ids=sv.loaded.eos_ids).tokens
+        return sv.tokenizer.decode(out, skip_special_tokens=True)
+    return greedy
+
+
+def client(t: ServerThread) -> OpenAI:
+    return OpenAI(base_url=t.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def streamed(c: OpenAI, question: str, n: int = TOKENS, **kw) -> str:
+    return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="toy", messages=chat(question), temperature=0, max_tokens=n, stream=True, **kw) if ch.choices)
+
+
+def test_8_concurrent_greedy_requests_each_get_their_single_request_output_from_one_batch(served, alone):
+    sv, questions = served
+    prompts = [questions[i % len(questions)] + f" ({i})" for i in range(8)]
+    want = [alone(p) for p in prompts]
+    with ServerThread(sv, OPTIONS) as t:
+        assert isinstance(t.state.worker, BatchWorker) and t.state.worker.max_rows == 4
+        steps: list[tuple[str, int]] = []
+        step = t.state.worker.on_step
+        t.state.worker.on_step = lambda kind, rows: steps.append((kind, rows)) or step(kind, rows)
+        c = client(t)
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda p: streamed(c, p), prompts))
+        m = metrics(t)
+        with urllib.request.urlopen(t.url + "/health") as r:
+            queue = json.loads(r.read())["queue"]
+    assert got == want and len(set(want)) > 1
+    batched = [rows for kind, rows in steps if kind == "batched"]
+    assert max(batched) == 4  # the batch was full at some step
+    assert m[("eyas_decode_steps_total", (("kind", "batched"),))] == len(batched)
+    assert m[("eyas_decode_steps_total", (("kind", "speculative"),))] == len(steps) - len(batched)
+    assert m[("eyas_batch_rows", ())] == steps[-1][1]
+    assert m[("eyas_generation_tokens_total", ())] == 8 * TOKENS  # the toy never stops early
+    assert queue == {"running": 0, "waiting": 0, "max_rows": 4}
+
+
+def test_a_request_decoding_alone_joins_the_batch_when_others_arrive_and_keeps_its_output(served, alone):
+    sv, questions = served
+    long_q, n = questions[4], 120
+    with ServerThread(sv, OPTIONS) as t:
+        c = client(t)
+        kinds: list[str] = []
+        step = t.state.worker.on_step
+        t.state.worker.on_step = lambda kind, rows: kinds.append(kind) or step(kind, rows)
+        with ThreadPoolExecutor(4) as pool:
+            first = pool.submit(streamed, c, long_q, n)
+            deadline = time.time() + 20
+            while "speculative" not in kinds and time.time() < deadline:  # decoding alone, speculatively
+                time.sleep(0.005)
+            others = [pool.submit(streamed, c, q) for q in questions[1:4]]
+            got_first, got_others = first.result(), [f.result() for f in others]
+    assert "speculative" in kinds and "batched" in kinds
+    assert kinds.index("speculative") < kinds.index("batched")
+    assert got_first == alone(long_q, n)
+    assert got_others == [alone(q) for q in questions[1:4]]
+
+
+def test_greedy_rows_beside_sampled_rows_keep_their_output(served, alone):
+    sv, questions = served
+    with ServerThread(sv, OPTIONS) as t:
+        c = client(t)
+
+        def sampled(q: str) -> str:
+            return c.chat.completions.create(model="toy", messages=chat(q), temperature=1.0, top_p=0.9, seed=3,
+                                             max_tokens=TOKENS).choices[0].message.content
+
+        with ThreadPoolExecutor(4) as pool:
+            hot = [pool.submit(sampled, q) for q in questions[:2]]
+            cold = [pool.submit(streamed, c, q) for q in questions[2:4]]
+            got = [f.result() for f in cold]
+            assert all(isinstance(f.result(), str) for f in hot)
+    assert got == [alone(q) for q in questions[2:4]]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row_at_once(served):
+    sv, questions = served
+    with ServerThread(sv, OPTIONS) as t:
+        c, w = client(t), t.state.worker
+        body = json.dumps({"model": "toy", "messages": chat("Count to a thousand."), "max_tokens": 400,
+                           "temperature": 0, "stream": True})
+        with ThreadPoolExecutor(2) as pool:
+            # two long neighbours keep the batch running (the leaver is in a row, not alone)
+            neighbours = [pool.submit(streamed, c, q, 300) for q in questions[:2]]
+            deadline = time.time() + 20
+            while len(w.rows) < 2 and time.time() < deadline:
+                time.sleep(0.005)
+            conn = http.client.HTTPConnection("127.0.0.1", t.port, timeout=30)
+            conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            while len(w.rows) < 3 and time.time() < deadline:
+                time.sleep(0.005)
+            assert len(w.rows) == 3
+            resp.readline()
+            conn.sock.close()  # the client goes away
+            conn.close()
+            deadline = time.time() + 20
+            while len(w.rows) > 2 and time.time() < deadline:
+                time.sleep(0.005)
+            freed_while_neighbours_ran = len(w.rows) == 2 and not all(f.done() for f in neighbours)
+            for f in neighbours:
+                f.result()
+        assert freed_while_neighbours_ran
+        assert metrics(t)[("eyas_requests_cancelled_total", ())] == 1
+        assert w.batch.busy == [] and w.running is None
+
+
+def test_a_full_queue_answers_503_with_retry_after(served):
+    sv, questions = served
+    options = ServeOptions(max_rows=2, max_queue=1, default_max_tokens=60, retry_after_s=2)
+    with ServerThread(sv, options) as t:
+        def post(i: int) -> tuple[int, str | None, dict]:
+            body = json.dumps({"model": "toy", "messages": chat(questions[i % 6]), "temperature": 0}).encode()
+            req = urllib.request.Request(t.url + "/v1/chat/completions", data=body,
+                                         headers={"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(req) as r:
+                    return r.status, None, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, e.headers.get("retry-after"), json.loads(e.read())
+
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(post, range(12)))
+    refused = [a for a in answers if a[0] == 503]
+    served_ok = [a for a in answers if a[0] == 200]
+    assert refused and served_ok and len(refused) + len(served_ok) == 12
+    for _, retry_after, body in refused:
+        assert retry_after == "2" and body["error"]["code"] == "queue_full"
+        assert "retry after 2 s" in body["error"]["message"]
+    assert all(a[2]["usage"]["completion_tokens"] == 60 for a in served_ok)
+
+
+def test_max_rows_1_serves_one_request_at_a_time(served, alone):
+    sv, questions = served
+    with ServerThread(sv, ServeOptions(max_rows=1, default_max_tokens=TOKENS)) as t:
+        assert isinstance(t.state.worker, DecodeWorker) and t.state.worker.max_rows == 1
+        c = client(t)
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda q: streamed(c, q), questions[:3]))
+    assert got == [alone(q) for q in questions[:3]]
