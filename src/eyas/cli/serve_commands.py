@@ -2,6 +2,7 @@
 acceptance of a running SGLang / vLLM / eyas server against the drafter's training prediction).
 
     eyas serve --target smollm2 [--draft default] [--host 127.0.0.1] [--port 8000] [--tree 5] [--force]
+               [--max-rows 64] [--no-speculate]
     eyas watch --metrics http://127.0.0.1:8000/metrics --draft runs/d-vllm [--every 30] [--json]
 
 Exit codes: serve 1 when the start-up checks refuse the pair, 2 for unusable input; watch 0 when
@@ -37,7 +38,11 @@ def serve_cmd(
     served_model_name: Optional[str] = typer.Option(None, help="the model id clients send (default: --target)"),
     max_tokens: int = typer.Option(256, min=1, help="new tokens when a request does not say (capped by the context)"),
     max_body_bytes: int = typer.Option(1 << 20, min=1024, help="larger request bodies get 413"),
-    max_queue: int = typer.Option(256, min=1, help="requests waiting beyond this get 503"),
+    max_queue: int = typer.Option(256, min=1, help="requests waiting beyond this get 503 with Retry-After"),
+    max_rows: Optional[int] = typer.Option(None, min=1, help="requests decoding at once in the running batch (default: 64 "
+                                                             "on a GPU, 8 on a CPU; 1: one at a time, in arrival order)"),
+    speculate: bool = typer.Option(True, help="a request alone decodes speculatively (--no-speculate: plain batched "
+                                              "steps only, e.g. to measure what speculation gives)"),
     watch_window: int = typer.Option(512, min=1, help="the watchdog's sliding window, in speculative rounds"),
     watch_min_rounds: int = typer.Option(64, min=1, help="rounds in the window before the watchdog judges"),
     graceful_timeout: float = typer.Option(60.0, help="seconds in-flight requests get to finish at shutdown"),
@@ -62,11 +67,14 @@ def serve_cmd(
     for p in pf.warnings:
         err.print(f"[yellow]warning:[/] {p.message}", highlight=False)
     options = ServeOptions(max_body_bytes=max_body_bytes, max_queue=max_queue, default_max_tokens=max_tokens,
-                           watch_window=watch_window, watch_min_rounds=watch_min_rounds)
+                           watch_window=watch_window, watch_min_rounds=watch_min_rounds, max_rows=max_rows,
+                           speculate=speculate)
     server = make_server(served, host, port, options, graceful_timeout=graceful_timeout)
     t = served.tree
+    w = server.eyas_state.worker
     err.print(f"eyas serve: {served.model_name} on http://{host}:{port}/v1 (tree {t.greedy.label}, sampled {t.sampled.label}, "
-              f"target {served.target.implementation}, drafter {served.draft_path})", highlight=False)
+              f"target {served.target.implementation}, drafter {served.draft_path}, {w.max_rows} rows"
+              f"{'' if speculate else ', speculation off'})", highlight=False)
     serve_forever(server)
 
 

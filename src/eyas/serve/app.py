@@ -54,6 +54,7 @@ class ServeOptions:
     watch_min_rounds: int = 64
     max_rows: int | None = None  # the running batch's rows (None: 64 on a GPU, 8 on a CPU; 1: one request at a time)
     retry_after_s: int = 1  # what a 503 for a full queue tells the client to wait
+    speculate: bool = True  # a request alone decodes speculatively (False: plain batched steps only)
 
 
 class ServeState:
@@ -67,7 +68,8 @@ class ServeState:
         self.watchdog = Watchdog(served.prediction, target=served.target_name, draft=str(served.draft_path),
                                  window=options.watch_window, min_rounds=options.watch_min_rounds,
                                  on_verdict=self.metrics.verdict)
-        self.worker = make_worker(served, options.max_rows, max_queue=options.max_queue, on_round=self._round,
+        self.worker = make_worker(served, options.max_rows, max_queue=options.max_queue, speculate=options.speculate,
+                                  on_round=self._round,
                                   on_done=self._done, on_step=self.metrics.step)
         self.worker.on_cancelled_early = lambda job: self.metrics.cancelled.inc()
         self.draining = False
