@@ -236,8 +236,14 @@ def run_levels(host: str, port: int, model: str, prompts: list[str], levels: lis
     """Every level at every temperature on one server, after a warm-up request (not counted)."""
     one_request(host, port, model, prompts[0], 4, a.timeout)
     greedy_texts: dict[int, str] = {}
-    return [run_level(host, port, model, prompts, c, a.requests, a.max_tokens, a.timeout, t, greedy_texts)
-            for t in temperatures for c in levels]
+    rows = []
+    for t in temperatures:
+        for c in levels:
+            rows.append(run_level(host, port, model, prompts, c, a.requests, a.max_tokens, a.timeout, t, greedy_texts))
+            r = rows[-1]
+            print(f"level: temperature {t:g}, {c} clients: {r['throughput_tok_s']} tok/s, TTFT p50 {r['ttft_p50_s']} s",
+                  file=sys.stderr)  # progress
+    return rows
 
 
 if __name__ == "__main__":

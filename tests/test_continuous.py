@@ -129,3 +129,28 @@ def test_bad_requests_are_refused_with_the_field_named_and_modes_follow_the_rows
     assert step_mode([HOT, SamplingParams(temperature=0.5, top_p=0.9)]) == "top_p"
     assert step_mode([SamplingParams(top_p=0.5)]) == "greedy"  # top_p without a temperature: greedy
     assert torch.equal(batch.engine.state.active, torch.tensor([True]))
+
+
+def test_a_step_covers_the_rows_up_to_the_highest_busy_one_and_leaves_the_others_alone():
+    model = tiny_model("llama", 2)
+    prompts = random_prompts(3, 128, seed=21, lengths=(3, 7))
+    engine = BatchedLlama(model, rows=8)
+    batch = RowBatch(engine, capacity=64)
+    assert batch.row_buckets == [1, 2, 4, 8]
+    assert RowBatch(BatchedLlama(model, rows=8), capacity=64, row_buckets=[8]).row_buckets == [8]
+    covered: list[int] = []
+    step = engine.decode_step
+    engine.decode_step = lambda K, mode, n=None: covered.append(n) or step(K, mode, n)
+    a, b, c = batch.admit([RowRequest(p, 6) for p in prompts])
+    tokens = {t.row: list(t.tokens) for t in (a, b, c)}
+    batch.release(b.row)  # rows 0 and 2 busy: the step covers 4 rows
+    ids_before = engine.state.ids[3:].clone()
+    for t in batch.step():
+        tokens[t.row] += t.tokens
+    batch.release(c.row)  # row 0 alone: 1 row
+    for _ in range(4):
+        for t in batch.step():
+            tokens[t.row] += t.tokens
+    assert covered == [4, 1, 1, 1, 1]
+    assert torch.equal(engine.state.ids[3:], ids_before)  # rows past the step's are untouched
+    assert tokens[a.row] == hf_greedy(model, prompts[0], 6, None)[0]

@@ -276,7 +276,10 @@ def test_a_client_that_leaves_mid_stream_frees_its_work(server, served):
 def test_mismatched_pair_refuses_to_start_with_the_fix_and_force_starts_and_the_watchdog_fires(pair, caplog):
     root, target, drafter, questions = pair
     broken = broken_copy(drafter, root / "broken")
-    r = CliRunner().invoke(app, ["serve", "--target", str(target), "--draft", str(broken), "--port", "1"])
+    from eyas.serve import free_port
+
+    port = free_port()  # the port opens while loading ("loading"), and closes again on the refusal
+    r = CliRunner().invoke(app, ["serve", "--target", str(target), "--draft", str(broken), "--port", str(port)])
     assert r.exit_code == 1, r.output
     out = " ".join(r.output.split())
     assert "refusing to serve" in out and "[fingerprint_boundaries]" in out
@@ -353,11 +356,17 @@ def test_the_load_script_reports_every_level_and_stays_on_127_0_0_1(server, caps
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
-    rc = mod.main(["--url", server.url, "--clients", "1,3", "--requests", "2", "--max-tokens", "5", "--json"])
+    rc = mod.main(["--url", server.url, "--clients", "1,3", "--requests", "2", "--max-tokens", "5",
+                   "--temperatures", "0,1", "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert rc == 0 and [lv["clients"] for lv in report["levels"]] == [1, 3]
+    assert rc == 0 and [(lv["temperature"], lv["clients"]) for lv in report["levels"]] == [(0, 1), (0, 3), (1, 1), (1, 3)]
     for lv in report["levels"]:
         assert lv["errors"] == [] and lv["requests"] == 2 * lv["clients"]
+        assert lv["greedy_mismatches"] == 0  # float32: every greedy answer equals its prompt's first
+        assert lv["x_speculation_off"] is None  # one server, as served
+        assert lv["x_single_stream"] == pytest.approx(
+            lv["throughput_tok_s"] / next(o["throughput_tok_s"] for o in report["levels"]
+                                          if o["clients"] == 1 and o["temperature"] == lv["temperature"]), abs=1e-3)
         assert lv["completion_tokens"] == 5 * lv["requests"]  # the toy never stops early
         assert 0 < lv["ttft_p50_s"] <= lv["ttft_p99_s"] and 0 < lv["tpot_p50_s"] <= lv["tpot_p99_s"]
         # (wall_s is rounded to the millisecond: a few percent on a toy level that lasts tens of ms)

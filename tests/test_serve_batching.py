@@ -191,3 +191,44 @@ def test_max_rows_1_serves_one_request_at_a_time(served, alone):
         with ThreadPoolExecutor(3) as pool:
             got = list(pool.map(lambda q: streamed(c, q), questions[:3]))
     assert got == [alone(q) for q in questions[:3]]
+
+
+def test_the_port_answers_loading_until_the_pair_is_ready_and_health_reports_the_startup(served):
+    import threading
+
+    from eyas.serve import ServeState, free_port, make_loading_server, serve_forever
+
+    sv, questions = served
+    port = free_port()
+    server, loading = make_loading_server("127.0.0.1", port, graceful_timeout=5, log_level="warning")
+    server.install_signal_handlers = lambda: None  # not the main thread
+    thread = threading.Thread(target=serve_forever, args=(server,), daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 20
+        while not server.started and time.time() < deadline:
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{port}"
+        loading.step = "checking the drafter"
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(url + "/health")
+        body = json.loads(health.value.read())
+        assert health.value.code == 503 and body["status"] == "loading" and body["step"] == "checking the drafter"
+        req = urllib.request.Request(url + "/v1/chat/completions", data=b"{}", headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as post:
+            urllib.request.urlopen(req)
+        assert post.value.code == 503 and post.value.headers["retry-after"] == "5"
+        assert json.loads(post.value.read())["error"]["code"] == "loading"
+        server.ready(ServeState(sv, OPTIONS))
+        with urllib.request.urlopen(url + "/health") as r:
+            h = json.loads(r.read())
+        assert h["status"] in ("ok", "degraded") and h["queue"] == {"running": 0, "waiting": 0, "max_rows": 4}
+        assert set(h["startup"]["seconds"]) == {"load", "check", "compile"} and h["startup"]["total_s"] > 0
+        assert h["startup"]["compile_cache"] and isinstance(h["startup"]["warm_cache"], bool)
+        c = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert c.chat.completions.create(model="toy", messages=chat(questions[2]), temperature=0,
+                                         max_tokens=3).usage.completion_tokens == 3
+    finally:
+        server.handle_exit(15, None)
+        thread.join(30)
+    assert not thread.is_alive()

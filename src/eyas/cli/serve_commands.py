@@ -48,34 +48,60 @@ def serve_cmd(
     graceful_timeout: float = typer.Option(60.0, help="seconds in-flight requests get to finish at shutdown"),
 ) -> None:
     """Serve TARGET with its drafter through the OpenAI API (chat and completions, streaming or not)."""
-    from eyas.serve import RefusedError, ServeOptions, load_served, make_server, serve_forever
+    import threading
+
+    from eyas.serve import RefusedError, ServeOptions, ServeState, load_served, make_loading_server, serve_forever
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    log = (lambda m: err.print(f"[dim]serve: {m}[/]", highlight=False))
-    try:
-        served = _run(load_served, target, draft, tree=tree, tree_sampled=tree_sampled, force=force, device=device, target_impl=target_impl,
-                      matvec=matvec, attention=attention, model_name=served_model_name, log=log)
-    except RefusedError as e:
-        err.print(str(e), highlight=False, markup=False)
-        raise typer.Exit(1) from None
-    pf = served.preflight
-    if pf.forced:
-        err.print(f"[bold yellow]--force: serving despite {len(pf.failures)} failed check(s)[/] "
-                  "(reported in /health and eyas_preflight_forced in /metrics):", highlight=False)
-        for p in pf.failures:
-            err.print(f"  {p}", highlight=False, markup=False)
-    for p in pf.warnings:
-        err.print(f"[yellow]warning:[/] {p.message}", highlight=False)
     options = ServeOptions(max_body_bytes=max_body_bytes, max_queue=max_queue, default_max_tokens=max_tokens,
                            watch_window=watch_window, watch_min_rounds=watch_min_rounds, max_rows=max_rows,
                            speculate=speculate)
-    server = make_server(served, host, port, options, graceful_timeout=graceful_timeout)
-    t = served.tree
-    w = server.eyas_state.worker
-    err.print(f"eyas serve: {served.model_name} on http://{host}:{port}/v1 (tree {t.greedy.label}, sampled {t.sampled.label}, "
-              f"target {served.target.implementation}, drafter {served.draft_path}, {w.max_rows} rows"
-              f"{'' if speculate else ', speculation off'})", highlight=False)
+    # The port opens first and answers "loading" (503, /health says which step) until the pair is
+    # loaded, checked and warmed; a refused pair closes it again.
+    server, loading = make_loading_server(host, port, graceful_timeout=graceful_timeout)
+    failure: list[BaseException] = []
+
+    def log(m: str) -> None:
+        loading.step = m
+        err.print(f"[dim]serve: {m}[/]", highlight=False)
+
+    def load() -> None:
+        try:
+            served = load_served(target, draft, tree=tree, tree_sampled=tree_sampled, force=force, device=device,
+                                 target_impl=target_impl, matvec=matvec, attention=attention,
+                                 model_name=served_model_name, log=log)
+            state = ServeState(served, options)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread once the port is closed
+            failure.append(e)
+            server.should_exit = True
+            return
+        pf = served.preflight
+        if pf.forced:
+            err.print(f"[bold yellow]--force: serving despite {len(pf.failures)} failed check(s)[/] "
+                      "(reported in /health and eyas_preflight_forced in /metrics):", highlight=False)
+            for p in pf.failures:
+                err.print(f"  {p}", highlight=False, markup=False)
+        for p in pf.warnings:
+            err.print(f"[yellow]warning:[/] {p.message}", highlight=False)
+        server.ready(state)
+        t, up = served.tree, served.startup
+        err.print(f"eyas serve: {served.model_name} on http://{host}:{port}/v1 (tree {t.greedy.label}, sampled "
+                  f"{t.sampled.label}, target {served.target.implementation}, drafter {served.draft_path}, "
+                  f"{state.worker.max_rows} rows{'' if speculate else ', speculation off'}); ready in {up.total_s:.1f} s "
+                  f"({'warm' if up.warm_cache else 'cold'} compile cache {up.compile_cache})", highlight=False)
+
+    threading.Thread(target=load, name="eyas-load", daemon=True).start()
     serve_forever(server)
+    if failure:
+        e = failure[0]
+        if isinstance(e, RefusedError):
+            err.print(str(e), highlight=False, markup=False)
+            raise typer.Exit(1) from None
+
+        def reraise() -> None:
+            raise e
+        _run(reraise)  # eyas' own errors: their message, exit code 2
+        raise e
 
 
 def watch_cmd(

@@ -255,8 +255,9 @@ class BatchedLlama:
         self.capacity = 0  # C; the cache is allocated by reserve() or the first call
         self.keys = self.values = torch.empty(0, device=self.device)
         self.state: Rows | None = None
-        self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (K, mode) -> its captured step
-        self._compiled: set[tuple[int, str]] = set()  # (K, mode) run compiled without graphs
+        # (K, mode), or (K, mode, n) for a step of the first n rows only -> its captured step
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._compiled: set[tuple] = set()  # the same keys, run compiled without graphs
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.compile_s = 0.0  # all compilation and capture so far
         self.last: BatchResult | None = None
@@ -477,32 +478,39 @@ class BatchedLlama:
 
     # -- the decode step ---------------------------------------------------------------------------
 
-    def _decode(self, K: int, mode: str) -> None:
-        """One decode step over all rows attending K entries: the function the graphs capture."""
+    def _decode(self, K: int, mode: str, n: int | None = None) -> None:
+        """One decode step over the first ``n`` rows (default all) attending K entries: the function
+        the graphs capture. The rows' state and cache are views of the first n rows' (in place)."""
         st = self.state
         assert st is not None
+        n = self.rows if n is None else n
+        if n < self.rows:
+            st = Rows(*(t if name == "is_eos" else t[:n] for name, t in zip(Rows._fields, st)))
         x, d, cos, sin, mask = self._prologue(st.ids, st.pos, self.embed, self.inv_freq, K)
         for b, w in enumerate(self.weights):
-            x, d = self._layer(x, d, cos, sin, st.pos, mask, self.keys[b], self.values[b], w)
+            x, d = self._layer(x, d, cos, sin, st.pos, mask, self.keys[b, :n], self.values[b, :n], w)
         self._epilogue[mode](x, d, self.norm_weight, self.lm_head, self.lm_bias, st)
 
-    def decode_step(self, K: int, mode: str) -> None:
-        """One decode step: its graph replayed (captured at first use), else run (compiled at first use)."""
+    def decode_step(self, K: int, mode: str, n: int | None = None) -> None:
+        """One decode step of the first ``n`` rows (default all; rows past n keep their state): its
+        graph replayed (captured at first use), else run (compiled at first use)."""
+        n = self.rows if n is None else int(n)
+        key = (K, mode) if n == self.rows else (K, mode, n)
         if self.cuda_graphs:
-            graph = self._graphs.get((K, mode)) or self._capture(K, mode)
+            graph = self._graphs.get(key) or self._capture(K, mode, n)
             if graph is not None:
                 graph.replay()
                 return
-        first = self.compile and (K, mode) not in self._compiled
+        first = self.compile and key not in self._compiled
         t0 = time.perf_counter()
-        self._decode(K, mode)
+        self._decode(K, mode, n)
         if first:  # its compilation: timed apart
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self._compiled.add((K, mode))
+            self._compiled.add(key)
             self.compile_s += time.perf_counter() - t0
 
-    def _capture(self, K: int, mode: str) -> torch.cuda.CUDAGraph | None:
+    def _capture(self, K: int, mode: str, n: int | None = None) -> torch.cuda.CUDAGraph | None:
         """Compile (in the warm-ups) and capture the step of bucket K in ``mode``. The warm-ups run
         real steps: the state is restored from a snapshot before each of them and after the capture,
         so the step then replayed is the one the caller asked for."""
@@ -518,10 +526,10 @@ class BatchedLlama:
 
         def warm() -> None:
             restore()
-            self._decode(K, mode)
+            self._decode(K, mode, n)
 
         try:
-            graph, _ = capture(lambda: self._decode(K, mode), self._pool, warm=warm)
+            graph, _ = capture(lambda: self._decode(K, mode, n), self._pool, warm=warm)
         except RuntimeError as e:  # an op a graph cannot hold: the same steps, eagerly
             warnings.warn(f"fast engine: CUDA graph capture failed, decoding without graphs: {e}", stacklevel=3)
             self.cuda_graphs = False
@@ -530,7 +538,7 @@ class BatchedLlama:
             return None
         restore()
         torch.cuda.synchronize(self.device)
-        self._graphs[(K, mode)] = graph
+        self._graphs[(K, mode) if n in (None, self.rows) else (K, mode, n)] = graph
         self.compile_s += time.perf_counter() - t0
         return graph
 

@@ -10,9 +10,14 @@ exposes the same state one step at a time:
   returns each one's first token; a request that already has tokens (one that decoded speculatively
   alone and is joined by others) is *resumed*: its prompt and its tokens but the last are prefilled,
   and its last token is fed next, so the row continues exactly where the request stood;
-- :meth:`RowBatch.step` runs one decode step over every row (the fixed-shape step ``run`` runs: one
-  compiled function and CUDA graph per key bucket and mode) and reads its tokens back once, [2, R]
-  longs: the token each busy row chose, and whether it is still active on the device;
+- :meth:`RowBatch.step` runs one decode step (the fixed-shape step ``run`` runs: one compiled
+  function and CUDA graph per key bucket and mode) and reads its tokens back once, [2, R] longs:
+  the token each busy row chose, and whether it is still active on the device. The step covers the
+  first n rows, n the smallest of ``row_buckets`` above the highest busy row (a request takes the
+  lowest free row, so busy rows gather at the front). On a CPU a step's cost grows with its rows
+  (default buckets 1, 2, 4, ... R: one request alone in 8 rows would pay for 8); on a GPU a step
+  reads the weights once for all rows and each bucket costs a compilation and a CUDA graph per key
+  bucket and mode, so the default there is all R rows;
 - :meth:`RowBatch.release` frees a row at once (its request ended on the host, or was cancelled).
 
 Each row has its own sampling parameters (temperature, top-p; greedy rows take the argmax in a
@@ -92,10 +97,16 @@ class RowBatch:
             :meth:`BatchedLlama.run` on the same engine would reset the rows).
         capacity: the positions a row may hold (prompt + new tokens): the served context.
         eos_ids: the tokens that end every row.
+        row_buckets: the row counts a step may cover (module docstring; R is always one).
     """
 
-    def __init__(self, engine: BatchedLlama, capacity: int, eos_ids: Sequence[int] = ()) -> None:
+    def __init__(self, engine: BatchedLlama, capacity: int, eos_ids: Sequence[int] = (),
+                 row_buckets: Sequence[int] | None = None) -> None:
         self.engine, self.capacity = engine, int(capacity)
+        R = engine.rows
+        if row_buckets is None:
+            row_buckets = (R,) if engine.device.type == "cuda" else [min(1 << i, R) for i in range(R.bit_length() + 1)]
+        self.row_buckets = sorted({int(b) for b in row_buckets if 1 <= int(b) <= R} | {R})
         engine.ensure(self.capacity, self.capacity)
         st = engine.state
         assert st is not None
@@ -190,9 +201,10 @@ class RowBatch:
         eng, st = self.engine, self.engine.state
         assert st is not None
         need = max(self.pos[r] for r in busy) + 1  # entries 0 .. pos attended
-        eng.decode_step(next(b for b in eng.buckets() if b >= need), self.mode())
+        n = next(b for b in self.row_buckets if b > busy[-1])  # rows 0 .. n-1 step; the rest are free
+        eng.decode_step(next(b for b in eng.buckets() if b >= need), self.mode(), n)
         self.steps += 1
-        ids, active = torch.stack((st.ids, st.active.long())).tolist()  # the step's one read of the device
+        ids, active = torch.stack((st.ids[:n], st.active[:n].long())).tolist()  # the step's one read of the device
         out = []
         for r in busy:
             self.pos[r] += 1

@@ -13,10 +13,10 @@ acceptance check), server.py (uvicorn, graceful shutdown, a server thread).
 """
 
 from eyas.serve.app import ServeOptions, ServeState, build_app
-from eyas.serve.server import GracefulServer, ServerThread, free_port, make_server, serve_forever
+from eyas.serve.server import GracefulServer, ServerThread, free_port, make_loading_server, make_server, serve_forever
 from eyas.serve.startup import Preflight, Problem, RefusedError, Served, check_pair, load_served
 
 __all__ = [
     "GracefulServer", "Preflight", "Problem", "RefusedError", "ServeOptions", "ServeState", "Served", "ServerThread",
-    "build_app", "check_pair", "free_port", "load_served", "make_server", "serve_forever",
+    "build_app", "check_pair", "free_port", "load_served", "make_loading_server", "make_server", "serve_forever",
 ]

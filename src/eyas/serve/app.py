@@ -345,7 +345,7 @@ def build_app(state: ServeState) -> FastAPI:
                 "forced": pf.forced, "preflight": pf.to_dict(), "watchdog": v.to_dict(),
                 "queue": {"running": state.worker.running_count, "waiting": state.worker.waiting,
                           "max_rows": state.worker.max_rows},
-                "tree": sv.tree.to_dict()}
+                "tree": sv.tree.to_dict(), "startup": sv.startup.to_dict()}
         if pf.forced:
             body["warning"] = (f"started with --force past {len(pf.failures)} failed check(s): "
                                + "; ".join(p.code for p in pf.failures))

@@ -1,4 +1,10 @@
-"""Running the app under uvicorn, with a graceful shutdown.
+"""Running the app under uvicorn, with a graceful shutdown, and answering while the model loads.
+
+``eyas serve`` opens its port first (:func:`make_loading_server`): until the pair is loaded, checked
+and warmed, every route answers 503, ``/health`` with ``{"status": "loading", "step": ...}`` and
+the rest with the error code ``loading`` and a Retry-After, so a load balancer or an orchestrator
+sees the server coming up instead of a refused connection. :meth:`GracefulServer.ready` then swaps
+the app in. A pair that the start-up checks refuse closes the port again (exit code 1).
 
 On SIGINT/SIGTERM (:meth:`GracefulServer.handle_exit`) the app starts draining first: every new
 POST gets 503 ``shutting_down`` (on a connection that is still open; uvicorn closes the listening
@@ -17,18 +23,59 @@ import time
 from typing import Any
 
 import uvicorn
+from fastapi.responses import JSONResponse
 
 from eyas.serve.app import ServeOptions, ServeState, build_app
+from eyas.serve.protocol import APIError
 from eyas.serve.startup import Served
+
+LOADING_RETRY_S = 5
+
+
+class Loading:
+    """The ASGI app while the model loads (module docstring); ``step`` says what start-up does now."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.step = "starting"
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/health":
+            body = {"status": "loading", "step": self.step, "loading_s": round(time.perf_counter() - self.started, 1)}
+        else:
+            body = APIError(503, "loading", f"the model is loading ({self.step}); retry in {LOADING_RETRY_S} s").body()
+        await JSONResponse(body, status_code=503, headers={"retry-after": str(LOADING_RETRY_S)})(scope, receive, send)
+
+
+class Switch:
+    """ASGI: forwards every request to ``app``, which :meth:`GracefulServer.ready` replaces."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServeState) -> None:
+    """uvicorn with eyas' drain on SIGINT/SIGTERM; ``eyas_state`` is None while the model loads."""
+
+    def __init__(self, config: uvicorn.Config, state: ServeState | None, switch: Switch | None = None) -> None:
         super().__init__(config)
         self.eyas_state = state
+        self.switch = switch
+
+    def ready(self, state: ServeState) -> None:
+        """The pair is loaded: serve it (from a loading server, :func:`make_loading_server`)."""
+        assert self.switch is not None, "ready() is for a server made by make_loading_server"
+        self.eyas_state = state
+        self.switch.app = build_app(state)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self.eyas_state.begin_drain()
+        if self.eyas_state is not None:
+            self.eyas_state.begin_drain()
         super().handle_exit(sig, frame)
 
 
@@ -41,11 +88,22 @@ def make_server(served: Served, host: str = "127.0.0.1", port: int = 8000, optio
     return GracefulServer(config, state)
 
 
+def make_loading_server(host: str = "127.0.0.1", port: int = 8000, graceful_timeout: float = 60.0,
+                        log_level: str = "info") -> tuple[GracefulServer, Loading]:
+    """A server that answers "loading" (module docstring) until :meth:`GracefulServer.ready`."""
+    loading = Loading()
+    switch = Switch(loading)
+    config = uvicorn.Config(switch, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout,
+                            lifespan="off")
+    return GracefulServer(config, None, switch), loading
+
+
 def serve_forever(server: GracefulServer) -> None:
     try:
         server.run()
     finally:
-        server.eyas_state.shutdown()
+        if server.eyas_state is not None:
+            server.eyas_state.shutdown()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,6 +127,7 @@ class ServerThread:
 
     @property
     def state(self) -> ServeState:
+        assert self.server.eyas_state is not None
         return self.server.eyas_state
 
     def start(self, timeout: float = 30.0) -> "ServerThread":

@@ -12,6 +12,11 @@ Order (each step only when the previous passed, or with ``--force``):
    drafter's and the acceptance's for the served trees (``--tree`` for greedy requests,
    ``--tree-sampled`` for the others; short generations, greedy and sampled: :func:`warm_rounds`).
 
+Compiled artifacts (inductor's FX graph and kernel caches, Triton's kernels) are kept in eyas' cache
+directory (:func:`compile_cache`: ``$EYAS_CACHE/compile``, unless ``TORCHINDUCTOR_CACHE_DIR`` is
+set), so a second start on the same machine compiles from a warm cache; :class:`Startup` records
+how long each stage took and whether the cache was warm (``/health`` reports it).
+
 A failed check refuses to start: :class:`Preflight` lists every failed field with the expected and
 found value and the fix (a config edit, or the words of one), and the CLI exits 1. With ``--force``
 the server starts anyway; ``forced`` and the failures stay visible in ``/health`` and ``/metrics``.
@@ -19,6 +24,8 @@ the server starts anyway; ``forced`` and the failures stay visible in ``/health`
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +38,7 @@ from eyas.doctor.run import static_check
 from eyas.engine import SamplingParams, TreePlan, TreeSpec, build_target
 from eyas.interop import load_drafter, read_contract, resolve_draft
 from eyas.targets import LoadedTarget, load_target
+from eyas.targets.loading import cache_root
 from eyas.watch.verdict import Prediction, prediction_from_metrics
 
 
@@ -91,6 +99,33 @@ class RefusedError(Exception):
 
 
 @dataclass
+class Startup:
+    """How the start-up went: seconds per stage, and the compile cache it used."""
+
+    seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds (load, check, compile, ...)
+    compile_cache: str | None = None  # the directory of inductor's and Triton's caches
+    warm_cache: bool = False  # the cache held compiled artifacts before this start
+
+    @property
+    def total_s(self) -> float:
+        return round(sum(self.seconds.values()), 2)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"total_s": self.total_s, "seconds": {k: round(v, 2) for k, v in self.seconds.items()},
+                "compile_cache": self.compile_cache, "warm_cache": self.warm_cache}
+
+
+def compile_cache() -> tuple[str, bool]:
+    """Point inductor's and Triton's caches into eyas' cache directory (unless the user set them);
+    returns the directory and whether it already held compiled artifacts (a warm start)."""
+    root = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_root() / "compile")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    warm = root.is_dir() and any(root.iterdir())
+    return str(root), warm
+
+
+@dataclass
 class Served:
     """Everything the server serves with, loaded and checked."""
 
@@ -103,6 +138,7 @@ class Served:
     model_name: str
     preflight: Preflight
     prediction: Prediction | None
+    startup: Startup = field(default_factory=Startup)
 
     @property
     def tokenizer(self) -> Any:
@@ -139,8 +175,18 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", tree_sampled
     draft_path = resolve_draft(draft, target)
     if not draft_path.is_dir():
         raise FileNotFoundError(f"--draft {draft_path}: no such directory")
+    startup = Startup()
+    startup.compile_cache, startup.warm_cache = compile_cache()
+    clock = [time.perf_counter()]
+
+    def done(stage: str) -> None:
+        now = time.perf_counter()
+        startup.seconds[stage] = startup.seconds.get(stage, 0.0) + now - clock[0]
+        clock[0] = now
+
     log(f"loading the target {target}")
     loaded = load_target(target, dtype="auto", device=device)
+    done("load")
     log(f"checking {draft_path} against it (the doctor's static stage)")
     pf = check_pair(loaded, draft_path, log)
     if not pf.ok and not force:
@@ -156,6 +202,7 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", tree_sampled
 
     engine_target = build_target(loaded.model, CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks),
                                  target_impl, matvec=matvec, attention=attention)
+    done("check")
     if getattr(engine_target, "cuda_graphs", False):
         # Every key bucket up to the capacity: a server's long requests should not pay a compilation.
         log("compiling the fast target's steps and capturing CUDA graphs")
@@ -166,11 +213,12 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", tree_sampled
             plan = TreePlan(plan.greedy, TreeSpec.parse(tree_sampled))
     if getattr(engine_target, "cuda_graphs", False):
         warm_rounds(engine_target, drafter, plan, loaded.tokenizer.encode("Hello"), log)
+    done("compile")
     recorded = read_contract(draft_path)
     prediction = prediction_from_metrics(recorded.metrics if recorded is not None else None,
                                          f"{draft_path}/eyas.json contract.metrics")
     name = model_name or (target if not Path(target).exists() else Path(target).name)
-    return Served(loaded, drafter, engine_target, plan, draft_path, target, name, pf, prediction)
+    return Served(loaded, drafter, engine_target, plan, draft_path, target, name, pf, prediction, startup)
 
 
 # What the start-up's warm rounds sample with: each filter combination a request may bring (the server

@@ -76,7 +76,8 @@ def resolve_target(target: str) -> TargetSource:
     )
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
+    """eyas' cache directory: ``$EYAS_CACHE``, else ~/.cache/eyas (dequantised GGUFs, compiled steps)."""
     return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))
 
 
@@ -84,7 +85,7 @@ def gguf_cache_dir(src: TargetSource) -> Path:
     """Where the dequantised copy of a GGUF target lives (keyed by file name, size and mtime)."""
     f = Path(src.path) / str(src.gguf_file)
     st = f.stat()
-    return _cache_root() / "gguf" / f"{f.stem}-{st.st_size}-{int(st.st_mtime)}"
+    return cache_root() / "gguf" / f"{f.stem}-{st.st_size}-{int(st.st_mtime)}"
 
 
 def _materialise_gguf(src: TargetSource) -> TargetSource:
