@@ -1,12 +1,13 @@
 """A bounded load test of ``eyas serve`` on 127.0.0.1: for 1, 4 and 16 concurrent clients (or
 ``--clients``), output throughput and p50/p99 time to first token (TTFT) and time per output token
-(TPOT), at each ``--temperatures``, with speculation on and off (``--speculation on,off``).
+(TPOT), at each ``--temperatures``, with speculation as the server chooses it, always on and off
+(``--speculation auto,on,off``).
 
     python benchmarks/serve_load.py --target smollm2                  # starts its own server in-process
     python benchmarks/serve_load.py --url http://127.0.0.1:8000      # a server already running here
     python benchmarks/serve_load.py --target smollm2 --clients 1,4,16 --requests 2 --max-tokens 32 --json
     python benchmarks/serve_load.py --target smollm2 --clients 1,4,16,64,256 --temperatures 0,1 \
-        --speculation on,off --max-rows 256 --max-tokens 128 --json      # issue 33's table (a GPU)
+        --speculation auto,off --max-rows 256 --max-tokens 128 --json      # issue 33's table (a GPU)
 
 Each client sends ``--requests`` streaming chat requests one after another (greedy, ``--max-tokens``
 new tokens, prompts: the first turns of the MT-bench set shipped with eyas, in turn), and records per
@@ -147,7 +148,7 @@ def compare(rows: list[dict]) -> None:
         ratio = (lambda a, b: round(a / b, 3) if a and b else None)
         r["x_single_stream"] = ratio(r["throughput_tok_s"], single and single["throughput_tok_s"])
         r["x_speculation_off"] = (ratio(r["throughput_tok_s"], off["throughput_tok_s"])
-                                  if off is not None and r.get("speculation") == "on" else None)
+                                  if off is not None and r.get("speculation") not in (None, "off") else None)
 
 
 def table(rows: list[dict]) -> str:
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperatures", default="0", help="comma-separated; each level runs at each")
-    ap.add_argument("--speculation", default="on", help="in-process: on, off or on,off (a server each)")
+    ap.add_argument("--speculation", default="auto", help="in-process: auto, on, off, or several (a server each)")
     ap.add_argument("--max-rows", type=int, default=None, help="in-process: the running batch's rows")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", action="store_true")
@@ -185,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 1 <= c <= MAX_CLIENTS for c in levels) or not 1 <= a.requests <= MAX_REQUESTS \
             or not 1 <= a.max_tokens <= MAX_TOKENS:
         ap.error(f"bounded: clients 1..{MAX_CLIENTS}, requests 1..{MAX_REQUESTS}, max tokens 1..{MAX_TOKENS}")
-    if any(x not in ("on", "off") for x in settings) or (a.url and settings != ["on"]):
-        ap.error(f"--speculation: on, off or on,off, and only for an in-process server; found {a.speculation!r}")
+    if any(x not in ("auto", "on", "off") for x in settings) or (a.url and settings != ["auto"]):
+        ap.error(f"--speculation: auto, on, off or several, and only for an in-process server; found {a.speculation!r}")
     from eyas.bench import load_prompts
 
     prompts = [next(m["content"] for m in c.messages if m["role"] == "user") for c in load_prompts("mt_bench")]
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                  "tree_served": served.tree.to_dict(), "target_impl": served.target.implementation,
                  "device": str(served.target.device), "load_s": round(time.perf_counter() - t0, 1)}
         for setting in settings:
-            options = ServeOptions(max_queue=MAX_CLIENTS * MAX_REQUESTS, max_rows=a.max_rows, speculate=setting == "on")
+            options = ServeOptions(max_queue=MAX_CLIENTS * MAX_REQUESTS, max_rows=a.max_rows, speculation=setting)
             server = ServerThread(served, options).start()
             setup["max_rows"] = server.state.worker.max_rows
             try:

@@ -34,7 +34,8 @@ from tests.support.serving import broken_copy, chat, make_served_pair
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
 TOKENS = 20
-OPTIONS = ServeOptions(max_body_bytes=16 * 1024, watch_window=64, watch_min_rounds=16, default_max_tokens=TOKENS)
+OPTIONS = ServeOptions(max_body_bytes=16 * 1024, watch_window=64, watch_min_rounds=16, default_max_tokens=TOKENS,
+                       speculation="on")  # a lone request speculates: these tests check speculative serving
 
 
 @pytest.fixture(scope="module")

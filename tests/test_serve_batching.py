@@ -30,7 +30,7 @@ from tests.test_serve import metrics
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
 TOKENS = 24
-OPTIONS = ServeOptions(max_rows=4, default_max_tokens=TOKENS, watch_window=64, watch_min_rounds=16)
+OPTIONS = ServeOptions(max_rows=4, default_max_tokens=TOKENS, watch_window=64, watch_min_rounds=16, speculation="on")
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +232,28 @@ def test_the_port_answers_loading_until_the_pair_is_ready_and_health_reports_the
         server.handle_exit(15, None)
         thread.join(30)
     assert not thread.is_alive()
+
+
+def test_speculation_auto_measures_both_paths_of_a_lone_request_and_takes_the_faster(served, alone):
+    sv, questions = served
+    with ServerThread(sv, ServeOptions(max_rows=4, default_max_tokens=TOKENS)) as t:
+        c, policy = client(t), t.state.worker.policy
+        assert policy.mode == "auto"
+
+        def ask(q: str) -> dict:
+            r = c.chat.completions.create(model="toy", messages=chat(q), temperature=0, max_tokens=TOKENS)
+            assert r.choices[0].message.content == alone(q)  # either path: the same greedy output
+            return r.model_extra["eyas"]
+
+        assert ask(questions[2])["speculative_rounds"] > 0  # nothing measured: speculation first
+        assert ask(questions[3])["speculative_rounds"] == 0  # the plain path, not measured yet: tried
+        rates = policy.to_dict()["tokens_per_s"]
+        spec, plain = rates["greedy/speculative"], rates["greedy/plain"]
+        assert spec > 0 and plain > 0 and rates["sampled/speculative"] is None
+        faster_is_speculation = policy.rates[("greedy", "speculative")].per_s >= policy.rates[("greedy", "plain")].per_s * 1.02
+        assert (ask(questions[4])["speculative_rounds"] > 0) == faster_is_speculation
+        with urllib.request.urlopen(t.url + "/health") as r:
+            assert json.loads(r.read())["speculation"]["mode"] == "auto"
+        m = metrics(t)
+        assert m[("eyas_lone_request_tokens_per_second", (("kind", "greedy"), ("path", "plain")))] > 0
+

@@ -2,7 +2,7 @@
 acceptance of a running SGLang / vLLM / eyas server against the drafter's training prediction).
 
     eyas serve --target smollm2 [--draft default] [--host 127.0.0.1] [--port 8000] [--tree 5] [--force]
-               [--max-rows 64] [--no-speculate]
+               [--max-rows 64] [--speculation auto|on|off]
     eyas watch --metrics http://127.0.0.1:8000/metrics --draft runs/d-vllm [--every 30] [--json]
 
 Exit codes: serve 1 when the start-up checks refuse the pair, 2 for unusable input; watch 0 when
@@ -41,8 +41,9 @@ def serve_cmd(
     max_queue: int = typer.Option(256, min=1, help="requests waiting beyond this get 503 with Retry-After"),
     max_rows: Optional[int] = typer.Option(None, min=1, help="requests decoding at once in the running batch (default: 64 "
                                                              "on a GPU, 8 on a CPU; 1: one at a time, in arrival order)"),
-    speculate: bool = typer.Option(True, help="a request alone decodes speculatively (--no-speculate: plain batched "
-                                              "steps only, e.g. to measure what speculation gives)"),
+    speculation: str = typer.Option("auto", help="a request alone (nothing else running or waiting): auto (speculative "
+                                                 "where measured faster than a plain row, per greedy and sampled "
+                                                 "requests), on (always speculative), off (never)"),
     watch_window: int = typer.Option(512, min=1, help="the watchdog's sliding window, in speculative rounds"),
     watch_min_rounds: int = typer.Option(64, min=1, help="rounds in the window before the watchdog judges"),
     graceful_timeout: float = typer.Option(60.0, help="seconds in-flight requests get to finish at shutdown"),
@@ -55,7 +56,7 @@ def serve_cmd(
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = ServeOptions(max_body_bytes=max_body_bytes, max_queue=max_queue, default_max_tokens=max_tokens,
                            watch_window=watch_window, watch_min_rounds=watch_min_rounds, max_rows=max_rows,
-                           speculate=speculate)
+                           speculation=speculation)
     # The port opens first and answers "loading" (503, /health says which step) until the pair is
     # loaded, checked and warmed; a refused pair closes it again.
     server, loading = make_loading_server(host, port, graceful_timeout=graceful_timeout)
@@ -87,7 +88,7 @@ def serve_cmd(
         t, up = served.tree, served.startup
         err.print(f"eyas serve: {served.model_name} on http://{host}:{port}/v1 (tree {t.greedy.label}, sampled "
                   f"{t.sampled.label}, target {served.target.implementation}, drafter {served.draft_path}, "
-                  f"{state.worker.max_rows} rows{'' if speculate else ', speculation off'}); ready in {up.total_s:.1f} s "
+                  f"{state.worker.max_rows} rows, speculation {speculation}); ready in {up.total_s:.1f} s "
                   f"({'warm' if up.warm_cache else 'cold'} compile cache {up.compile_cache})", highlight=False)
 
     threading.Thread(target=load, name="eyas-load", daemon=True).start()

@@ -54,7 +54,7 @@ class ServeOptions:
     watch_min_rounds: int = 64
     max_rows: int | None = None  # the running batch's rows (None: 64 on a GPU, 8 on a CPU; 1: one request at a time)
     retry_after_s: int = 1  # what a 503 for a full queue tells the client to wait
-    speculate: bool = True  # a request alone decodes speculatively (False: plain batched steps only)
+    speculation: str = "auto"  # a request alone: auto (the faster path, measured), on (speculates), off (never)
 
 
 class ServeState:
@@ -68,7 +68,7 @@ class ServeState:
         self.watchdog = Watchdog(served.prediction, target=served.target_name, draft=str(served.draft_path),
                                  window=options.watch_window, min_rounds=options.watch_min_rounds,
                                  on_verdict=self.metrics.verdict)
-        self.worker = make_worker(served, options.max_rows, max_queue=options.max_queue, speculate=options.speculate,
+        self.worker = make_worker(served, options.max_rows, max_queue=options.max_queue, speculation=options.speculation,
                                   on_round=self._round,
                                   on_done=self._done, on_step=self.metrics.step)
         self.worker.on_cancelled_early = lambda job: self.metrics.cancelled.inc()
@@ -345,6 +345,7 @@ def build_app(state: ServeState) -> FastAPI:
                 "forced": pf.forced, "preflight": pf.to_dict(), "watchdog": v.to_dict(),
                 "queue": {"running": state.worker.running_count, "waiting": state.worker.waiting,
                           "max_rows": state.worker.max_rows},
+                "speculation": None if state.worker.policy is None else state.worker.policy.to_dict(),
                 "tree": sv.tree.to_dict(), "startup": sv.startup.to_dict()}
         if pf.forced:
             body["warning"] = (f"started with --force past {len(pf.failures)} failed check(s): "
@@ -354,6 +355,8 @@ def build_app(state: ServeState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         state.metrics.running.set(state.worker.running_count)
+        if state.worker.policy is not None:
+            state.metrics.rates(state.worker.policy.to_dict()["tokens_per_s"])
         state.metrics.waiting.set(state.worker.waiting)
         return Response(state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 

@@ -6,8 +6,10 @@ rows on the batched engine, and the served target and drafter for speculative de
 two steps it takes what was submitted, then:
 
 1. A request that is **alone** (no row busy, nobody waiting) decodes speculatively on the served
-   target, round after round (:func:`~eyas.engine.step`): at batch size 1 a round of tau tokens
-   costs about two plain steps, so speculation pays there and nowhere is it cheaper.
+   target, round after round (:func:`~eyas.engine.step`), where that is measured to be faster than
+   a lone plain row (:class:`~eyas.serve.policy.SpeculationPolicy`, per greedy and sampled
+   requests): at batch size 1 a round of tau tokens costs about two plain steps, so speculation
+   pays there if it pays anywhere; else it takes a row like any request.
 2. When another request arrives while one decodes alone, the lone request **joins the batch**: its
    prompt and its tokens are prefilled into a row, which continues from its last token
    (:class:`~eyas.engine.continuous.RowRequest` ``next_token``), and speculation turns off. A
@@ -42,13 +44,14 @@ from eyas.engine.continuous import RowBatch, RowRequest
 from eyas.engine.speculative import STOP_CANCELLED, GenerationResult
 from eyas.engine.stats import GenerationStats
 from eyas.engine.stopping import StopCriteria
+from eyas.serve.policy import SpeculationPolicy
 from eyas.serve.startup import Served
 from eyas.serve.worker import STOP, DecodeWorker, Event, Job, Worker
 
 DEFAULT_ROWS = {"cuda": 64, "cpu": 8}  # --max-rows by device: a CPU's memory holds fewer rows' caches
 
 
-def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int = 256, speculate: bool = True,
+def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int = 256, speculation: str = "auto",
                 on_round: Callable[[int, int, int], None] | None = None,
                 on_done: Callable[[Job, Any, float | None, float | None], None] | None = None,
                 on_step: Callable[[str, int], None] | None = None) -> Worker:
@@ -62,7 +65,7 @@ def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int =
     if rows == 1 or fast_unsupported(model) is not None:
         return DecodeWorker(served, max_queue=max_queue, on_round=on_round, on_done=on_done)
     batch = RowBatch(BatchedLlama(model, rows=rows), capacity=served.max_length, eos_ids=served.loaded.eos_ids)
-    return BatchWorker(served, batch, speculate=speculate, max_queue=max_queue, on_round=on_round, on_done=on_done,
+    return BatchWorker(served, batch, speculation=speculation, max_queue=max_queue, on_round=on_round, on_done=on_done,
                        on_step=on_step)
 
 
@@ -77,6 +80,8 @@ class Live:
     first: float | None = None
     last: float | None = None
     reason: str | None = None
+    spec_tokens: int = 0  # tokens and wall seconds of its speculative rounds (the policy's measure)
+    spec_seconds: float = 0.0
 
 
 class BatchWorker(Worker):
@@ -85,12 +90,12 @@ class BatchWorker(Worker):
     ``on_step(kind, rows)`` sees every step: ``"speculative"`` (a lone request's round) or
     ``"batched"`` (one step of ``rows`` busy rows)."""
 
-    def __init__(self, served: Served, batch: RowBatch, *, speculate: bool = True,
+    def __init__(self, served: Served, batch: RowBatch, *, speculation: str = "auto",
                  on_step: Callable[[str, int], None] | None = None, **kwargs: Any) -> None:
         super().__init__(served, **kwargs)
         self.batch, self.on_step = batch, on_step
         self.max_rows = batch.rows
-        self.speculate = speculate and served.drafter is not None
+        self.policy = SpeculationPolicy(speculation if served.drafter is not None else "off")
         self.pending: deque[Job] = deque()  # taken off the queue, waiting for a row
         self.rows: dict[int, Live] = {}  # row -> its request
         self.solo: tuple[Live, Any] | None = None  # the lone request and its speculative session
@@ -152,7 +157,7 @@ class BatchWorker(Worker):
                 self._solo_round()
                 return
             self._join_batch()
-        if self.speculate and not self.rows and len(self.pending) == 1:
+        if not self.rows and len(self.pending) == 1 and self.policy.speculate(self.pending[0].sampling):
             self._start_solo(self._next())
             return
         self._admit()
@@ -182,7 +187,10 @@ class BatchWorker(Worker):
             s.cancel()
         else:
             drafted_before, accepted_before = list(s.stats.drafted_at_depth), list(s.stats.accepted_at_depth)
+            t0 = time.perf_counter()
             tokens = step(s)
+            live.spec_seconds += time.perf_counter() - t0
+            live.spec_tokens += len(tokens)
             self._report_rounds(s.stats, drafted_before, accepted_before)
             if self.on_step is not None:
                 self.on_step("speculative", 1)
@@ -194,7 +202,14 @@ class BatchWorker(Worker):
         assert self.solo is not None
         live, s = self.solo
         self.solo = None
+        self._measured_solo(live)
         self._done(live, s.result())
+
+    def _measured_solo(self, live: Live) -> None:
+        """The lone request's speculative rate, for the policy (two rounds at least: the first
+        rounds of a request may include one-off work)."""
+        if live.spec_tokens and len(live.stats.accept_lengths) >= 2:
+            self.policy.measured(live.job.sampling, "speculative", live.spec_tokens, live.spec_seconds)
 
     def _join_batch(self) -> None:
         """The lone request continues in a row: its prompt and tokens but the last prefilled, the
@@ -208,6 +223,7 @@ class BatchWorker(Worker):
                                      generated=len(live.tokens))])
         self.solo = None
         self.rows[row] = live
+        self._measured_solo(live)
 
     # -- the batch ----------------------------------------------------------------------------------
 
@@ -243,7 +259,12 @@ class BatchWorker(Worker):
         if not self.rows:
             return
         n = len(self.rows)
-        for got in self.batch.step():
+        alone = next(iter(self.rows.values())) if n == 1 else None
+        t0 = time.perf_counter()
+        stepped = self.batch.step()
+        if alone is not None:  # a lone plain row: the policy's other measure
+            self.policy.measured(alone.job.sampling, "plain", 1, time.perf_counter() - t0)
+        for got in stepped:
             self.rows[got.row].stats.rounds += 1
             self._row_tokens(got.row, got.tokens)
         if self.on_step is not None:

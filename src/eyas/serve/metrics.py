@@ -25,6 +25,8 @@ Names (counters carry ``_total`` in the exposition):
     eyas_batch_rows                                busy rows of the running batch at the last step
     eyas_decode_steps_total{kind}                  steps by what the scheduler chose: "speculative" (a request
                                                    alone: a drafting-verification round) or "batched" (one token per row)
+    eyas_lone_request_tokens_per_second{kind,path} what the speculation policy measured for a lone request
+                                                   (kind greedy|sampled, path speculative|plain; eyas.serve.policy)
 
 The spec-decode counters use vLLM's names and meanings under the ``eyas_`` prefix, so ``eyas watch``
 reads this endpoint as it reads vLLM's.
@@ -87,6 +89,9 @@ class ServeMetrics:
                              ["kind"], registry=r)
         for kind in ("speculative", "batched"):
             self.steps.labels(kind)
+        self.lone_rates = Gauge("eyas_lone_request_tokens_per_second",
+                                "A lone request's decode rate per path, as the speculation policy measured it.",
+                                ["kind", "path"], registry=r)
         self.waiting = Gauge("eyas_requests_waiting", "Requests queued.", registry=r)
         self.draining = Gauge("eyas_draining", "1 while shutting down (new requests get 503).", registry=r)
         self.forced.set(1 if forced else 0)
@@ -109,6 +114,12 @@ class ServeMetrics:
         """One step of the decode worker: ``kind`` speculative or batched, over ``rows`` requests."""
         self.steps.labels(kind).inc()
         self.batch_rows.set(rows)
+
+    def rates(self, per_s: dict[str, float | None]) -> None:
+        """The policy's measured rates ({"greedy/speculative": tok/s or None, ...})."""
+        for key, value in per_s.items():
+            kind, path = key.split("/")
+            self.lone_rates.labels(kind, path).set(float("nan") if value is None else value)
 
     def finished(self, prompt_tokens: int, new_tokens: int, ttft: float | None, tpot: float | None) -> None:
         self.prompt_tokens.inc(prompt_tokens)

@@ -84,6 +84,7 @@ class Worker:
         self.queue: queue.Queue[Any] = queue.Queue()
         self.waiting = 0  # jobs submitted and not yet decoding
         self.max_rows = 1  # requests decoding at once, at most
+        self.policy: Any = None  # where a lone request may take another path: its SpeculationPolicy
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.thread = threading.Thread(target=self._run_loop, name="eyas-decode", daemon=True)
