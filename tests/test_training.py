@@ -274,6 +274,36 @@ def test_offline_and_online_training_give_the_same_first_step_loss(toy, tmp_path
 
 
 @pytest.mark.integration
+def test_init_from_takes_the_drafters_vocabulary_boundaries_and_flags_unless_they_are_set(toy, tmp_path):
+    """issue 34: `eyas train --init-from default` exited 2 on the shipped drafter's draft vocabulary
+    (12288 against the default 8192). A run takes the drafter's draft vocabulary size, boundaries and
+    norm flags unless the user sets them; one the user sets is still checked and named."""
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from eyas.cli.main import app
+    from eyas.interop import read_contract
+
+    target, data = toy
+    train(_cfg(toy, tmp_path / "first", steps=2, draft_vocab_size=512, boundaries=[1, 4, 6], norm_output=True))
+    r = CliRunner().invoke(app, ["train", "--target", str(target), "--data", str(data), "--out", str(tmp_path / "again"),
+                                 "--steps", "1", "--batch-size", "8", "--ttt-steps", "3", "--device", "cpu",
+                                 "--init-from", str(tmp_path / "first"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert "--init-from" in r.output and "draft_vocab_size=512" in r.output and "norm_output=True" in r.output
+    again = read_contract(tmp_path / "again")
+    assert list(again.capture.boundaries) == [1, 4, 6]
+    cfg = _json.loads((tmp_path / "again" / "eyas.json").read_text())["drafter_config"]
+    assert cfg["draft_vocab_size"] == 512 and cfg["norm_output"] is True
+    r = CliRunner().invoke(app, ["train", "--target", str(target), "--data", str(data), "--out", str(tmp_path / "set"),
+                                 "--steps", "1", "--device", "cpu", "--draft-vocab", "1024",
+                                 "--init-from", str(tmp_path / "first")])
+    assert r.exit_code == 2
+    assert "drafter config draft_vocab_size: expected this run's 1024, found 512" in " ".join(r.output.split())
+
+
+@pytest.mark.integration
 def test_init_from_starts_at_the_given_drafter_and_refuses_one_of_another_shape(toy, tmp_path):
     """--init-from loads a drafter's weights and draft vocabulary: with a learning rate of 0 the run
     ends where it started, on the first run's weights, d2t and t2d. A drafter of another draft

@@ -270,7 +270,8 @@ def train(
                    "and the save come after): the learning-rate schedule is shortened to end there, from the pace "
                    "measured as it trains, rather than cut off at a high learning rate"),
     boundaries: Optional[str] = typer.Option(None, help="online only: e.g. 2,15,27 (default [2, L//2, L-3])"),
-    draft_vocab: int = typer.Option(8192, "--draft-vocab"),
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="draft vocabulary size (default 8192, or "
+                                                                             "--init-from's)"),
     batch_size: int = typer.Option(4, help="sequences per rank per step (without --tokens-per-batch)"),
     tokens_per_batch: Optional[int] = typer.Option(
         None, help="length-bucketed batches: rows * padded length <= this many tokens per rank per step "
@@ -294,14 +295,23 @@ def train(
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     target_devices: Optional[str] = typer.Option(None, help="online training: " + TARGET_DEVICES_HELP
                                                  + "; the drafter trains on the first"),
-    norm_before_residual: bool = typer.Option(False, help="drafter variant: residual = hidden_norm(h) instead of h"),
-    norm_before_fc: bool = typer.Option(False, help="drafter variant: one RMSNorm over the concatenated slots before fc"),
-    fc_norm: bool = typer.Option(False, help="drafter variant: one RMSNorm per slot before the concatenation"),
-    norm_output: bool = typer.Option(False, help="drafter variant: feed back the post-norm hidden state"),
+    # The variant flags default to off, or to --init-from's drafter's: None = not given.
+    norm_before_residual: Optional[bool] = typer.Option(
+        None, "--norm-before-residual/--no-norm-before-residual",
+        help="drafter variant: residual = hidden_norm(h) instead of h [default: off, or --init-from's]"),
+    norm_before_fc: Optional[bool] = typer.Option(
+        None, "--norm-before-fc/--no-norm-before-fc",
+        help="drafter variant: one RMSNorm over the concatenated slots before fc [default: off, or --init-from's]"),
+    fc_norm: Optional[bool] = typer.Option(
+        None, "--fc-norm/--no-fc-norm",
+        help="drafter variant: one RMSNorm per slot before the concatenation [default: off, or --init-from's]"),
+    norm_output: Optional[bool] = typer.Option(
+        None, "--norm-output/--no-norm-output",
+        help="drafter variant: feed back the post-norm hidden state [default: off, or --init-from's]"),
     init_from: Optional[str] = typer.Option(
         None, help="start from this eyas drafter's weights and draft vocabulary ('default': the one shipped for "
-                   "--target smollm2), not a fresh one: fine-tuning on more data; its boundaries, --draft-vocab "
-                   "and variant flags must be this run's"),
+                   "--target smollm2), not a fresh one: fine-tuning on more data; the run takes its boundaries, "
+                   "draft vocabulary size and variant flags unless you set them"),
     force: bool = typer.Option(False, help="train even when the shards' contract does not match the target"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -311,14 +321,17 @@ def train(
     from eyas.training.config import TrainConfig
     from eyas.training.loop import train as run_training
 
+    # Options left unset stay out of the config's fields_set: --init-from fills them from its drafter.
+    given = {k: v for k, v in dict(boundaries=_run(parse_boundaries, boundaries) if boundaries else None,
+                                   draft_vocab_size=draft_vocab, norm_before_residual=norm_before_residual,
+                                   norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output).items()
+             if v is not None}
     cfg = _run(
         TrainConfig, target=target, data=data, out=str(out), steps=steps, epochs=epochs, time_budget_s=time_budget_s,
-        boundaries=_run(parse_boundaries, boundaries) if boundaries else None, draft_vocab_size=draft_vocab,
         batch_size=batch_size, tokens_per_batch=tokens_per_batch, max_length=max_length, lr=lr, ttt_steps=ttt_steps,
-        save_every=save_every, eval_every=eval_every, log_every=log_every, patience=patience, seed=seed, device=device, target_devices=target_devices,
-        norm_before_residual=norm_before_residual,
-        norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output,
-        init_from=str(_run(resolve_draft, init_from, target, "--init-from")) if init_from is not None else None,
+        save_every=save_every, eval_every=eval_every, log_every=log_every, patience=patience, seed=seed, device=device,
+        target_devices=target_devices,
+        init_from=str(_run(resolve_draft, init_from, target, "--init-from")) if init_from is not None else None, **given,
     )
     log = (lambda m: err.print(m, highlight=False)) if json_out else (lambda m: console.print(m, highlight=False))
     t0 = time.perf_counter()

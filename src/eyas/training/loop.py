@@ -37,6 +37,7 @@ from eyas.drafter.config import NORM_FLAGS
 from eyas.drafter.model import Eagle3Drafter
 from eyas.training.batches import Batch, OfflineBatches, OnlineBatches, pad_right
 from eyas.training.config import TrainConfig, split_indices
+from eyas.training.init_from import adopt_init_from, init_weights
 from eyas.training.order import budget_batches, make_order
 from eyas.training.state import SHARD_BYTES, checkpoint_dirs, commit_dir, load_train_state, save_train_state
 from eyas.drafter.ttt import Tally, ttt_forward
@@ -108,29 +109,6 @@ def sample_lengths(samples: Any, indices: Sequence[int]) -> list[int]:
     if lengths is not None:
         return [lengths[i] for i in indices]
     return [int(samples[i]["input_ids"].shape[0]) for i in indices]
-
-
-def init_weights(drafter: Eagle3Drafter, path: str, target: LoadedTarget, spec: CaptureSpec, force: bool) -> None:
-    """Load the drafter at ``path`` (``--init-from``) into the fresh ``drafter``: weights and draft
-    vocabulary. Its contract is checked against the target (ContractError unless ``force``); its
-    boundaries and its config (sizes, draft vocabulary, variant flags) must equal this run's, else a
-    CheckpointError names the field, this run's value and the one found."""
-    from eyas.interop import CheckpointError, load_drafter
-
-    where = f"--init-from {path}"
-    # With a target, the contract comes back whole (built from the checkpoint when it has none)
-    init, contract = load_drafter(path, target=target, tokenizer=target.tokenizer, force=force)
-    found = list(contract.capture.boundaries)
-    if found != list(spec.boundaries):
-        raise CheckpointError(f"{where}: capture.boundaries: expected this run's {list(spec.boundaries)}, "
-                              f"found {found} (pass --boundaries to match)")
-    ours, theirs = drafter.config.model_dump(), init.config.model_dump()
-    for field, value in ours.items():
-        if theirs.get(field) != value:
-            hint = " (pass --draft-vocab to match)" if field == "draft_vocab_size" else ""
-            raise CheckpointError(f"{where}: drafter config {field}: expected this run's {value!r}, "
-                                  f"found {theirs.get(field)!r}{hint}")
-    drafter.load_state_dict(init.state_dict())  # d2t and t2d included: its draft vocabulary
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,6 +327,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     from eyas.interop import load_drafter, save_drafter
 
     t_entry = time.perf_counter()
+    cfg, taken = adopt_init_from(cfg)  # --init-from: its draft vocabulary, boundaries and flags unless set
 
     split = parse_target_devices(cfg.target_devices)  # --target-devices: the drafter on its first device
     if split is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -363,6 +342,9 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     out = Path(cfg.out)
     if d.main:
         log(f"eyas train config: {cfg.model_dump_json()}")
+        if taken:
+            log(f"--init-from {cfg.init_from}: took its " + ", ".join(f"{k}={v}" for k, v in taken.items())
+                + " (set them to override)")
         out.mkdir(parents=True, exist_ok=True)
 
     # Target and data. The target stays frozen; with bf16 the target runs in bf16 on GPU.
