@@ -164,3 +164,27 @@ def test_regenerate_reports_temperatures_loops_finish_reasons_and_speed(tmp_path
     result = runner.invoke(app, [*base, "--temperatures", "0,warm"])
     message = " ".join(result.output.split())
     assert result.exit_code == 2 and "--temperatures: expected comma-separated numbers" in message
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("one_thread")
+def test_regenerate_rows_mean_what_they_say(tmp_path):
+    """issue 34: `--rows 512` ran 64 rows (--batch-size defaulted to 64 and capped them). The fast
+    engine now decodes --rows rows, fed 4 x --rows conversations at a time unless --batch-size says
+    otherwise; a --batch-size below --rows is refused in one line, before the model loads."""
+    from tests.support.chat import chat_target, chat_tokenizer
+
+    tok = chat_tokenizer()
+    tdir = tmp_path / "target"
+    chat_target(tok).save_pretrained(tdir)
+    tok.save_pretrained(tdir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [f"question {i}?"]}) + "\n" for i in range(5)))
+    base = ["regenerate", "--target", str(tdir), "--prompts", str(prompts), "--max-new-tokens", "8", "--device", "cpu",
+            "--engine", "fast"]
+    rep = json.loads(run(*base, "--out", str(tmp_path / "a.jsonl"), "--rows", "3", "--json"))
+    assert (rep["engine"], rep["rows"], rep["batch_size"], rep["written"]) == ("fast", 3, 12, 5)
+    result = runner.invoke(app, [*base, "--out", str(tmp_path / "b.jsonl"), "--rows", "4", "--batch-size", "2"])
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--rows 4 with --batch-size 2" in message and "pass --batch-size 16" in message
+    assert not (tmp_path / "b.jsonl").exists()

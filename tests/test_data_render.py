@@ -258,7 +258,7 @@ def test_render_many_renders_here_with_a_warning_when_its_workers_cannot_start(s
     import importlib
     from concurrent.futures.process import BrokenProcessPool
 
-    render_module = importlib.import_module("eyas.data.render")  # the module (eyas.data.render is the function)
+    render_module = importlib.import_module("eyas.data.render_pool")
 
     class NoWorkers:
         def __init__(self, *args, **kwargs):

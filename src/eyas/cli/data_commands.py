@@ -77,7 +77,9 @@ def regenerate_cmd(
     out: Path = typer.Option(..., help="JSONL to write (appended to, and resumed, if it exists)"),
     limit: Optional[int] = typer.Option(None, help="only the first N conversations"),
     max_new_tokens: int = typer.Option(1024, help="per answer"),
-    batch_size: int = typer.Option(64, help="conversations generated together (also the resume unit)"),
+    batch_size: Optional[int] = typer.Option(
+        None, help="conversations generated together (also the resume unit) [default: 4 x --rows with the fast "
+                   "engine, which streams them through its rows; 64 with hf]"),
     temperature: Optional[float] = typer.Option(None, help="one answer per prompt: 0 = greedy (default), > 0 sampled"),
     temperatures: Optional[str] = typer.Option(
         None, help="one answer per prompt and temperature, e.g. 0,0.8 (ids <id>@t0.8); not with --temperature"),
@@ -95,9 +97,9 @@ def regenerate_cmd(
                                             "batching over --rows, compiled and CUDA-graphed on a GPU) | hf "
                                             "(Hugging Face generate) | auto (fast for a Llama-family target on "
                                             "CUDA, else hf)"),
-    rows: int = typer.Option(256, help="--engine fast: rows decoded together (at most --batch-size); a chunk of "
-                                       "--batch-size conversations streams through them, so a --batch-size of "
-                                       "several times --rows keeps them busy"),
+    rows: int = typer.Option(256, help="--engine fast: rows decoded together; a chunk of --batch-size conversations "
+                                       "streams through them (a --batch-size below --rows is refused: rows would "
+                                       "stay empty)"),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N"),
     target_devices: Optional[str] = typer.Option(None, help=TARGET_DEVICES_HELP),
     target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
@@ -112,19 +114,25 @@ def regenerate_cmd(
         sampling["temperature"] = temperature
     if temperatures is not None:
         sampling["temperatures"] = _floats("--temperatures", temperatures)
-    options = _run(RegenerateOptions, out_path=out, max_new_tokens=max_new_tokens, batch_size=batch_size,
+    if rows < 1:
+        _fail(f"--rows: expected >= 1, found {rows}")
+    if engine == "fast" and batch_size is not None and batch_size < rows:
+        _fail(_rows_vs_batch(rows, batch_size))
+    options = _run(RegenerateOptions, out_path=out, max_new_tokens=max_new_tokens, batch_size=batch_size or 64,
                    **sampling, top_p=top_p, seed=seed, limit=limit, system_prompt=system_prompt,
                    max_prompt_tokens=max_prompt_tokens, max_turns=max_turns, loops=loops,
                    sort_by_length=sort_by_length, cache=cache, progress=not json_out)
-    if rows < 1:
-        _fail(f"--rows: expected >= 1, found {rows}")
     read = _read(prompts)
     loaded = _load(target, device, target_dtype, target_devices)
     model, tokenizer, src = loaded.model, loaded.tokenizer, loaded.name
-    generator = _generator(model, engine, min(rows, batch_size), progress=not json_out)
+    generator = _generator(model, engine, rows, progress=not json_out)
+    if generator is not None:  # the fast engine: --rows rows, fed --batch-size conversations at a time
+        if batch_size is not None and batch_size < rows:
+            _fail(_rows_vs_batch(rows, batch_size))
+        options = options.model_copy(update={"batch_size": batch_size or 4 * rows})
     s = _run(regenerate, model, tokenizer, read.conversations, options, source=str(src), generator=generator)
     report = {"command": "regenerate", "target": str(src), "prompts": str(prompts), **s.to_dict(),
-              "rows": getattr(generator, "rows", None), "read": read.counts,
+              "rows": getattr(generator, "rows", None), "batch_size": options.batch_size, "read": read.counts,
               "total_wall_s": round(time.perf_counter() - t0, 3)}
     if json_out:
         _print_json(report)
@@ -147,6 +155,12 @@ def regenerate_cmd(
     ]))
     if s.interrupted:
         raise typer.Exit(130)
+
+
+def _rows_vs_batch(rows: int, batch_size: int) -> str:
+    return (f"--rows {rows} with --batch-size {batch_size}: the fast engine decodes at most --batch-size "
+            f"conversations at once, so {rows - batch_size} rows would stay empty; pass --batch-size {4 * rows} "
+            f"(4 x --rows, the default) or --rows {batch_size}")
 
 
 def _generator(model: Any, engine: str, rows: int, progress: bool) -> Any:
@@ -305,8 +319,80 @@ def import_hidden_states_cmd(
     ]))
 
 
+def prompts_cmd(
+    target: str = typer.Option(..., help=TARGET_HELP),
+    out: Path = typer.Option(..., help="JSONL of user prompts to write (appended to, and resumed, if it exists)"),
+    count: int = typer.Option(1000, min=1, help="prompts the file should hold"),
+    temperatures: str = typer.Option("0.8,1.0,1.2", help="sampling temperatures, taken in turn batch by batch"),
+    top_p: float = typer.Option(1.0),
+    max_new_tokens: int = typer.Option(256, min=8, help="per prompt; a longer one (no end of turn) is dropped"),
+    batch_size: Optional[int] = typer.Option(None, help="prompts asked for together [default: 4 x --rows with the "
+                                                        "fast engine, 64 with hf]"),
+    seed: int = typer.Option(0),
+    system_prompt: str = typer.Option("template_default", help=SYSTEM_HELP),
+    near_threshold: float = typer.Option(0.7, min=0.0, max=1.0, help="estimated Jaccard similarity (word 3-grams) "
+                                                                     "above which a prompt is a near duplicate"),
+    engine: str = typer.Option("auto", help="fast | hf | auto, as eyas regenerate"),
+    rows: int = typer.Option(256, min=1, help="--engine fast: rows decoded together"),
+    cache: str = typer.Option("auto", help="--engine hf's KV cache, as eyas regenerate"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N"),
+    target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
+    json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
+) -> None:
+    """Let the target write user prompts itself (Magpie): continuations of its chat template's user
+    header, filtered (no end of turn, short, not text, template tokens, loops) and deduplicated
+    (exact and near)."""
+    from tqdm.auto import tqdm
+
+    from eyas.data.prompts import NearDuplicates, PromptFilter, make_prompts
+    from eyas.data.regenerate import HFGenerator
+
+    temps = _floats("--temperatures", temperatures)
+    if not temps or any(t <= 0 for t in temps):
+        _fail(f"--temperatures: expected numbers > 0 (a greedy draw gives one prompt), found {temperatures!r}")
+    if engine == "fast" and batch_size is not None and batch_size < rows:
+        _fail(_rows_vs_batch(rows, batch_size))
+    loaded = _load(target, device, target_dtype, None)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    generator = _generator(model, engine, rows, progress=False)
+    if generator is not None and batch_size is not None and batch_size < rows:
+        _fail(_rows_vs_batch(rows, batch_size))
+    size = batch_size or (4 * rows if generator is not None else 64)
+    if generator is None:
+        generator = HFGenerator(model, tokenizer, cache, size)
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    bar = None if json_out else tqdm(total=count, desc="prompts", unit="prompt", dynamic_ncols=True)
+
+    def progress(written: int, asked: int) -> None:
+        if bar is not None:
+            bar.n = written
+            bar.set_postfix(asked=asked, refresh=False)
+            bar.refresh()
+
+    try:
+        result = _run(make_prompts, generator, tokenizer, out, count, temps, top_p=top_p, max_new_tokens=max_new_tokens,
+                      batch_size=size, seed=seed, eos_ids=loaded.eos_ids, system_prompt=system_prompt,
+                      source=str(loaded.name), filter_=PromptFilter(specials, near=NearDuplicates(near_threshold)),
+                      on_batch=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    report = {"command": "prompts", "target": str(loaded.name), **result.to_dict(), "engine": generator.name,
+              "batch_size": size}
+    if json_out:
+        _print_json(report)
+        return
+    console.print(_table(f"prompts -> {result.out_path}", [
+        ("written", f"{result.written} this run, {result.existing} already there"),
+        ("per temperature", ", ".join(f"{t}: {n}" for t, n in result.per_temperature.items())),
+        ("asked", f"{result.generated} continuations, {report['kept_share']:.0%} kept" if result.generated else "none"),
+        ("rejected", ", ".join(f"{k} {v}" for k, v in result.rejected.items() if v) or "none"),
+    ]))
+
+
 def register(app: typer.Typer) -> None:
-    """Add `regenerate`, `capture` and `import-hidden-states` to the eyas app."""
+    """Add `prompts`, `regenerate`, `capture` and `import-hidden-states` to the eyas app."""
+    app.command("prompts")(prompts_cmd)
     app.command("regenerate")(regenerate_cmd)
     app.command("capture")(capture_cmd)
     app.command("import-hidden-states")(import_hidden_states_cmd)

@@ -25,13 +25,13 @@ from .render import (
     TemplateAlignmentError,
     TrainingSample,
     render,
-    render_many,
     render_prompt,
     shift_for_training,
     shift_targets,
     system_prompt_mode,
     template_default_system_prompt,
 )
+from .render_pool import render_many
 
 __all__ = [
     "FORMATS", "Conversation", "DataFormatError", "MessageIssue", "Problem", "ReadResult", "check_messages",

@@ -109,6 +109,8 @@ def _materialise_gguf(src: TargetSource) -> TargetSource:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(gguf_model.state_dict())
     tok = AutoTokenizer.from_pretrained(src.path, **kw)
+    for key, token in gguf_special_tokens(Path(src.path) / str(src.gguf_file)).items():
+        setattr(tok, key, token)  # the file's own, whatever this transformers' converter read
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
     plain.save_pretrained(tmp)
@@ -127,12 +129,37 @@ def materialise(src: TargetSource) -> TargetSource:
     return src
 
 
+def gguf_special_tokens(path: str | Path) -> dict[str, str]:
+    """The GGUF's own bos and eos tokens (``tokenizer.ggml.<name>_token_id`` looked up in
+    ``tokenizer.ggml.tokens``), as {"bos_token": ..., "eos_token": ...}: what the
+    file says, whatever a transformers version's GGUF converter makes of it (5.17 read SmolLM2's eos
+    as ``<|im_start|>``, 5.25 as ``<|im_end|>``, the file's id 2)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    out: dict[str, str] = {}
+    for name in ("bos", "eos"):
+        field = reader.fields.get(f"tokenizer.ggml.{name}_token_id")
+        if field is None or tokens is None:
+            continue
+        i = int(field.parts[field.data[0]][0])
+        if 0 <= i < len(tokens.data):
+            out[f"{name}_token"] = bytes(tokens.parts[tokens.data[i]]).decode("utf-8", errors="replace")
+    return out
+
+
 def load_tokenizer(target: str | TargetSource) -> Any:
     from transformers import AutoTokenizer
 
-    src = materialise(target if isinstance(target, TargetSource) else resolve_target(target))
+    original = target if isinstance(target, TargetSource) else resolve_target(target)
+    src = materialise(original)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     tok = AutoTokenizer.from_pretrained(src.path, **kw)
+    if original.gguf_file:  # the file's special tokens, on every transformers version (and in old caches)
+        for key, token in gguf_special_tokens(Path(original.path) / original.gguf_file).items():
+            if getattr(tok, key, None) != token:
+                setattr(tok, key, token)
     if tok.pad_token is None:  # GGUF tokenizers on older transformers come without one
         tok.pad_token = tok.eos_token
     return tok

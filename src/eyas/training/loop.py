@@ -31,7 +31,7 @@ from eyas.targets import LoadedTarget, PlacementError, load_target, parse_target
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract.contract import SlotFingerprint, ValidationMetrics
 from eyas.data.loops import loop_body_mask
-from eyas.data.shards import is_shard_dir
+from eyas.data.shard_format import is_shard_dir
 from eyas.drafter.build import drafter_flags, new_drafter
 from eyas.drafter.config import NORM_FLAGS
 from eyas.drafter.model import Eagle3Drafter
@@ -120,7 +120,7 @@ def load_samples(cfg: TrainConfig, target: LoadedTarget, force: bool) -> tuple[A
     """(indexable samples, capture spec, offline?, system prompt mode)."""
     L, tokenizer = target.num_blocks, target.tokenizer
     if is_shard_dir(cfg.data):
-        from eyas.data.shards import ShardDataset
+        from eyas.data.shard_dataset import ShardDataset
 
         ds = ShardDataset(cfg.data, features=True)
         ds.check_target(target, tokenizer, force=force)  # same fingerprint, blocks, template, ...
@@ -131,7 +131,8 @@ def load_samples(cfg: TrainConfig, target: LoadedTarget, force: bool) -> tuple[A
         mode = ds.contract.tokenisation.system_prompt if ds.contract.tokenisation else cfg.system_prompt
         return ds, CaptureSpec(tuple(ds.contract.capture.boundaries), L), True, mode
     from eyas.data.conversations import read_conversations
-    from eyas.data.render import render_many, system_prompt_mode
+    from eyas.data.render import system_prompt_mode
+    from eyas.data.render_pool import render_many
 
     result = read_conversations(cfg.data, on_error="skip")
     rendered = render_many(result.conversations, tokenizer, max_length=cfg.max_length, system_prompt=cfg.system_prompt)

@@ -1,0 +1,124 @@
+"""eyas.data.prompts (`eyas prompts`, Magpie): the user header comes from the chat template, the
+filters reject what they name (no end of turn, short, not text, template tokens, loops, exact and
+near duplicates), the file resumes with fresh draws, and the command runs end to end on a tiny
+chat target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from eyas.cli.main import app
+from eyas.data.generation import BatchParams
+from eyas.data.prompts import NearDuplicates, PromptFilter, batch_seed, make_prompts
+from eyas.data.render import user_header
+from tests.support.chat import chat_target, chat_tokenizer
+
+
+class Scripted:
+    """A BatchGenerator that answers from a script of (text, finish), in order, and records its calls."""
+
+    name, implementation, last_decode_steps = "scripted", "scripted", 0
+
+    def __init__(self, tok, script: list[tuple[str, str]]) -> None:
+        self.tok, self.script, self.calls = tok, list(script), []
+
+    def reserve(self, max_prompt_tokens: int, max_new_tokens: int) -> None:
+        self.reserved = (max_prompt_tokens, max_new_tokens)
+
+    def generate(self, prompts: list[list[int]], params: BatchParams):
+        self.calls.append((prompts, params))
+        out = []
+        for _ in prompts:
+            text, finish = self.script.pop(0) if self.script else ("", "length")
+            out.append((self.tok.encode(text), finish))
+        return out
+
+
+@pytest.mark.unit
+def test_the_user_header_is_what_the_template_writes_before_a_user_message():
+    tok = chat_tokenizer()
+    header = user_header(tok)
+    assert tok.decode(header) == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+    # "none" on a template that injects a default system turn: an empty one (as render does)
+    assert tok.decode(user_header(tok, "none")) == "<|im_start|>system\n<|im_end|>\n<|im_start|>user\n"
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)
+    assert rendered.startswith(tok.decode(header))
+
+
+@pytest.mark.unit
+def test_near_duplicates_are_caught_and_different_texts_are_not():
+    near = NearDuplicates(threshold=0.7)
+    base = ("Write a short story about a lighthouse keeper who finds a message in a bottle and decides "
+            "to sail across the ocean to find its sender before the winter storms arrive")
+    assert near.add(base)
+    assert not near.add(base.replace("short", "brief"))  # one word of 30 changed
+    assert near.add("Explain how photosynthesis converts light into chemical energy in plant cells")
+    assert near.add("Translate the following sentence into French: the weather is lovely today")
+
+
+@pytest.mark.unit
+def test_make_prompts_filters_deduplicates_writes_and_resumes_with_fresh_draws(tmp_path):
+    tok = chat_tokenizer()
+    good = ["How do I sort a list of tuples by the second element in Python?",
+            "What were the main causes of the French Revolution?",
+            "Summarize the plot of Hamlet in three sentences.",
+            "Give me a recipe for a vegan lasagna with spinach."]
+    script = [
+        (good[0], "eos"),
+        ("Tell me a story about a dragon who could not fly", "length"),  # no end of turn
+        ("Hi?", "eos"),  # short
+        ("1234 5678 9012 3456 !!!!", "eos"),  # not text
+        ("What is <|im_start|>assistant doing here?", "eos"),  # template tokens
+        ("Repeat after me: " + "one two three four five six seven eight " * 6, "eos"),  # a loop
+        ("how do I sort a list of tuples by the second   element in python?", "eos"),  # exact, folded
+        (good[1], "eos"),
+        ("What were the main causes of the French Revolution ?!", "eos"),  # near duplicate
+        (good[2], "eos"),
+    ]
+    gen = Scripted(tok, script)
+    out = tmp_path / "prompts.jsonl"
+    r = make_prompts(gen, tok, out, count=3, temperatures=(0.8, 1.2), batch_size=5, seed=3, eos_ids=[257],
+                     source="chat", filter_=PromptFilter([t for t in tok.all_special_tokens if t]))
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["messages"][0]["content"] for x in records] == good[:3]
+    assert [x["source"]["temperature"] for x in records] == [0.8, 1.2, 1.2]
+    assert (r.written, r.existing, r.generated, r.surplus, r.per_temperature) == (3, 0, 10, 0, {"0.8": 1, "1.2": 2})
+    assert r.rejected == {"no_end_of_turn": 1, "short": 1, "not_text": 1, "special_tokens": 1, "loop": 1,
+                          "duplicate": 1, "near_duplicate": 1}
+    assert gen.reserved == (len(user_header(tok)), 256)
+    prompts, params = gen.calls[0]
+    assert prompts == [user_header(tok)] * 5 and params.seed == batch_seed(3, 0.8, 0) and params.eos_ids == (257,)
+    assert gen.calls[1][1].seed == batch_seed(3, 1.2, 1) != params.seed
+
+    # resume: the file holds 3; asked for 4, one more batch, which repeats what is there and adds one
+    gen2 = Scripted(tok, [(good[2], "eos"), (good[3], "eos")])
+    r2 = make_prompts(gen2, tok, out, count=4, temperatures=(0.8, 1.2), batch_size=5, seed=3, eos_ids=[257])
+    assert (r2.existing, r2.written, r2.rejected["duplicate"], r2.surplus) == (3, 1, 1, 3)
+    assert gen2.calls[0][1].seed == batch_seed(3, 0.8, 2)  # after the batches 0 and 1 in the file: new draws
+    assert [json.loads(x)["messages"][0]["content"] for x in out.read_text().splitlines()] == good
+    with pytest.raises(ValueError, match="temperatures > 0"):
+        make_prompts(gen2, tok, out, count=5, temperatures=(0.0,))
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("one_thread")
+def test_eyas_prompts_runs_on_a_tiny_chat_target_and_reports_what_it_kept(tmp_path):
+    tok = chat_tokenizer()
+    tdir = tmp_path / "target"
+    chat_target(tok).save_pretrained(tdir)
+    tok.save_pretrained(tdir)
+    out = tmp_path / "p.jsonl"
+    r = CliRunner().invoke(app, ["prompts", "--target", str(tdir), "--out", str(out), "--count", "2",
+                                 "--temperatures", "1.0", "--max-new-tokens", "16", "--batch-size", "4",
+                                 "--engine", "hf", "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["command"] == "prompts" and rep["engine"] == "hf" and rep["batch_size"] == 4
+    assert rep["generated"] % 4 == 0
+    assert rep["written"] + sum(rep["rejected"].values()) + rep["surplus"] == rep["generated"]
+    assert len(out.read_text().splitlines()) == rep["written"] <= 2
+    bad = CliRunner().invoke(app, ["prompts", "--target", str(tdir), "--out", str(out), "--temperatures", "0"])
+    assert bad.exit_code == 2 and "--temperatures: expected numbers > 0" in " ".join(bad.output.split())
