@@ -19,9 +19,10 @@ completion tokens of a level / the level's wall time. It is bounded on purpose: 
 Each level also says what a user would check: ``x_single_stream`` (its throughput over the 1-client
 level's, same temperature and speculation), ``x_speculation_off`` (speculation on over off, same
 clients and temperature), and ``greedy_mismatches``: greedy answers whose text differs from the
-answer the same prompt got at the first level (requests mixed up, or, in bf16, a batched product
-rounding differently from a lone one; in float32 it must be 0). In-process, one server is started
-per ``--speculation`` setting, on the same loaded model.
+answer the same prompt got first, at any level or setting (requests mixed up, or, in bf16, a batched
+product rounding differently from a lone one; in float32 it must be 0). In-process, one server is
+started per ``--speculation`` setting on the same loaded model, and each level runs on each server
+in turn before the next level (a noisy machine's drift hits every setting alike).
 """
 
 from __future__ import annotations
@@ -203,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         model = json.loads(c.getresponse().read())["data"][0]["id"]
         c.close()
         setup: dict = {"url": a.url}
-        rows = run_levels(host, port, model, prompts, levels, temperatures, a)
+        rows = [{k: v for k, v in r.items() if k != "speculation"}
+                for r in run_levels(host, {"as served": port}, model, prompts, levels, temperatures, a)]
     else:
         from eyas.serve import ServeOptions, ServerThread, load_served
 
@@ -212,15 +214,17 @@ def main(argv: list[str] | None = None) -> int:
         setup = {"target": a.target, "draft": str(served.draft_path), "tree": a.tree,
                  "tree_served": served.tree.to_dict(), "target_impl": served.target.implementation,
                  "device": str(served.target.device), "load_s": round(time.perf_counter() - t0, 1)}
-        for setting in settings:
-            options = ServeOptions(max_queue=MAX_CLIENTS * MAX_REQUESTS, max_rows=a.max_rows, speculation=setting)
-            server = ServerThread(served, options).start()
-            setup["max_rows"] = server.state.worker.max_rows
-            try:
-                for r in run_levels("127.0.0.1", server.port, served.model_name, prompts, levels, temperatures, a):
-                    rows.append({"speculation": setting, **r})
-            finally:
-                server.stop()
+        # One server per setting, all up at once (idle ones cost nothing), their levels interleaved
+        # so that a noisy machine's drift hits every setting alike.
+        servers = {x: ServerThread(served, ServeOptions(max_queue=MAX_CLIENTS * MAX_REQUESTS, max_rows=a.max_rows,
+                                                        speculation=x)).start() for x in settings}
+        setup["max_rows"] = next(iter(servers.values())).state.worker.max_rows
+        try:
+            ports = {x: t.port for x, t in servers.items()}
+            rows = run_levels("127.0.0.1", ports, served.model_name, prompts, levels, temperatures, a)
+        finally:
+            for t in servers.values():
+                t.stop()
     compare(rows)
     report = {**setup, "requests_per_client": a.requests, "max_tokens": a.max_tokens,
               "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
@@ -232,18 +236,21 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r["errors"] for r in rows) else 0
 
 
-def run_levels(host: str, port: int, model: str, prompts: list[str], levels: list[int], temperatures: list[float],
-               a: argparse.Namespace) -> list[dict]:
-    """Every level at every temperature on one server, after a warm-up request (not counted)."""
-    one_request(host, port, model, prompts[0], 4, a.timeout)
-    greedy_texts: dict[int, str] = {}
+def run_levels(host: str, ports: dict[str, int], model: str, prompts: list[str], levels: list[int],
+               temperatures: list[float], a: argparse.Namespace) -> list[dict]:
+    """Every level at every temperature on each server (setting -> port), the settings interleaved
+    level by level, after a warm-up request each (not counted)."""
+    for port in ports.values():
+        one_request(host, port, model, prompts[0], 4, a.timeout)
+    greedy_texts: dict[int, str] = {}  # shared: every server must give a prompt the same greedy answer
     rows = []
     for t in temperatures:
         for c in levels:
-            rows.append(run_level(host, port, model, prompts, c, a.requests, a.max_tokens, a.timeout, t, greedy_texts))
-            r = rows[-1]
-            print(f"level: temperature {t:g}, {c} clients: {r['throughput_tok_s']} tok/s, TTFT p50 {r['ttft_p50_s']} s",
-                  file=sys.stderr)  # progress
+            for setting, port in ports.items():
+                r = run_level(host, port, model, prompts, c, a.requests, a.max_tokens, a.timeout, t, greedy_texts)
+                rows.append({"speculation": setting, **r})
+                print(f"level: {setting}, temperature {t:g}, {c} clients: {r['throughput_tok_s']} tok/s, "
+                      f"TTFT p50 {r['ttft_p50_s']} s", file=sys.stderr)  # progress
     return rows
 
 

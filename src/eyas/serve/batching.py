@@ -42,7 +42,7 @@ from eyas.engine import step
 from eyas.engine.batched import BatchedLlama, fast_unsupported
 from eyas.engine.continuous import RowBatch, RowRequest
 from eyas.engine.speculative import STOP_CANCELLED, GenerationResult
-from eyas.engine.stats import GenerationStats
+from eyas.engine.stats import STOP_EOS, STOP_MAX_NEW_TOKENS, GenerationStats
 from eyas.engine.stopping import StopCriteria
 from eyas.serve.policy import SpeculationPolicy
 from eyas.serve.startup import Served
@@ -249,7 +249,7 @@ class BatchWorker(Worker):
         for live, got in zip(lives, first):
             self.rows[got.row] = live
             live.stats.rounds += 1  # the prefill's round
-            self._row_tokens(got.row, got.tokens)
+            self._row_tokens(got.row, got.tokens, got.finished)
 
     def _batched_step(self) -> None:
         for row, live in list(self.rows.items()):
@@ -266,12 +266,14 @@ class BatchWorker(Worker):
             self.policy.measured(alone.job.sampling, "plain", 1, time.perf_counter() - t0)
         for got in stepped:
             self.rows[got.row].stats.rounds += 1
-            self._row_tokens(got.row, got.tokens)
+            self._row_tokens(got.row, got.tokens, got.finished)
         if self.on_step is not None:
             self.on_step("batched", n)
 
-    def _row_tokens(self, row: int, tokens: list[int]) -> None:
-        """A row's new tokens: emitted up to a stop condition, which ends the row."""
+    def _row_tokens(self, row: int, tokens: list[int], finished: bool) -> None:
+        """A row's new tokens: emitted up to a stop condition, which ends the row. The device's
+        ``finished`` (eos, the row's limit) always comes with the host's own check firing; should it
+        not, the row still ends (a finished row feeds no new token)."""
         live = self.rows[row]
         kept = []
         for t in tokens:
@@ -281,6 +283,8 @@ class BatchWorker(Worker):
             if live.reason is not None:
                 break
         self._emit(live, kept)
+        if finished and live.reason is None:
+            live.reason = STOP_EOS if live.tokens and live.tokens[-1] in live.stop.eos else STOP_MAX_NEW_TOKENS
         if live.reason is not None:
             self._end_row(row)
 
