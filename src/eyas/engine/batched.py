@@ -226,6 +226,7 @@ class BatchedLlama:
         self.num_blocks, self.num_heads = L, target.num_heads
         self.num_kv_heads, self.head_dim = target.num_kv_heads, target.head_dim
         c = _constants(model, self.head_dim)
+        self.constants = c  # eps, qk_eps, scaling, rope_scaling: what other steps on these weights need
 
         on_gpu = self.device.type == "cuda"
         self.cuda_graphs = bool(on_gpu if cuda_graphs is None else cuda_graphs) and on_gpu
@@ -443,10 +444,15 @@ class BatchedLlama:
         if group:
             yield group
 
-    def prefill_rows(self, pairs: list[tuple[int, int]], prompts: Sequence[Sequence[int]], keys: Tensor, mode: str) -> int:
+    def prefill_rows(self, pairs: list[tuple[int, int]], prompts: Sequence[Sequence[int]], keys: Tensor, mode: str,
+                     boundaries: Sequence[int] = (),
+                     on_features: Callable[[list[tuple[int, int]], Tensor], None] | None = None) -> int:
         """Prefill prompts into free rows ((row, prompt) ``pairs``), in groups: each prompt's cache
         entries, its first token (counter 0) and its row's state. Eager; no host read. Returns the
-        number of groups."""
+        number of groups. With ``boundaries`` (the layer convention's), ``on_features(group,
+        features)`` gets each group's features [g, P, len(boundaries) * H] at those boundaries (the
+        residual stream before block b; b = L: after the last block, before the final norm), for a
+        drafter to read."""
         st = self.state
         assert st is not None
         prologue, layer, head = self._prefill_fns
@@ -462,8 +468,13 @@ class BatchedLlama:
             lens = torch.tensor([len(prompts[i]) for _, i in group], dtype=torch.long).to(dev, non_blocking=True)
             key = keys[[i for _, i in group]].to(dev, non_blocking=True)
             x, d, cos, sin = prologue(ids, self.embed, self.inv_freq)
+            seen = {0: x} if 0 in boundaries else {}
             for b, w in enumerate(self.weights):
                 x, d = layer(x, d, cos, sin, rows, self.keys[b], self.values[b], w)
+                if b + 1 in boundaries:
+                    seen[b + 1] = x + d
+            if on_features is not None and boundaries:
+                on_features(group, torch.cat([seen[b] for b in boundaries], dim=-1))
             logits = head(x, d, lens - 1, self.norm_weight, self.lm_head, self.lm_bias)
             tok = choose(logits, key, torch.zeros_like(key), st.temperature[rows], st.drop_mass[rows], mode,
                          st.greedy[rows])

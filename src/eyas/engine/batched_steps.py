@@ -133,17 +133,31 @@ def choose(logits: Tensor, key: Tensor, count: Tensor, temperature: Tensor, drop
     the argmax all the same (their temperature is a placeholder, never 0)."""
     if mode == "greedy":
         return logits.argmax(-1)
-    x = logits.float() / temperature[:, None]
-    if mode == "top_p":
+    drawn = draw(row_probabilities(logits, temperature, drop_mass, mode == "top_p"), counter_uniform(key, count))
+    return drawn if greedy is None else torch.where(greedy, logits.argmax(-1), drawn)
+
+
+def row_probabilities(logits: Tensor, temperature: Tensor, drop_mass: Tensor, top_p: bool) -> Tensor:
+    """Each row's sampling distribution, float32 [R, ..., V], of logits [R, ..., V]: Hugging Face's
+    order, float32 logits / temperature [R], then (``top_p``) the smallest tokens whose cumulative
+    mass is <= drop_mass [R] (1 - top_p) dropped, the most likely always kept."""
+    shape = (-1,) + (1,) * (logits.dim() - 1)
+    x = logits.float() / temperature.view(shape)
+    if top_p:
         sorted_x, order = x.sort(dim=-1)
         cum = sorted_x.softmax(-1).cumsum(-1)
-        drop_sorted = cum <= drop_mass[:, None]
-        drop_sorted[:, -1] = False
+        drop_sorted = cum <= drop_mass.view(shape)
+        drop_sorted[..., -1] = False
         x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
-    cdf = x.softmax(-1).cumsum(-1)
-    threshold = counter_uniform(key, count) * cdf[:, -1]
-    drawn = (cdf <= threshold[:, None]).sum(-1).clamp(max=x.shape[-1] - 1)
-    return drawn if greedy is None else torch.where(greedy, logits.argmax(-1), drawn)
+    return x.softmax(-1)
+
+
+def draw(p: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF draws, long [...], from distributions p [..., V] (not necessarily normalised)
+    with uniforms u [...] in (0, 1)."""
+    cdf = p.cumsum(-1)
+    threshold = u * cdf[..., -1]
+    return (cdf <= threshold[..., None]).sum(-1).clamp(max=p.shape[-1] - 1)
 
 
 def decode_epilogue(x: Tensor, d: Tensor, norm: Tensor, lm_head: Tensor, lm_bias: Tensor | None, rows: Rows, *,
@@ -204,3 +218,47 @@ def prefill_head(x: Tensor, d: Tensor, last: Tensor, norm: Tensor, lm_head: Tens
     """The logits [g, V] at each prompt's last real token (index last [g]) of the group's output x + d."""
     h = (x + d)[torch.arange(x.shape[0], device=x.device), last]
     return F.linear(rms_norm(h, norm, eps), lm_head, lm_bias)
+
+
+# -- a chain of T tokens per row (batched speculative rounds: eyas.engine.row_speculation) ------------
+
+
+def chain_prologue(ids: Tensor, pos: Tensor, embed: Tensor, inv_freq: Tensor, n_keys: int, capacity: int, *,
+                   rope_scaling: float) -> tuple[Tensor, ...]:
+    """The inputs of T tokens per row: ids [R, T] long, row r's at positions pos[r] .. pos[r] + T - 1.
+    Returns x [R, T, H] (the embeddings: boundary 0), d (a zero residual), cos, sin [R, T, 1, D],
+    at [R, T] long (the cache entries written: the positions, clamped to the capacity, since an
+    idle row's stale position may lie near its end) and mask [R, T, n_keys] (token t of row r
+    attends entry j iff j <= pos[r] + t: its row's committed entries, the chain up to itself)."""
+    T = ids.shape[1]
+    at = pos[:, None] + torch.arange(T, device=ids.device)[None, :]
+    x = F.embedding(ids, embed)
+    cos, sin = _rotary(at, inv_freq, rope_scaling, x.dtype)
+    mask = torch.arange(n_keys, device=ids.device)[None, None, :] <= at[:, :, None]
+    return x, torch.zeros_like(x), cos[:, :, None], sin[:, :, None], at.clamp(max=capacity - 1), mask
+
+
+def chain_layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, at: Tensor, mask: Tensor, keys: Tensor,
+                values: Tensor, w: BlockWeights, *, eps: float, qk_eps: float, scaling: float) -> tuple[Tensor, Tensor]:
+    """One decoder block for T tokens per row (:func:`decode_layer` with T > 1): x + d [R, T, H]; row
+    r's token t writes its key/value at entry at[r, t] of its own row, then attends the first
+    n = mask.shape[-1] entries under mask [R, T, n]. Returns (h, m): the block's output is h + m."""
+    h_in = x + d
+    R, T, _ = h_in.shape
+    _, Hkv, _, D = keys.shape
+    Hq = _heads(w, D)
+    n = mask.shape[-1]
+    a = rms_norm(h_in, w.input_norm, eps)
+    q, k, v = _project_qkv(a, w)
+    q, k, v = q.view(R, T, Hq, D), k.view(R, T, Hkv, D), v.view(R, T, Hkv, D)
+    if w.q_norm is not None:
+        q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    rows = torch.arange(R, device=at.device)[:, None, None]  # [R, 1, 1]
+    heads = torch.arange(Hkv, device=at.device)[None, None, :]  # [1, 1, Hkv]
+    keys.index_put_((rows, heads, at[:, :, None]), k)  # entry (r, h, at[r, t]) <- k[r, t, h]
+    values.index_put_((rows, heads, at[:, :, None]), v)
+    qg = q.view(R, T, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)  # [R, Hkv, G, T, D]
+    out = _attend(qg, keys[:, :, :n], values[:, :, :n], mask[:, None, None], scaling)
+    h = h_in + F.linear(out.permute(0, 3, 1, 2, 4).reshape(R, T, Hq * D), w.o, w.o_bias)
+    return h, _mlp(rms_norm(h, w.post_norm, eps), w)

@@ -18,6 +18,9 @@ exposes the same state one step at a time:
   (default buckets 1, 2, 4, ... R: one request alone in 8 rows would pay for 8); on a GPU a step
   reads the weights once for all rows and each bucket costs a compilation and a CUDA graph per key
   bucket and mode, so the default there is all R rows;
+- :meth:`RowBatch.speculate` (with a drafter) runs one batched speculative round instead
+  (:mod:`eyas.engine.row_speculation`: a chain of ``depth`` drafts per row, verified in one forward)
+  and reads back each row's accepted drafts and bonus token, cut at the row's eos and limit;
 - :meth:`RowBatch.release` frees a row at once (its request ended on the host, or was cancelled).
 
 Each row has its own sampling parameters (temperature, top-p; greedy rows take the argmax in a
@@ -42,8 +45,10 @@ from typing import Sequence
 
 import torch
 
+from eyas.drafter.model import Eagle3Drafter
 from eyas.engine.batched import BatchedLlama
 from eyas.engine.errors import RequestError
+from eyas.engine.row_speculation import MAX_DEPTH, RowSpeculation
 from eyas.engine.sampling import SamplingParams
 
 _KEY_SPACE = 1 << 31  # counter_uniform's keys are int64; a seed of any size maps into this
@@ -80,6 +85,8 @@ class RowTokens:
     row: int
     tokens: list[int]
     finished: bool
+    drafted: int = 0  # a speculative round: the row's drafts, and how many of them it accepted
+    accepted: int = 0
 
 
 def step_mode(samplings: Sequence[SamplingParams]) -> str:
@@ -98,16 +105,21 @@ class RowBatch:
         capacity: the positions a row may hold (prompt + new tokens): the served context.
         eos_ids: the tokens that end every row.
         row_buckets: the row counts a step may cover (module docstring; R is always one).
+        drafter, boundaries: the EAGLE-3 drafter and the target boundaries it reads, for
+            :meth:`speculate` (rows then also prefill its cache).
     """
 
     def __init__(self, engine: BatchedLlama, capacity: int, eos_ids: Sequence[int] = (),
-                 row_buckets: Sequence[int] | None = None) -> None:
+                 row_buckets: Sequence[int] | None = None, drafter: Eagle3Drafter | None = None,
+                 boundaries: Sequence[int] = ()) -> None:
         self.engine, self.capacity = engine, int(capacity)
         R = engine.rows
         if row_buckets is None:
             row_buckets = (R,) if engine.device.type == "cuda" else [min(1 << i, R) for i in range(R.bit_length() + 1)]
         self.row_buckets = sorted({int(b) for b in row_buckets if 1 <= int(b) <= R} | {R})
-        engine.ensure(self.capacity, self.capacity)
+        # a round writes up to MAX_DEPTH entries past a row's last position (scratch)
+        engine.ensure(self.capacity + (MAX_DEPTH + 1 if drafter is not None else 0), self.capacity)
+        self.spec = RowSpeculation(engine, drafter, boundaries) if drafter is not None else None
         st = engine.state
         assert st is not None
         self.rows = engine.rows
@@ -116,9 +128,13 @@ class RowBatch:
         eos = [int(e) for e in eos_ids if 0 <= int(e) < engine.vocab_size]
         if eos:
             st.is_eos[torch.tensor(eos, device=engine.device)] = True
+        self.eos = set(eos)
         self.sampling: list[SamplingParams | None] = [None] * self.rows  # None: the row is free
         self.pos = [0] * self.rows  # the position of the token the row feeds next (host-exact)
-        self.steps = 0  # decode steps run
+        self.generated = [0] * self.rows  # the row's tokens so far (host-exact)
+        self.limit = [0] * self.rows  # the row's max_new_tokens
+        self.fresh = [False] * self.rows  # the drafter has read every token of the row
+        self.steps = 0  # decode steps and speculative rounds run
 
     # -- rows ------------------------------------------------------------------------------------
 
@@ -176,7 +192,10 @@ class RowBatch:
         st.limit.index_copy_(0, index, torch.tensor([q.max_new_tokens for q in requests], device=dev))
         keys = torch.tensor([q.seed % _KEY_SPACE for q in requests], dtype=torch.long)
         mode = step_mode([q.sampling for q in requests])
-        eng.prefill_rows(list(zip(rows, range(len(requests)))), [list(q.prompt) for q in requests], keys, mode)
+        groups: list[tuple[list[tuple[int, int]], torch.Tensor]] = []
+        eng.prefill_rows(list(zip(rows, range(len(requests)))), [list(q.prompt) for q in requests], keys, mode,
+                         boundaries=self.spec.boundaries if self.spec else (),
+                         on_features=lambda group, feats: groups.append((group, feats)))
         resumed = [(r, q) for r, q in zip(rows, requests) if q.resumed]
         if resumed:  # the row continues the request: its token fed next, its count, active
             at = torch.tensor([r for r, _ in resumed], dtype=torch.long, device=dev)
@@ -184,10 +203,18 @@ class RowBatch:
             st.n_gen.index_copy_(0, at, torch.tensor([q.generated for _, q in resumed], device=dev))
             st.active.index_fill_(0, at, True)
         first, active = torch.stack((st.ids[index], st.active[index].long())).tolist()
+        if self.spec is not None:  # the drafter reads x_1 .. x_m after the prompt's features
+            nxt = {r: int(first[j]) for j, r in enumerate(rows)}
+            for group, feats in groups:
+                self.spec.read([r for r, _ in group], [list(requests[i].prompt[1:]) + [nxt[r]] for r, i in group],
+                               feats)
         out = []
         for j, (r, q) in enumerate(zip(rows, requests)):
             self.sampling[r] = q.sampling
             self.pos[r] = len(q.prompt)
+            self.generated[r] = q.generated if q.resumed else 1
+            self.limit[r] = q.max_new_tokens
+            self.fresh[r] = self.spec is not None
             if not q.resumed:
                 out.append(RowTokens(r, [int(first[j])], not active[j]))
         return out
@@ -208,7 +235,40 @@ class RowBatch:
         out = []
         for r in busy:
             self.pos[r] += 1
+            self.generated[r] += 1
+            self.fresh[r] = False  # the drafter did not read this token (module docstring of row_speculation)
             out.append(RowTokens(r, [int(ids[r])], not active[r]))
+        return out
+
+    @torch.no_grad()
+    def speculate(self, depth: int) -> list[RowTokens]:
+        """One batched speculative round of every row (``depth`` drafts each; needs a drafter): each
+        busy row's accepted drafts and bonus token, cut after an eos token or at the row's limit
+        (``finished`` then, as the device has it)."""
+        if self.spec is None:
+            raise RuntimeError("RowBatch.speculate: no drafter (RowBatch(..., drafter=...))")
+        busy = self.busy
+        if not busy:
+            return []
+        eng, st = self.engine, self.engine.state
+        assert st is not None
+        need = max(self.pos[r] for r in busy) + depth + 1  # entries 0 .. pos + depth attended
+        n = next(b for b in self.row_buckets if b > busy[-1])
+        tokens, accepted = self.spec.round(n, depth, self.mode(), next(b for b in eng.buckets() if b >= need))
+        self.steps += 1
+        got = torch.cat([tokens, accepted[:, None], st.active[:n, None].long()], 1).tolist()  # the round's one read
+        eos = self.eos
+        out = []
+        for r in busy:
+            row = got[r]
+            a, active = row[depth + 1], row[depth + 2]
+            new = row[:a + 1][:self.limit[r] - self.generated[r]]
+            cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+            new = new[:cut]
+            self.pos[r] += a + 1
+            self.generated[r] += len(new)
+            finished = not active or cut < a + 1 or self.generated[r] >= self.limit[r]
+            out.append(RowTokens(r, new, finished, drafted=depth, accepted=min(a, len(new))))
         return out
 
     def release(self, row: int) -> None:

@@ -1,0 +1,251 @@
+"""Batched speculative rounds: every row of a running batch drafts a chain of gamma tokens with the
+EAGLE-3 drafter, the target verifies every row's chain in one forward, and each row accepts its own
+length (:class:`RowSpeculation`, driven by :meth:`eyas.engine.continuous.RowBatch.speculate`).
+
+Why chains. A lone request decodes with EAGLE-2 trees (:mod:`eyas.engine.speculative`); in a batch,
+a row's verification costs rows x (gamma + 1) token positions, so each row gets the few most likely
+tokens of its own chain, and the accepted path is always a prefix of what was verified: a row's
+target cache stays in place (the accepted entries are where they were written; the rejected ones lie
+past the row's new length and are overwritten as it grows), and so does its drafter cache. No
+gather, no compaction, rows never read each other's entries.
+
+One round, for rows 0..n-1 (row r has committed x_0 .. x_m, m = pos[r]; the target has seen
+x_0 .. x_{m-1}, it feeds ids[r] = x_m next; the drafter's cache holds m entries, entry t read
+(f_t, x_{t+1}) at position t, and its output at entry m - 1 is the row's *root*):
+
+    draft    d_1 = the root's choice; d_{i+1} from the drafter reading (g_i, d_i) at position
+             m - 1 + i (slot m - 1 + i: scratch past the committed entries; g_i its state fed back),
+             i = 1 .. gamma - 1. Greedy rows take the argmax, sampled rows draw from q_i (the
+             drafter's distribution with the row's temperature and top-p), in the target's vocabulary
+    verify   the target over [x_m, d_1 .. d_gamma] at positions m .. m + gamma, causal, writing entries
+             m .. m + gamma of the row's cache: logits p_0 .. p_gamma and the capture boundaries'
+             features f_m .. f_{m+gamma}
+    accept   greedy: a = the leading drafts equal to the target's argmax, then the argmax at a (the
+             bonus). Sampled (Leviathan et al. 2023, chain speculative sampling): d_{i+1} is accepted
+             with probability min(1, p_i(d) / q_i(d)); at the first rejection the token is drawn from
+             norm(max(0, p_i - q_i)), and after gamma acceptances from p_gamma. The output is
+             distributed as plain sampling from p, whatever q is (so a stale drafter costs speed,
+             never correctness). a + 1 new tokens: d_1 .. d_a, then the bonus
+    commit   ids = the bonus, pos += a + 1, n_gen += a + 1; the row ends at an eos token among the
+             new ones or at its limit. The drafter re-reads (f_{m+i}, x_{m+i+1}) at positions
+             m + i, i = 0 .. a (the accepted drafts, then the bonus): its entries m .. m + a, and its
+             output at a is the next root. The re-read runs gamma + 1 entries for every row; entries
+             past a write slots past the new length (scratch: overwritten before anything attends
+             them).
+
+Random numbers are :func:`~eyas.engine.sampling.counter_uniform` of the row's key (salted: a stream
+apart from the plain steps') and n_gen x 64 + a tag (draft i: i, acceptance i: 32 + i, the bonus: 63),
+so gamma <= 31 and rounds never share draws. A round reads the device once: the new tokens, the
+accepted lengths and the rows' active flags.
+
+A row the drafter has not followed (it decoded plain steps in between, which do not run the drafter)
+is *stale*: its drafts are poor, and the round stays lossless. Rows are prefilled with the features
+the drafter reads (:meth:`RowSpeculation.read`), so a row is fresh from its admission.
+
+On a CPU the round runs eagerly; compiled rounds and CUDA graphs are not built yet (the server
+measures each depth against plain steps and turns speculation down where it does not pay).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from eyas.drafter.model import Eagle3Drafter, KVCache
+from eyas.engine.batched import BatchedLlama
+from eyas.engine.batched_steps import Rows, chain_layer, chain_prologue, draw, row_probabilities
+from eyas.engine.llama import rms_norm
+from eyas.engine.sampling import counter_uniform
+
+MAX_DEPTH = 31  # the counter tags of a round (module docstring)
+_SALT = 0x5BD1E995  # the rounds' random stream, apart from the plain steps' (same row key)
+
+
+class RowKVCache(KVCache):
+    """The drafter's cache for rows that each write their own slots: ``update(slots [B, T], k, v [B,
+    Hkv, T, D])`` writes row b's entries at its slots. Over ``kv`` [2, R, Hkv, C, D] (a view: the first
+    n rows) or, with ``rows`` [B], over those rows (the update writes them in place and returns a
+    copy of their cache)."""
+
+    def __init__(self, kv: Tensor, rows: Tensor | None = None) -> None:
+        torch.nn.Module.__init__(self)
+        self.kv, self.rows = kv, rows
+
+    @property
+    def k(self) -> Tensor:
+        return self.kv[0] if self.rows is None else self.kv[0, self.rows]
+
+    @property
+    def v(self) -> Tensor:
+        return self.kv[1] if self.rows is None else self.kv[1, self.rows]
+
+    def update(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        B, H = k.shape[0], k.shape[1]
+        rows = torch.arange(B, device=k.device) if self.rows is None else self.rows
+        index = (rows[:, None, None], torch.arange(H, device=k.device)[None, :, None], slots[:, None, :])
+        self.kv[0].index_put_(index, k.to(self.kv.dtype))
+        self.kv[1].index_put_(index, v.to(self.kv.dtype))
+        return self.k, self.v
+
+
+class RowSpeculation:
+    """The drafter's state for the rows of a :class:`BatchedLlama` and the round (module docstring).
+
+    State: ``kv`` [2, R, Hkv_d, C, D_d] (the drafter's cache per row), ``root_logits`` [R, Vd] and
+    ``root_hidden`` [R, H_d] (each row's output at its last committed entry)."""
+
+    def __init__(self, engine: BatchedLlama, drafter: Eagle3Drafter, boundaries: Sequence[int]) -> None:
+        cfg = drafter.config
+        if cfg.num_slots != len(boundaries):
+            raise ValueError(f"boundaries: the drafter reads {cfg.num_slots} feature slots, found {list(boundaries)}")
+        self.engine, self.drafter, self.boundaries = engine, drafter, tuple(int(b) for b in boundaries)
+        dev = engine.device
+        R, C = engine.rows, engine.capacity
+        self.kv = torch.zeros(2, R, cfg.num_key_value_heads, C, cfg.head_dim, dtype=drafter.fc.weight.dtype, device=dev)
+        self.root_logits = torch.zeros(R, cfg.draft_vocab_size, dtype=torch.float32, device=dev)
+        self.root_hidden = torch.zeros(R, cfg.hidden_size, dtype=drafter.fc.weight.dtype, device=dev)
+        self.draft_ids = drafter.draft_to_target(torch.arange(cfg.draft_vocab_size, device=dev))  # [Vd]
+        c = engine.constants
+        self._prologue = functools.partial(chain_prologue, rope_scaling=c["rope_scaling"])
+        self._layer = functools.partial(chain_layer, eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"])
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[3]
+
+    # -- a row's prompt ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def read(self, rows: Sequence[int], tokens: Sequence[Sequence[int]], features: Tensor) -> None:
+        """Rows start: row rows[j] reads (features[j, t], tokens[j][t]) at position t for t < len(tokens[j])
+        (x_1 .. x_m after the prompt's features f_0 .. f_{m-1}); features [g, P, W], P >= the longest.
+        Each row's root is its output at its last entry."""
+        dev = self.kv.device
+        g, P = len(rows), max(len(t) for t in tokens)
+        ids = torch.zeros(g, P, dtype=torch.long)
+        for j, t in enumerate(tokens):
+            ids[j, :len(t)] = torch.as_tensor(list(t), dtype=torch.long)
+        ids = ids.to(dev)
+        last = torch.tensor([len(t) - 1 for t in tokens], device=dev)
+        at = torch.arange(P, device=dev)[None, :].expand(g, P)
+        mask = torch.arange(self.capacity, device=dev)[None, None, :] <= at[:, :, None]  # [g, P, C]
+        index = torch.tensor(list(rows), dtype=torch.long, device=dev)
+        out = self.drafter(ids, features[:, :P].to(self.kv.dtype), at, cache=RowKVCache(self.kv, index),
+                           cache_slots=at, mask=mask[:, None], from_target=True,
+                           logits_at=at == last[:, None])
+        self.root_logits.index_copy_(0, index, out.logits.float())
+        self.root_hidden.index_copy_(0, index, out.hidden[torch.arange(g, device=dev), last])
+
+    # -- the round ----------------------------------------------------------------------------------
+
+    def draft(self, st: Rows, n: int, depth: int, mode: str) -> tuple[Tensor, Tensor | None]:
+        """The chains of rows 0..n-1: (drafts [n, depth] long target ids, q [n, depth, V] their
+        distributions, None when every row is greedy)."""
+        dev, C, V = self.kv.device, self.capacity, self.engine.vocab_size
+        cache = RowKVCache(self.kv[:, :n])
+        logits, hidden = self.root_logits[:n], self.root_hidden[:n]
+        key, count0 = st.key[:n] ^ _SALT, st.n_gen[:n] * 64
+        drafts, qs = [], []
+        for i in range(depth):
+            greedy_pick = self.draft_ids[logits.argmax(-1)]
+            if mode == "greedy":
+                token = greedy_pick
+            else:
+                q_draft = row_probabilities(logits, st.temperature[:n], st.drop_mass[:n], mode == "top_p")  # [n, Vd]
+                picked = self.draft_ids[draw(q_draft, counter_uniform(key, count0 + i))]
+                token = torch.where(st.greedy[:n], greedy_pick, picked)
+                qs.append(torch.zeros(n, V, device=dev).index_add_(1, self.draft_ids, q_draft))
+            drafts.append(token)
+            if i + 1 < depth:
+                slot = (st.pos[:n] + i).clamp(max=C - 1)[:, None]  # [n, 1]
+                mask = torch.arange(C, device=dev)[None, None, None, :] <= slot[:, None, :, None]
+                out = self.drafter(token[:, None], hidden[:, None], slot, cache=cache, cache_slots=slot, mask=mask,
+                                   from_target=False)
+                logits, hidden = out.logits[:, 0].float(), out.hidden[:, 0]
+        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
+
+    def verify(self, st: Rows, n: int, tokens: Tensor, n_keys: int) -> tuple[Tensor, Tensor]:
+        """The target over tokens [n, T] of rows 0..n-1 at positions pos .. pos + T - 1, attending
+        their first n_keys entries: (logits [n, T, V], features [n, T, W] at the boundaries)."""
+        e = self.engine
+        x, d, cos, sin, at, mask = self._prologue(tokens, st.pos[:n], e.embed, e.inv_freq, n_keys, e.capacity)
+        seen = {0: x} if 0 in self.boundaries else {}
+        for b, w in enumerate(e.weights):
+            x, d = self._layer(x, d, cos, sin, at, mask, e.keys[b, :n], e.values[b, :n], w)
+            if b + 1 in self.boundaries:
+                seen[b + 1] = x + d
+        logits = torch.nn.functional.linear(rms_norm(x + d, e.norm_weight, e.constants["eps"]), e.lm_head, e.lm_bias)
+        return logits, torch.cat([seen[b] for b in self.boundaries], dim=-1)
+
+    def reread(self, st: Rows, n: int, tokens: Tensor, features: Tensor, accepted: Tensor) -> None:
+        """The drafter's entries m .. m + a of rows 0..n-1 (module docstring, commit): tokens [n, T]
+        the new x_{m+1} .., features [n, T, W] the verified f_m ..; the roots at index accepted [n]."""
+        dev, C = self.kv.device, self.capacity
+        T = tokens.shape[1]
+        at = (st.pos[:n, None] + torch.arange(T, device=dev)[None, :]).clamp(max=C - 1)  # [n, T]
+        mask = torch.arange(C, device=dev)[None, None, :] <= at[:, :, None]
+        out = self.drafter(tokens, features.to(self.kv.dtype), at, cache=RowKVCache(self.kv[:, :n]), cache_slots=at,
+                           mask=mask[:, None], from_target=True,
+                           logits_at=torch.arange(T, device=dev)[None, :] == accepted[:, None])
+        self.root_logits[:n] = out.logits.float()
+        self.root_hidden[:n] = out.hidden[torch.arange(n, device=dev), accepted]
+
+    @torch.no_grad()
+    def round(self, n: int, depth: int, mode: str, n_keys: int) -> tuple[Tensor, Tensor]:
+        """One round of rows 0..n-1 (module docstring), the rows' state committed in place: (the new
+        tokens [n, depth + 1], of which row r's first accepted[r] + 1 count; accepted [n])."""
+        if not 1 <= depth <= MAX_DEPTH:
+            raise ValueError(f"depth: expected 1 .. {MAX_DEPTH}, found {depth}")
+        st = self.engine.state
+        assert st is not None
+        drafts, q = self.draft(st, n, depth, mode)
+        logits, features = self.verify(st, n, torch.cat([st.ids[:n, None], drafts], 1), n_keys)
+        tokens, accepted = accept_chain(st, n, drafts, q, logits, mode)
+        self.reread(st, n, tokens, features, accepted)
+        commit_chain(st, n, tokens, accepted)
+        return tokens, accepted
+
+
+def accept_chain(st: Rows, n: int, drafts: Tensor, q: Tensor | None, logits: Tensor, mode: str) -> tuple[Tensor, Tensor]:
+    """Acceptance of rows 0..n-1 (module docstring, accept): drafts [n, g], q [n, g, V] or None,
+    logits [n, g + 1, V]. Returns (tokens [n, g + 1]: d_1 .. d_a, then the bonus, then anything;
+    accepted a [n])."""
+    g = drafts.shape[1]
+    target = logits.argmax(-1)  # [n, g + 1]
+    a = (drafts == target[:, :g]).long().cumprod(-1).sum(-1)
+    if mode != "greedy":
+        assert q is not None
+        p = row_probabilities(logits, st.temperature[:n], st.drop_mass[:n], mode == "top_p")  # [n, g + 1, V]
+        key, count0 = st.key[:n] ^ _SALT, st.n_gen[:n] * 64
+        p_d = p[:, :g].gather(-1, drafts[..., None])[..., 0]
+        q_d = q.gather(-1, drafts[..., None])[..., 0]
+        u = counter_uniform(key[:, None], count0[:, None] + 32 + torch.arange(g, device=drafts.device)[None, :])
+        a_sampled = (u * q_d < p_d).long().cumprod(-1).sum(-1)  # accept d_{i+1} w.p. min(1, p/q)
+        residual = torch.cat([(p[:, :g] - q).clamp(min=0), p[:, g:]], 1)  # [n, g + 1, V]
+        rows = torch.arange(n, device=drafts.device)
+        r = residual[rows, a_sampled]
+        r = torch.where(r.sum(-1, keepdim=True) > 0, r, p[rows, a_sampled])  # p == q there: draw from p
+        bonus = draw(r, counter_uniform(key, count0 + 63))
+        sampled = torch.cat([drafts, bonus[:, None]], 1).scatter(1, a_sampled[:, None], bonus[:, None])
+        greedy = st.greedy[:n]
+        a = torch.where(greedy, a, a_sampled)
+        chosen = torch.cat([drafts, target[:, g:]], 1).scatter(1, a[:, None], target.gather(1, a[:, None]))
+        return torch.where(greedy[:, None], chosen, sampled), a
+    tokens = torch.cat([drafts, target[:, g:]], 1).scatter(1, a[:, None], target.gather(1, a[:, None]))
+    return tokens, a
+
+
+def commit_chain(st: Rows, n: int, tokens: Tensor, accepted: Tensor) -> None:
+    """The rows' state after a round (module docstring, commit), in place; idle rows keep theirs."""
+    active = st.active[:n]
+    k = torch.where(active, accepted + 1, 0)
+    within = torch.arange(tokens.shape[1], device=tokens.device)[None, :] <= accepted[:, None]
+    eos = (st.is_eos[tokens] & within).any(-1)
+    n_gen = st.n_gen[:n] + k
+    st.ids[:n] = torch.where(active, tokens.gather(1, accepted[:, None])[:, 0], st.ids[:n])
+    st.pos[:n] += k
+    st.n_gen[:n] = n_gen
+    st.active[:n] = active & ~eos & (n_gen < st.limit[:n])

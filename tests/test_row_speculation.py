@@ -1,0 +1,149 @@
+"""eyas.engine.row_speculation through RowBatch.speculate: batched speculative rounds are lossless.
+
+- greedy, float32: every row gets exactly its answer alone (HF ``generate``), whatever depth each
+  round drafts, with plain steps in between (rows whose drafter went stale), requests joining and
+  resumed mid-answer, eos and limits cutting a round's tokens; and the drafts are accepted
+  (the rounds do speculate);
+- sampled: the first three tokens of many rows (each its own seed) follow the target's exact
+  distribution (Pearson's chi-square, as for the single-stream engine), at temperature 1 and with
+  top-p, and the same test catches an acceptance rule that skips the residual.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.engine import row_speculation
+from eyas.engine.batched import BatchedLlama
+from eyas.engine.continuous import RowBatch, RowRequest
+from eyas.engine.sampling import SamplingParams
+from tests.support.lossless import SPEC3, Z_999, chi_square, exact_first_three, make_small_vocab, wilson_hilferty_critical
+from tests.support.tiny import SPEC4, random_prompts
+from tests.test_batched import hf_greedy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def drive(batch: RowBatch, arrivals: dict[int, list[RowRequest]], plan) -> tuple[dict[int, list[int]], list[int]]:
+    """Run ``batch`` round after round: at round s the requests ``arrivals[s]`` wait for a free row,
+    then ``plan(s)`` says the round: a depth (a speculative round) or 0 (a plain step). Returns each
+    request's tokens by arrival order, and the accepted drafts of every speculative round and row."""
+    owner: dict[int, int] = {}
+    tokens: dict[int, list[int]] = {}
+    accepted: list[int] = []
+    waiting: list[RowRequest] = []
+    n = 0
+    for s in range(400):
+        waiting += arrivals.get(s, [])
+        while waiting and batch.free:
+            row = batch.free[0]  # a request takes the lowest free row
+            owner[row], tokens[n] = n, []
+            for got in batch.admit([waiting.pop(0)]):  # none for a resumed request
+                tokens[n] += got.tokens
+                if got.finished:
+                    batch.release(row)
+                    del owner[row]
+            n += 1
+        depth = plan(s)
+        for t in (batch.speculate(depth) if depth else batch.step()):
+            tokens[owner[t.row]] += t.tokens
+            if depth:
+                accepted.append(t.accepted)
+                assert t.drafted == depth and t.accepted <= len(t.tokens) - (not t.finished)
+            if t.finished:
+                batch.release(t.row)
+                del owner[t.row]
+        if not batch.busy and not waiting and s > max(arrivals):
+            break
+    return tokens, accepted
+
+
+@pytest.mark.unit
+def test_greedy_rounds_give_each_row_its_answer_alone(llama, trained_drafter):
+    prompts = random_prompts(6, 128, seed=5, lengths=(1, 20))
+    limits = [17, 9, 23, 1, 14, 20]
+    want = [hf_greedy(llama, p, m, None)[0] for p, m in zip(prompts, limits)]
+    # a resumed request: its prompt and 5 tokens but the last prefilled, the 5th fed next
+    resumed = RowRequest(prompts[5] + want[5][:4], limits[5], next_token=want[5][4], generated=5)
+    batch = RowBatch(BatchedLlama(llama, rows=4), capacity=64, drafter=trained_drafter, boundaries=SPEC4.boundaries)
+    arrivals = {0: [RowRequest(p, m) for p, m in zip(prompts[:3], limits[:3])],
+                3: [RowRequest(prompts[3], limits[3]), RowRequest(prompts[4], limits[4])], 6: [resumed]}
+    got, accepted = drive(batch, arrivals, plan=lambda s: [3, 1, 4, 0, 2, 5, 0, 0, 3][s % 9])
+    assert [got[i] for i in range(5)] == want[:5]
+    assert want[5][:5] + got[5] == want[5]
+    assert sum(accepted) > len(accepted) // 2  # the drafter's drafts are accepted: the rounds speculate
+    assert batch.busy == [] and not batch.engine.state.active.any()
+
+
+@pytest.mark.unit
+def test_an_eos_inside_a_round_ends_the_row_there(llama, trained_drafter):
+    prompt = random_prompts(1, 128, seed=8, lengths=(6, 6))[0]
+    alone = hf_greedy(llama, prompt, 30, None)[0]
+    eos = alone[7]  # the 8th token is the eos: a round that accepts past it is cut after it
+    want = alone[:alone.index(eos) + 1]
+    batch = RowBatch(BatchedLlama(llama, rows=2), capacity=64, eos_ids=[eos], drafter=trained_drafter,
+                     boundaries=SPEC4.boundaries)
+    got, _ = drive(batch, {0: [RowRequest(prompt, 30)]}, plan=lambda s: 4)
+    assert got[0] == want
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    return make_small_vocab()
+
+
+def sample_first_three(model, drafter, prompt: list[int], params: SamplingParams, n: int,
+                       depth: int) -> tuple[torch.Tensor, float]:
+    """Counts [16, 16, 16] of the first three tokens of n rows, each with its own seed: a prefill
+    then speculative rounds of ``depth``; and the mean accepted drafts of a row's first round."""
+    counts = torch.zeros(16, 16, 16)
+    first_round: list[int] = []
+    rows = 100
+    batch = RowBatch(BatchedLlama(model, rows=rows), capacity=32, drafter=drafter, boundaries=SPEC3.boundaries)
+    for start in range(0, n, rows):
+        firsts = batch.admit([RowRequest(prompt, 3, params, seed=start + j) for j in range(rows)])
+        tokens = {t.row: list(t.tokens) for t in firsts}
+        rounds = 0
+        while batch.busy:
+            rounds += 1
+            for t in batch.speculate(depth):
+                if rounds == 1:
+                    first_round.append(t.accepted)
+                tokens[t.row] += t.tokens
+                if t.finished:
+                    batch.release(t.row)
+        for row in tokens.values():
+            a, b, c = row
+            counts[a, b, c] += 1
+    return counts, sum(first_round) / len(first_round)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("params,depth", [(SamplingParams(temperature=1.0), 2),
+                                          (SamplingParams(temperature=0.7, top_p=0.9), 3)])
+def test_sampled_rounds_follow_the_target_distribution(small_vocab, params, depth):
+    model, drafter = small_vocab
+    prompt = [3, 1, 4, 1, 5]
+    exact = exact_first_three(model, prompt, params)
+    counts, accepted = sample_first_three(model, drafter, prompt, params, 800, depth)
+    stat, df = chi_square(counts, exact)
+    crit = wilson_hilferty_critical(df, Z_999)
+    print(f"{params} depth {depth}: chi2 {stat:.1f} on {df} df (critical {crit:.1f}); accepted {accepted:.2f}")
+    assert 0.3 < accepted < 1.7  # drafts accepted and rejected: both paths of the rule run
+    assert df >= 15 and stat < crit
+
+
+@pytest.mark.integration
+def test_a_rule_that_accepts_every_draft_fails_the_same_test(small_vocab, monkeypatch):
+    """The test has the power to see a wrong rule: accepting every sampled draft (q = 0 makes
+    u * q < p always true) gives the drafter's distribution, not the target's."""
+    model, drafter = small_vocab
+    real = row_speculation.accept_chain
+    monkeypatch.setattr(row_speculation, "accept_chain",
+                        lambda st, n, drafts, q, logits, mode: real(st, n, drafts, torch.zeros_like(q), logits, mode))
+    params = SamplingParams(temperature=1.0)
+    exact = exact_first_three(model, [3, 1, 4, 1, 5], params)
+    counts, _ = sample_first_three(model, drafter, [3, 1, 4, 1, 5], params, 800, 2)
+    stat, df = chi_square(counts, exact)
+    assert stat > wilson_hilferty_critical(df, Z_999)
