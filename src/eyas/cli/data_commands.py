@@ -97,9 +97,10 @@ def regenerate_cmd(
                                             "batching over --rows, compiled and CUDA-graphed on a GPU) | hf "
                                             "(Hugging Face generate) | auto (fast for a Llama-family target on "
                                             "CUDA, else hf)"),
-    rows: int = typer.Option(256, help="--engine fast: rows decoded together; a chunk of --batch-size conversations "
-                                       "streams through them (a --batch-size below --rows is refused: rows would "
-                                       "stay empty)"),
+    rows: Optional[int] = typer.Option(None, help="--engine fast: rows decoded together; a chunk of --batch-size "
+                                                  "conversations streams through them [default: 256, or --batch-size "
+                                                  "when smaller; an explicit --rows above --batch-size is refused: rows "
+                                                  "would stay empty]"),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N"),
     target_devices: Optional[str] = typer.Option(None, help=TARGET_DEVICES_HELP),
     target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
@@ -114,10 +115,7 @@ def regenerate_cmd(
         sampling["temperature"] = temperature
     if temperatures is not None:
         sampling["temperatures"] = _floats("--temperatures", temperatures)
-    if rows < 1:
-        _fail(f"--rows: expected >= 1, found {rows}")
-    if engine == "fast" and batch_size is not None and batch_size < rows:
-        _fail(_rows_vs_batch(rows, batch_size))
+    rows = _rows(rows, batch_size, engine)
     options = _run(RegenerateOptions, out_path=out, max_new_tokens=max_new_tokens, batch_size=batch_size or 64,
                    **sampling, top_p=top_p, seed=seed, limit=limit, system_prompt=system_prompt,
                    max_prompt_tokens=max_prompt_tokens, max_turns=max_turns, loops=loops,
@@ -155,6 +153,21 @@ def regenerate_cmd(
     ]))
     if s.interrupted:
         raise typer.Exit(130)
+
+
+DEFAULT_ROWS = 256
+
+
+def _rows(rows: int | None, batch_size: int | None, engine: str) -> int:
+    """--rows as given (refused below 1, or above an explicit --batch-size with --engine fast), else
+    the default, no more than --batch-size."""
+    if rows is None:
+        return min(DEFAULT_ROWS, batch_size) if batch_size else DEFAULT_ROWS
+    if rows < 1:
+        _fail(f"--rows: expected >= 1, found {rows}")
+    if engine == "fast" and batch_size is not None and batch_size < rows:
+        _fail(_rows_vs_batch(rows, batch_size))
+    return rows
 
 
 def _rows_vs_batch(rows: int, batch_size: int) -> str:
@@ -333,7 +346,8 @@ def prompts_cmd(
     near_threshold: float = typer.Option(0.7, min=0.0, max=1.0, help="estimated Jaccard similarity (word 3-grams) "
                                                                      "above which a prompt is a near duplicate"),
     engine: str = typer.Option("auto", help="fast | hf | auto, as eyas regenerate"),
-    rows: int = typer.Option(256, min=1, help="--engine fast: rows decoded together"),
+    rows: Optional[int] = typer.Option(None, help="--engine fast: rows decoded together [default: 256, or "
+                                                  "--batch-size when smaller]"),
     cache: str = typer.Option("auto", help="--engine hf's KV cache, as eyas regenerate"),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N"),
     target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
@@ -350,8 +364,7 @@ def prompts_cmd(
     temps = _floats("--temperatures", temperatures)
     if not temps or any(t <= 0 for t in temps):
         _fail(f"--temperatures: expected numbers > 0 (a greedy draw gives one prompt), found {temperatures!r}")
-    if engine == "fast" and batch_size is not None and batch_size < rows:
-        _fail(_rows_vs_batch(rows, batch_size))
+    rows = _rows(rows, batch_size, engine)
     loaded = _load(target, device, target_dtype, None)
     model, tokenizer = loaded.model, loaded.tokenizer
     generator = _generator(model, engine, rows, progress=False)
