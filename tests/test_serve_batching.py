@@ -12,6 +12,7 @@ import http.client
 import json
 import time
 import urllib.error
+from dataclasses import replace
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,29 +63,43 @@ def streamed(c: OpenAI, question: str, n: int = TOKENS, **kw) -> str:
         model="toy", messages=chat(question), temperature=0, max_tokens=n, stream=True, **kw) if ch.choices)
 
 
-def test_8_concurrent_greedy_requests_each_get_their_single_request_output_from_one_batch(served, alone):
+@pytest.mark.parametrize("speculation", ["on", "off"])
+def test_8_concurrent_greedy_requests_each_get_their_single_request_output_from_one_batch(served, alone, speculation):
+    """``on``: the batch runs speculative rounds (a chain a row, each row its own accepted length);
+    ``off``: plain batched steps. Either way each request gets its output alone."""
     sv, questions = served
     prompts = [questions[i % len(questions)] + f" ({i})" for i in range(8)]
     want = [alone(p) for p in prompts]
-    with ServerThread(sv, OPTIONS) as t:
+    with ServerThread(sv, replace(OPTIONS, speculation=speculation)) as t:
         assert isinstance(t.state.worker, BatchWorker) and t.state.worker.max_rows == 4
-        steps: list[tuple[str, int]] = []
+        steps: list[tuple[str, int, int]] = []
         step = t.state.worker.on_step
-        t.state.worker.on_step = lambda kind, rows: steps.append((kind, rows)) or step(kind, rows)
+        t.state.worker.on_step = lambda kind, rows, depth: steps.append((kind, rows, depth)) or step(kind, rows, depth)
         c = client(t)
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda p: streamed(c, p), prompts))
         m = metrics(t)
         with urllib.request.urlopen(t.url + "/health") as r:
-            queue = json.loads(r.read())["queue"]
+            health = json.loads(r.read())
     assert got == want and len(set(want)) > 1
-    batched = [rows for kind, rows in steps if kind == "batched"]
-    assert max(batched) == 4  # the batch was full at some step
-    assert m[("eyas_decode_steps_total", (("kind", "batched"),))] == len(batched)
-    assert m[("eyas_decode_steps_total", (("kind", "speculative"),))] == len(steps) - len(batched)
+    kinds = {kind for kind, _, _ in steps}
+    if speculation == "on":  # a request alone at the start may run its own rounds first
+        assert "batched_speculative" in kinds and kinds <= {"batched_speculative", "speculative"}
+    else:
+        assert kinds == {"batched"}
+    batched = [(kind, rows, depth) for kind, rows, depth in steps if kind.startswith("batched")]
+    assert max(rows for _, rows, _ in batched) == 4  # the batch was full at some step
+    for kind in ("speculative", "batched", "batched_speculative"):
+        assert m[("eyas_decode_steps_total", (("kind", kind),))] == sum(k == kind for k, _, _ in steps)
     assert m[("eyas_batch_rows", ())] == steps[-1][1]
+    assert m[("eyas_batch_speculation_depth", ())] == batched[-1][2]
+    assert all((depth > 0) == (kind == "batched_speculative") for kind, _, depth in batched)
     assert m[("eyas_generation_tokens_total", ())] == 8 * TOKENS  # the toy never stops early
-    assert queue == {"running": 0, "waiting": 0, "max_rows": 4}
+    assert health["queue"] == {"running": 0, "waiting": 0, "max_rows": 4}
+    if speculation == "on":  # rounds of the batch counted in the acceptance metrics, per depth chosen
+        assert m[("eyas_spec_decode_num_drafts_total", ())] >= sum(rows for k, rows, _ in batched)
+        assert m[("eyas_spec_decode_num_accepted_tokens_total", ())] > 0
+        assert any(key.startswith("4+/greedy/") for key in health["batch_speculation"]["tokens_per_s"])
 
 
 def test_a_request_decoding_alone_joins_the_batch_when_others_arrive_and_keeps_its_output(served, alone):
@@ -94,7 +109,7 @@ def test_a_request_decoding_alone_joins_the_batch_when_others_arrive_and_keeps_i
         c = client(t)
         kinds: list[str] = []
         step = t.state.worker.on_step
-        t.state.worker.on_step = lambda kind, rows: kinds.append(kind) or step(kind, rows)
+        t.state.worker.on_step = lambda kind, rows, depth: kinds.append(kind) or step(kind, rows, depth)
         with ThreadPoolExecutor(4) as pool:
             first = pool.submit(streamed, c, long_q, n)
             deadline = time.time() + 20
@@ -102,8 +117,8 @@ def test_a_request_decoding_alone_joins_the_batch_when_others_arrive_and_keeps_i
                 time.sleep(0.005)
             others = [pool.submit(streamed, c, q) for q in questions[1:4]]
             got_first, got_others = first.result(), [f.result() for f in others]
-    assert "speculative" in kinds and "batched" in kinds
-    assert kinds.index("speculative") < kinds.index("batched")
+    assert "speculative" in kinds and "batched_speculative" in kinds
+    assert kinds.index("speculative") < kinds.index("batched_speculative")
     assert got_first == alone(long_q, n)
     assert got_others == [alone(q) for q in questions[1:4]]
 
@@ -245,15 +260,26 @@ def test_speculation_auto_measures_both_paths_of_a_lone_request_and_takes_the_fa
             assert r.choices[0].message.content == alone(q)  # either path: the same greedy output
             return r.model_extra["eyas"]
 
-        assert ask(questions[2])["speculative_rounds"] > 0  # nothing measured: speculation first
-        assert ask(questions[3])["speculative_rounds"] == 0  # the plain path, not measured yet: tried
+        kinds: list[str] = []
+        step = t.state.worker.on_step
+        t.state.worker.on_step = lambda kind, rows, depth: kinds.append(kind) or step(kind, rows, depth)
+
+        def path(q: str) -> str:
+            kinds.clear()
+            ask(q)
+            if set(kinds) == {"speculative"}:
+                return "speculative"
+            assert set(kinds) <= {"batched", "batched_speculative"}, kinds  # a row: the batch's steps only
+            return "row"
+
+        assert path(questions[2]) == "speculative"  # nothing measured: speculation first
+        assert path(questions[3]) == "row"  # the batch's row, not measured yet: tried
         rates = policy.to_dict()["tokens_per_s"]
-        spec, plain = rates["greedy/speculative"], rates["greedy/plain"]
-        assert spec > 0 and plain > 0 and rates["sampled/speculative"] is None
-        faster_is_speculation = policy.rates[("greedy", "speculative")].per_s >= policy.rates[("greedy", "plain")].per_s * 1.02
-        assert (ask(questions[4])["speculative_rounds"] > 0) == faster_is_speculation
+        assert rates["greedy/speculative"] > 0 and rates["greedy/row"] > 0 and rates["sampled/speculative"] is None
+        faster_is_speculation = policy.rates[("greedy", "speculative")].per_s >= policy.rates[("greedy", "row")].per_s * 1.02
+        assert (path(questions[4]) == "speculative") == faster_is_speculation
         with urllib.request.urlopen(t.url + "/health") as r:
             assert json.loads(r.read())["speculation"]["mode"] == "auto"
         m = metrics(t)
-        assert m[("eyas_lone_request_tokens_per_second", (("kind", "greedy"), ("path", "plain")))] > 0
+        assert m[("eyas_lone_request_tokens_per_second", (("kind", "greedy"), ("path", "row")))] > 0
 

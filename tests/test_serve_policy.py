@@ -1,4 +1,4 @@
-"""eyas.serve.policy: a lone request takes the path measured faster (speculative or a plain row),
+"""eyas.serve.policy: a lone request takes the path measured faster (speculative or a row of the batch),
 per greedy and sampled requests; the other path is measured again now and then; on and off obey."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ def test_the_policy_takes_the_faster_path_explores_the_other_and_obeys_on_and_of
     p = SpeculationPolicy(explore_every=4)
     assert p.speculate(greedy)  # 1: nothing measured: speculation first
     p.measured(greedy, "speculative", 30, 1.0)
-    assert not p.speculate(greedy)  # 2: the plain path is tried
-    p.measured(greedy, "plain", 20, 1.0)
+    assert not p.speculate(greedy)  # 2: the row path is tried
+    p.measured(greedy, "row", 20, 1.0)
     assert p.speculate(greedy)  # 3: 30 > 20 x 1.02
     assert not p.speculate(greedy)  # 4: every 4th lone request explores the other path
     assert p.speculate(hot)  # kinds are apart: sampled has nothing measured
     p.measured(hot, "speculative", 10, 1.0)
-    p.measured(hot, "plain", 20, 1.0)
+    p.measured(hot, "row", 20, 1.0)
     assert not p.speculate(hot)
     for _ in range(50):  # the speculative rate drifts down: recent samples weigh more
         p.measured(greedy, "speculative", 10, 1.0)
@@ -30,3 +30,30 @@ def test_the_policy_takes_the_faster_path_explores_the_other_and_obeys_on_and_of
     assert SpeculationPolicy("on").speculate(hot) and not SpeculationPolicy("off").speculate(greedy)
     with pytest.raises(ValueError, match=r"speculation: expected one of \['auto', 'on', 'off'\], found 'yes'"):
         SpeculationPolicy("yes")
+
+
+@pytest.mark.unit
+def test_batch_speculation_tries_each_depth_then_takes_the_fastest_per_batch_size_and_explores_neighbours():
+    from eyas.serve.policy import BatchSpeculation
+
+    p = BatchSpeculation("auto", depths=(1, 2, 3), explore_every=4)
+    speed = {0: 100.0, 1: 150.0, 2: 180.0, 3: 120.0}  # tokens/s of each depth at 2-3 rows
+    tried = []
+    for _ in range(8):  # every arm twice: a middle depth first, then plain, then the rest
+        d = p.depth(2, "greedy")
+        tried.append(d)
+        p.measured(2, "greedy", d, speed[d], 1.0)
+    assert tried == [2, 2, 0, 0, 1, 1, 3, 3]
+    chosen = [p.depth(3, "greedy") for _ in range(8)]  # 3 rows: the same bucket as 2
+    assert chosen == [2, 2, 2, 3, 2, 2, 2, 1]  # the 4th and 8th steps explore a neighbour, deeper then shallower
+    assert p.to_dict()["tokens_per_s"]["2+/greedy/2"] == 180.0 and p.last == 1
+    assert p.depth(16, "greedy") == 2 and p.depth(2, "sampled") == 2  # other buckets and kinds: their own
+    # where plain is fastest (a large batch), speculation turns off; "off" never speculates, "on" always
+    for _ in range(8):
+        d = p.depth(64, "greedy")
+        p.measured(64, "greedy", d, {0: 900.0, 1: 700.0, 2: 500.0, 3: 400.0}[d], 1.0)
+    assert p.depth(64, "greedy") == 0
+    assert BatchSpeculation("off").depth(2, "greedy") == 0
+    assert BatchSpeculation("on", depths=(1, 2)).arms() == [1, 2]
+    with pytest.raises(ValueError, match="speculation: expected one of"):
+        BatchSpeculation("sometimes")

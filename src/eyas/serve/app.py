@@ -75,9 +75,10 @@ class ServeState:
         self.draining = False
         self.created = int(time.time())
 
-    def _round(self, depth: int, accepted: int, emitted: int) -> None:
+    def _round(self, depth: int, accepted: int, emitted: int, tree: bool = True) -> None:
         self.metrics.round(depth, accepted, emitted)
-        self.watchdog.round(depth, accepted)
+        if tree:  # the prediction is the tree's: a batched chain round accepts less at each depth
+            self.watchdog.round(depth, accepted)
 
     def _done(self, job: Job, result: Any, first: float | None, last: float | None) -> None:
         n = len(result.tokens)
@@ -346,6 +347,8 @@ def build_app(state: ServeState) -> FastAPI:
                 "queue": {"running": state.worker.running_count, "waiting": state.worker.waiting,
                           "max_rows": state.worker.max_rows},
                 "speculation": None if state.worker.policy is None else state.worker.policy.to_dict(),
+                "batch_speculation": (state.worker.batch_policy.to_dict()
+                                      if getattr(state.worker, "batch_policy", None) is not None else None),
                 "tree": sv.tree.to_dict(), "startup": sv.startup.to_dict()}
         if pf.forced:
             body["warning"] = (f"started with --force past {len(pf.failures)} failed check(s): "

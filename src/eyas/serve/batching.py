@@ -12,22 +12,27 @@ two steps it takes what was submitted, then:
    pays there if it pays anywhere; else it takes a row like any request.
 2. When another request arrives while one decodes alone, the lone request **joins the batch**: its
    prompt and its tokens are prefilled into a row, which continues from its last token
-   (:class:`~eyas.engine.continuous.RowRequest` ``next_token``), and speculation turns off. A
-   batched step advances every row by one token for about the cost of one plain step (the weights
-   are read once for all rows), so with two rows or more plain batched steps beat one request's
-   speculative rounds: speculation runs for a request alone only. Batched speculative rounds (a
-   tree per row) are not built yet.
+   (:class:`~eyas.engine.continuous.RowRequest` ``next_token``).
 3. Otherwise waiting requests are prefilled into free rows (in arrival order: nobody is overtaken),
-   and one batched step runs. Each row's token goes to its request at once (streaming per row); a
-   row whose request ends (eos, its ``max_tokens``, a stop string, a client gone) is freed at once,
-   and the next step can fill it.
+   and one batched step runs: a plain step (a token per row) or, with a drafter, a batched
+   speculative round (:meth:`~eyas.engine.continuous.RowBatch.speculate`: a chain of drafts per row,
+   one verification for all rows, each row its own accepted length), at the depth measured fastest
+   for this many rows and this kind of step (:class:`~eyas.serve.policy.BatchSpeculation`: it turns
+   speculation down, then off, as the batch grows and a forward stops being bound by reading the
+   weights). Each row's tokens go to its request at once (streaming per row); a row whose request
+   ends (eos, its ``max_tokens``, a stop string, a client gone) is freed at once, and the next step
+   can fill it.
 
 Invariants: only the worker thread touches the engines and the sessions; each job's events arrive
 in order, ``tokens`` then exactly one ``done``; a greedy request gets the tokens it would get alone
-(losslessness of the speculative path; the batched step's rows never read each other's cache);
+(losslessness of the speculative paths; the batched step's rows never read each other's cache);
 :meth:`stop` lets every queued and running request finish. What was chosen shows in
-``/metrics``: ``eyas_decode_steps_total{kind}`` (speculative rounds, batched steps) and
-``eyas_batch_rows`` (busy rows at the last step).
+``/metrics``: ``eyas_decode_steps_total{kind}`` (speculative rounds of a lone request, batched
+plain steps, batched speculative rounds), ``eyas_batch_rows`` (busy rows at the last step) and
+``eyas_batch_speculation_depth`` (the depth of the last batched step, 0 for plain). Every
+speculative round, lone or batched, counts in the acceptance metrics; the watchdog compares the
+lone requests' tree rounds with the calibrated prediction (a batched round drafts a chain, which
+accepts less at each depth than the tree the prediction is for).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from eyas.engine.continuous import RowBatch, RowRequest
 from eyas.engine.speculative import STOP_CANCELLED, GenerationResult
 from eyas.engine.stats import STOP_EOS, STOP_MAX_NEW_TOKENS, GenerationStats
 from eyas.engine.stopping import StopCriteria
-from eyas.serve.policy import SpeculationPolicy
+from eyas.serve.policy import BatchSpeculation, SpeculationPolicy
 from eyas.serve.startup import Served
 from eyas.serve.worker import STOP, DecodeWorker, Event, Job, Worker
 
@@ -64,7 +69,9 @@ def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int =
         raise ValueError(f"--max-rows: expected at least 1, found {rows}")
     if rows == 1 or fast_unsupported(model) is not None:
         return DecodeWorker(served, max_queue=max_queue, on_round=on_round, on_done=on_done)
-    batch = RowBatch(BatchedLlama(model, rows=rows), capacity=served.max_length, eos_ids=served.loaded.eos_ids)
+    drafter = served.drafter if speculation != "off" else None
+    batch = RowBatch(BatchedLlama(model, rows=rows), capacity=served.max_length, eos_ids=served.loaded.eos_ids,
+                     drafter=drafter, boundaries=served.target.spec.boundaries if drafter is not None else ())
     return BatchWorker(served, batch, speculation=speculation, max_queue=max_queue, on_round=on_round, on_done=on_done,
                        on_step=on_step)
 
@@ -87,15 +94,17 @@ class Live:
 class BatchWorker(Worker):
     """Continuous batching with speculation for a request alone (module docstring).
 
-    ``on_step(kind, rows)`` sees every step: ``"speculative"`` (a lone request's round) or
-    ``"batched"`` (one step of ``rows`` busy rows)."""
+    ``on_step(kind, rows, depth)`` sees every step: ``"speculative"`` (a lone request's round),
+    ``"batched"`` (a plain step of ``rows`` busy rows) or ``"batched_speculative"`` (a round of
+    ``depth`` drafts a row)."""
 
     def __init__(self, served: Served, batch: RowBatch, *, speculation: str = "auto",
-                 on_step: Callable[[str, int], None] | None = None, **kwargs: Any) -> None:
+                 on_step: Callable[[str, int, int], None] | None = None, **kwargs: Any) -> None:
         super().__init__(served, **kwargs)
         self.batch, self.on_step = batch, on_step
         self.max_rows = batch.rows
         self.policy = SpeculationPolicy(speculation if served.drafter is not None else "off")
+        self.batch_policy = BatchSpeculation(speculation if batch.spec is not None else "off")
         self.pending: deque[Job] = deque()  # taken off the queue, waiting for a row
         self.rows: dict[int, Live] = {}  # row -> its request
         self.solo: tuple[Live, Any] | None = None  # the lone request and its speculative session
@@ -193,7 +202,7 @@ class BatchWorker(Worker):
             live.spec_tokens += len(tokens)
             self._report_rounds(s.stats, drafted_before, accepted_before)
             if self.on_step is not None:
-                self.on_step("speculative", 1)
+                self.on_step("speculative", 1, 0)
             self._emit(live, tokens)
         if s.done:
             self._finish_solo()
@@ -259,16 +268,26 @@ class BatchWorker(Worker):
         if not self.rows:
             return
         n = len(self.rows)
+        kind = "greedy" if self.batch.mode() == "greedy" else "sampled"
+        depth = self.batch_policy.depth(n, kind)
         alone = next(iter(self.rows.values())) if n == 1 else None
         t0 = time.perf_counter()
-        stepped = self.batch.step()
-        if alone is not None:  # a lone plain row: the policy's other measure
-            self.policy.measured(alone.job.sampling, "plain", 1, time.perf_counter() - t0)
+        stepped = self.batch.speculate(depth) if depth else self.batch.step()
+        seconds = time.perf_counter() - t0
+        if alone is not None:  # a row alone in the batch: the lone policy's other measure
+            self.policy.measured(alone.job.sampling, "row", sum(len(got.tokens) for got in stepped), seconds)
+        self.batch_policy.measured(n, kind, depth, sum(len(got.tokens) for got in stepped), seconds)
         for got in stepped:
-            self.rows[got.row].stats.rounds += 1
+            live = self.rows[got.row]
+            if depth:
+                live.stats.record_round(depth, got.accepted, len(got.tokens))
+                if self.on_round is not None:
+                    self.on_round(depth, got.accepted, len(got.tokens), False)
+            else:
+                live.stats.rounds += 1
             self._row_tokens(got.row, got.tokens, got.finished)
         if self.on_step is not None:
-            self.on_step("batched", n)
+            self.on_step("batched_speculative" if depth else "batched", n, depth)
 
     def _row_tokens(self, row: int, tokens: list[int], finished: bool) -> None:
         """A row's new tokens: emitted up to a stop condition, which ends the row. The device's

@@ -23,6 +23,7 @@ Names (counters carry ``_total`` in the exposition):
     eyas_preflight_failures                        the failed start-up checks
     eyas_requests_running, eyas_requests_waiting, eyas_draining   requests decoding, queued; 1 while shutting down
     eyas_batch_rows                                busy rows of the running batch at the last step
+    eyas_batch_speculation_depth                   drafts a row in the last batched step (0: plain)
     eyas_decode_steps_total{kind}                  steps by what the scheduler chose: "speculative" (a request
                                                    alone: a drafting-verification round) or "batched" (one token per row)
     eyas_lone_request_tokens_per_second{kind,path} what the speculation policy measured for a lone request
@@ -85,10 +86,14 @@ class ServeMetrics:
         self.failures = Gauge("eyas_preflight_failures", "Start-up checks that failed.", registry=r)
         self.running = Gauge("eyas_requests_running", "Requests decoding now.", registry=r)
         self.batch_rows = Gauge("eyas_batch_rows", "Busy rows of the running batch at the last step.", registry=r)
-        self.steps = Counter("eyas_decode_steps", "Decoding steps by kind: speculative (a request alone) or batched.",
+        self.steps = Counter("eyas_decode_steps", "Decoding steps by kind: speculative (a request alone), batched "
+                             "(a plain step of the batch) or batched_speculative (a round of the batch).",
                              ["kind"], registry=r)
-        for kind in ("speculative", "batched"):
+        for kind in ("speculative", "batched", "batched_speculative"):
             self.steps.labels(kind)
+        self.batch_depth = Gauge("eyas_batch_speculation_depth",
+                                 "Drafts a row in the last batched step (0: a plain step), as the policy chose "
+                                 "for the batch size.", registry=r)
         self.lone_rates = Gauge("eyas_lone_request_tokens_per_second",
                                 "A lone request's decode rate per path, as the speculation policy measured it.",
                                 ["kind", "path"], registry=r)
@@ -110,10 +115,13 @@ class ServeMetrics:
             self.accepted_per_pos.labels(str(p)).inc()
         self.accept_length.observe(emitted)
 
-    def step(self, kind: str, rows: int) -> None:
-        """One step of the decode worker: ``kind`` speculative or batched, over ``rows`` requests."""
+    def step(self, kind: str, rows: int, depth: int = 0) -> None:
+        """One step of the decode worker: ``kind`` speculative, batched or batched_speculative (of
+        ``depth`` drafts a row), over ``rows`` requests."""
         self.steps.labels(kind).inc()
         self.batch_rows.set(rows)
+        if kind != "speculative":
+            self.batch_depth.set(depth)
 
     def rates(self, per_s: dict[str, float | None]) -> None:
         """The policy's measured rates ({"greedy/speculative": tok/s or None, ...})."""

@@ -7,8 +7,9 @@ CPU: 1.19x a lone plain row at temperature 0, 0.95x at 1; on the H200 with tree 
 0.95x eyas plain decoding). :class:`SpeculationPolicy` keeps, per kind of request (greedy, sampled), the decode rate
 of each path a lone request can take, as decayed sums of tokens and seconds:
 
-    speculative  a lone request's rounds: tokens emitted / wall seconds of its rounds
-    plain        batched steps with one busy row: 1 token / wall seconds of the step
+    speculative  a lone request's tree rounds: tokens emitted / wall seconds of its rounds
+    row          a row of the batch alone: its tokens / wall seconds of its steps (plain steps or
+                 chain rounds, as :class:`BatchSpeculation` chooses for one row)
 
 and sends a lone request down the faster one. A path with no measurement yet is tried first
 (speculation first), and every ``explore_every``-th lone request of a kind takes the path it would
@@ -25,7 +26,7 @@ from typing import Any
 
 MODES = ("auto", "on", "off")
 KINDS = ("greedy", "sampled")
-PATHS = ("speculative", "plain")
+PATHS = ("speculative", "row")
 
 
 @dataclass
@@ -64,7 +65,7 @@ class SpeculationPolicy:
             raise ValueError(f"speculation: expected one of {list(MODES)}, found {self.mode!r}")
         for kind in KINDS:
             self.rates[(kind, "speculative")] = Rate(decay=0.9)  # a sample per request: the last ~10
-            self.rates[(kind, "plain")] = Rate(decay=0.99)  # a sample per step: the last ~100
+            self.rates[(kind, "row")] = Rate(decay=0.99)  # a sample per step: the last ~100
             self._lone[kind] = 0
 
     @staticmethod
@@ -77,12 +78,12 @@ class SpeculationPolicy:
             return self.mode == "on"
         kind = self.kind(sampling)
         self._lone[kind] += 1
-        spec, plain = self.rates[(kind, "speculative")].per_s, self.rates[(kind, "plain")].per_s
+        spec, row = self.rates[(kind, "speculative")].per_s, self.rates[(kind, "row")].per_s
         if spec is None:
             return True
-        if plain is None:
+        if row is None:
             return False
-        choice = spec >= plain * self.margin
+        choice = spec >= row * self.margin
         if self._lone[kind] % self.explore_every == 0:
             return not choice
         return choice
@@ -94,3 +95,78 @@ class SpeculationPolicy:
         return {"mode": self.mode, "tokens_per_s": {
             f"{kind}/{path}": (None if self.rates[(kind, path)].per_s is None else round(self.rates[(kind, path)].per_s, 2))
             for kind in KINDS for path in PATHS}}
+
+
+DEPTHS = (1, 2, 3, 4)  # a batched round's chain depths (0: a plain batched step)
+
+
+@dataclass
+class BatchSpeculation:
+    """The depth of each batched step (0: a plain step, else a speculative round of that many drafts
+    a row, :meth:`eyas.engine.continuous.RowBatch.speculate`), measured per batch size.
+
+    A round of depth g costs a target forward over rows x (g + 1) positions and a g-step draft; it
+    pays while the target's forward is bound by reading its weights (few rows), and stops paying as
+    the batch grows and the forward becomes bound by arithmetic, at a size that depends on the
+    hardware, the drafter's acceptance on the traffic and the temperature (vLLM's dynamic speculative
+    decoding and SGLang turn speculation down with the batch for the same reason). So the rate of
+    each depth, in tokens per second of the step (every row's new tokens), is kept per batch-size
+    bucket (1, 2-3, 4-7, 8-15, ...: the bit length of the busy rows) and per kind of step (greedy:
+    every row greedy; sampled), as decayed sums. A depth measured fewer than twice in a bucket is
+    tried first (a middle depth, then plain, then the rest); after that the fastest is chosen
+    (speculation must beat plain by ``margin``), and every ``explore_every``-th step of a bucket
+    tries a neighbour of the fastest depth (alternately shallower and deeper), so a drift is seen.
+    ``mode``: ``auto`` as above, ``on`` (always a round; its depth measured), ``off`` (plain steps)."""
+
+    mode: str = "auto"
+    depths: tuple[int, ...] = DEPTHS
+    explore_every: int = 16
+    margin: float = 1.02
+    rates: dict[tuple[int, str, int], Rate] = field(default_factory=dict)
+    last: int = 0  # the depth of the last step (/metrics)
+    _steps: dict[tuple[int, str], int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"speculation: expected one of {list(MODES)}, found {self.mode!r}")
+        if not self.depths or min(self.depths) < 1:
+            raise ValueError(f"depths: expected depths >= 1, found {list(self.depths)}")
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return max(int(rows), 1).bit_length()
+
+    def arms(self) -> list[int]:
+        return sorted(set(self.depths) | ({0} if self.mode == "auto" else set()))
+
+    def rate(self, rows: int, kind: str, depth: int) -> Rate:
+        return self.rates.setdefault((self.bucket(rows), kind, depth), Rate(decay=0.9))
+
+    def depth(self, rows: int, kind: str) -> int:
+        """The depth of the next step of ``rows`` busy rows of ``kind`` (greedy | sampled)."""
+        if self.mode == "off":
+            self.last = 0
+            return 0
+        arms = self.arms()
+        key = (self.bucket(rows), kind)
+        self._steps[key] = n = self._steps.get(key, 0) + 1
+        first = sorted(arms, key=lambda d: (d != arms[len(arms) // 2], d != 0, d))  # a middle depth, plain, ...
+        untried = [d for d in first if self.rate(rows, kind, d).samples < 2]
+        if untried:
+            choice = untried[0]
+        else:
+            speed = {d: self.rate(rows, kind, d).per_s or 0.0 for d in arms}
+            choice = max(arms, key=lambda d: speed[d] * (self.margin if d == 0 else 1.0))
+            if n % self.explore_every == 0:
+                i = arms.index(choice) + (1 if (n // self.explore_every) % 2 else -1)
+                choice = arms[min(max(i, 0), len(arms) - 1)]
+        self.last = choice
+        return choice
+
+    def measured(self, rows: int, kind: str, depth: int, tokens: int, seconds: float) -> None:
+        self.rate(rows, kind, depth).add(tokens, seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "last_depth": self.last, "tokens_per_s": {
+            f"{2 ** (b - 1)}+/{kind}/{d}": round(r.per_s, 2)
+            for (b, kind, d), r in sorted(self.rates.items()) if r.per_s is not None}}

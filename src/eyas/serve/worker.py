@@ -71,12 +71,13 @@ class Worker:
     """What every decode worker shares: one thread, a bounded queue, the jobs' events.
 
     Subclasses implement :meth:`_loop`; :meth:`submit` and :meth:`stop` are the request handlers'
-    side. ``on_round(depth, accepted, emitted)`` sees every speculative round of every request, and
+    side. ``on_round(depth, accepted, emitted, tree)`` sees every speculative round of every request
+    (``tree``: a lone request's tree round; else a batched chain round), and
     ``on_done(job, result, first_token_time, last_token_time)`` every finished one (the metrics and
     the watchdog); ``on_cancelled_early(job)`` a job cancelled before it decoded."""
 
     def __init__(self, served: Served, *, max_queue: int = 256,
-                 on_round: Callable[[int, int, int], None] | None = None,
+                 on_round: Callable[[int, int, int, bool], None] | None = None,
                  on_done: Callable[[Job, Any, float | None, float | None], None] | None = None) -> None:
         self.served, self.max_queue = served, max_queue
         self.on_round, self.on_done = on_round, on_done
@@ -134,7 +135,7 @@ class Worker:
                     if d > (drafted_before[i] if i < len(drafted_before) else 0))
         accepted = sum(1 for i, a in enumerate(stats.accepted_at_depth)
                        if a > (accepted_before[i] if i < len(accepted_before) else 0))
-        self.on_round(depth, accepted, stats.accept_lengths[-1])
+        self.on_round(depth, accepted, stats.accept_lengths[-1], True)
 
     def _start_session(self, job: Job) -> Any:
         """The job's engine session on the served target (prefill and first token done)."""
