@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from eyas.data.generation import BatchGenerator, BatchParams
-from eyas.engine.batched import BatchedLlama, choose_engine, key_ladder
+from eyas.engine.batch_engines import choose_engine
+from eyas.engine.batched import BatchedLlama
+from eyas.engine.batched_steps import key_ladder
 from eyas.engine.sampling import counter_uniform
 from eyas.engine.llama import UnsupportedTarget
 from tests.support.tiny import random_prompts, sharpened, tiny_model

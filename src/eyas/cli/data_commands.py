@@ -180,7 +180,8 @@ def _generator(model: Any, engine: str, rows: int, progress: bool) -> Any:
     """The generator for ``--engine`` (eyas.engine.batched.choose_engine): a BatchedLlama for fast,
     None for hf (regenerate's default, Hugging Face generate); an unsupported model under ``fast``
     fails naming the reason."""
-    from eyas.engine.batched import BatchedLlama, choose_engine
+    from eyas.engine.batch_engines import choose_engine
+    from eyas.engine.batched import BatchedLlama
 
     if _run(choose_engine, model, engine) == "hf":
         return None

@@ -71,7 +71,6 @@ import functools
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -79,108 +78,21 @@ from torch import Tensor, nn
 
 from eyas.convention.boundaries import CaptureSpec
 from eyas.data.generation import Answer, BatchParams
-from eyas.engine.batched_steps import (MODES, Rows, choose, decode_epilogue, decode_layer, decode_prologue, prefill_head,
-                                       prefill_layer, prefill_prologue)
+from eyas.engine.batch_engines import BatchResult, fast_unsupported
+from eyas.engine.batched_steps import (MODES, Rows, choose, decode_epilogue, decode_layer, decode_prologue, key_ladder,
+                                       model_constants, prefill_head, prefill_layer, prefill_prologue)
 from eyas.engine.graphs import CompiledOrEager, capture
-from eyas.engine.llama import BlockWeights, LlamaTarget, UnsupportedTarget, supports
+from eyas.engine.llama import BlockWeights, LlamaTarget, UnsupportedTarget
 from eyas.errors import EyasError
-from eyas.targets.structure import find_decoder_blocks, text_config
-
-BATCH_ENGINES = ("auto", "fast", "hf")
+from eyas.targets.structure import find_decoder_blocks
 
 
 class BatchCapacityError(EyasError, ValueError):
     """The KV cache for these rows and this capacity does not fit in the device's free memory."""
 
 
-# -- choosing the engine ------------------------------------------------------------------------------
-
-
-def fast_unsupported(model: nn.Module) -> str | None:
-    """None when :class:`BatchedLlama` can run ``model``; else why not."""
-    why = supports(model)
-    if why is not None:
-        return why
-    devices = {p.device for p in model.parameters()}
-    if len(devices) > 1:
-        return f"the target is split over {len(devices)} devices (--target-devices); the fast engine runs on one"
-    return None
-
-
-def choose_engine(model: nn.Module, engine: str = "auto") -> str:
-    """``--engine`` resolved for ``model``: ``"fast"`` or ``"hf"``. ``auto``: fast for a supported
-    model on CUDA (on a CPU both run eagerly and HF's left-padded batch is the tested default), else
-    hf; ``fast`` for an unsupported model raises :class:`UnsupportedTarget` naming the reason."""
-    choice = str(engine).lower()
-    if choice not in BATCH_ENGINES:
-        raise UnsupportedTarget(f"--engine: expected one of {list(BATCH_ENGINES)}, found {engine!r}")
-    if choice == "hf":
-        return "hf"
-    why = fast_unsupported(model)
-    if choice == "fast":
-        if why is not None:
-            raise UnsupportedTarget(f"--engine fast: {why}; use --engine hf (Hugging Face generate)")
-        return "fast"
-    return "fast" if why is None and next(model.parameters()).device.type == "cuda" else "hf"
-
-
-def key_ladder(capacity: int, start: int = 128) -> list[int]:
-    """The decode step's key buckets up to ``capacity``: start, 1.5 start, 2 start, 3 start, 4 start, ...
-    (at most 1.5x the entries in use are read), capacity last."""
-    out, b = [], start
-    while b < capacity:
-        out += [b] + ([b * 3 // 2] if b * 3 // 2 < capacity else [])
-        b *= 2
-    return out + [capacity]
-
 
 # -- the engine ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class BatchResult:
-    """One :meth:`BatchedLlama.run`: the answers in input order and what it cost."""
-
-    answers: list[Answer]
-    rows: int
-    new_tokens: int = 0  # generated, eos tokens included
-    prompt_tokens: int = 0
-    decode_steps: int = 0  # fixed-shape steps (every row advances, busy or not)
-    prefills: int = 0  # prefill forwards (groups)
-    syncs: int = 0  # host reads of the state
-    wall_s: float = 0.0
-    compile_s: float = 0.0  # compiling and capturing buckets first used in this call (inside wall_s)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """New tokens per second of wall time, compilation included."""
-        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def occupancy(self) -> float:
-        """Share of the decode steps' row slots that produced a token (1.0: never an idle row)."""
-        decoded = self.new_tokens - len(self.answers)  # each answer's first token comes from its prefill
-        return decoded / (self.decode_steps * self.rows) if self.decode_steps else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "answers"}
-        return {**d, "answers": len(self.answers), "tokens_per_s": round(self.tokens_per_s, 2),
-                "occupancy": round(self.occupancy, 4)}
-
-
-def _constants(model: nn.Module, head_dim: int) -> dict[str, float]:
-    """eps, qk_eps, scaling and rope_scaling, read from the model as LlamaTarget reads them."""
-    cfg = text_config(model)
-    blocks = find_decoder_blocks(model)
-    attn = blocks[0].self_attn
-
-    def eps_of(norm: nn.Module) -> float:
-        return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", getattr(cfg, "rms_norm_eps", 1e-6))))
-
-    q_norm = getattr(attn, "q_norm", None)
-    return {"eps": eps_of(blocks[0].input_layernorm), "qk_eps": eps_of(q_norm) if q_norm is not None else 0.0,
-            "scaling": float(getattr(attn, "scaling", head_dim ** -0.5)),
-            "rope_scaling": float(getattr(model.model.rotary_emb, "attention_scaling", 1.0))}
 
 
 class BatchedLlama:
@@ -225,7 +137,7 @@ class BatchedLlama:
         self.device, self.dtype, self.vocab_size = target.device, target.dtype, target.vocab_size
         self.num_blocks, self.num_heads = L, target.num_heads
         self.num_kv_heads, self.head_dim = target.num_kv_heads, target.head_dim
-        c = _constants(model, self.head_dim)
+        c = model_constants(model, self.head_dim)
         self.constants = c  # eps, qk_eps, scaling, rope_scaling: what other steps on these weights need
 
         on_gpu = self.device.type == "cuda"

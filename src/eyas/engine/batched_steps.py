@@ -13,12 +13,38 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from eyas.engine.llama import BlockWeights, project, rms_norm, rope
 from eyas.engine.sampling import counter_uniform
+from eyas.targets.structure import find_decoder_blocks, text_config
 
 MODES = ("greedy", "sample", "top_p")
+
+
+def key_ladder(capacity: int, start: int = 128) -> list[int]:
+    """The decode step's key buckets up to ``capacity``: start, 1.5 start, 2 start, 3 start, 4 start, ...
+    (at most 1.5x the entries in use are read), capacity last."""
+    out, b = [], start
+    while b < capacity:
+        out += [b] + ([b * 3 // 2] if b * 3 // 2 < capacity else [])
+        b *= 2
+    return out + [capacity]
+
+
+def model_constants(model: nn.Module, head_dim: int) -> dict[str, float]:
+    """eps, qk_eps, scaling and rope_scaling, read from the model as LlamaTarget reads them."""
+    cfg = text_config(model)
+    blocks = find_decoder_blocks(model)
+    attn = blocks[0].self_attn
+
+    def eps_of(norm: nn.Module) -> float:
+        return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", getattr(cfg, "rms_norm_eps", 1e-6))))
+
+    q_norm = getattr(attn, "q_norm", None)
+    return {"eps": eps_of(blocks[0].input_layernorm), "qk_eps": eps_of(q_norm) if q_norm is not None else 0.0,
+            "scaling": float(getattr(attn, "scaling", head_dim ** -0.5)),
+            "rope_scaling": float(getattr(model.model.rotary_emb, "attention_scaling", 1.0))}
 
 # -- the pure functions (eager on the CPU, compiled on a GPU) -----------------------------------------
 

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from eyas.engine import step
-from eyas.engine.batched import BatchedLlama, fast_unsupported
+from eyas.engine.batch_engines import fast_unsupported
+from eyas.engine.batched import BatchedLlama
 from eyas.engine.continuous import RowBatch, RowRequest
 from eyas.engine.speculative import STOP_CANCELLED, GenerationResult
 from eyas.engine.stats import STOP_EOS, STOP_MAX_NEW_TOKENS, GenerationStats
