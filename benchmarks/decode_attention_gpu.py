@@ -13,7 +13,7 @@ CUDA graph and replayed ``--reps`` times between two CUDA events. It prints micr
 and with ``--profile`` the kernels a call. ``--json`` prints the report as JSON alone.
 
 Which tiling makes the partial kernel cheapest is the question it answers (issue 10: the 8B plain
-step's 1.3x bar, ``benchmarks/2026-12-02-split-kv-h200.md``), along with the kernels' cost against
+step's 1.3x bar, ``benchmarks/results/2026-12-02-split-kv-h200.md``), along with the kernels' cost against
 the eager order's. On the CPU, ``--tiny`` runs a toy shape and one tiling in Triton's interpreter
 (``TRITON_INTERPRET=1``, set here before triton is imported): a smoke test, not a timing.
 

@@ -7,7 +7,7 @@
 vLLM (``eyas export default --to vllm``): ``far`` (top-level ids [0, 8, 20]), ``shift`` (one block
 early, [1, 14, 26]) and ``noids`` (no eyas.json, no eyas_* keys, no ids: the boundaries are assumed
 and decided from live accuracy). The healthy run and the three broken ones are plain CLI calls (see
-benchmarks/2026-12-01-doctor-time-cpu.md). ``worst`` is the worst case: ``far`` served as vLLM
+benchmarks/results/2026-12-01-doctor-time-cpu.md). ``worst`` is the worst case: ``far`` served as vLLM
 serves it, with nothing restoring (the search's restore test patched to fail), so every candidate
 is scored and the combined flags too; it prints the wall time as JSON (``--profile``: cProfile).
 """

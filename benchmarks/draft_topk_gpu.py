@@ -4,7 +4,7 @@ Each depth of a greedy EAGLE-2 draft (``eyas.engine.draft_state.DraftState._grow
 children of each of r expanded nodes over the drafter's vocabulary, ``top_k(log_softmax(logits))``,
 then the K best of the level's r*K candidates by cumulative score, a stable sort. On the H200 a
 SmolLM2 round of depth 4 spent 112 us in these (``gatherTopK`` 10.35 us a call, the sorts 4.3 us:
-``benchmarks/2026-12-02-few-row-tilings-h200.md``), 11% of its kernel time. The variants:
+``benchmarks/results/2026-12-02-few-row-tilings-h200.md``), 11% of its kernel time. The variants:
 
 - ``topk-chunked``: what the engine runs (``tree.top_k``: the top K of every chunk of 256, then of those);
 - ``topk``: ``torch.topk`` over the whole row;

@@ -1,6 +1,6 @@
 """Tau against training data size for the SmolLM2 drafters, from measured points only.
 
-    python benchmarks/plot_data_size.py benchmarks/2026-12-01-data-size.json
+    python benchmarks/plot_data_size.py benchmarks/results/2026-12-01-data-size.json
 
 Reads the points (each: the drafter's training conversations and targets, and the tau measured
 with it on MT-bench, with the file that holds the measurement), prints them as a table (``--json``:

@@ -12,7 +12,7 @@ graph launches, host calls, and the GPU's idle time split into short and long ga
 (``spec_gpu.device_idle``). With ``--requests N``, N whole requests per decoder and clock mode, and
 where their time goes (start, first round, median round, last three); with ``--requests-after-profile``,
 the same requests again after the profile (on the H200 a profiled process launches more slowly from
-then on: ``benchmarks/2026-12-03-prompt-read-h200.md``).
+then on: ``benchmarks/results/2026-12-03-prompt-read-h200.md``).
 
 With ``--target`` (a GGUF, a directory) the model is the real one, and with ``--prompt-set`` the
 requests are that set's prompts rendered with its chat template (``--prompts`` of them), run in

@@ -39,7 +39,7 @@ say "3/4 speculative decoding (a small tree: depth 2, top-2, 3 drafts) against e
 # (eyas.engine.llama_kernels.linear), so verifying 4 tokens costs 1.2 to 1.5 plain steps, but 8 cost about
 # 2.5 (a tree of 6 drafts verifies 7 tokens). Measured on 8 MT-bench prompts, 128 tokens, float32
 # (eyas bench, one run each): tree 2,2,3 1.30x eyas plain (tau 1.81), 3,2,3 1.21x (tau 1.85); on 4
-# prompts, 3,1,3 1.22x, 3,2,6 0.84x, chain 4 0.86x (benchmarks/2026-12-02-cpu-demo.md).
+# prompts, 3,1,3 1.22x, 3,2,6 0.84x, chain 4 0.86x (benchmarks/results/2026-12-02-cpu-demo.md).
 $EYAS bench --target smollm2 --draft default --prompts mt_bench --limit ${BENCH_PROMPTS:-4} \
   --max-new-tokens ${BENCH_TOKENS:-128} --tree 2,2,3 --device cpu --no-hf --png "$OUT/bench.png" --out "$OUT/bench.json"
 

@@ -19,7 +19,7 @@ from eyas.data.render import TEMPLATE_DEFAULT, RenderedSample, TemplateAlignment
 # From this many conversations on, and with at least MIN_WORKERS processes, render_many renders in
 # worker processes. SmolLM2's template takes 1.5 to 3.3 ms a conversation on this project's 2-core
 # machine, so rendering is most of the ~170 s that a 43k-conversation training run spent before its
-# first step on the H200's host (an estimate: benchmarks/2026-12-01-drafter3-h200.md). A spawned
+# first step on the H200's host (an estimate: benchmarks/results/2026-12-01-drafter3-h200.md). A spawned
 # worker takes ~5 s to start (it imports torch and transformers): 1,000 conversations took 1.5 s
 # here and 6.5 s with 2 workers on 2 cores. Below these, one process is faster.
 PARALLEL_FROM = 10_000

@@ -5,7 +5,7 @@ the step's prologue builds ([B, n] bool: every committed entry, then the step's 
 eager order that is three kernels a block on a GPU (QK, a float32 softmax, PV), each with only
 Hkv x G*B rows of work, plus three that rotate q and k and write the step's keys and values to
 the cache: on an 8B-shaped Llama in CUDA graphs on an H200, 11.8 us a block of a 4.9 ms step. Here
-it is two kernels, 7.7 us (``benchmarks/2026-12-02-split-kv-h200.md``):
+it is two kernels, 7.7 us (``benchmarks/results/2026-12-02-split-kv-h200.md``):
 
 1. ``_partial_kernel``, grid (Hkv, S, row tiles). The n entries are cut into S chunks of ``chunk``
    keys. Program (h, s, t) takes the query rows r = b*G + g of key-value head h (token b, the g-th

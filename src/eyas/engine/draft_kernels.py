@@ -25,8 +25,8 @@ from target features, against 20 and 21 for the compiled forward. The drafter ru
 target verifies through its kernels (``matvec="triton-verify"``, the default for small targets:
 :func:`eyas.engine.llama_kernels.auto_kernels`). On SmolLM2's MT-bench, drafting through them cost 0.86
 ms a round against 0.82 with the forward, before the gate/up kernel's glu and before the round
-functions were compiled whole (``benchmarks/2026-12-02-verify-kernels-h200.md``); with both, a
-round of tree 4,8,31 drafted in 0.60 ms (``benchmarks/2026-12-02-round-compile-h200.md``, call 2).
+functions were compiled whole (``benchmarks/results/2026-12-02-verify-kernels-h200.md``); with both, a
+round of tree 4,8,31 drafted in 0.60 ms (``benchmarks/results/2026-12-02-round-compile-h200.md``, call 2).
 
 Invariants the callers keep (``draft_state.DraftState``: the expansion writes slots m + scratch + arange(r),
 the re-read and extend length + arange(B)): the step's r tokens write the consecutive cache slots

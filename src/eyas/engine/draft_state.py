@@ -194,7 +194,7 @@ class DraftState:
 
         Why: the exact-shape step ran eagerly, a new shape each prompt, launching the drafter's
         forward one kernel at a time: on the H200 a SmolLM2 request's spec-only start fell from
-        about 2.2 to 0.8 ms with the chunks (``benchmarks/2026-12-03-prompt-read-h200.md``). Chunks of
+        about 2.2 to 0.8 ms with the chunks (``benchmarks/results/2026-12-03-prompt-read-h200.md``). Chunks of
         PROMPT_CHUNK rows also run through the Triton kernels (``kernels="triton"``), which take at
         most that many, and keep the step's attention scores [rows, max_len] small."""
         if self._prompt_step is None:  # not compiled: a compilation would cost seconds, a capture milliseconds
@@ -259,7 +259,7 @@ class DraftState:
         first needs them, the shallower drafts in
         its last rounds: on the H200 trees new to the process averaged 7-26 ms of drafting a round
         over their first four prompts, and 0.30-0.66 ms once warmed so
-        (``benchmarks/2026-12-02-few-row-tilings-h200.md``). The calls run on zeros from entry 0;
+        (``benchmarks/results/2026-12-02-few-row-tilings-h200.md``). The calls run on zeros from entry 0;
         the state is then emptied (:meth:`reset`), so no request sees them. What a pipelined round
         reads in place (``graphs.StepGraphs``) is left to its first round: a graph of the re-read
         on the acceptance's outputs, and of the draft on the re-read's, per buffer of the target's

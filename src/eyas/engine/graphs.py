@@ -6,7 +6,7 @@ keep them past the next call must clone). An input that is itself a captured gra
 view of one) needs no copy: that memory is fixed too, so :class:`StepGraphs` captures a graph that
 reads it in place, keyed by its address (one graph per producer buffer, a bounded set). A round's
 graphs then pass their results on without a copy between them: on the H200 a SmolLM2 round's
-host-launched copies went from 23 to 13 (``benchmarks/2026-12-02-round-copies-h200.md``). Anything the function reads from outside its inputs (a
+host-launched copies went from 23 to 13 (``benchmarks/results/2026-12-02-round-copies-h200.md``). Anything the function reads from outside its inputs (a
 module's weights, a KV cache written by index) must stay at the same address: in-place writes
 only. Python code inside the function runs once, at capture: no host reads, no data-dependent
 branches.

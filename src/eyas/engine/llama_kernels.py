@@ -16,15 +16,15 @@ steps are compiled on a GPU and triton is installed, ``"triton-verify"`` for a m
 to ``FEW_ROW_KERNELS_UP_TO_HIDDEN`` (1024) with split-kv attention, ``"triton"`` for larger ones, else
 ``"gemm"``; :func:`auto_kernels`). Other steps use ``F.linear``.
 
-Measured on an H200 in bf16 (``benchmarks/2026-12-01-matvec-h200.md``): a SmolLM2-shaped plain step
+Measured on an H200 in bf16 (``benchmarks/results/2026-12-01-matvec-h200.md``): a SmolLM2-shaped plain step
 1.229 ms (gemm), 0.976 (reduce), 0.933 (reduce-tuned); an 8B-shaped one 4.949, 6.458 and 4.849 ms,
 warm-up 27, 4 and 89 s; with the down product compiled apart (:func:`~eyas.engine.llama_steps._down`),
-4.878 (gemm) and 4.427 ms (reduce-tuned) on one machine (``benchmarks/2026-12-02-llama8b-h200.md``:
+4.878 (gemm) and 4.427 ms (reduce-tuned) on one machine (``benchmarks/results/2026-12-02-llama8b-h200.md``:
 1.37x and 1.24x the floor). Not the default: the float32 greedy identity test with the HF model failed
 once on that GPU with ``"reduce"`` and passed on 2026-12-02. With ``"triton"`` and split-kv attention
 the 8B-shaped plain step took 4.244 and 4.206 ms on two machines, 1.19x the floor, against 5.190 and
-5.073 ms with cuBLAS (``benchmarks/2026-12-02-matvec-triton-h200.md``); a SmolLM2-shaped one 0.614 ms
-against 1.404. ``"triton-verify"`` (``benchmarks/2026-12-02-verify-kernels-h200.md``): its first
+5.073 ms with cuBLAS (``benchmarks/results/2026-12-02-matvec-triton-h200.md``); a SmolLM2-shaped one 0.614 ms
+against 1.404. ``"triton-verify"`` (``benchmarks/results/2026-12-02-verify-kernels-h200.md``): its first
 version verified 24 tokens in 13.02 ms on the 8B shape against 5.49 with cuBLAS, and on SmolLM2's
 MT-bench speculative decoding ran at 1164.5 tok/s against 1299.9 (one call; the down product's SiLU
 prologue took 4-7x cuBLAS's time). With the SiLU in the gate/up kernel (glu) and measured tilings,
@@ -33,7 +33,7 @@ the 8B step's compilation ran out of shared memory (since fixed, measured since:
 with cuBLAS). With ``"triton"``, eyas plain decoded SmolLM2 at 1415.6 tok/s against 860.4 with cuBLAS,
 and speculative decoding (cuBLAS verification) at 1299.9; with ``"triton-verify"`` and the drafter's
 round functions compiled whole, speculative decoding ran at 1556.7 tok/s against 1410.0 plain, 1.10x
-(``benchmarks/2026-12-02-round-compile-h200.md``).
+(``benchmarks/results/2026-12-02-round-compile-h200.md``).
 
 ``attention`` (LlamaTarget's) says how the steps attend over the cache: ``"auto"`` (the default:
 ``"split-kv"`` where ``matvec``'s auto picks eyas' kernels and the head dimension is a power of two of
@@ -43,7 +43,7 @@ block, a fused kernel on a GPU; equal to the model in float32 on the CPU), or ``
 fixed-shape steps of one token, and with ``matvec="triton-verify"`` those of up to 64: two Triton
 kernels a block that also rotate q and k and write the cache, :mod:`eyas.engine.decode_attention`; it
 needs Triton, a GPU or ``TRITON_INTERPRET=1``, and a power-of-two head dimension). On an H200,
-8B-shaped, bf16 (``benchmarks/2026-12-02-split-kv-h200.md``): SDPA 6.245 ms a plain step against 5.391
+8B-shaped, bf16 (``benchmarks/results/2026-12-02-split-kv-h200.md``): SDPA 6.245 ms a plain step against 5.391
 eager (gemm, one call); split-kv with gemm 4.769 ms and 400 kernels (1.34x the floor, another
 machine); verifying 24 tokens with gemm, 5.98 ms split-kv against 5.59 eager (one call). SDPA is
 opt-in (slower); split-kv goes with ``matvec="triton"`` (above).
@@ -125,7 +125,7 @@ def why_not_split_kv(head_dim: int) -> str | None:
 # Models up to this hidden size also verify and draft through eyas' kernels by default ("auto" picks
 # "triton-verify"): their steps are bound by kernel launches, which the kernels' fused products cut,
 # while a large model's few-row products are bound by the weights' bytes, where cuBLAS is faster.
-# Measured on an H200 in bf16 (benchmarks/2026-12-02-round-compile-h200.md): SmolLM2-135M (hidden
+# Measured on an H200 in bf16 (benchmarks/results/2026-12-02-round-compile-h200.md): SmolLM2-135M (hidden
 # 576) verified 24 tokens in 1.120 ms through them against 1.365 with cuBLAS (two calls), and on
 # MT-bench its rounds of tree 4,8,24 verified in 0.97 ms against 1.12 (one call); an 8B-shaped
 # Llama (hidden 4096) verified 24 tokens in 7.25 ms through them against 5.45 with cuBLAS.
@@ -159,7 +159,7 @@ def linear(a: Tensor, w: Tensor, bias: Tensor | None = None, *, matvec: bool = F
     with a's cast and any cheap pointwise producer of a (a norm's scaling) fused into its loads (not
     an expensive one: every program would recompute it, see :func:`~eyas.engine.llama_steps._down`). On an H200,
     in CUDA graphs, an 8B-shaped step's matrices take 1.11x the bandwidth floor with cuBLAS and
-    1.00x as tuned reductions (``benchmarks/2026-12-01-matvec-h200.md``); a small model's step
+    1.00x as tuned reductions (``benchmarks/results/2026-12-01-matvec-h200.md``); a small model's step
     gains more, from fewer kernels. Run eagerly it would materialise w * a: compiled functions
     only. The sum is float32 like cuBLAS's accumulator; only its order differs."""
     if matvec and a.shape[0] == 1:
@@ -171,7 +171,7 @@ def linear(a: Tensor, w: Tensor, bias: Tensor | None = None, *, matvec: bool = F
         # F.linear for a few rows, and one row runs as two (MKL's GEMV is slower still). The
         # products of SmolLM2's step (540 MB of float32 weights, from DRAM) on the 2-core EPYC,
         # medians of 3 rounds: 1, 2, 4, 7 rows 52, 94, 85, 108 ms with F.linear and 27, 30, 43,
-        # 66 ms so (benchmarks/2026-12-02-cpu-demo.md).
+        # 66 ms so (benchmarks/results/2026-12-02-cpu-demo.md).
         rows = a if B > 1 else torch.cat([a, a])  # [max(B, 2), in]
         y = (w @ rows.T).T[:B].contiguous()  # [B, out]
         return y if bias is None else y + bias

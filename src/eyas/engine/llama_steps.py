@@ -216,7 +216,7 @@ def _layer_split_kv(x: Tensor, d: Tensor | None, cos: Tensor, sin: Tensor, slots
     tensor: handed to a Triton kernel that writes it, two aliasing views (keys, values) made
     inductor clone them and copy them back (7 us a block on the H200), while the eager order's
     index_copy_ writes are cheaper through two views (one tensor there cost a copy of the block's
-    cache a step: ``benchmarks/2026-12-02-split-kv-h200.md``)."""
+    cache a step: ``benchmarks/results/2026-12-02-split-kv-h200.md``)."""
     from eyas.engine.decode_attention import decode_attention
 
     Hkv, _, D = kv.shape[1:]
@@ -260,7 +260,7 @@ def _down(h: Tensor, act: Tensor, down: Tensor, down_bias: Tensor | None, *,
     compiled together, inductor inlines SiLU(gate) * up into the down reduction's loads, and every
     program of that weight-streaming kernel recomputes the exponentials of the whole [I] vector (on
     the 8B shape, in one H200 call: 34.5 us a block, against 29.2 us with act read from a buffer,
-    written by a 1.2 us kernel; ``benchmarks/2026-12-02-llama8b-h200.md``). Saving that kernel by
+    written by a 1.2 us kernel; ``benchmarks/results/2026-12-02-llama8b-h200.md``). Saving that kernel by
     computing gate and up as two reductions that inductor fuses with SiLU was slower (63.5 us for
     gate/up against 56.1 us as one reduction of the fused weight, in one call)."""
     if in_kernels(matvec, act):  # act: the gate/up output [B, 2I] (SiLU in this kernel), or SiLU(gate) * up

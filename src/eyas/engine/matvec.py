@@ -5,7 +5,7 @@ A plain decoding step multiplies ONE row by every weight matrix of the model, so
 to read the weights once: a matrix-vector product (matvec) is bound by memory bandwidth, and the
 kernels between the products (norms, SiLU, residual adds) cost little work but a launch and a gap
 each. On an 8B-shaped Llama in CUDA graphs on an H200 the step compiled by inductor runs 12 to 16
-kernels a block, ~1 us of gap each (``benchmarks/2026-12-02-split-kv-h200.md``). Here a block's
+kernels a block, ~1 us of gap each (``benchmarks/results/2026-12-02-split-kv-h200.md``). Here a block's
 four products are four kernels that also do what lies between them:
 
 - ``prologue="rms"``: y = W @ rmsnorm(x) (the block's input norm before q/k/v, its post-attention
@@ -41,7 +41,7 @@ choices and writes the fastest; ``--rows R`` those of the few-row kernel, keyed 
 :func:`tiling`'s default for the shape (one row) or :func:`rows_tiling`'s (a few). The kernels need
 Triton (a GPU, or ``TRITON_INTERPRET=1`` on the CPU, as the tests run them).
 
-Measured (``benchmarks/2026-12-02-matvec-triton-h200.md``, the one-row kernel): with split-KV
+Measured (``benchmarks/results/2026-12-02-matvec-triton-h200.md``, the one-row kernel): with split-KV
 attention, 6 kernels a block, an 8B-shaped plain step took 4.21-4.24 ms on two H200s, 1.19x the
 bandwidth floor, against 5.07-5.19 ms (1.44-1.46x) for cuBLAS and inductor's kernels; its gate/up
 product alone runs at the floor, down and q/k/v at 1.20x, o at 1.26x.
@@ -75,7 +75,7 @@ class Tiling(NamedTuple):
 
 def tiling(n_rows: int, n_cols: int, prologue: str | None = None, sms: int = 132) -> Tiling:
     """The default tiling of W [n_rows, n_cols] (for a GPU and shape without a measured one in
-    ``matvec_tilings.json``), from two H200 calls (``benchmarks/2026-12-02-matvec-triton-h200.md``):
+    ``matvec_tilings.json``), from two H200 calls (``benchmarks/results/2026-12-02-matvec-triton-h200.md``):
 
     - at least 2048 columns: 4 rows a program, 2048 columns a step (4 KB of bf16 a row), 8 warps,
       the fastest of 32 tilings for gate/up, q/k/v and the head of an 8B-shaped step, 2% off it
@@ -172,7 +172,7 @@ def _tiling_on(device: torch.device, n_rows: int, n_cols: int, prologue: str | N
 
 def rows_tiling(n_rows: int, n_cols: int, sms: int = 132) -> Tiling:
     """The few-row kernel's tiling of W [n_rows, n_cols], from one H200 call's grid at 24 rows
-    (``benchmarks/2026-12-02-verify-kernels-h200.md``): 128 columns a step (fewer columns: all of
+    (``benchmarks/results/2026-12-02-verify-kernels-h200.md``): 128 columns a step (fewer columns: all of
     them), 8 warps, and 128 weight rows a program, fewer (down to 16, a tl.dot's least) while there are
     under half as many programs as SMs. Of the 10 products of the 8B- and SmolLM2-shaped steps it
     is the grid's fastest for 6, within 12% for the two o products, 29% off for SmolLM2's head
@@ -193,7 +193,7 @@ def rows_stages(tile: Tiling, block_r: int, glu: bool, itemsize: int) -> int:
     as many as fit ``SHARED_BYTES``, a stage holding W's tile [BLOCK_N, BLOCK_K] (two with ``glu``)
     and x's [BLOCK_R, BLOCK_K]. Three stages of the 8B gate/up's tiles with glu (128 rows, 128
     columns, 32 x rows) needed 246 KB, past the H200's 227 KB, and inductor's compilation failed
-    (``benchmarks/2026-12-02-verify-kernels-h200.md``)."""
+    (``benchmarks/results/2026-12-02-verify-kernels-h200.md``)."""
     stage = ((2 if glu else 1) * tile.block_n + block_r) * tile.block_k * itemsize
     return max(1, min(3, SHARED_BYTES // stage))
 
@@ -334,7 +334,7 @@ def matvec(x: Tensor, w: Tensor, *, prologue: str | None = None, norm: Tensor | 
     to x's dtype, SiLU(gate) to it, the product to it); always the few-row kernel (any R), no
     residual. The down product then takes y with no prologue, where ``prologue="silu"`` would make
     every program of the down product recompute the SiLU of all of x (6-8x cuBLAS's time for R = 24
-    on an H200, ``benchmarks/2026-12-02-verify-kernels-h200.md``).
+    on an H200, ``benchmarks/results/2026-12-02-verify-kernels-h200.md``).
 
     x [R, K] (``prologue="silu"``: [R, 2K], gate then up), contiguous; w [N, K] with unit stride
     along K (a row slice of a fused weight is fine); norm [K] (``"rms"``) with ``eps``; bias [N],

@@ -56,7 +56,7 @@ class Shortlist:
 
 # Where a tree's first round compiles its draft, re-read and acceptance (the fast target on a GPU), a
 # tree new to the process costs about 30 s on an H200 before its first timed round (7 trees in 208 s,
-# benchmarks/2026-12-04-sampling-h200.md), and 18 trees a temperature did not finish in 390 s: there,
+# benchmarks/results/2026-12-04-sampling-h200.md), and 18 trees a temperature did not finish in 390 s: there,
 # the model's best 4 trees and best chain, then 1 more (about 3 minutes for two temperatures, derived).
 COMPILED_SHORTLIST = Shortlist(trees=4, chains=1, refine=1, per_depth=False)
 

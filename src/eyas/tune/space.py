@@ -10,7 +10,7 @@ The defaults cover what a GPU at batch size 1 can verify in one forward: N + 1 <
 N + 1 fills one of the fast target's token buckets (8, 16, 32, 64) exactly, N is one less than the
 round number (7, 15, 31, 63): 32 drafted tokens would be verified padded to 64, and on an H200
 SmolLM2's rounds of tree 5,8,32 verified in 1.13 ms against 0.97 for 4,8,24 and 4,8,31, bucket 32
-(``benchmarks/2026-12-02-round-compile-h200.md``).
+(``benchmarks/results/2026-12-02-round-compile-h200.md``).
 """
 
 from __future__ import annotations
