@@ -252,15 +252,15 @@ def test_limit_duplicates_and_ids_from_provenance(tmp_path, tok, target):
 
 
 def test_unusable_conversations_go_to_the_sidecar_and_are_not_retried(tmp_path, tok, target, monkeypatch):
-    import eyas.data.regenerate as rg
+    import eyas.data.hf_generator as hf
 
-    real = rg._generate_batch
+    real = hf._generate_batch
 
     def empty_for_p4(model, tokenizer, prompt_ids, gen_config, eos_ids, static=None):
         res = real(model, tokenizer, prompt_ids, gen_config, eos_ids, static)
         return [([], "eos") if "question 4" in tokenizer.decode(p) else r for p, r in zip(prompt_ids, res)]
 
-    monkeypatch.setattr(rg, "_generate_batch", empty_for_p4)
+    monkeypatch.setattr(hf, "_generate_batch", empty_for_p4)
     convs = prompts(6)
     convs.append(Conversation([{"role": "user", "content": "x" * 400}], id="long"))
     out = tmp_path / "o.jsonl"
@@ -308,9 +308,9 @@ def test_chunks_are_cut_from_conversations_sorted_by_first_prompt_length(tmp_pat
 
 def _looping(monkeypatch, marker: str):
     """Make the answer to every prompt containing ``marker`` a text followed by a period-3 loop."""
-    import eyas.data.regenerate as rg
+    import eyas.data.hf_generator as hf
 
-    real = rg._generate_batch
+    real = hf._generate_batch
     tok = chat_tokenizer()
     text = tok("The answer is ")["input_ids"]
     looped = text + tok("abc")["input_ids"] * 12
@@ -319,7 +319,7 @@ def _looping(monkeypatch, marker: str):
         res = real(model, tokenizer, prompt_ids, gen_config, eos_ids, static)
         return [(looped, "length") if marker in tokenizer.decode(p) else r for p, r in zip(prompt_ids, res)]
 
-    monkeypatch.setattr(rg, "_generate_batch", fake)
+    monkeypatch.setattr(hf, "_generate_batch", fake)
     return text, looped
 
 
@@ -459,12 +459,12 @@ def test_static_cache_gives_exactly_the_greedy_answers_of_the_dynamic_cache(tmp_
     """float32 on a CPU: 7 prompts in chunks of 3 (the last chunk, one prompt, is padded with two
     dummy rows), left padding, and a second turn longer than any first prompt (without
     max_prompt_tokens the cache grows once). Compared token id by token id, and as files."""
-    import eyas.data.regenerate as rg
+    import eyas.data.hf_generator as hf
 
     target = chat_target(tok, seed=4)  # a seed whose 7 answers all differ
     answers: dict[str, list] = {"dynamic": [], "static": []}
     batches: list[tuple[int, object]] = []  # (rows, the cache object: held, so ids stay distinct)
-    real_generate, real_prepare = rg._generate_batch, rg._StaticKV.prepare
+    real_generate, real_prepare = hf._generate_batch, hf._StaticKV.prepare
 
     def generate_spy(model, tokenizer, prompt_ids, gen_config, eos_ids, static=None):
         res = real_generate(model, tokenizer, prompt_ids, gen_config, eos_ids, static)
@@ -476,8 +476,8 @@ def test_static_cache_gives_exactly_the_greedy_answers_of_the_dynamic_cache(tmp_
         batches.append((len(padded), cache))
         return padded, cache
 
-    monkeypatch.setattr(rg, "_generate_batch", generate_spy)
-    monkeypatch.setattr(rg._StaticKV, "prepare", prepare_spy)
+    monkeypatch.setattr(hf, "_generate_batch", generate_spy)
+    monkeypatch.setattr(hf._StaticKV, "prepare", prepare_spy)
     kw = dict(max_new_tokens=10, loops="keep", max_prompt_tokens=max_prompt_tokens)
     dyn, sta = tmp_path / "dynamic.jsonl", tmp_path / "static.jsonl"
     s_dyn = regenerate(target, tok, _varied_prompts(), opts(dyn, cache="dynamic", **kw))

@@ -242,7 +242,8 @@ def _engine_tau(cfg: Any, prompts: str, limit: int, max_new_tokens: int, tree: s
 
     def validate(drafter: Any, model: Any) -> dict[str, float]:
         from eyas.convention import CaptureSpec
-        from eyas.data.shards import ShardDataset, is_shard_dir
+        from eyas.data.shard_dataset import ShardDataset
+        from eyas.data.shard_format import is_shard_dir
         from eyas.targets import load_tokenizer
         from eyas.targets.structure import eos_token_ids, num_blocks
 

@@ -85,7 +85,7 @@ from torch import Tensor
 from eyas.capture.stats import FingerprintAccumulator
 from eyas.contract import CaptureContract, Contract, compare, target_identity
 from eyas.data.runs import changed_params
-from eyas.data.shards import (
+from eyas.data.shard_format import (
     DTYPES,
     FORMAT,
     FORMAT_VERSION,

@@ -6,7 +6,7 @@ turn, at most ``batch_size``) to a :class:`BatchGenerator` with the batch's :cla
 gets back, per prompt and in input order, the answer's token ids without its end-of-turn token and
 why it ended. Two implement it:
 
-- ``hf`` (:class:`eyas.data.regenerate.HFGenerator`, the default): Hugging Face ``generate`` on a
+- ``hf`` (:class:`eyas.data.hf_generator.HFGenerator`, the default): Hugging Face ``generate`` on a
   left-padded batch, with a static cache compiled on CUDA;
 - ``fast`` (:class:`eyas.engine.batched.BatchedLlama`): eyas' own Llama-family forward on a fixed
   number of rows with continuous batching, compiled and CUDA-graphed on a GPU.

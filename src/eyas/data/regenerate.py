@@ -37,7 +37,7 @@ byte-identical file.
 
 Engines (``generator``, ``eyas regenerate --engine``). The answers come from a
 :class:`eyas.data.generation.BatchGenerator`: by default :class:`HFGenerator` (Hugging Face
-``generate``, below), or eyas' own batched Llama-family forward
+``generate``, :mod:`eyas.data.hf_generator`), or eyas' own batched Llama-family forward
 (:class:`eyas.engine.batched.BatchedLlama`, continuous batching over a fixed number of rows), which
 the CLI builds and passes in (this package does not import the engine). Each (unit, turn) is one
 ``generate`` call with the unit's prompts of that turn, so the resume unit, its members and its
@@ -71,250 +71,53 @@ batch is padded to ``batch_size`` rows with copies of its first prompt (their an
 so on CUDA the decode step compiled with CUDA graphs (``CompileConfig(fullgraph=True,
 mode="reduce-overhead")``) is captured once and replayed. On a CPU nothing is compiled. ``auto``:
 static on CUDA, dynamic elsewhere.
+
+Modules: this one holds the run (plan, the loop over units, answering a unit turn by turn);
+:mod:`eyas.data.regenerate_options` the options, generation parameters, ids, seeds and summary;
+:mod:`eyas.data.regenerate_output` the resumable JSONL files; :mod:`eyas.data.hf_generator` the
+``hf`` engine. Their public names are importable from here too.
 """
 
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-import os
 import random
 import time
-import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal, Sequence
+from typing import Any, Callable, Sequence
 
-import torch
-from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveInt, field_validator
 from tqdm.auto import tqdm
 
 from eyas import __version__
 from eyas.data.conversations import Conversation, conversation_id
 from eyas.data.generation import BatchGenerator, BatchParams
+from eyas.data.hf_generator import HFGenerator
 from eyas.data.loops import cut_at_first_loop, rows_with_loops
+from eyas.data.regenerate_options import (
+    CacheMode,
+    GenerationParams,
+    LoopPolicy,
+    RegenerateError,
+    RegenerateOptions,
+    RegenerateSummary,
+    answer_id,
+    sampling_seed,
+)
+from eyas.data.regenerate_output import OutputFiles, read_resumable_jsonl
 from eyas.data.render import TEMPLATE_DEFAULT, render_prompt, system_prompt_mode
-from eyas.data.runs import RunOptions, Throughput, changed_params, eval_mode
-from eyas.errors import EyasError
+from eyas.data.runs import eval_mode
 from eyas.targets.structure import eos_token_ids
 
-
-class RegenerateError(EyasError, ValueError):
-    """The output file cannot be resumed (corrupt line, other generation parameters)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Ids and resumable JSONL files
-# ---------------------------------------------------------------------------------------------
-
-
-def read_resumable_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file that a crash may have left with a torn last line.
-
-    The torn tail (bytes after the last newline) is cut off the file itself, so the next append
-    starts on a fresh line. A bad line anywhere else is real corruption: error naming file and line.
-    Lines end at b"\n" only: the records are written with ensure_ascii=False, so an answer may hold
-    U+2028, U+0085 or a form feed raw, which str.splitlines() would take for line ends (an H200
-    regeneration of 43k answers was refused as corrupt at its line 11,664 that way).
-    """
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    cut = data.rfind(b"\n") + 1  # 0 when there is no complete line at all
-    if cut < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(cut)
-            f.flush()
-            os.fsync(f.fileno())
-    records = []
-    for n, raw in enumerate(data[:cut].split(b"\n"), start=1):
-        line = raw.decode("utf-8")
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RegenerateError(f"{path}:{n}: not valid JSON ({e.msg}); the file is corrupt, "
-                                  f"not just torn at the end: fix or remove it") from None
-        if not isinstance(rec, dict) or "id" not in rec:
-            raise RegenerateError(f"{path}:{n}: expected an object with an 'id', found {line[:80]!r}")
-        records.append(rec)
-    return records
-
-
-def _append_lines(path: Path, records: Sequence[dict[str, Any]]) -> None:
-    """Append records as JSON lines in one write, then flush and fsync (crash-safe up to a torn
-    last line, which :func:`read_resumable_jsonl` repairs)."""
-    if not records:
-        return
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+# The public names of the regeneration modules, importable from here as before the split.
+__all__ = [
+    "CacheMode", "GenerationParams", "HFGenerator", "LoopPolicy", "RegenerateError", "RegenerateOptions",
+    "RegenerateSummary", "answer_id", "read_resumable_jsonl", "regenerate", "sampling_seed",
+]
 
 
 # ---------------------------------------------------------------------------------------------
-# Options
+# Prompts: the turns of a conversation, where an answer ends
 # ---------------------------------------------------------------------------------------------
-
-LoopPolicy = Literal["cut", "drop", "keep"]
-CacheMode = Literal["auto", "dynamic", "static"]
-
-
-class GenerationParams(BaseModel):
-    """What one temperature's answers depend on, recorded in every record's
-    ``provenance.generation``; a resume must use the same (field order = the recorded key order).
-
-    Files written before ``loops`` and ``sort_by_length`` existed lack them; they mean
-    :attr:`LEGACY` (answers were never cut, chunks were in input order): such a file resumes only
-    with ``loops="keep"`` and ``sort_by_length=False``, never silently with today's defaults, which
-    would cut new answers and not old ones and cut other chunks."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    LEGACY: ClassVar[dict[str, Any]] = {"loops": "keep", "sort_by_length": False}
-
-    do_sample: bool
-    temperature: float  # 0.0 when greedy
-    top_p: float  # 1.0 when greedy
-    seed: int | None  # None when greedy
-    max_new_tokens: int
-    batch_size: int  # batch composition changes the numerics of padded batches
-    system_prompt: str  # its mode: template_default | none | custom
-    max_prompt_tokens: int | None
-    max_turns: int | None
-    loops: LoopPolicy  # what a repetition loop in an answer does: cut | drop | keep
-    sort_by_length: bool  # chunks cut from the conversations sorted by first-prompt length
-
-
-def answer_id(conversation: str, temperature: float) -> str:
-    """The output id of ``conversation``'s answer at ``temperature``: its own id when greedy,
-    ``<id>@t<temperature:g>`` when sampled (``p3@t0.8``)."""
-    return conversation if temperature == 0 else f"{conversation}@t{temperature:g}"
-
-
-def sampling_seed(seed: int, chunk: int, temperature: float, turn: int = 0) -> int:
-    """The seed of chunk ``chunk`` sampled at ``temperature``, at its ``turn``-th user turn: a hash of
-    the four, so a resumed unit samples the same, and adding a temperature changes no other unit's
-    seed (turn 0 hashes as the three alone did before turns had their own seeds)."""
-    digest = hashlib.sha256((f"{seed}/{chunk}/{temperature:g}" + (f"/{turn}" if turn else "")).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1  # torch seeds are < 2**64; stay positive
-
-
-class RegenerateOptions(RunOptions):
-    """Every option of ``eyas regenerate`` (:func:`regenerate`), flat and typed. Invalid values
-    raise :class:`RegenerateError` naming the field, expected and found."""
-
-    error: ClassVar[type[EyasError]] = RegenerateError
-
-    out_path: Path  # JSONL to write: appended to, and resumed, if it exists (failures: <out>.skipped.jsonl)
-    # --- what the answers depend on (GenerationParams: recorded, a resume must use the same) ---
-    max_new_tokens: PositiveInt = 1024  # per answer; an answer cut there has finish reason "length"
-    # Conversations generated together (left-padded batch); also the resume unit. Large batches are
-    # nearly free on a GPU: a decode step of a small target is dominated by per-step overhead
-    # (SmolLM2-sized on an H200: ~600 tok/s at 64, ~3200 at 256).
-    batch_size: PositiveInt = 64
-    temperature: NonNegativeFloat = 0.0  # one answer per prompt: 0 greedy; > 0 sampled with top_p
-    # Several answers per prompt, one per temperature (e.g. [0, 0.8]); give it or temperature, not both.
-    temperatures: list[NonNegativeFloat] | None = None
-    top_p: float = 1.0  # nucleus sampling (only with temperature > 0)
-    seed: int = 0  # a chunk at a temperature samples with sampling_seed(seed, chunk, temperature)
-    # As in eyas.data.render.render; recorded as its mode, and a custom prompt is written into the conversation.
-    system_prompt: str = TEMPLATE_DEFAULT
-    max_prompt_tokens: NonNegativeInt | None = None  # a turn whose prompt is longer ends the conversation before it
-    max_turns: NonNegativeInt | None = None  # answer at most this many user turns per conversation; None or 0: all
-    loops: LoopPolicy = "cut"  # an answer with a repetition loop: cut after its first copy | drop it | keep it
-    sort_by_length: bool = True  # chunks of conversations of similar first-prompt length (less padding)
-    # --- which conversations, and how it runs (not recorded: same answers up to rounding) ---
-    limit: NonNegativeInt | None = None  # only the first N conversations (after de-duplication by id); None: all
-    cache: CacheMode = "auto"  # KV cache of generate: static (CUDA: compiled decode step) | dynamic | auto
-    progress: bool = True  # show a progress bar
-
-    def __init__(self, **values: Any) -> None:
-        if "temperature" in values and values.get("temperatures") is not None:
-            raise RegenerateError(f"RegenerateOptions: temperature, temperatures: expected one of the two, found "
-                                  f"temperature={values['temperature']!r} and temperatures={values['temperatures']!r}")
-        super().__init__(**values)
-
-    @field_validator("temperatures")
-    @classmethod
-    def _distinct_temperatures(cls, v: list[float] | None) -> list[float] | None:
-        if v is None:
-            return v
-        if not v:
-            raise ValueError("expected at least one temperature")
-        names = [f"{t:g}" for t in v]
-        if len(set(names)) != len(names) or any(not math.isfinite(t) for t in v):
-            raise ValueError("expected distinct finite temperatures (as written in answer ids, <id>@t<temperature:g>)")
-        return [float(t) for t in v]
-
-    def temperature_list(self) -> list[float]:
-        """The temperatures to answer at, in order: ``temperatures``, else ``[temperature]``."""
-        return list(self.temperatures) if self.temperatures is not None else [float(self.temperature)]
-
-    def generation(self, temperature: float | None = None) -> GenerationParams:
-        """What the answers at ``temperature`` (default: the first of :meth:`temperature_list`)
-        depend on; the sampling knobs are normalised away when greedy (they change nothing then, so
-        a greedy resume does not refuse over them)."""
-        t = self.temperature_list()[0] if temperature is None else float(temperature)
-        sampled = t > 0
-        return GenerationParams(
-            do_sample=sampled,
-            temperature=t if sampled else 0.0,
-            top_p=float(self.top_p) if sampled else 1.0,
-            seed=int(self.seed) if sampled else None,
-            max_new_tokens=self.max_new_tokens,
-            batch_size=self.batch_size,
-            system_prompt=system_prompt_mode(self.system_prompt),
-            max_prompt_tokens=self.max_prompt_tokens,
-            max_turns=self.max_turns,
-            loops=self.loops,
-            sort_by_length=self.sort_by_length,
-        )
-
-    def generations(self) -> dict[float, GenerationParams]:
-        """:meth:`generation` of every temperature, keyed by it, in order."""
-        return {t: self.generation(t) for t in self.temperature_list()}
-
-
-# ---------------------------------------------------------------------------------------------
-# Generation
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RegenerateSummary(Throughput):
-    out_path: str
-    conversations: int = 0  # conversations considered (after de-duplication and limit)
-    temperatures: list[float] = field(default_factory=list)
-    total: int = 0  # output ids planned: conversations x temperatures
-    written: int = 0  # output lines written by this run
-    skipped: int = 0  # ids already in the output (or the skipped sidecar) from an earlier run
-    failed: int = 0  # attempted, nothing usable (empty first answer / prompt too long / loop dropped): sidecar
-    duplicates: int = 0  # input conversations with an id seen earlier in the input (ignored)
-    new_tokens: int = 0  # tokens generated by this run (end-of-turn tokens and cut loops included, dummy rows not)
-    prompt_tokens: int = 0  # prompt tokens fed to generate by this run (dummy rows not)
-    # Answers generated by this run, by finish reason ("loop": cut or dropped at a repetition loop).
-    finish: dict[str, int] = field(default_factory=lambda: {"eos": 0, "length": 0, "loop": 0})
-    loops_cut: int = 0  # answers cut after a loop's first copy (loops="cut")
-    loops_dropped: int = 0  # conversations dropped for a loop in one of their answers (loops="drop")
-    engine: str = ""  # what generated: "hf" (Hugging Face generate) | "fast" (eyas.engine.batched)
-    cache: str = ""  # how it ran: hf "dynamic" | "static" | "static, compiled"; fast: its rows, cache and compilation
-    # Where the time goes: inside generate (prefill + decoding, compilation at the first call) vs the
-    # rest (rendering, loop search, decoding text, writing); a call decodes as many steps as its
-    # longest answer, every row of the batch at each step.
-    generate_s: float = 0.0
-    generate_calls: int = 0
-    decode_steps: int = 0  # summed over calls: hf, the longest answer of each call (+1 for its eos); fast, its steps
-    wall_s: float = 0.0
-    skipped_path: str | None = None
-    interrupted: bool = False  # stopped by SIGINT between or inside units; rerun to resume
-
-    @property
-    def rated_tokens(self) -> int:
-        return self.new_tokens
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -323,150 +126,6 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     if not ids:
         raise RegenerateError(f"{type(tokenizer).__name__} has no eos token: cannot tell where an answer ends")
     return ids
-
-
-def _hf_generation_config(params: BatchParams, pad_id: int, eos_ids: list[int], compiled: bool) -> Any:
-    """The transformers GenerationConfig of ``params``; ``compiled``: generate compiles its decode
-    step (static cache on CUDA) with CUDA graphs, else it never compiles."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import CompileConfig
-
-    # Every knob set explicitly: generate() fills unset (None) fields from the model's own
-    # generation_config, which may carry top_k / repetition_penalty defaults we do not want.
-    kw: dict[str, Any] = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad_id,
-                              eos_token_id=eos_ids, repetition_penalty=1.0, num_beams=1)
-    if not params.greedy:
-        kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
-    else:
-        kw.update(do_sample=False)
-    if compiled:
-        kw.update(compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
-    else:
-        kw.update(disable_compile=True)
-    return GenerationConfig(**kw)
-
-
-class _LeftPadding:
-    """Temporarily: padding on the left (generation continues at the right end of every row) and a
-    pad token (eos when the tokenizer has none)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tok = tokenizer
-
-    def __enter__(self) -> int:
-        self.side, self.pad = self.tok.padding_side, self.tok.pad_token
-        self.tok.padding_side = "left"
-        if self.tok.pad_token is None:
-            self.tok.pad_token = self.tok.eos_token
-        return int(self.tok.pad_token_id)
-
-    def __exit__(self, *exc: Any) -> None:
-        self.tok.padding_side = self.side
-        if self.pad is None:
-            self.tok.pad_token = None
-
-
-class _StaticKV:
-    """One transformers ``StaticCache`` for a whole run: [batch_size, ..., max_cache_len].
-
-    Invariants: every batch given to :meth:`prepare` is padded to ``batch_size`` rows (copies of
-    its first prompt), and the cache object is reset, not rebuilt, between batches, so its tensors
-    keep their addresses and shapes and a compiled decode step (CUDA graphs) replays instead of
-    recapturing. Only a prompt longer than planned (a later turn, with no ``max_prompt_tokens``)
-    rebuilds it, longer (rounded up to 256 tokens, so rebuilds are rare)."""
-
-    def __init__(self, model: Any, batch_size: int, max_cache_len: int, max_new_tokens: int) -> None:
-        self.model, self.batch_size, self.max_new_tokens = model, batch_size, max_new_tokens
-        self.max_cache_len = max_cache_len
-        self.cache: Any = None
-        self.rebuilds = 0
-
-    def prepare(self, prompts: list[list[int]]) -> tuple[list[list[int]], Any]:
-        """(prompts padded to ``batch_size`` rows, the reset cache to pass to generate)."""
-        from transformers import StaticCache
-
-        if not 0 < len(prompts) <= self.batch_size:
-            raise ValueError(f"static cache: expected 1..{self.batch_size} prompts, found {len(prompts)}")
-        need = max(len(p) for p in prompts) + self.max_new_tokens
-        if need > self.max_cache_len:
-            self.max_cache_len = -(-need // 256) * 256
-            self.cache = None
-            self.rebuilds += 1
-        if self.cache is None:
-            self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
-        else:
-            self.cache.reset()
-        return prompts + [prompts[0]] * (self.batch_size - len(prompts)), self.cache
-
-
-@torch.no_grad()
-def _generate_batch(model: Any, tokenizer: Any, prompts: list[list[int]], gen_config: Any,
-                    eos_ids: list[int], static: _StaticKV | None = None) -> list[tuple[list[int], str]]:
-    """Greedy/sampled continuations of a batch of prompts -> per prompt (answer ids without the
-    end-of-turn token, finish reason "eos" | "length"). The eos token itself is counted by the caller.
-    ``static``: decode with that run-wide static cache (the batch padded to its size with dummy
-    rows, whose answers are not returned); None: generate's own dynamic cache."""
-    n = len(prompts)
-    extra: dict[str, Any] = {}
-    if static is not None:
-        # past_key_values: the name every transformers 5.x release reads (newer ones also take `cache`
-        # and warn that past_key_values is deprecated; an unknown `cache` would be silently ignored
-        # by an older one, which would decode on a dynamic cache).
-        prompts, extra["past_key_values"] = static.prepare(prompts)
-    enc = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")  # left-padded [B, T]
-    device = next(model.parameters()).device
-    input_ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*past_key_values.*")
-        out = model.generate(input_ids=input_ids, attention_mask=attn, generation_config=gen_config, **extra)
-    new = out[:n, input_ids.shape[1]:].tolist()  # [n, <= max_new_tokens], finished rows padded
-    results = []
-    eos = set(eos_ids)
-    for row in new:
-        stop = next((j for j, t in enumerate(row) if t in eos), None)
-        # Without an eos the row ran to max_new_tokens: no padding inside it (a row is only
-        # padded after it emitted eos), so all of it is the answer.
-        results.append((row, "length") if stop is None else (row[:stop], "eos"))
-    return results
-
-
-class HFGenerator:
-    """The ``hf`` engine (:class:`eyas.data.generation.BatchGenerator`): Hugging Face ``generate`` on
-    a left-padded batch.
-
-    ``cache`` as :attr:`RegenerateOptions.cache`: static (one run-wide :class:`_StaticKV` of
-    ``batch_size`` rows, sized by :meth:`reserve`; compiled with CUDA graphs on CUDA) or dynamic.
-    A sampled call seeds torch's global generator with ``params.seed`` first (``generate`` draws
-    from it), so each call is reproducible by itself."""
-
-    name = "hf"
-
-    def __init__(self, model: Any, tokenizer: Any, cache: CacheMode = "auto", batch_size: int = 64) -> None:
-        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
-        self.static = _use_static_cache(cache, model)
-        self.compiled = self.static and next(model.parameters()).device.type == "cuda"
-        self.implementation = "static, compiled" if self.compiled else "static" if self.static else "dynamic"
-        self.kv: _StaticKV | None = None
-        self.last_decode_steps = 0
-        self._configs: dict[tuple, Any] = {}
-
-    def reserve(self, max_prompt_tokens: int, max_new_tokens: int) -> None:
-        if self.static:
-            self.kv = _StaticKV(self.model, self.batch_size, max_prompt_tokens + max_new_tokens, max_new_tokens)
-
-    def generate(self, prompts: list[list[int]], params: BatchParams) -> list[tuple[list[int], str]]:
-        if self.static and self.kv is None:  # reserve() not called: size the cache for this batch
-            self.reserve(max(len(p) for p in prompts), params.max_new_tokens)
-        with _LeftPadding(self.tokenizer) as pad_id:
-            key = (params.max_new_tokens, params.eos_ids, params.temperature, params.top_p, pad_id)
-            if key not in self._configs:
-                self._configs[key] = _hf_generation_config(params, pad_id, list(params.eos_ids), self.compiled)
-            if not params.greedy and params.seed is not None:
-                torch.manual_seed(params.seed)
-            answers = _generate_batch(self.model, self.tokenizer, prompts, self._configs[key], list(params.eos_ids),
-                                      self.kv)
-        self.last_decode_steps = max(len(a) + (f == "eos") for a, f in answers)
-        return answers
 
 
 def _turns(conv: Conversation, system_prompt: str, max_turns: int | None) -> tuple[list[dict], list[str]]:
@@ -536,96 +195,6 @@ def _sort_by_length(items: list[_Item], lengths: list[int]) -> tuple[list[_Item]
     return [items[i] for i in order], [lengths[i] for i in order]
 
 
-def _check_generation(output: Path, existing: list[dict[str, Any]], generations: dict[float, GenerationParams]) -> None:
-    """Refuse an output written with other generation parameters (RegenerateError naming the file,
-    each differing field, what the file has and what this run has).
-
-    Every record is compared with this run's parameters *for its own temperature*; a record at a
-    temperature this run does not use is refused too. A temperature with no record yet is fine (its
-    answers are added). Records from before ``loops`` / ``sort_by_length`` existed are read as
-    :attr:`GenerationParams.LEGACY`; a legacy file of sampled answers cannot be resumed at all (its
-    sampled answers carry the plain conversation id and another seed rule)."""
-    now = {t: g.model_dump() for t, g in generations.items()}
-    temps = ", ".join(f"{t:g}" for t in now)
-    seen: set[str] = set()
-    for rec in existing:
-        theirs = (rec.get("provenance") or {}).get("generation")
-        if not isinstance(theirs, dict):
-            continue
-        key = json.dumps(theirs, sort_keys=True)
-        if key in seen:
-            continue
-        seen.add(key)
-        legacy = [k for k in GenerationParams.LEGACY if k not in theirs]
-        theirs = {**{k: GenerationParams.LEGACY[k] for k in legacy}, **theirs}
-        t = theirs.get("temperature", 0.0)
-        if legacy and theirs.get("do_sample"):
-            raise RegenerateError(
-                f"{output}: record {rec['id']!r} is a sampled answer written before eyas recorded "
-                f"{' and '.join(legacy)} (expected a generation with them, found none): its id and seed "
-                f"follow an older rule, so it cannot be resumed; write to a new file")
-        if t not in now:
-            raise RegenerateError(
-                f"{output}: record {rec['id']!r} was answered at temperature {t:g}; expected one of this "
-                f"run's temperatures ({temps}): resume with the same temperatures or write to a new file")
-        changed = changed_params(theirs, now[t], now[t], "file has")
-        if changed:
-            hint = ""
-            if legacy:
-                hint = (f" (the file was written before eyas recorded {' and '.join(legacy)}: its answers were not "
-                        f"cut at loops and its chunks are in input order; resume it with --loops keep "
-                        f"--no-sort-by-length)")
-            raise RegenerateError(
-                f"{output}: written with other generation parameters at temperature {t:g} "
-                f"({', '.join(changed)}){hint}; resume with the same parameters or write to a new file")
-
-
-@dataclass
-class _OutputFiles:
-    """The output JSONL and its ``.skipped.jsonl`` sidecar, and the ids each already holds.
-
-    Invariant: an id is appended at most once to each file (resume never duplicates); a unit's
-    sidecar lines are appended before its output lines, so a crash between the two leaves the
-    unit incomplete in the output, and the rerun generates it again."""
-
-    output: Path
-    sidecar: Path
-    written: set[str]  # ids in the output
-    failed: set[str]  # ids in the sidecar
-
-    @classmethod
-    def resume(cls, output: Path, generations: dict[float, GenerationParams]) -> "_OutputFiles":
-        """Step 2, resume: read what an earlier run wrote (a torn last line is cut off); refuse an
-        output written with other generation parameters (:func:`_check_generation`)."""
-        existing = read_resumable_jsonl(output)
-        _check_generation(output, existing, generations)
-        sidecar = output.with_name(output.name + ".skipped.jsonl")
-        return cls(output, sidecar, {r["id"] for r in existing}, {r["id"] for r in read_resumable_jsonl(sidecar)})
-
-    def holds(self, answer: str) -> bool:
-        return answer in self.written or answer in self.failed
-
-    def append(self, records: list[dict], failures: list[dict]) -> tuple[list[dict], list[dict]]:
-        """Step 4, write: append the unit's records and failures that the files do not hold yet
-        (one fsynced write each); -> (records appended, failures appended)."""
-        new_records = [r for r in records if r["id"] not in self.written]
-        new_failures = [r for r in failures if r["id"] not in self.failed]
-        _append_lines(self.sidecar, new_failures)  # sidecar first: a crash before the output line
-        _append_lines(self.output, new_records)  # leaves the unit incomplete, so it is redone
-        self.written.update(r["id"] for r in new_records)
-        self.failed.update(r["id"] for r in new_failures)
-        return new_records, new_failures
-
-
-def _use_static_cache(mode: CacheMode, model: Any) -> bool:
-    """``cache`` resolved for ``model``: auto is static on CUDA, dynamic elsewhere (and for a target
-    split across devices, ``--target-devices``: one run-wide static cache would sit on one device)."""
-    if mode == "auto":
-        split = len(set(dict(getattr(model, "hf_device_map", None) or {}).values())) > 1
-        return next(model.parameters()).device.type == "cuda" and not split
-    return mode == "static"
-
-
 def regenerate(
     model: Any,
     tokenizer: Any,
@@ -668,7 +237,7 @@ def regenerate(
         items, lengths = _sort_by_length(items, lengths)
     summary.conversations, summary.temperatures = len(items), temperatures
     summary.total = len(items) * len(temperatures)
-    files = _OutputFiles.resume(options.out_path, generations)
+    files = OutputFiles.resume(options.out_path, generations)
     starts = list(range(0, len(items), options.batch_size))
     order = list(range(len(starts)))
     if options.sort_by_length:  # chunks of similar length, visited in a seeded order (see the docstring)
@@ -691,7 +260,7 @@ def regenerate(
 
 def _generate(model: Any, tokenizer: Any, todo: list[_Unit], options: RegenerateOptions,
               generations: dict[float, GenerationParams], generator: BatchGenerator,
-              files: _OutputFiles, target_info: dict[str, Any], summary: RegenerateSummary,
+              files: OutputFiles, target_info: dict[str, Any], summary: RegenerateSummary,
               on_chunk_written: Callable[[int, list[dict[str, Any]]], None] | None) -> None:
     """Step 3 and 4, generate and write: each unit still to do, in order, answered as one batch
     (per turn) and appended before the next one starts.

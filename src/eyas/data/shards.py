@@ -43,6 +43,12 @@ the last rank to finish, or rank 0 after a barrier under torch.distributed, or
 
 The manifest's ``contract.fingerprint`` summarises the stored slot values of every sample but its
 first token (the attention sink; see :mod:`eyas.capture.stats`).
+
+Modules: this one captures and writes a rank's shards (:func:`capture_shards`: resume, capture,
+background writes, progress, finalising); :mod:`eyas.data.shard_plan` holds :class:`CaptureOptions`
+and the plan (step 1); :mod:`eyas.data.shard_format` the file names, constants, manifest and
+progress JSON and :func:`finalize_manifest`; :mod:`eyas.data.shard_dataset` the reader,
+:class:`ShardDataset`. Their public names are importable from here too.
 """
 
 from __future__ import annotations
@@ -50,307 +56,53 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Callable, ClassVar, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-from pydantic import PositiveInt
 from torch import Tensor
-from torch.utils.data import Dataset
 
-from eyas.io import atomic_write_bytes, atomic_write_json, read_json_object
+from eyas.io import atomic_write_bytes
 from eyas.convention.boundaries import CaptureSpec
 from eyas.capture.hooks import BoundaryCapture
 from eyas.capture.stats import FingerprintAccumulator
-from eyas.contract import (
-    CaptureContract,
-    Contract,
-    compare,
-    enforce,
-    target_identity,
-    tokenisation_of,
+from eyas.contract import Contract, compare
+from eyas.data.conversations import Conversation
+from eyas.data.runs import Throughput, changed_params, eval_mode
+from eyas.data.shard_dataset import ShardDataset
+from eyas.data.shard_format import (
+    DTYPES,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    ShardError,
+    finalize_manifest,
+    is_shard_dir,
+    progress_name,
+    read_shard_json,
+    shard_name,
+    write_shard_json,
 )
-from eyas.data.conversations import Conversation, conversation_id
-from eyas.data.render import TEMPLATE_DEFAULT, TemplateAlignmentError, render, system_prompt_mode
-from eyas.data.runs import RunOptions, Throughput, changed_params, eval_mode
-from eyas.errors import EyasError
-from eyas.targets.loaded import LoadedTarget
-from eyas.targets.structure import find_decoder_blocks
+from eyas.data.shard_plan import (
+    DEFAULT_SHARD_BYTES,
+    PLAN,
+    PLAN_PARAMS,
+    CaptureOptions,
+    CapturePlan,
+    ShardSample,
+    plan_capture,
+    plan_shards,
+)
 
-FORMAT = "eyas-hidden-shards"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-
-
-def is_shard_dir(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a finished capture (a directory with its manifest), not a conversations file."""
-    return Path(path).is_dir() and (Path(path) / MANIFEST).exists()
-
-
-DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DEFAULT_SHARD_BYTES = 1 << 30  # hidden states per shard when shard_tokens is not given
-_MAX_PROBLEMS_KEPT = 20
-
-
-class ShardError(EyasError, ValueError):
-    """A shard set that cannot be written, resumed or read; the message names the file."""
-
-
-def shard_name(rank: int, index: int) -> str:
-    return f"shard-r{rank:02d}-{index:05d}.safetensors"
-
-
-def progress_name(rank: int) -> str:
-    return f"progress-r{rank:02d}.json"
-
-
-# ---------------------------------------------------------------------------------------------
-# Options
-# ---------------------------------------------------------------------------------------------
-
-
-class _PlanParameter:
-    """Marks an option as a plan parameter (``Annotated[..., PLAN]``): it decides which tokens land
-    in which shard or which values are stored, so a rerun resumes only when it is unchanged."""
-
-    def __repr__(self) -> str:
-        return "PLAN"
-
-
-PLAN = _PlanParameter()
-
-
-class CaptureOptions(RunOptions):
-    """Every option of one rank's capture (``eyas capture``, :func:`capture_shards`), flat and typed.
-
-    The fields marked ``PLAN`` are the plan parameters (:data:`PLAN_PARAMS`): resolved (no ``None``
-    left), they are recorded in each rank's progress file and in the manifest, and a rerun resumes
-    only when every one of them is unchanged. ``batch_size`` is not one: it moves values only at
-    the level of float rounding, and every shard records its own. Invalid values raise
-    :class:`ShardError` naming the field, expected and found.
-    """
-
-    error: ClassVar[type[EyasError]] = ShardError
-
-    out_dir: Path  # the shard directory: created if missing, resumed if it holds an unfinished capture
-    # --- what is stored, and how it is cut into shards (all plan parameters) ---
-    boundaries: Annotated[list[int] | None, PLAN] = None  # slot order (eyas boundaries); None: [2, L//2, L-3]
-    dtype: Annotated[Literal["bfloat16", "float16", "float32"], PLAN] = "bfloat16"  # of slots and last_hidden
-    max_length: Annotated[PositiveInt, PLAN] = 2048  # tokens per rendered conversation (truncated)
-    shard_size: Annotated[PositiveInt, PLAN] = 256  # at most this many samples per shard
-    shard_tokens: Annotated[PositiveInt | None, PLAN] = None  # and tokens per shard; None: ~1 GiB of hidden states
-    system_prompt: Annotated[str, PLAN] = TEMPLATE_DEFAULT  # as in eyas.data.render.render; recorded as its mode
-    # --- who captures which conversations; what the fingerprint measures ---
-    rank: int | None = None  # this process takes conversations rank::world_size; None: $RANK, else 0
-    world_size: Annotated[int | None, PLAN] = None  # processes sharing the input; None: $WORLD_SIZE, else 1
-    channels: Annotated[list[int] | None, PLAN] = None  # fingerprint channel indices; None: 8 evenly spaced
-    # --- how it runs (free to change on a rerun) ---
-    batch_size: PositiveInt = 8  # samples per forward pass
-    source_data: str | None = None  # the conversations file, recorded in the manifest
-    progress: bool = True  # show progress bars
-    finalize: bool = True  # write the manifest once every rank is complete
-
-    def plan_params(self) -> dict[str, Any]:
-        """The plan parameters as the progress file and the manifest record them (of resolved options):
-        JSON values in field order, the system prompt as its mode (a custom prompt's text reaches the
-        rendered tokens, so the plan digest sees a change of it)."""
-        params = self.model_dump(mode="json", include=set(PLAN_PARAMS))
-        params["system_prompt"] = system_prompt_mode(self.system_prompt)
-        return params
-
-
-# What a rerun must share with the run it resumes, in field order.
-PLAN_PARAMS: tuple[str, ...] = tuple(name for name, f in CaptureOptions.model_fields.items() if PLAN in f.metadata)
-
-
-# ---------------------------------------------------------------------------------------------
-# Atomic file writes
-# ---------------------------------------------------------------------------------------------
-
-
-def _atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_json(path, obj, indent=1)
-
-
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    obj = read_json_object(path, ShardError, what)
-    if str(obj.get("format", "")).split("+")[0] != FORMAT:
-        raise ShardError(f"{path}: not an eyas {what} (format {obj.get('format')!r}, expected {FORMAT!r})")
-    return obj
-
-
-# ---------------------------------------------------------------------------------------------
-# Planning: render this rank's conversations, cut them into shards
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Sample:
-    id: str
-    input_ids: Tensor  # [T] long
-    loss_mask: Tensor  # [T] long
-
-    @property
-    def length(self) -> int:
-        return int(self.input_ids.shape[0])
-
-
-@dataclass
-class _RenderCounts:
-    """What rendering this rank's conversations left out, and why (field order = the progress
-    file's ``counts`` order)."""
-
-    conversations: int = 0  # assigned to this rank
-    no_loss_tokens: int = 0  # no assistant token after truncation: left out (no loss)
-    truncated: int = 0  # cut at max_length (kept)
-    render_problems: int = 0  # the template does not line up: left out
-    problems: list[str] = field(default_factory=list)  # the first _MAX_PROBLEMS_KEPT, "<id>: <message>"
-
-    def counts(self) -> dict[str, int]:
-        return {k: v for k, v in asdict(self).items() if k != "problems"}
-
-
-def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    rank = int(os.environ.get("RANK", 0)) if rank is None else int(rank)
-    world = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else int(world_size)
-    if world < 1 or not 0 <= rank < world:
-        raise ShardError(f"rank {rank} / world_size {world}: expected 0 <= rank < world_size")
-    return rank, world
-
-
-def _render_samples(conversations: Sequence[Conversation], rank: int, world: int, tokenizer: Any,
-                    max_length: int, system_prompt: str, progress: bool) -> tuple[list[_Sample], _RenderCounts]:
-    """This rank's conversations (positions rank::world) rendered; conversations without any
-    assistant token after truncation are left out (they carry no loss), and so are those whose
-    template does not line up (reported)."""
-    from tqdm.auto import tqdm
-
-    samples: list[_Sample] = []
-    stats = _RenderCounts()
-    positions = range(rank, len(conversations), world)
-    for i in tqdm(positions, desc=f"render r{rank}", unit="conv", disable=not progress, dynamic_ncols=True):
-        conv = conversations[i]
-        cid = conversation_id(conv, i)  # position in the whole input: the same id on every rank count
-        stats.conversations += 1
-        try:
-            r = render(conv, tokenizer, max_length=max_length, system_prompt=system_prompt)
-        except TemplateAlignmentError as e:
-            stats.render_problems += 1
-            if len(stats.problems) < _MAX_PROBLEMS_KEPT:
-                stats.problems.append(f"{cid}: {e}")
-            continue
-        stats.truncated += int(r.truncated)
-        if r.num_assistant_tokens == 0:
-            stats.no_loss_tokens += 1
-            continue
-        samples.append(_Sample(cid, r.input_ids.long(), r.loss_mask.long()))
-    return samples, stats
-
-
-def plan_shards(lengths: Sequence[int], shard_size: int, shard_tokens: int | None = None) -> list[list[int]]:
-    """Cut samples (in order) into shards of at most ``shard_size`` samples and, if given, at most
-    ``shard_tokens`` tokens (a longer single sample gets a shard of its own)."""
-    if shard_size < 1:
-        raise ShardError(f"shard_size: expected >= 1, found {shard_size}")
-    plan: list[list[int]] = []
-    cur: list[int] = []
-    cur_tokens = 0
-    for j, n in enumerate(lengths):
-        if cur and (len(cur) >= shard_size or (shard_tokens is not None and cur_tokens + n > shard_tokens)):
-            plan.append(cur)
-            cur, cur_tokens = [], 0
-        cur.append(j)
-        cur_tokens += n
-    if cur:
-        plan.append(cur)
-    return plan
-
-
-def _plan_digest(samples: Sequence[_Sample], plan: list[list[int]]) -> str:
-    """sha256 over what the shards will contain: every sample's id and tokens, and the plan."""
-    h = hashlib.sha256()
-    for s in samples:
-        h.update(s.id.encode() + b"\0")
-        h.update(s.input_ids.to(torch.int32).numpy().tobytes())
-        h.update(s.loss_mask.to(torch.uint8).numpy().tobytes())
-    h.update(json.dumps(plan).encode())
-    return h.hexdigest()
-
-
-def _base_contract(model: Any, tokenizer: Any, spec: CaptureSpec, dtype: str, system_prompt: str,
-                   source: str | None) -> Contract:
-    """The target, capture and tokenisation of the manifest's contract (its fingerprint is merged in
-    when every rank is done)."""
-    return Contract(target=target_identity(model, source),
-                    capture=CaptureContract(boundaries=list(spec.boundaries), dtype=dtype),
-                    tokenisation=tokenisation_of(tokenizer, system_prompt_mode(system_prompt)))
-
-
-@dataclass
-class _CapturePlan:
-    """One rank's capture, fixed before the first forward pass.
-
-    Invariant: a function of the options, the target and the conversations only, so a rerun
-    computes the same plan; ``digest`` says whether it did."""
-
-    options: CaptureOptions  # resolved: boundaries, shard_tokens, rank, world_size, channels are set
-    spec: CaptureSpec
-    contract: Contract  # target, capture and tokenisation; the fingerprint is merged into the manifest
-    samples: list[_Sample]  # this rank's, in input order
-    rendered: _RenderCounts
-    shards: list[list[int]]  # positions in ``samples``, per shard (plan_shards)
-    digest: str  # _plan_digest(samples, shards)
-    total_conversations: int  # in the whole input, every rank's
-
-    @property
-    def out(self) -> Path:
-        return self.options.out_dir
-
-    @property
-    def rank(self) -> int:
-        return int(self.options.rank)  # type: ignore[arg-type]  # resolved by _plan_capture
-
-    @property
-    def world(self) -> int:
-        return int(self.options.world_size)  # type: ignore[arg-type]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.contract.target.hidden_size
-
-    def members(self, k: int) -> list[_Sample]:
-        """Shard k's samples in stored order: longest first (stable), so batches are runs of
-        similar lengths (less padding)."""
-        return sorted((self.samples[j] for j in self.shards[k]), key=lambda x: -x.length)
-
-
-def _plan_capture(model: Any, tokenizer: Any, conversations: Sequence[Conversation], options: CaptureOptions,
-                  source: str | None) -> _CapturePlan:
-    """Step 1, plan: resolve every default of ``options`` (boundaries from the target's depth, rank
-    and world from torchrun's environment, shard_tokens from about 1 GiB of hidden states, the
-    fingerprint channels), render this rank's conversations and cut them into shards."""
-    rank, world = _rank_world(options.rank, options.world_size)
-    spec = CaptureSpec.create(len(find_decoder_blocks(model)), options.boundaries)
-    base = _base_contract(model, tokenizer, spec, options.dtype, options.system_prompt, source)
-    hidden = base.target.hidden_size
-    shard_tokens = options.shard_tokens
-    if shard_tokens is None:
-        per_token = (spec.num_slots + 1) * hidden * DTYPES[options.dtype].itemsize  # slots + last_hidden
-        shard_tokens = max(options.max_length, DEFAULT_SHARD_BYTES // per_token)
-    resolved = options.model_copy(update={
-        "boundaries": list(spec.boundaries), "shard_tokens": shard_tokens, "rank": rank, "world_size": world,
-        "channels": FingerprintAccumulator(spec.boundaries, hidden, options.channels).channels,
-    })
-    samples, rendered = _render_samples(conversations, rank, world, tokenizer, options.max_length,
-                                        options.system_prompt, options.progress)
-    shards = plan_shards([s.length for s in samples], options.shard_size, shard_tokens)
-    return _CapturePlan(options=resolved, spec=spec, contract=base, samples=samples, rendered=rendered,
-                        shards=shards, digest=_plan_digest(samples, shards),
-                        total_conversations=len(conversations))
+# The public names of the shard modules, importable from here as before the split.
+__all__ = [
+    "DEFAULT_SHARD_BYTES", "DTYPES", "FORMAT", "FORMAT_VERSION", "MANIFEST", "PLAN", "PLAN_PARAMS",
+    "CaptureOptions", "CaptureSummary", "ShardDataset", "ShardError", "capture_shards", "finalize_manifest",
+    "is_shard_dir", "plan_shards", "progress_name", "shard_name",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,7 +120,7 @@ def _forward(model: Any, ids: Tensor, attn: Tensor) -> None:
 
 
 @torch.no_grad()
-def _capture_shard(model: Any, spec: CaptureSpec, samples: Sequence[_Sample], batch_size: int,
+def _capture_shard(model: Any, spec: CaptureSpec, samples: Sequence[ShardSample], batch_size: int,
                    dtype: torch.dtype, pad_id: int, acc: FingerprintAccumulator,
                    on_batch: Callable[[int], None] | None = None) -> dict[str, Tensor]:
     """The tensors of one shard; ``samples`` are already in stored order (longest first), so the
@@ -429,14 +181,14 @@ def _write_shard(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str
     return len(data), h.hexdigest()
 
 
-def _shard_metadata(plan: _CapturePlan, k: int, ids: list[str]) -> dict[str, str]:
+def _shard_metadata(plan: CapturePlan, k: int, ids: list[str]) -> dict[str, str]:
     """The safetensors metadata of shard k: one key holding JSON. (safetensors writes a metadata
     map in hash order, which would make the bytes of identical shards differ from run to run.)"""
     return {"eyas": json.dumps({"format": FORMAT, "version": FORMAT_VERSION, "rank": plan.rank, "index": k,
                                 "boundaries": list(plan.spec.boundaries), "dtype": plan.options.dtype, "ids": ids})}
 
 
-def _shard_entry(plan: _CapturePlan, k: int, members: Sequence[_Sample], tensors: dict[str, Tensor],
+def _shard_entry(plan: CapturePlan, k: int, members: Sequence[ShardSample], tensors: dict[str, Tensor],
                  acc: FingerprintAccumulator) -> dict[str, Any]:
     """Shard k's record in the progress file (and, less batch_size and fingerprint, in the manifest);
     ``bytes`` and ``sha256`` are filled in once the file is written."""
@@ -476,7 +228,7 @@ class CaptureSummary(Throughput):
         return self.tokens_captured
 
     @classmethod
-    def of(cls, plan: _CapturePlan) -> "CaptureSummary":
+    def of(cls, plan: CapturePlan) -> "CaptureSummary":
         """The counts a plan fixes; the run adds what it wrote, resumed and how long it took."""
         r = plan.rendered
         return cls(out_dir=str(plan.out), rank=plan.rank, world_size=plan.world, conversations=r.conversations,
@@ -494,7 +246,7 @@ class _RankProgress:
     index order, and says ``complete`` once that is every planned shard; it is rewritten atomically,
     so a crash leaves the previous version."""
 
-    def __init__(self, plan: _CapturePlan, summary: CaptureSummary, entries: list[dict[str, Any]]) -> None:
+    def __init__(self, plan: CapturePlan, summary: CaptureSummary, entries: list[dict[str, Any]]) -> None:
         self.path = plan.out / progress_name(plan.rank)
         self.plan = plan
         self.summary = summary
@@ -507,7 +259,7 @@ class _RankProgress:
 
     def save(self) -> None:
         plan, summary = self.plan, self.summary
-        _atomic_write_json(self.path, {
+        write_shard_json(self.path, {
             "format": FORMAT + "+progress", "version": FORMAT_VERSION, "rank": plan.rank, "world_size": plan.world,
             "params": plan.options.plan_params(), "plan_sha256": plan.digest, "num_shards": len(plan.shards),
             "counts": plan.rendered.counts()
@@ -519,7 +271,7 @@ class _RankProgress:
         })
 
 
-def _resume(plan: _CapturePlan) -> list[dict[str, Any]]:
+def _resume(plan: CapturePlan) -> list[dict[str, Any]]:
     """Step 2, resume: the finished shards of an earlier run that this run keeps.
 
     Invariant: resuming never duplicates nor reorders a shard. Kept are the earlier run's shards
@@ -532,7 +284,7 @@ def _resume(plan: _CapturePlan) -> list[dict[str, Any]]:
     path = plan.out / progress_name(plan.rank)
     if not path.exists():
         return []
-    prog = _read_json(path, "progress file")
+    prog = read_shard_json(path, "progress file")
     diff = changed_params(prog["params"], plan.options.plan_params(), PLAN_PARAMS, "progress has")
     diff += [str(m) for m in compare(Contract.model_validate(prog["contract"]), plan.contract)]
     if prog.get("plan_sha256") != plan.digest:
@@ -597,7 +349,7 @@ class _ShardWriter:
             self._pool.shutdown(wait=True)
 
 
-def _capture_planned(model: Any, pad_id: int, plan: _CapturePlan, progress: _RankProgress,
+def _capture_planned(model: Any, pad_id: int, plan: CapturePlan, progress: _RankProgress,
                      summary: CaptureSummary, on_shard_written: Callable[[int, dict[str, Any]], None] | None) -> None:
     """Step 3 and 4, capture and write: every planned shard after the resumed ones, in index order.
 
@@ -646,7 +398,7 @@ def capture_shards(
     Returns: a :class:`CaptureSummary` for this rank (``manifest`` set when the manifest was written).
     """
     t0 = time.perf_counter()
-    plan = _plan_capture(model, tokenizer, conversations, options, source)
+    plan = plan_capture(model, tokenizer, conversations, options, source)
     plan.out.mkdir(parents=True, exist_ok=True)
     summary = CaptureSummary.of(plan)
     entries = _resume(plan)
@@ -685,226 +437,3 @@ def _rank_complete(path: Path) -> bool:
         return bool(json.loads(path.read_text()).get("complete"))
     except (OSError, json.JSONDecodeError):
         return False
-
-
-def finalize_manifest(out_dir: str | os.PathLike) -> Path:
-    """Merge every rank's progress file into ``manifest.json``: contract (with the fingerprint of
-    all shards), counts, shard list, and rank 0's ``manifest_extra`` (what an import adds, so the
-    manifest is written once). Errors name the rank file that is missing or incomplete."""
-    out = Path(out_dir)
-    first = _read_json(out / progress_name(0), "progress file (rank 0)")
-    world = int(first["world_size"])
-    progs = [first] + [_read_json(out / progress_name(r), f"progress file (rank {r})") for r in range(1, world)]
-    for r, p in enumerate(progs):
-        path = out / progress_name(r)
-        if not p.get("complete"):
-            raise ShardError(f"{path}: rank {r} has {len(p['shards'])} of {p['num_shards']} shards; "
-                             f"rerun its capture (it resumes) before finalising")
-        if p["params"] != first["params"] or p["world_size"] != world:
-            raise ShardError(f"{path}: rank {r} ran with other parameters than rank 0: {p['params']} vs {first['params']}")
-        mism = compare(Contract.model_validate(first["contract"]), Contract.model_validate(p["contract"]))
-        if mism:
-            raise ShardError(f"{path}: rank {r} captured another target than rank 0: " + "; ".join(map(str, mism)))
-    shards = [e for p in progs for e in p["shards"]]  # rank order, then index order
-    contract = Contract.model_validate(first["contract"])
-    if shards:
-        acc = FingerprintAccumulator.merged([FingerprintAccumulator.from_state(e["fingerprint"]) for e in shards])
-        contract = contract.model_copy(update={"fingerprint": acc.result()})
-    counts = {k: sum(int(p["counts"].get(k, 0)) for p in progs)
-              for k in ("conversations", "samples", "tokens", "loss_tokens", "no_loss_tokens", "truncated",
-                        "render_problems")}
-    counts["shards"] = len(shards)
-    params = first["params"]
-    manifest = {
-        "format": FORMAT, "version": FORMAT_VERSION,
-        "contract": contract.model_dump(mode="json"),
-        "counts": counts,
-        "layout": {
-            "num_slots": len(params["boundaries"]), "hidden_size": contract.target.hidden_size,
-            "dtype": params["dtype"],
-            "tensors": {"input_ids": "int32 [N]", "loss_mask": "uint8 [N]", "offsets": "int64 [S+1]",
-                        "slots": "dtype [N, num_slots, H]", "last_hidden": "dtype [N, H] (boundary L, pre-norm)"},
-        },
-        "params": params,
-        "world_size": world,
-        "source_data": first.get("source_data"),
-        "problems": [x for p in progs for x in p.get("problems", [])][:_MAX_PROBLEMS_KEPT],
-        "shards": [{k: e[k] for k in ("file", "rank", "index", "samples", "tokens", "loss_tokens", "bytes",
-                                      "sha256", "ids")} for e in shards],
-    }
-    _merge(manifest, first.get("manifest_extra") or {})  # e.g. an import's layout flags and source
-    path = out / MANIFEST
-    _atomic_write_json(path, manifest)
-    return path
-
-
-def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
-    """``extra``'s keys into ``into``, merging nested dicts key by key (layout.tensors stays whole)."""
-    for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(into.get(k), dict):
-            _merge(into[k], v)
-        else:
-            into[k] = v
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading
-# ---------------------------------------------------------------------------------------------
-
-
-class ShardDataset(Dataset):
-    """Samples of a shard directory. Item i ->
-
-        id           str
-        input_ids    LongTensor [T]
-        loss_mask    LongTensor [T]           (not shifted; see eyas.data.render.shift_targets)
-        slots        [T, num_slots, H]        stored dtype; or, with features=True,
-        features     [T, num_slots * H]       slots concatenated in slot order (the drafter's fc input)
-        last_hidden  [T, H]                   boundary L, pre-norm
-
-    Opening checks every shard's presence, size and header (``verify="full"`` also its sha256).
-    With ``target`` (and optionally ``tokenizer``) the manifest's contract is checked against it
-    and a mismatch raises :class:`eyas.contract.ContractError` naming the fields (``force`` warns).
-    """
-
-    def __init__(self, root: str | os.PathLike, *, features: bool = False, target: Any = None,
-                 tokenizer: Any = None, force: bool = False, verify: str = "header") -> None:
-        self.root = Path(root)
-        if not self.root.is_dir():
-            raise ShardError(f"{self.root}: no such shard directory")
-        mpath = self.root / MANIFEST
-        if not mpath.exists():
-            partial = sorted(p.name for p in self.root.glob("progress-r*.json"))
-            hint = (f" (progress files {partial} exist: the capture is unfinished; rerun it, or call "
-                    f"finalize_manifest once every rank is complete)") if partial else ""
-            raise ShardError(f"{mpath}: missing manifest{hint}")
-        self.manifest = _read_json(mpath, "manifest")
-        try:
-            self.contract = Contract.model_validate(self.manifest["contract"])
-            self.shards: list[dict[str, Any]] = list(self.manifest["shards"])
-            self.num_slots = int(self.manifest["layout"]["num_slots"])
-            self.hidden_size = int(self.manifest["layout"]["hidden_size"])
-            # Shards imported from a SpecForge dump (eyas.data.dumps) store the final norm's output.
-            self.last_hidden_normed = bool(self.manifest["layout"].get("last_hidden_normed", False))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ShardError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
-        self.features = features
-        if verify not in ("none", "header", "full"):
-            raise ValueError(f"verify: expected none|header|full, found {verify!r}")
-        # Global index: sample i lives in shard _shard[i], rows _start[i]:_end[i].
-        self._shard: list[int] = []
-        self._start: list[int] = []
-        self._end: list[int] = []
-        self.ids: list[str] = []
-        for k, entry in enumerate(self.shards):
-            offsets = self._check_shard(entry, verify) if verify != "none" else None
-            if offsets is None:
-                offsets = self._read(k, "offsets")
-            self._shard += [k] * entry["samples"]
-            self._start += offsets[:-1].tolist()
-            self._end += offsets[1:].tolist()
-            self.ids += list(entry["ids"])
-        self._handles: dict[int, Any] = {}
-        self._pid = os.getpid()
-        if target is not None:
-            self.check_target(target, tokenizer, force=force)
-
-    # -- checks -----------------------------------------------------------------------------------
-
-    def _check_shard(self, entry: dict[str, Any], verify: str) -> Tensor:
-        from safetensors import SafetensorError, safe_open
-
-        path = self.root / entry["file"]
-        if not path.exists():
-            raise ShardError(f"{path}: shard listed in {self.root / MANIFEST} is missing")
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise ShardError(f"{path}: corrupt shard: {size} bytes, the manifest says {entry['bytes']} "
-                             f"(truncated or overwritten); recapture it")
-        if verify == "full":
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            if digest != entry["sha256"]:
-                raise ShardError(f"{path}: corrupt shard: sha256 {digest[:16]}..., the manifest says "
-                                 f"{entry['sha256'][:16]}...; recapture it")
-        n, s = entry["tokens"], entry["samples"]
-        want = {"input_ids": [n], "loss_mask": [n], "offsets": [s + 1],
-                "slots": [n, self.num_slots, self.hidden_size], "last_hidden": [n, self.hidden_size]}
-        try:
-            with safe_open(str(path), "pt") as f:
-                shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
-                bad = {k: (v, shapes.get(k)) for k, v in want.items() if shapes.get(k) != v}
-                if bad:
-                    raise ShardError(f"{path}: corrupt shard: tensor shapes {', '.join(f'{k} expected {a} found {b}' for k, (a, b) in bad.items())}")
-                offsets = f.get_tensor("offsets")
-        except SafetensorError as e:
-            raise ShardError(f"{path}: corrupt shard: cannot read it as safetensors ({e})") from None
-        if int(offsets[0]) != 0 or int(offsets[-1]) != n or bool((offsets[1:] < offsets[:-1]).any()):
-            raise ShardError(f"{path}: corrupt shard: offsets do not cut {n} tokens into {s} samples")
-        return offsets
-
-    def check_target(self, target: LoadedTarget | Any, tokenizer: Any = None, force: bool = False) -> list:
-        """Compare the manifest's contract with a live target (a LoadedTarget, whose cached identity
-        is used, or an HF model) and tokenizer: raises ContractError naming every differing field
-        (target.fingerprint, tokenisation.chat_template_sha256, ...)."""
-        live = Contract(
-            target=LoadedTarget.of(target).identity,
-            capture=self.contract.capture,
-            tokenisation=(tokenisation_of(tokenizer, self.contract.tokenisation.system_prompt
-                                          if self.contract.tokenisation else TEMPLATE_DEFAULT)
-                          if tokenizer is not None else None),
-        )
-        return enforce(compare(self.contract, live), f"shards {self.root} vs target", force=force)
-
-    # -- reading ----------------------------------------------------------------------------------
-
-    def _handle(self, k: int) -> Any:
-        from safetensors import SafetensorError, safe_open
-
-        if self._pid != os.getpid():  # a DataLoader worker forked after open: use its own handles
-            self._handles, self._pid = {}, os.getpid()
-        if k not in self._handles:
-            path = self.root / self.shards[k]["file"]
-            try:
-                self._handles[k] = safe_open(str(path), "pt")
-            except (SafetensorError, OSError) as e:
-                raise ShardError(f"{path}: cannot open shard ({e})") from None
-        return self._handles[k]
-
-    def _read(self, k: int, key: str, a: int | None = None, b: int | None = None) -> Tensor:
-        from safetensors import SafetensorError
-
-        try:
-            h = self._handle(k)
-            return h.get_tensor(key) if a is None else h.get_slice(key)[a:b]
-        except SafetensorError as e:
-            raise ShardError(f"{self.root / self.shards[k]['file']}: cannot read {key!r} ({e})") from None
-
-    def __len__(self) -> int:
-        return len(self._shard)
-
-    @property
-    def lengths(self) -> list[int]:
-        """Tokens per sample (for length-grouped batching)."""
-        return [e - s for s, e in zip(self._start, self._end)]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.manifest["counts"]["tokens"])
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"sample {i} out of range for {len(self)} samples")
-        i %= len(self)
-        k, a, b = self._shard[i], self._start[i], self._end[i]
-        item: dict[str, Any] = {
-            "id": self.ids[i],
-            "input_ids": self._read(k, "input_ids", a, b).long(),
-            "loss_mask": self._read(k, "loss_mask", a, b).long(),
-            "last_hidden": self._read(k, "last_hidden", a, b),
-        }
-        slots = self._read(k, "slots", a, b)  # [T, num_slots, H]
-        if self.features:
-            item["features"] = slots.reshape(slots.shape[0], -1)  # [T, num_slots * H], slot order
-        else:
-            item["slots"] = slots
-        return item

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from torch import Tensor
 
 from eyas.contract.contract import Contract
-from eyas.data.shards import is_shard_dir
+from eyas.data.shard_format import is_shard_dir
 from eyas.data.render import NO_SYSTEM_PROMPT, TEMPLATE_DEFAULT, TemplateAlignmentError, render, render_prompt
 from eyas.interop.directory import TRAIN_CONFIG, DrafterDir
 
@@ -128,7 +128,7 @@ def _truncate(s: Sample, max_length: int) -> Sample:
 
 
 def _from_shards(path: str, train_config: Any, n: int, max_length: int) -> SampleSet:
-    from eyas.data.shards import ShardDataset
+    from eyas.data.shard_dataset import ShardDataset
 
     ds = ShardDataset(path, features=True, verify="header")
     held_out = train_config is not None and _same_path(train_config.data, path)

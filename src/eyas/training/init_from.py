@@ -10,7 +10,7 @@ d2t and t2d are then loaded into the fresh drafter; its contract is checked agai
 from __future__ import annotations
 
 from eyas.convention.boundaries import CaptureSpec
-from eyas.data.shards import is_shard_dir
+from eyas.data.shard_format import is_shard_dir
 from eyas.drafter.config import NORM_FLAGS
 from eyas.drafter.model import Eagle3Drafter
 from eyas.targets import LoadedTarget
