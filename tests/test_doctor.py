@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -671,7 +672,11 @@ def test_the_full_search_screens_hopeless_candidates_on_a_few_samples(world, mon
     import eyas.doctor.search as search
 
     every = search.candidates
-    monkeypatch.setattr(search, "candidates", lambda *a: [p for p in every(*a) if p.kind != "trained"])
+    # the trained protocol as an ordinary candidate: screened and scored like the rest, never deciding
+    # at once (the other candidates are deduplicated against it, so dropping it would leave none that
+    # restores)
+    monkeypatch.setattr(search, "candidates", lambda *a: [replace(p, kind="boundaries") if p.kind == "trained" else p
+                                                         for p in every(*a)])
     d = served_copy(world, "base", "screened", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 6]))
     screened = doctor(world, d, "vllm").stages.search.result
     monkeypatch.setattr(search, "SCREEN_SAMPLES", 1000)  # no screening
@@ -681,6 +686,7 @@ def test_the_full_search_screens_hopeless_candidates_on_a_few_samples(world, mon
     assert not any(c.screened_out_on for c in full.candidates)
     assert {c.protocol.key() for c in screened.candidates if c.restores} == \
         {c.protocol.key() for c in full.candidates if c.restores}
+    assert screened.winner is not None and screened.winner.protocol.slots == tuple(TRAINED)
     assert screened.winner.protocol.key() == full.winner.protocol.key()
     assert screened.winner.screened_out_on is None and screened.winner.score == full.winner.score
 
