@@ -140,6 +140,32 @@ def test_greedy_rows_beside_sampled_rows_keep_their_output(served, alone):
     assert got == [alone(q) for q in questions[2:4]]
 
 
+def test_256_concurrent_streaming_clients_are_all_answered_each_with_its_own_output(served, alone):
+    """None lost, none mixed: 256 clients at once (16 prompts, 16 clients each) on 8 rows and a queue
+    of 256, greedy and sampled interleaved; every greedy stream is its prompt's answer alone (a
+    sampled one's tokens depend on the rounds its row took: lossless in distribution only)."""
+    sv, questions = served
+    prompts = [questions[i % 16] + f" [{i % 16}]" for i in range(256)]
+    want = {p: alone(p, 8) for p in set(prompts)}
+    options = replace(OPTIONS, max_rows=8, max_queue=256)
+    with ServerThread(sv, options) as t:
+        c = OpenAI(base_url=t.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+        def ask(i: int) -> tuple[int, str]:
+            hot = dict(temperature=1.0, seed=i % 16) if i % 2 else {}
+            return i, "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+                model="toy", messages=chat(prompts[i]), max_tokens=8, stream=True,
+                **(hot or {"temperature": 0})) if ch.choices)
+
+        with ThreadPoolExecutor(256) as pool:
+            got = dict(pool.map(ask, range(256)))
+        m = metrics(t)
+    assert len(got) == 256
+    assert all(got[i] == want[prompts[i]] for i in range(0, 256, 2))  # greedy: each its own answer
+    assert all(got[i] for i in range(1, 256, 2))
+    assert m[("eyas_generation_tokens_total", ())] == 256 * 8 and m[("eyas_requests_running", ())] == 0
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_row_at_once(served):
     sv, questions = served
     with ServerThread(sv, OPTIONS) as t:

@@ -1,0 +1,132 @@
+"""Batched speculative rounds against plain batched steps, per batch size, on the engine alone (no
+server): the tokens per second of a running batch of R rows (R = 1, 2, 4, 8 by default) taking plain
+steps, then chain rounds of depth 1 .. 4 (:meth:`eyas.engine.continuous.RowBatch.speculate`), at each
+temperature. What ``eyas serve``'s BatchSpeculation chooses between, measured directly.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/row_speculation_cpu.py --target smollm2 --json \
+        --plot benchmarks/results/2026-12-05-row-speculation-cpu.png
+
+Each (R, temperature, depth) starts from the same R prompts (the first turns of the prompt sets
+shipped with eyas, in turn over ``--sets``), prefilled into a fresh batch (not timed), then runs
+``--steps`` steps or rounds (timed: every row's new tokens / wall seconds). Greedy rows are checked
+against the plain steps' tokens (float32: equal). Works on a GPU too (the rounds run eagerly there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--draft", default=None, help="drafter directory (default: the one shipped for --target)")
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--depths", default="1,2,3,4")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--steps", type=int, default=24, help="steps or rounds timed per setting")
+    ap.add_argument("--sets", default="mt_bench,gsm8k,sum,humaneval")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--plot", default=None, help="write a PNG: tokens/s against rows, a line per depth")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    from eyas.bench.prompts import load_prompts
+    from eyas.data.render import render_prompt
+    from eyas.engine.batched import BatchedLlama
+    from eyas.engine.continuous import RowBatch, RowRequest
+    from eyas.engine.sampling import SamplingParams
+    from eyas.serve import load_served
+
+    sv = load_served(a.target, a.draft, tree="3", log=lambda m: print(f"load: {m}", file=sys.stderr))
+    rows_list = [int(x) for x in a.rows.split(",")]
+    depths = [0] + [int(x) for x in a.depths.split(",")]
+    temps = [float(x) for x in a.temperatures.split(",")]
+    R = max(rows_list)
+    convs = [c for name in a.sets.split(",") for c in load_prompts(name, limit=R)]
+    prompts = [render_prompt(c.messages[:1], sv.tokenizer).tolist() for c in convs]
+    prompts = [prompts[i] for i in sorted(range(len(prompts)), key=lambda i: i % R)][:R]  # a mix of the sets
+    limit = (max(depths) + 1) * a.steps + 8  # no row finishes inside a setting
+    engine = BatchedLlama(sv.loaded.model, rows=R)
+    batch = RowBatch(engine, capacity=max(map(len, prompts)) + limit, drafter=sv.drafter,
+                     boundaries=sv.target.spec.boundaries, row_buckets=rows_list)
+    results = []
+    for t in temps:
+        sampling = SamplingParams(temperature=t)
+        for n in rows_list:
+            plain_tokens: dict[int, list[int]] = {}
+            for depth in depths:
+                for r in list(batch.busy):
+                    batch.release(r)
+                batch.admit([RowRequest(p, limit, sampling, seed=i) for i, p in enumerate(prompts[:n])])
+                got: dict[int, list[int]] = {r: [] for r in range(n)}
+                accepted = rounds = 0
+                t0 = time.perf_counter()
+                for _ in range(a.steps):
+                    for out in (batch.speculate(depth) if depth else batch.step()):
+                        got[out.row] += out.tokens
+                        accepted += out.accepted
+                        rounds += depth > 0
+                seconds = time.perf_counter() - t0
+                tokens = sum(map(len, got.values()))
+                if depth == 0:
+                    plain_tokens = got
+                same = None
+                if t == 0:
+                    same = all(got[r][:len(plain_tokens[r])] == plain_tokens[r][:len(got[r])] for r in got)
+                row = {"temperature": t, "rows": n, "depth": depth, "tokens": tokens, "seconds": round(seconds, 4),
+                       "tokens_per_s": round(tokens / seconds, 2),
+                       "tau": round(tokens / (a.steps * n), 3),
+                       "accepted_per_round": round(accepted / rounds, 3) if rounds else None,
+                       "greedy_equal_to_plain": same}
+                results.append(row)
+                print(f"t={t:g} rows={n} depth={depth}: {row['tokens_per_s']:8.1f} tok/s, tau {row['tau']:.2f}"
+                      + ("" if same is None else f", equal to plain: {same}"), file=sys.stderr)
+            base = next(x for x in results if x["temperature"] == t and x["rows"] == n and x["depth"] == 0)
+            for x in results:
+                if x["temperature"] == t and x["rows"] == n:
+                    x["x_plain"] = round(x["tokens_per_s"] / base["tokens_per_s"], 3)
+    report = {"target": a.target, "device": str(engine.device), "threads": torch.get_num_threads(),
+              "dtype": str(engine.dtype), "steps": a.steps, "sets": a.sets, "results": results}
+    if a.plot:
+        plot(results, temps, depths, a.plot)
+    if a.json:
+        print(json.dumps(report, indent=1))
+    else:
+        for x in results:
+            print(f"t={x['temperature']:g} rows={x['rows']:3d} depth={x['depth']}: {x['tokens_per_s']:8.1f} tok/s "
+                  f"({x['x_plain']:.2f}x plain), tau {x['tau']:.2f}")
+    return 0
+
+
+def plot(results: list[dict], temps: list[float], depths: list[int], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        for d in depths:
+            xs = [x for x in results if x["temperature"] == t and x["depth"] == d]
+            ax.plot([x["rows"] for x in xs], [x["x_plain"] for x in xs], marker="o",
+                    label="plain" if d == 0 else f"depth {d}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows decoding together")
+        ax.set_ylabel("tokens/s over plain batched steps")
+        ax.set_title(f"temperature {t:g}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
