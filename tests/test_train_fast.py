@@ -176,7 +176,7 @@ def test_train_state_files_are_at_most_16_mib(tmp_path):
 
 @pytest.mark.unit
 def test_positions_inside_loop_bodies_are_left_out():
-    from eyas.training.loop import keep_outside_loops
+    from eyas.training.evaluation import keep_outside_loops
 
     ids = torch.tensor(list(range(100, 110)) + [7, 8, 9] * 12 + list(range(200, 210)))
     mask = torch.ones_like(ids)

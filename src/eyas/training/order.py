@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -151,3 +151,11 @@ def make_order(train_idx: Sequence[int], lengths: Sequence[int] | None, batch_si
     if lengths is None:
         raise ValueError("lengths: expected the training samples' lengths for tokens_per_batch, found None")
     return BucketOrder(train_idx, lengths, tokens_per_batch, seed)
+
+
+def sample_lengths(samples: Any, indices: Sequence[int]) -> list[int]:
+    """Tokens of each of ``samples[indices]``: from the shard index (no sample read) offline."""
+    lengths = getattr(samples, "lengths", None)
+    if lengths is not None:
+        return [lengths[i] for i in indices]
+    return [int(samples[i]["input_ids"].shape[0]) for i in indices]
