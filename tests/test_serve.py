@@ -368,7 +368,10 @@ def test_the_load_script_reports_every_level_and_stays_on_127_0_0_1(server, caps
         assert lv["x_single_stream"] == pytest.approx(
             lv["throughput_tok_s"] / next(o["throughput_tok_s"] for o in report["levels"]
                                           if o["clients"] == 1 and o["temperature"] == lv["temperature"]), abs=1e-3)
-        assert lv["completion_tokens"] == 5 * lv["requests"]  # the toy never stops early
+        if lv["temperature"] == 0:  # greedy, the toy never stops early; a sampled answer may draw the eos
+            assert lv["completion_tokens"] == 5 * lv["requests"]
+        else:
+            assert 0 < lv["completion_tokens"] <= 5 * lv["requests"]
         assert 0 < lv["ttft_p50_s"] <= lv["ttft_p99_s"] and 0 < lv["tpot_p50_s"] <= lv["tpot_p99_s"]
         # (wall_s is rounded to the millisecond: a few percent on a toy level that lasts tens of ms)
         assert lv["throughput_tok_s"] == pytest.approx(lv["completion_tokens"] / lv["wall_s"], rel=0.05)
