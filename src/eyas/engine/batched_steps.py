@@ -83,6 +83,18 @@ def _mlp(a: Tensor, w: BlockWeights) -> Tensor:
     return F.linear(F.silu(gate) * up, w.down, w.down_bias)
 
 
+def _rotated_qkv(a: Tensor, w: BlockWeights, cos: Tensor, sin: Tensor, Hkv: int, D: int,
+                 qk_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """q [..., Hq, D], k, v [..., Hkv, D] of the normed stream a [..., H]: projected, per-head
+    RMSNorm (Qwen3), rotated (k and q; v as projected)."""
+    q, k, v = _project_qkv(a, w)
+    lead = a.shape[:-1]
+    q, k, v = q.view(*lead, _heads(w, D), D), k.view(*lead, Hkv, D), v.view(*lead, Hkv, D)
+    if w.q_norm is not None:  # Qwen3: RMSNorm per head, before the rotation
+        q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
 def _heads(w: BlockWeights, D: int) -> int:
     """Hq, from o [H, Hq*D] (o is never fused)."""
     return w.o.shape[1] // D
@@ -223,12 +235,7 @@ def prefill_layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, rows: Tensor, 
     g, P, _ = h_in.shape
     _, Hkv, _, D = keys.shape
     Hq = _heads(w, D)
-    a = rms_norm(h_in, w.input_norm, eps)
-    q, k, v = _project_qkv(a, w)
-    q, k, v = q.view(g, P, Hq, D), k.view(g, P, Hkv, D), v.view(g, P, Hkv, D)
-    if w.q_norm is not None:
-        q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    q, k, v = _rotated_qkv(rms_norm(h_in, w.input_norm, eps), w, cos, sin, Hkv, D, qk_eps)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [g, Hkv, P, D]
     keys[:, :, :P].index_copy_(0, rows, k)
     values[:, :, :P].index_copy_(0, rows, v)
@@ -274,12 +281,7 @@ def chain_layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, at: Tensor, mask
     _, Hkv, _, D = keys.shape
     Hq = _heads(w, D)
     n = mask.shape[-1]
-    a = rms_norm(h_in, w.input_norm, eps)
-    q, k, v = _project_qkv(a, w)
-    q, k, v = q.view(R, T, Hq, D), k.view(R, T, Hkv, D), v.view(R, T, Hkv, D)
-    if w.q_norm is not None:
-        q, k = rms_norm(q, w.q_norm, qk_eps), rms_norm(k, w.k_norm, qk_eps)
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    q, k, v = _rotated_qkv(rms_norm(h_in, w.input_norm, eps), w, cos, sin, Hkv, D, qk_eps)
     rows = torch.arange(R, device=at.device)[:, None, None]  # [R, 1, 1]
     heads = torch.arange(Hkv, device=at.device)[None, None, :]  # [1, 1, Hkv]
     keys.index_put_((rows, heads, at[:, :, None]), k)  # entry (r, h, at[r, t]) <- k[r, t, h]
