@@ -141,6 +141,19 @@ def test_output_shapes():
     assert cache.max_len == 16 and cache.k.dtype == torch.float32
 
 
+def test_logits_at_one_position_per_row_equals_the_full_logits_there():
+    d = make_drafter()
+    ids, feats, pos = inputs(B=3, T=5)
+    at = torch.tensor([4, 0, 2])
+    with torch.no_grad():
+        full = d(ids, feats, pos).logits
+        one = d(ids, feats, pos, logits_at=at).logits  # long [B]: no host read (a CUDA graph holds it)
+        chosen = d(ids, feats, pos, logits_at=torch.arange(5)[None, :] == at[:, None]).logits  # bool [B, T]
+    assert one.shape == (3, DRAFT_VOCAB)
+    torch.testing.assert_close(one, full[torch.arange(3), at])
+    torch.testing.assert_close(chosen, one)
+
+
 def test_target_hidden_size_differs_from_hidden_size():
     d = make_drafter()
     assert d.fc.in_features == SLOTS * H_T == 144 and d.fc.out_features == H

@@ -17,6 +17,7 @@ import torch
 from eyas.engine import row_speculation
 from eyas.engine.batched import BatchedLlama
 from eyas.engine.continuous import RowBatch, RowRequest
+from eyas.engine.graphs import CompiledOrEager
 from eyas.engine.sampling import SamplingParams
 from tests.support.lossless import SPEC3, Z_999, chi_square, exact_first_three, make_small_vocab, wilson_hilferty_critical
 from tests.support.tiny import SPEC4, random_prompts
@@ -60,13 +61,18 @@ def drive(batch: RowBatch, arrivals: dict[int, list[RowRequest]], plan) -> tuple
 
 
 @pytest.mark.unit
-def test_greedy_rounds_give_each_row_its_answer_alone(llama, trained_drafter):
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_greedy_rounds_give_each_row_its_answer_alone(llama, trained_drafter, backend):
+    # "compiled": the steps and the rounds' verification traced by torch.compile (dynamic sizes for
+    # the rounds) as on a GPU, with a backend that runs on the CPU
     prompts = random_prompts(6, 128, seed=5, lengths=(1, 20))
     limits = [17, 9, 23, 1, 14, 20]
     want = [hf_greedy(llama, p, m, None)[0] for p, m in zip(prompts, limits)]
     # a resumed request: its prompt and 5 tokens but the last prefilled, the 5th fed next
     resumed = RowRequest(prompts[5] + want[5][:4], limits[5], next_token=want[5][4], generated=5)
-    batch = RowBatch(BatchedLlama(llama, rows=4), capacity=64, drafter=trained_drafter, boundaries=SPEC4.boundaries)
+    engine = BatchedLlama(llama, rows=4, compile=backend is not None, backend=backend)
+    batch = RowBatch(engine, capacity=64, drafter=trained_drafter, boundaries=SPEC4.boundaries)
+    assert batch.spec is not None and isinstance(batch.spec._layer, CompiledOrEager) == (backend is not None)
     arrivals = {0: [RowRequest(p, m) for p, m in zip(prompts[:3], limits[:3])],
                 3: [RowRequest(prompts[3], limits[3]), RowRequest(prompts[4], limits[4])], 6: [resumed]}
     got, accepted = drive(batch, arrivals, plan=lambda s: [3, 1, 4, 0, 2, 5, 0, 0, 3][s % 9])
@@ -74,6 +80,8 @@ def test_greedy_rounds_give_each_row_its_answer_alone(llama, trained_drafter):
     assert want[5][:5] + got[5] == want[5]
     assert sum(accepted) > len(accepted) // 2  # the drafter's drafts are accepted: the rounds speculate
     assert batch.busy == [] and not batch.engine.state.active.any()
+    if backend is not None:  # the rounds did run compiled (a failed compilation falls back to eager)
+        assert batch.spec._layer.error is None and batch.spec._layer.compiled is not None
 
 
 @pytest.mark.unit

@@ -223,7 +223,8 @@ class MidLayer(nn.Module):
 
 @dataclass
 class DraftOutput:
-    logits: Tensor  # [B, T, draft_vocab_size]; [N, draft_vocab_size] at the N positions of ``logits_at``
+    logits: Tensor  # [B, T, draft_vocab_size]; [N, draft_vocab_size] at the N positions of a bool ``logits_at``,
+    # [B, draft_vocab_size] at a long one's
     hidden: Tensor  # [B, T, H]: the state to feed back (pre-norm unless norm_output)
 
 
@@ -300,7 +301,8 @@ class Eagle3Drafter(nn.Module):
         cache_slots: Tensor | None = None,  # [T] where this step's K/V go in a KVCache
         mask: Tensor | None = None,  # bool [B or 1, 1, T, T or max_len], True = may attend
         from_target: bool | None = None,  # None: decided by the width of `hidden`
-        logits_at: Tensor | None = None,  # bool [B, T]: the lm_head only there (evaluation that reads a few)
+        logits_at: Tensor | None = None,  # bool [B, T]: the lm_head only there (evaluation that reads a few),
+        # or long [B]: one position per row (no host read: a CUDA graph can hold it), logits [B, V]
     ) -> DraftOutput:
         cfg = self.config
         if from_target is None:
@@ -324,7 +326,12 @@ class Eagle3Drafter(nn.Module):
         cos, sin = self.rope(position_ids, hidden.dtype)
         h = self.midlayer(embeds, hidden, cos, sin, mask, cache, cache_slots)
         normed = self.norm(h)
-        logits = self.lm_head(normed if logits_at is None else normed[logits_at])
+        if logits_at is None:
+            logits = self.lm_head(normed)
+        elif logits_at.dtype == torch.bool:
+            logits = self.lm_head(normed[logits_at])
+        else:
+            logits = self.lm_head(normed[torch.arange(normed.shape[0], device=normed.device), logits_at])
         return DraftOutput(logits=logits, hidden=normed if cfg.norm_output else h)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:

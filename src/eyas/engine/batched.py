@@ -157,8 +157,9 @@ class BatchedLlama:
         self._prefill_fns = (functools.partial(prefill_prologue, rope_scaling=c["rope_scaling"]),
                              functools.partial(prefill_layer, **layer_kw),
                              functools.partial(prefill_head, eps=c["eps"]))
+        self.backend = backend or "inductor"  # what compiles the steps (other steps on these weights too)
         if self.compile:
-            be = backend or "inductor"
+            be = self.backend
             self._prologue = CompiledOrEager(self._prologue, be, "batched decode prologue")
             self._layer = CompiledOrEager(self._layer, be, "batched decode block")
             self._epilogue = {m: CompiledOrEager(f, be, f"batched decode epilogue ({m})")

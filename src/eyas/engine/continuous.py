@@ -16,8 +16,9 @@ exposes the same state one step at a time:
   first n rows, n the smallest of ``row_buckets`` above the highest busy row (a request takes the
   lowest free row, so busy rows gather at the front). On a CPU a step's cost grows with its rows
   (default buckets 1, 2, 4, ... R: one request alone in 8 rows would pay for 8); on a GPU a step
-  reads the weights once for all rows and each bucket costs a compilation and a CUDA graph per key
-  bucket and mode, so the default there is all R rows;
+  reads the weights once for all rows, but each row also reads its K cache entries per block, and
+  each bucket costs a compilation and a CUDA graph per key bucket and mode, so the default there is
+  4, 16, 64, ... R (a few clients' step and round do not pay for R rows' attention);
 - :meth:`RowBatch.speculate` (with a drafter) runs one batched speculative round instead
   (:mod:`eyas.engine.row_speculation`: a chain of ``depth`` drafts per row, verified in one forward)
   and reads back each row's accepted drafts and bonus token, cut at the row's eos and limit;
@@ -115,7 +116,8 @@ class RowBatch:
         self.engine, self.capacity = engine, int(capacity)
         R = engine.rows
         if row_buckets is None:
-            row_buckets = (R,) if engine.device.type == "cuda" else [min(1 << i, R) for i in range(R.bit_length() + 1)]
+            step = 4 if engine.device.type == "cuda" else 2  # (module docstring)
+            row_buckets = [min(step ** i, R) for i in range(1 if step == 4 else 0, R.bit_length() + 1)]
         self.row_buckets = sorted({int(b) for b in row_buckets if 1 <= int(b) <= R} | {R})
         # a round writes up to MAX_DEPTH entries past a row's last position (scratch)
         engine.ensure(self.capacity + (MAX_DEPTH + 1 if drafter is not None else 0), self.capacity)

@@ -160,9 +160,10 @@ def brief_error(error: str, head: int = 300, tail: int = 900) -> str:
 
 
 class CompiledOrEager:
-    """``fn`` compiled with ``torch.compile(backend=backend, fullgraph=True, dynamic=False)``, one
+    """``fn`` compiled with ``torch.compile(backend=backend, fullgraph=True, dynamic=dynamic)``, one
     compilation per input shape at its first call (do that first call outside a CUDA-graph capture:
-    :func:`capture`'s warm-ups do). Inductor fuses a drafter step's norms, rope, cache writes,
+    :func:`capture`'s warm-ups do); ``dynamic=True`` compiles sizes as symbols, so one compilation
+    serves many shapes (a batched round's rows, depths and key buckets: a few, not hundreds). Inductor fuses a drafter step's norms, rope, cache writes,
     softmax and SiLU into a few kernels, so a captured draft replays a third of the kernels.
 
     A compiler that fails (no C compiler for Triton, an inductor bug) is reported once, with a
@@ -170,10 +171,11 @@ class CompiledOrEager:
     error of ``fn`` itself then raises again, eagerly. ``seconds`` is the time of the calls that
     compiled (first calls per shape)."""
 
-    def __init__(self, fn: Callable[..., Any], backend: str | Callable[..., Any] = "inductor", name: str = "") -> None:
+    def __init__(self, fn: Callable[..., Any], backend: str | Callable[..., Any] = "inductor", name: str = "",
+                 dynamic: bool = False) -> None:
         raise_recompile_limits()
         self.eager, self.name = fn, name or getattr(fn, "__qualname__", "step")
-        self.compiled: Callable[..., Any] | None = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+        self.compiled: Callable[..., Any] | None = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
         self.error: str | None = None
         self.seconds = 0.0
         self._seen: set[tuple] = set()

@@ -42,13 +42,20 @@ A row the drafter has not followed (it decoded plain steps in between, which do 
 is *stale*: its drafts are poor, and the round stays lossless. Rows are prefilled with the features
 the drafter reads (:meth:`RowSpeculation.read`), so a row is fresh from its admission.
 
-On a CPU the round runs eagerly; compiled rounds and CUDA graphs are not built yet (the server
-measures each depth against plain steps and turns speculation down where it does not pay).
+On a GPU (the engine's ``compile`` and ``cuda_graphs``) the verification's prologue and block are
+compiled with dynamic sizes (one compilation serves every rows x depth x key bucket, where static
+sizes would compile each), and the whole round, draft to commit, is captured as one CUDA graph per
+(rows, depth, mode, key bucket) at its first use and replayed: a round launches one graph, as a
+plain step does. The capture's warm-up runs are real rounds: the rows' state (ids, pos, n_gen,
+active) and the roots are restored from a snapshot after each, and everything else they write lies
+past the rows' committed entries (scratch). On a CPU the same functions run eagerly.
 """
 
 from __future__ import annotations
 
 import functools
+import time
+import warnings
 from typing import Sequence
 
 import torch
@@ -57,6 +64,7 @@ from torch import Tensor
 from eyas.drafter.model import Eagle3Drafter, KVCache
 from eyas.engine.batched import BatchedLlama
 from eyas.engine.batched_steps import Rows, chain_layer, chain_prologue, draw, row_probabilities
+from eyas.engine.graphs import CompiledOrEager, capture
 from eyas.engine.llama import rms_norm
 from eyas.engine.sampling import counter_uniform
 
@@ -111,6 +119,12 @@ class RowSpeculation:
         c = engine.constants
         self._prologue = functools.partial(chain_prologue, rope_scaling=c["rope_scaling"])
         self._layer = functools.partial(chain_layer, eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"])
+        if engine.compile:  # dynamic sizes: one compilation for every (rows, depth, key bucket) (module docstring)
+            self._prologue = CompiledOrEager(self._prologue, engine.backend, "batched chain prologue", dynamic=True)
+            self._layer = CompiledOrEager(self._layer, engine.backend, "batched chain block", dynamic=True)
+        self.cuda_graphs = engine.cuda_graphs
+        # (rows, depth, mode, key bucket) -> the captured round and its outputs (tokens, accepted)
+        self._graphs: dict[tuple[int, int, str, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
 
     @property
     def capacity(self) -> int:
@@ -188,17 +202,60 @@ class RowSpeculation:
         at = (st.pos[:n, None] + torch.arange(T, device=dev)[None, :]).clamp(max=C - 1)  # [n, T]
         mask = torch.arange(C, device=dev)[None, None, :] <= at[:, :, None]
         out = self.drafter(tokens, features.to(self.kv.dtype), at, cache=RowKVCache(self.kv[:, :n]), cache_slots=at,
-                           mask=mask[:, None], from_target=True,
-                           logits_at=torch.arange(T, device=dev)[None, :] == accepted[:, None])
+                           mask=mask[:, None], from_target=True, logits_at=accepted)
         self.root_logits[:n] = out.logits.float()
         self.root_hidden[:n] = out.hidden[torch.arange(n, device=dev), accepted]
 
     @torch.no_grad()
     def round(self, n: int, depth: int, mode: str, n_keys: int) -> tuple[Tensor, Tensor]:
         """One round of rows 0..n-1 (module docstring), the rows' state committed in place: (the new
-        tokens [n, depth + 1], of which row r's first accepted[r] + 1 count; accepted [n])."""
+        tokens [n, depth + 1], of which row r's first accepted[r] + 1 count; accepted [n]). With CUDA
+        graphs these are the graph's buffers, overwritten by the next round of the same shape."""
         if not 1 <= depth <= MAX_DEPTH:
             raise ValueError(f"depth: expected 1 .. {MAX_DEPTH}, found {depth}")
+        if self.cuda_graphs:
+            key = (n, depth, mode, n_keys)
+            captured = self._graphs.get(key) or self._capture(key)
+            if captured is not None:
+                graph, out = captured
+                graph.replay()
+                return out
+        return self._round(n, depth, mode, n_keys)
+
+    def _capture(self, key: tuple[int, int, str, int]) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]] | None:
+        """Compile (in the warm-ups) and capture the round of ``key``; the state restored after each
+        warm-up and after the capture (module docstring). Its seconds count in the engine's
+        ``compile_s``. A capture that fails warns, and rounds run eagerly from then on."""
+        t0 = time.perf_counter()
+        st = self.engine.state
+        assert st is not None
+        mutable = (st.ids, st.pos, st.n_gen, st.active, self.root_logits, self.root_hidden)
+        snapshot = [t.clone() for t in mutable]
+
+        def restore() -> None:
+            for dst, src in zip(mutable, snapshot):
+                dst.copy_(src)
+
+        def warm() -> None:
+            restore()
+            self._round(*key)
+
+        try:
+            graph, out = capture(lambda: self._round(*key), self.engine._pool, warm=warm)
+        except RuntimeError as e:  # an op a graph cannot hold: the same rounds, eagerly
+            warnings.warn(f"batched speculative rounds: CUDA graph capture failed, running them eagerly: {e}",
+                          stacklevel=3)
+            self.cuda_graphs = False
+            restore()
+            return None
+        restore()
+        torch.cuda.synchronize(self.engine.device)
+        self._graphs[key] = (graph, out)
+        self.engine.compile_s += time.perf_counter() - t0
+        return graph, out
+
+    def _round(self, n: int, depth: int, mode: str, n_keys: int) -> tuple[Tensor, Tensor]:
+        """The round itself (what the graphs capture): no host reads, shapes fixed by the arguments."""
         st = self.engine.state
         assert st is not None
         drafts, q = self.draft(st, n, depth, mode)

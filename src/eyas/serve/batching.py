@@ -272,12 +272,15 @@ class BatchWorker(Worker):
         kind = "greedy" if self.batch.mode() == "greedy" else "sampled"
         depth = self.batch_policy.depth(n, kind)
         alone = next(iter(self.rows.values())) if n == 1 else None
+        compiled_before = self.batch.engine.compile_s
         t0 = time.perf_counter()
         stepped = self.batch.speculate(depth) if depth else self.batch.step()
         seconds = time.perf_counter() - t0
-        if alone is not None:  # a row alone in the batch: the lone policy's other measure
-            self.policy.measured(alone.job.sampling, "row", sum(len(got.tokens) for got in stepped), seconds)
-        self.batch_policy.measured(n, kind, depth, sum(len(got.tokens) for got in stepped), seconds)
+        # a step that compiled or captured its shape first is no measure of its speed
+        if self.batch.engine.compile_s == compiled_before:
+            if alone is not None:  # a row alone in the batch: the lone policy's other measure
+                self.policy.measured(alone.job.sampling, "row", sum(len(got.tokens) for got in stepped), seconds)
+            self.batch_policy.measured(n, kind, depth, sum(len(got.tokens) for got in stepped), seconds)
         for got in stepped:
             live = self.rows[got.row]
             if depth:
