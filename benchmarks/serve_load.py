@@ -22,7 +22,10 @@ clients and temperature), and ``greedy_mismatches``: greedy answers whose text d
 answer the same prompt got first, at any level or setting (requests mixed up, or, in bf16, a batched
 product rounding differently from a lone one; in float32 it must be 0). In-process, one server is
 started per ``--speculation`` setting on the same loaded model, and each level runs on each server
-in turn before the next level (a noisy machine's drift hits every setting alike).
+in turn before the next level (a noisy machine's drift hits every setting alike). ``--warm-pass``
+runs every level once, untimed, first (on a GPU each shape compiles and captures at its first use),
+and the report's ``chosen`` holds each server's ``/health`` ``batch_speculation`` at the end (the
+tokens/s it measured per batch size, kind and depth).
 """
 
 from __future__ import annotations
@@ -179,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculation", default="auto", help="in-process: auto, on, off, or several (a server each)")
     ap.add_argument("--max-rows", type=int, default=None, help="in-process: the running batch's rows")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--warm-pass", action="store_true",
+                    help="run every level once, untimed, before the timed pass (a GPU compiles and captures each "
+                         "shape at its first use)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     levels = [int(x) for x in a.clients.split(",")]
@@ -222,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             ports = {x: t.port for x, t in servers.items()}
             rows = run_levels("127.0.0.1", ports, served.model_name, prompts, levels, temperatures, a)
+            setup["chosen"] = {x: health(port).get("batch_speculation") for x, port in ports.items()}
         finally:
             for t in servers.values():
                 t.stop()
@@ -236,12 +243,27 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r["errors"] for r in rows) else 0
 
 
+def health(port: int) -> dict:
+    """The server's /health (what its policies chose, per batch size and kind)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("GET", "/health")
+    body = json.loads(c.getresponse().read())
+    c.close()
+    return body
+
+
 def run_levels(host: str, ports: dict[str, int], model: str, prompts: list[str], levels: list[int],
                temperatures: list[float], a: argparse.Namespace) -> list[dict]:
     """Every level at every temperature on each server (setting -> port), the settings interleaved
     level by level, after a warm-up request each (not counted)."""
     for port in ports.values():
         one_request(host, port, model, prompts[0], 4, a.timeout)
+    if a.warm_pass:
+        for t in temperatures:
+            for c in levels:
+                for setting, port in ports.items():
+                    run_level(host, port, model, prompts, c, a.requests, a.max_tokens, a.timeout, t, {})
+                    print(f"warm: {setting}, temperature {t:g}, {c} clients", file=sys.stderr)
     greedy_texts: dict[int, str] = {}  # shared: every server must give a prompt the same greedy answer
     rows = []
     for t in temperatures:

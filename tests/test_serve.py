@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
@@ -347,11 +348,43 @@ def test_draining_refuses_new_requests_and_a_shutdown_finishes_the_running_one(s
     assert not t.thread.is_alive() and not t.state.worker.thread.is_alive()
 
 
+def test_eyas_serve_exits_0_after_sigterm_drains_it(pair):
+    """The command itself, as an orchestrator stops it: ready, then SIGTERM, then exit code 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import eyas
+    from eyas.serve import free_port
+
+    _, target, drafter, _ = pair
+    port = free_port()
+    src = str(Path(eyas.__file__).parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "eyas.cli.main", "serve", "--target", str(target), "--draft",
+                             str(drafter), "--port", str(port), "--tree", "3"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, ready = time.monotonic() + 240, False
+        while not ready and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+                    ready = json.loads(resp.read()).get("status") == "ok"
+            except OSError:  # not listening yet, or 503 "loading"
+                time.sleep(0.3)
+        assert ready, proc.stderr.read() if proc.poll() is not None else "not ready in 240 s"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_the_load_script_reports_every_level_and_stays_on_127_0_0_1(server, capsys):
     import importlib.util
     import sys
-    from pathlib import Path
-
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_load.py"
     spec = importlib.util.spec_from_file_location("bench_script_serve_load", path)
     mod = importlib.util.module_from_spec(spec)

@@ -12,6 +12,7 @@ the (last) verdict is not "broken", 1 when it is, 2 for unusable input.
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Optional
 
 import typer
@@ -92,6 +93,10 @@ def serve_cmd(
                   f"({'warm' if up.warm_cache else 'cold'} compile cache {up.compile_cache})", highlight=False)
 
     threading.Thread(target=load, name="eyas-load", daemon=True).start()
+    # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: with the
+    # default one the process would die of it (exit -15) after an orderly drain. A drain is the
+    # orderly end of a server, so it exits 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     serve_forever(server)
     if failure:
         e = failure[0]

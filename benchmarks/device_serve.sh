@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Issue 33 on the lent GPU, in few calls (each call: `bash benchmarks/device_serve.sh STEP`).
+# The work tree (31 MB) leaves room for a third of the SmolLM2 GGUF a call: split it in three
+# (`split -n 3 -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf .device/g3/smol.p`, git-ignored) and carry one
+# part a call, the next call within the machine's 30 s of warmth; the py3.12 wheels the image lacks
+# (gguf, pydantic, fastapi, uvicorn and their needs) travel in .device/wheels with the first.
+#
+#   part        keep the GGUF parts carried in this call in /tmp; install the wheels into /tmp/deps once
+#   start       join the GGUF (sha256 checked), then in the background (setsid: it outlives the call):
+#               serve_load.py (1..256 clients, temperatures 0 and 1, speculation auto and off, a warm
+#               pass first), serve_startup.py (a cold then a warm start of `eyas serve`), then
+#               row_speculation_cpu.py on the GPU (the engine's rounds per rows and depth); then waits
+#   wait [S]    wait up to S seconds (default 540) for it to end; copy what is done into $OUT
+#
+# Results: $OUT/serve_load.json, serve_load.log, startup.json, startup.log, rows.json, rows.log
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+export PYTHONPATH=src:/tmp/deps TOKENIZERS_PARALLELISM=false TQDM_MININTERVAL=30 PYTHONUNBUFFERED=1
+D=src/eyas/interop/embedded/smollm2-135m-instruct
+RUN=/tmp/serve
+
+collect() {
+  for f in "$RUN"/*.json "$RUN"/*.log "$RUN"/*.png; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+  true
+}
+
+case "${1:-}" in
+  part)
+    for f in .device/g3/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/ && echo "kept $f"; done
+    if [ -d .device/wheels ] && [ ! -d /tmp/deps ]; then
+      pip install -q --no-index --no-deps --target /tmp/deps .device/wheels/*.whl 2>&1 | grep -v "root user" || true
+    fi
+    ls -la /tmp/smol.p* 2>/dev/null || true
+    ;;
+  start)
+    for f in .device/g3/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
+    [ -f /tmp/smol.gguf ] || cat /tmp/smol.p0 /tmp/smol.p1 /tmp/smol.p2 > /tmp/smol.gguf
+    echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
+    python -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+    mkdir -p "$RUN"
+    rm -f "$RUN/DONE"
+    setsid nohup bash -c "
+      timeout ${LOAD_S:-600} python benchmarks/serve_load.py --target /tmp/smol.gguf --draft $D --tree 4,8,15 \
+        --clients 1,4,16,64,256 --requests 2 --max-tokens 128 --temperatures 0,1 --speculation auto,off \
+        --max-rows 256 --warm-pass --json > $RUN/serve_load.json 2> $RUN/serve_load.log
+      echo \"serve_load exit \$?\" >> $RUN/serve_load.log
+      timeout ${STARTUP_S:-300} python benchmarks/serve_startup.py --target /tmp/smol.gguf --draft $D \
+        --cache /tmp/eyas-startup --fresh --starts 2 --json > $RUN/startup.json 2> $RUN/startup.log
+      echo \"startup exit \$?\" >> $RUN/startup.log
+      timeout ${ROWS_S:-240} python benchmarks/row_speculation_cpu.py --target /tmp/smol.gguf --draft $D \
+        --rows 4,16,64 --depths 1,2,3,4 --temperatures 0,1 --steps 24 --json --plot $RUN/rows.png \
+        > $RUN/rows.json 2> $RUN/rows.log
+      echo \"rows exit \$?\" >> $RUN/rows.log
+      echo done > $RUN/DONE" > /dev/null 2>&1 &
+    sleep 5
+    bash "$0" wait "${WAIT_S:-520}"
+    ;;
+  wait)
+    limit=${2:-540} t=0
+    while [ ! -f "$RUN/DONE" ] && [ "$t" -lt "$limit" ]; do sleep 10; t=$((t + 10)); done
+    [ -f "$RUN/DONE" ] && echo "finished" || echo "still running after ${t} s"
+    collect
+    grep -av "warn\|^$" "$RUN/serve_load.log" 2>/dev/null | tail -n 30 || true
+    tail -n 6 "$RUN/startup.log" 2>/dev/null || true
+    tail -n 30 "$RUN/rows.log" 2>/dev/null || true
+    ;;
+  *)
+    echo "usage: $0 part | start | wait [S]" >&2
+    exit 2
+    ;;
+esac
