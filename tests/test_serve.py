@@ -385,6 +385,7 @@ def test_eyas_serve_exits_0_after_sigterm_drains_it(pair):
 def test_the_load_script_reports_every_level_and_stays_on_127_0_0_1(server, capsys):
     import importlib.util
     import sys
+
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_load.py"
     spec = importlib.util.spec_from_file_location("bench_script_serve_load", path)
     mod = importlib.util.module_from_spec(spec)
