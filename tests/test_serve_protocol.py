@@ -33,6 +33,33 @@ def test_pieces_add_up_to_the_final_text_and_never_split_a_character():
     assert pieces[4] == "" and pieces[5] == "€"  # the euro sign waits for its last byte
 
 
+class Words(Pieces):
+    """A SentencePiece-like tokenizer: token i is a word with its leading space, which a decode drops
+    at its start; it counts the tokens it decodes."""
+
+    PIECES = [b" the", b" rain", b" in", b" Spain", b" \xe2\x82", b"\xac", b"."]
+
+    def __init__(self) -> None:
+        self.decoded = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        self.decoded += len(ids)
+        return super().decode(ids, skip_special_tokens).removeprefix(" ")
+
+
+def test_incremental_decoding_keeps_spaces_and_decodes_a_bounded_window():
+    tok = Words()
+    ids = [0, 1, 2, 3, 4, 5, 6] * 30
+    s = TextStream(tok, [])
+    pieces = [s.push([i]) for i in ids]
+    # each push decodes the tokens since the last release and the ones before them (at most 3 here,
+    # twice), never all so far (~n^2 / 2 = 22,000 tokens)
+    assert tok.decoded <= 6 * len(ids)
+    pieces.append(s.finish())
+    assert "".join(pieces) == s.final_text() == tok.decode(ids)
+    assert pieces[1] == " rain"  # the space a decode of "rain" alone would drop
+
+
 def test_a_stop_sequence_is_cut_and_never_sent_even_across_tokens():
     pieces, final = stream([0, 1, 2, 3, 6], ["lo w"])
     assert final == "Hel" and "".join(pieces) == "Hel"
