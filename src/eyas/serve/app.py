@@ -6,8 +6,10 @@
 A handler validates the body (:mod:`eyas.serve.protocol`), renders and tokenises the prompt, checks
 it against the context, enqueues a :class:`~eyas.serve.worker.Job` and relays the worker's events:
 as SSE chunks (text released by :class:`~eyas.serve.protocol.TextStream`), or as one response once
-the job is done. The worker's events cross from its thread to the event loop through
-``loop.call_soon_threadsafe`` into the request's own asyncio queue. When the client goes away (the
+the job is done. The worker's events cross from its thread to the event loop through an
+:class:`~eyas.serve.pump.EventPump` (one wake-up of the loop per batch of events) into the request's
+own asyncio queue; a stream sends the tokens queued by then as one chunk (one chunk a token while the
+loop keeps up, fewer and larger ones when it falls behind). When the client goes away (the
 stream's task is cancelled, or a non-streaming client is seen disconnected) the job is cancelled:
 skipped if still queued, stopped between two rounds if decoding.
 
@@ -35,6 +37,7 @@ from eyas.engine.speculative import STOP_CANCELLED
 from eyas.engine.stats import STOP_EOS, STOP_STRING
 from eyas.serve.metrics import ServeMetrics
 from eyas.serve.protocol import APIError, ChatRequest, CompletionRequest, TextStream, parse
+from eyas.serve.pump import EventPump
 from eyas.serve.startup import Served
 from eyas.serve.watchdog import Watchdog
 from eyas.serve.batching import make_worker
@@ -74,6 +77,12 @@ class ServeState:
         self.worker.on_cancelled_early = lambda job: self.metrics.cancelled.inc()
         self.draining = False
         self.created = int(time.time())
+        self.pump: EventPump | None = None  # bound to the serving loop at its first request
+
+    def pump_for(self, loop: asyncio.AbstractEventLoop) -> EventPump:
+        if self.pump is None or self.pump.loop is not loop:
+            self.pump = EventPump(loop)
+        return self.pump
 
     def _round(self, depth: int, accepted: int, emitted: int, tree: bool = True) -> None:
         self.metrics.round(depth, accepted, emitted)
@@ -201,9 +210,8 @@ def build_app(state: ServeState) -> FastAPI:
         return Job(prompt, sampling, n, req.stops(), seed, emit)
 
     async def run(request: Request, req: Any, prompt: list[int], max_tokens: int | None, kind: str) -> Response:
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        job = make_job(req, prompt, max_tokens, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        job = make_job(req, prompt, max_tokens, state.pump_for(asyncio.get_running_loop()).sender(events))
         try:
             state.worker.submit(job)
         except QueueFull as e:
@@ -274,10 +282,18 @@ def build_app(state: ServeState) -> FastAPI:
         try:
             if kind == "chat":
                 yield chunk(None, first=True)
+            held: Event | None = None
             while True:
-                ev = await events.get()
+                ev, held = held or await events.get(), None
                 if ev.kind == "tokens":
-                    piece = text.push(ev.tokens)
+                    ids = list(ev.tokens)
+                    while not events.empty():  # what came in meanwhile goes in the same chunk
+                        more = events.get_nowait()
+                        if more.kind != "tokens":
+                            held = more
+                            break
+                        ids += more.tokens
+                    piece = text.push(ids)
                     if piece:
                         yield chunk(piece)
                     continue

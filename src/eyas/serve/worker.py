@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class QueueFull(Exception):
 
 
 STOP = object()
+SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval while a decode worker runs (_run_loop)
 
 
 class Worker:
@@ -148,6 +150,11 @@ class Worker:
 
     def _run_loop(self) -> None:
         torch.set_grad_enabled(False)
+        # The decode thread shares the GIL with the event loop that streams its tokens. Python hands
+        # the GIL to a waiting thread only every switch interval (5 ms by default): each time the
+        # decode thread waits for the GPU and wants the GIL back while the loop is busy, the next
+        # step would start up to 5 ms late, more than a whole batched step of a small model takes.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._loop()
 
     def _loop(self) -> None:
