@@ -3,29 +3,36 @@
 (TPOT), at each ``--temperatures``, with speculation as the server chooses it, always on and off
 (``--speculation auto,on,off``).
 
-    python benchmarks/serve_load.py --target smollm2                  # starts its own server in-process
+    python benchmarks/serve_load.py --target smollm2                  # launches `eyas serve` itself
     python benchmarks/serve_load.py --url http://127.0.0.1:8000      # a server already running here
     python benchmarks/serve_load.py --target smollm2 --clients 1,4,16 --requests 2 --max-tokens 32 --json
     python benchmarks/serve_load.py --target smollm2 --clients 1,4,16,64,256 --temperatures 0,1 \
         --speculation auto,off --max-rows 256 --max-tokens 128 --json      # issue 33's table (a GPU)
 
-Each client sends ``--requests`` streaming chat requests one after another (greedy, ``--max-tokens``
-new tokens, prompts: the first turns of the MT-bench set shipped with eyas, in turn), and records per
+Without ``--url`` it launches one ``eyas serve`` process per ``--speculation`` setting (ports
+``--port``, ``--port`` + 1, ...), waits for each to be ready, and stops them with SIGTERM at the end
+(their exit codes are in the report). The server runs in its own process, as a user runs it, and
+the clients of a level are threads spread over ``--client-procs`` forked processes: hundreds of
+client threads in the server's interpreter, or in one client interpreter, queue on its lock and
+count their wait as the server's.
+
+Each client sends ``--requests`` streaming chat requests one after another (``--max-tokens`` new
+tokens, prompts: the first turns of the MT-bench set shipped with eyas, in turn), and records per
 request: TTFT = first content chunk - request sent (queue wait included), TPOT = (last chunk - first
 chunk) / (completion tokens - 1), the completion tokens from the usage chunk. Throughput = all
-completion tokens of a level / the level's wall time. It is bounded on purpose: at most 256 clients,
-16 requests each and 512 new tokens, and only a server on 127.0.0.1 (it refuses any other host).
+completion tokens of a level / the level's wall time (first request sent to last answer read). It
+is bounded on purpose: at most 256 clients, 16 requests each and 512 new tokens, and only a server
+on 127.0.0.1 (it refuses any other host).
 
 Each level also says what a user would check: ``x_single_stream`` (its throughput over the 1-client
 level's, same temperature and speculation), ``x_speculation_off`` (speculation on over off, same
 clients and temperature), and ``greedy_mismatches``: greedy answers whose text differs from the
 answer the same prompt got first, at any level or setting (requests mixed up, or, in bf16, a batched
-product rounding differently from a lone one; in float32 it must be 0). In-process, one server is
-started per ``--speculation`` setting on the same loaded model, and each level runs on each server
-in turn before the next level (a noisy machine's drift hits every setting alike). ``--warm-pass``
-runs every level once, untimed, first (on a GPU each shape compiles and captures at its first use),
-and the report's ``chosen`` holds each server's ``/health`` ``batch_speculation`` at the end (the
-tokens/s it measured per batch size, kind and depth).
+product rounding differently from a lone one; in float32 it must be 0). Each level runs on each
+server in turn before the next level (a noisy machine's drift hits every setting alike).
+``--warm-pass`` runs every level once, untimed, first (on a GPU each shape compiles and captures at
+its first use), and the report's ``chosen`` holds each server's ``/health`` ``batch_speculation`` at
+the end (the tokens/s it measured per batch size, kind and depth).
 """
 
 from __future__ import annotations
@@ -33,12 +40,17 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import multiprocessing
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve_process.py beside it, however it is loaded
+from serve_process import ServerProcess  # noqa: E402
 
 MAX_CLIENTS, MAX_REQUESTS, MAX_TOKENS = 256, 16, 512
 
@@ -48,7 +60,8 @@ class Sample:
     ttft: float
     tpot: float | None
     tokens: int
-    wall: float
+    start: float  # time.perf_counter(): the request sent
+    end: float  # the answer's last byte read
     prompt: int = 0  # its index in the prompts
     text: str = ""
 
@@ -96,14 +109,13 @@ def one_request(host: str, port: int, model: str, prompt: str, max_tokens: int, 
     end = time.perf_counter()
     first = first or end
     last = last or end
-    return Sample(first - t0, (last - first) / (tokens - 1) if tokens > 1 else None, tokens, end - t0,
+    return Sample(first - t0, (last - first) / (tokens - 1) if tokens > 1 else None, tokens, t0, end,
                   text="".join(pieces))
 
 
-def run_level(host: str, port: int, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
-              timeout: float, temperature: float = 0.0, greedy_texts: dict[int, str] | None = None) -> dict:
-    """One level: ``clients`` concurrent clients, ``requests`` each. ``greedy_texts`` (prompt index ->
-    text, filled by the first level that answers a prompt) counts greedy answers that differ."""
+def run_clients(host: str, port: int, model: str, prompts: list[str], clients: range, requests: int, max_tokens: int,
+                timeout: float, temperature: float) -> tuple[list[Sample], list[str]]:
+    """``clients`` (their indices) as threads of this process, ``requests`` each, one after another."""
     samples: list[Sample] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -121,22 +133,58 @@ def run_level(host: str, port: int, model: str, prompts: list[str], clients: int
             with lock:
                 samples.append(s)
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in clients]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    return samples, errors
+
+
+def _client_process(barrier, results, *args) -> None:  # noqa: ANN001 - multiprocessing's own types
+    barrier.wait()  # every process's clients start together
+    results.put(run_clients(*args))
+
+
+def run_level(host: str, port: int, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
+              timeout: float, temperature: float = 0.0, greedy_texts: dict[int, str] | None = None,
+              procs: int = 1) -> dict:
+    """One level: ``clients`` concurrent clients, ``requests`` each, as threads spread over ``procs``
+    processes (forked: a few hundred client threads in one interpreter would queue on its lock and
+    add their wait to the server's TTFT and TPOT). The level's wall time runs from the first
+    request sent to the last answer read, across processes (``time.perf_counter`` is the system's
+    monotonic clock on Linux). ``greedy_texts`` (prompt index -> text, filled by the first level
+    that answers a prompt) counts greedy answers that differ."""
+    procs = max(1, min(procs, clients))
+    args = (host, port, model, prompts)
+    t0 = time.perf_counter()
+    if procs == 1:
+        samples, errors = run_clients(*args, range(clients), requests, max_tokens, timeout, temperature)
+    else:
+        ctx = multiprocessing.get_context("fork")
+        barrier, results = ctx.Barrier(procs), ctx.Queue()
+        shares = [range(clients)[p::procs] for p in range(procs)]
+        workers = [ctx.Process(target=_client_process, args=(barrier, results, *args, share, requests, max_tokens,
+                                                              timeout, temperature)) for share in shares]
+        for w in workers:
+            w.start()
+        samples, errors = [], []
+        for _ in workers:  # read before join: a child with a large result waits for its queue to drain
+            s, e = results.get(timeout=timeout * requests + 60)
+            samples += s
+            errors += e
+        for w in workers:
+            w.join()
+    wall = (max(s.end for s in samples) - min(s.start for s in samples)) if samples else time.perf_counter() - t0
     ttft = [s.ttft for s in samples]
     tpot = [s.tpot for s in samples if s.tpot is not None]
     tokens = sum(s.tokens for s in samples)
     mismatches = 0
     if temperature == 0 and greedy_texts is not None:
-        for s in samples:
+        for s in sorted(samples, key=lambda s: s.start):
             mismatches += greedy_texts.setdefault(s.prompt, s.text) != s.text
     return {"clients": clients, "temperature": temperature, "requests": len(samples), "errors": errors,
-            "completion_tokens": tokens, "greedy_mismatches": mismatches,
+            "completion_tokens": tokens, "greedy_mismatches": mismatches, "client_processes": procs,
             "wall_s": round(wall, 3), "throughput_tok_s": round(tokens / wall, 2) if wall > 0 else None,
             "ttft_p50_s": round(percentile(ttft, 50), 4), "ttft_p99_s": round(percentile(ttft, 99), 4),
             "tpot_p50_s": round(percentile(tpot, 50), 4), "tpot_p99_s": round(percentile(tpot, 99), 4)}
@@ -171,7 +219,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", help="a running eyas serve on 127.0.0.1 (else one is started in-process)")
+    ap.add_argument("--url", help="a running eyas serve on 127.0.0.1 (else `eyas serve` is launched per --speculation)")
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--draft", default=None, help="default: the drafter shipped for the target")
     ap.add_argument("--tree", default="5")
@@ -179,8 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperatures", default="0", help="comma-separated; each level runs at each")
-    ap.add_argument("--speculation", default="auto", help="in-process: auto, on, off, or several (a server each)")
-    ap.add_argument("--max-rows", type=int, default=None, help="in-process: the running batch's rows")
+    ap.add_argument("--speculation", default="auto", help="auto, on, off, or several (a server launched for each)")
+    ap.add_argument("--max-rows", type=int, default=None, help="the launched servers' running batch rows")
+    ap.add_argument("--port", type=int, default=8391, help="the first launched server's port (the next: +1, ...)")
+    ap.add_argument("--client-procs", type=int, default=None,
+                    help="processes the clients of a level are spread over (default: one per 8 clients, at most "
+                         "one per CPU core)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--warm-pass", action="store_true",
                     help="run every level once, untimed, before the timed pass (a GPU compiles and captures each "
@@ -194,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             or not 1 <= a.max_tokens <= MAX_TOKENS:
         ap.error(f"bounded: clients 1..{MAX_CLIENTS}, requests 1..{MAX_REQUESTS}, max tokens 1..{MAX_TOKENS}")
     if any(x not in ("auto", "on", "off") for x in settings) or (a.url and settings != ["auto"]):
-        ap.error(f"--speculation: auto, on, off or several, and only for an in-process server; found {a.speculation!r}")
+        ap.error(f"--speculation: auto, on, off or several, and only for launched servers; found {a.speculation!r}")
     from eyas.bench import load_prompts
 
     prompts = [next(m["content"] for m in c.messages if m["role"] == "user") for c in load_prompts("mt_bench")]
@@ -213,25 +265,29 @@ def main(argv: list[str] | None = None) -> int:
         rows = [{k: v for k, v in r.items() if k != "speculation"}
                 for r in run_levels(host, {"as served": port}, model, prompts, levels, temperatures, a)]
     else:
-        from eyas.serve import ServeOptions, ServerThread, load_served
-
-        t0 = time.perf_counter()
-        served = load_served(a.target, a.draft, tree=a.tree, log=lambda m: print(f"serve: {m}", file=sys.stderr))
-        setup = {"target": a.target, "draft": str(served.draft_path), "tree": a.tree,
-                 "tree_served": served.tree.to_dict(), "target_impl": served.target.implementation,
-                 "device": str(served.target.device), "load_s": round(time.perf_counter() - t0, 1)}
-        # One server per setting, all up at once (idle ones cost nothing), their levels interleaved
-        # so that a noisy machine's drift hits every setting alike.
-        servers = {x: ServerThread(served, ServeOptions(max_queue=MAX_CLIENTS * MAX_REQUESTS, max_rows=a.max_rows,
-                                                        speculation=x)).start() for x in settings}
-        setup["max_rows"] = next(iter(servers.values())).state.worker.max_rows
+        # One `eyas serve` per setting, launched one after another (the later ones start on the
+        # compile cache the first filled), all up at once (an idle one costs nothing), their levels
+        # interleaved so that a noisy machine's drift hits every setting alike.
+        serve_args = ["--target", a.target, "--tree", a.tree, "--max-queue", str(MAX_CLIENTS * MAX_REQUESTS)] \
+            + (["--draft", a.draft] if a.draft else []) + (["--max-rows", str(a.max_rows)] if a.max_rows else [])
+        servers: dict[str, ServerProcess] = {}
         try:
+            for i, x in enumerate(settings):
+                servers[x] = ServerProcess.launch(serve_args + ["--speculation", x], a.port + i, timeout=a.timeout)
+                print(f"serve: --speculation {x} ready in {servers[x].ready_s} s", file=sys.stderr)
+            first = next(iter(servers.values()))
+            h = first.health()
+            setup = {"target": a.target, "draft": a.draft or "default", "tree": a.tree,
+                     "command": first.command.replace(f"--port {first.port}", "--port PORT"),
+                     "ready_s": {x: t.ready_s for x, t in servers.items()}, "startup": h.get("startup"),
+                     "max_rows": h["queue"]["max_rows"]}
             ports = {x: t.port for x, t in servers.items()}
-            rows = run_levels("127.0.0.1", ports, served.model_name, prompts, levels, temperatures, a)
-            setup["chosen"] = {x: health(port).get("batch_speculation") for x, port in ports.items()}
+            rows = run_levels("127.0.0.1", ports, first.model(), prompts, levels, temperatures, a)
+            setup["chosen"] = {x: t.health().get("batch_speculation") for x, t in servers.items()}
         finally:
             for t in servers.values():
                 t.stop()
+        setup["exit_codes"] = {x: t.exit_code for x, t in servers.items()}
     compare(rows)
     report = {**setup, "requests_per_client": a.requests, "max_tokens": a.max_tokens,
               "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
@@ -240,16 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:
         print(table(rows))
-    return 1 if any(r["errors"] for r in rows) else 0
+    return 1 if any(r["errors"] for r in rows) or any(setup.get("exit_codes", {}).values()) else 0
 
 
-def health(port: int) -> dict:
-    """The server's /health (what its policies chose, per batch size and kind)."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    c.request("GET", "/health")
-    body = json.loads(c.getresponse().read())
-    c.close()
-    return body
+def client_procs(a: argparse.Namespace, clients: int) -> int:
+    return a.client_procs or max(1, min(os.cpu_count() or 1, clients // 8))
 
 
 def run_levels(host: str, ports: dict[str, int], model: str, prompts: list[str], levels: list[int],
@@ -262,14 +313,16 @@ def run_levels(host: str, ports: dict[str, int], model: str, prompts: list[str],
         for t in temperatures:
             for c in levels:
                 for setting, port in ports.items():
-                    run_level(host, port, model, prompts, c, a.requests, a.max_tokens, a.timeout, t, {})
+                    run_level(host, port, model, prompts, c, a.requests, a.max_tokens, a.timeout, t, {},
+                              client_procs(a, c))
                     print(f"warm: {setting}, temperature {t:g}, {c} clients", file=sys.stderr)
     greedy_texts: dict[int, str] = {}  # shared: every server must give a prompt the same greedy answer
     rows = []
     for t in temperatures:
         for c in levels:
             for setting, port in ports.items():
-                r = run_level(host, port, model, prompts, c, a.requests, a.max_tokens, a.timeout, t, greedy_texts)
+                r = run_level(host, port, model, prompts, c, a.requests, a.max_tokens, a.timeout, t, greedy_texts,
+                              client_procs(a, c))
                 rows.append({"speculation": setting, **r})
                 print(f"level: {setting}, temperature {t:g}, {c} clients: {r['throughput_tok_s']} tok/s, "
                       f"TTFT p50 {r['ttft_p50_s']} s", file=sys.stderr)  # progress

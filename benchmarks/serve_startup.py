@@ -13,65 +13,28 @@ whether the compile cache was warm). The server is stopped with SIGTERM after ea
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
+from pathlib import Path
 
-
-def get(port: int, path: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, dict]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    if body is None:
-        c.request("GET", path)
-    else:
-        c.request("POST", path, json.dumps(body), {"content-type": "application/json"})
-    r = c.getresponse()
-    status, data = r.status, json.loads(r.read() or b"{}")
-    c.close()
-    return status, data
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve_process.py beside it, however it is loaded
+from serve_process import ServerProcess, request  # noqa: E402
 
 
 def launch(args: argparse.Namespace, port: int) -> dict:
-    cmd = [sys.executable, "-m", "eyas.cli.main", "serve", "--target", args.target, "--port", str(port),
-           "--tree", args.tree] + (["--draft", args.draft] if args.draft else []) + args.serve_args
-    env = {**os.environ, "EYAS_CACHE": args.cache}
+    serve_args = ["--target", args.target, "--tree", args.tree] + (["--draft", args.draft] if args.draft else []) \
+        + args.serve_args
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    out: dict = {"command": " ".join(cmd)}
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"eyas serve exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                status, health = get(port, "/health")
-                if "port_open_s" not in out:
-                    out["port_open_s"] = round(time.perf_counter() - t0, 2)
-                if status == 200:
-                    out["ready_s"] = round(time.perf_counter() - t0, 2)
-                    out["startup"] = health.get("startup")
-                    break
-            except (ConnectionError, OSError):
-                pass
-            if time.perf_counter() - t0 > args.timeout:
-                raise RuntimeError(f"not ready after {args.timeout} s")
-            time.sleep(0.2)
-        _, model = get(port, "/v1/models")
-        name = model["data"][0]["id"]
-        status, _ = get(port, "/v1/chat/completions", {"model": name, "max_tokens": 16, "messages": [
+    with ServerProcess.launch(serve_args, port, env={"EYAS_CACHE": args.cache}, timeout=args.timeout) as server:
+        out: dict = {"command": server.command, "port_open_s": server.port_open_s, "ready_s": server.ready_s,
+                     "startup": server.health().get("startup")}
+        status, _ = request(port, "/v1/chat/completions", {"model": server.model(), "max_tokens": 16, "messages": [
             {"role": "user", "content": "Say hello."}]}, timeout=args.timeout)
         out["first_answer_s"] = round(time.perf_counter() - t0, 2)
         out["first_answer_status"] = status
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        out["exit_code"] = proc.returncode
+    out["exit_code"] = server.exit_code
     return out
 
 

@@ -348,41 +348,8 @@ def test_draining_refuses_new_requests_and_a_shutdown_finishes_the_running_one(s
     assert not t.thread.is_alive() and not t.state.worker.thread.is_alive()
 
 
-def test_eyas_serve_exits_0_after_sigterm_drains_it(pair):
-    """The command itself, as an orchestrator stops it: ready, then SIGTERM, then exit code 0."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    import eyas
-    from eyas.serve import free_port
-
-    _, target, drafter, _ = pair
-    port = free_port()
-    src = str(Path(eyas.__file__).parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "eyas.cli.main", "serve", "--target", str(target), "--draft",
-                             str(drafter), "--port", str(port), "--tree", "3"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline, ready = time.monotonic() + 240, False
-        while not ready and time.monotonic() < deadline and proc.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
-                    ready = json.loads(resp.read()).get("status") == "ok"
-            except OSError:  # not listening yet, or 503 "loading"
-                time.sleep(0.3)
-        assert ready, proc.stderr.read() if proc.poll() is not None else "not ready in 240 s"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-2000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def test_the_load_script_reports_every_level_and_stays_on_127_0_0_1(server, capsys):
+def load_script():
+    """benchmarks/serve_load.py as a module."""
     import importlib.util
     import sys
 
@@ -391,6 +358,40 @@ def test_the_load_script_reports_every_level_and_stays_on_127_0_0_1(server, caps
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_load_script_launches_eyas_serve_per_setting_and_each_exits_0_after_sigterm(pair, capsys, monkeypatch):
+    """The command itself, as a user and an orchestrator run it: `eyas serve` launched with speculation
+    auto and off, ready, loaded by clients in two forked processes, then SIGTERM: exit code 0. Both
+    servers give every prompt the same greedy answer (float32)."""
+    import os
+
+    import eyas
+
+    _, target, drafter, _ = pair
+    src = str(Path(eyas.__file__).parent.parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    from eyas.serve import free_port
+
+    mod = load_script()
+    rc = mod.main(["--target", str(target), "--draft", str(drafter), "--tree", "3", "--speculation", "auto,off",
+                   "--port", str(free_port()), "--clients", "1,4", "--requests", "1", "--max-tokens", "4",
+                   "--client-procs", "2", "--timeout", "240", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["exit_codes"] == {"auto": 0, "off": 0}
+    assert "eyas.cli.main serve" in report["command"] and set(report["ready_s"]) == {"auto", "off"}
+    assert [(lv["speculation"], lv["clients"], lv["client_processes"]) for lv in report["levels"]] == [
+        ("auto", 1, 1), ("off", 1, 1), ("auto", 4, 2), ("off", 4, 2)]
+    for lv in report["levels"]:
+        assert lv["errors"] == [] and lv["requests"] == lv["clients"] and lv["completion_tokens"] == 4 * lv["clients"]
+        assert lv["greedy_mismatches"] == 0
+    assert report["levels"][2]["x_speculation_off"] == pytest.approx(
+        report["levels"][2]["throughput_tok_s"] / report["levels"][3]["throughput_tok_s"], abs=1e-3)
+
+
+def test_the_load_script_reports_every_level_and_stays_on_127_0_0_1(server, capsys):
+    mod = load_script()
     rc = mod.main(["--url", server.url, "--clients", "1,3", "--requests", "2", "--max-tokens", "5",
                    "--temperatures", "0,1", "--json"])
     report = json.loads(capsys.readouterr().out)
