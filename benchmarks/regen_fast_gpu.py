@@ -77,7 +77,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, str]:
 
 def _conversations(args: argparse.Namespace) -> list[Any]:
     """The first ``--limit`` conversations of ``--prompts`` (``--tiny``: made up, one with two turns)."""
-    from eyas.data.conversations import Conversation, read_conversations
+    from eyas.data.conversations import Conversation
+    from eyas.data.conversation_files import read_conversations
 
     if args.tiny:
         return [Conversation([{"role": "user", "content": "why " * (i % 13) + f"question {i}?"}]

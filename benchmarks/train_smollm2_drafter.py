@@ -98,7 +98,7 @@ def prepare(shared: Path, out: Path, seed: int, no_sharegpt: bool, max_chars: in
     ``follow_up_share`` of them (seeded) get a second user turn from FOLLOW_UPS. The first
     ``val_prompts`` of the shuffled mix are held out (first turn only) into ``val_prompts.jsonl``
     next to ``out``: training measures the engine's tau on them and never trains on them."""
-    from eyas.data.conversations import read_conversations
+    from eyas.data.conversation_files import read_conversations
 
     rng = random.Random(seed)
     seen: set[str] = set()

@@ -68,7 +68,7 @@ def _train_cfg(target: Path, data: Path, out: Path, **kw):
 def world(tmp_path_factory, one_thread):
     """Targets, data and two trained drafters, built once for the module."""
     import eyas.training.loop as loop
-    from eyas.data.conversations import read_conversations
+    from eyas.data.conversation_files import read_conversations
     from eyas.data.shards import CaptureOptions, capture_shards
     from eyas.targets import load_target
 

@@ -11,7 +11,8 @@ import pathlib
 import pytest
 import torch
 
-from eyas.data.conversations import Conversation, read_conversations
+from eyas.data.conversations import Conversation
+from eyas.data.conversation_files import read_conversations
 from eyas.data.regenerate import (
     RegenerateError,
     RegenerateOptions,

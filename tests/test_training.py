@@ -139,7 +139,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_trained_drafter_beats_the_best_unigram_predictor(toy, tmp_path):
-    from eyas.data.conversations import read_conversations
+    from eyas.data.conversation_files import read_conversations
     from eyas.data.render import render
     from eyas.interop import read_contract
     from eyas.targets import load_target
@@ -248,7 +248,7 @@ def test_offline_and_online_training_give_the_same_first_step_loss(toy, tmp_path
     """Both paths go through the same capture code: float32 shards of the same conversations must
     give the same features and labels, hence the same first-step loss (one batch = all samples, so
     the shards' sample order does not matter)."""
-    from eyas.data.conversations import read_conversations
+    from eyas.data.conversation_files import read_conversations
     from eyas.data.shards import CaptureOptions, capture_shards
     from eyas.targets import load_target
 

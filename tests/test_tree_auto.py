@@ -333,7 +333,7 @@ def test_shipped_calibration_prompts_come_from_five_training_sets_and_no_evaluat
 
     from eyas.bench import NAMED_SETS
     from eyas.bench.prompts import set_path
-    from eyas.data.conversations import read_conversations
+    from eyas.data.conversation_files import read_conversations
 
     convs = calibration_conversations()
     sets = calibration_sets(convs)

@@ -87,7 +87,7 @@ def reference_capture(root: Path, boundaries: list[int], num_blocks: int, hidden
     """A toy target under ``root/t``, loaded, and eyas' own capture (float32 shards under
     ``root/ref``) of three short chat conversations at ``boundaries``: the reference that a
     converted dump of another engine must equal. Returns (target dir, LoadedTarget, ShardDataset)."""
-    from eyas.data.conversations import read_conversations
+    from eyas.data.conversation_files import read_conversations
     from eyas.data.shards import CaptureOptions, ShardDataset, capture_shards
     from eyas.targets import load_target
 

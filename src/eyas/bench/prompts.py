@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyas.data.conversations import Conversation, read_conversations
+from eyas.data.conversations import Conversation
+from eyas.data.conversation_files import read_conversations
 
 DATA = Path(__file__).parent / "data"
 # The six sets of the EAGLE papers (80 prompts each), shipped with eyas; see data/SOURCE.md.

@@ -37,7 +37,7 @@ def _load(target: str, device: str, target_dtype: str, target_devices: str | Non
 
 
 def _read(path: Path) -> Any:
-    from eyas.data.conversations import read_conversations
+    from eyas.data.conversation_files import read_conversations
 
     if not path.exists():
         _fail(f"{path}: no such file")

@@ -15,9 +15,8 @@ from .conversations import (
     Problem,
     ReadResult,
     check_messages,
-    read_conversations,
-    write_jsonl,
 )
+from .conversation_files import read_conversations, write_jsonl
 from .render import (
     NO_SYSTEM_PROMPT,
     TEMPLATE_DEFAULT,

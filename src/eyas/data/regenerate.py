@@ -5,7 +5,7 @@ be the target's: regenerated here, turn by turn for multi-turn prompts (MT-bench
 only; assistant turns already in a ShareGPT record are dropped and rewritten by the target).
 
 Output: JSON Lines, one answered conversation per line, in the shape
-:func:`eyas.data.conversations.read_conversations` reads back (``openai``)::
+:func:`eyas.data.conversation_files.read_conversations` reads back (``openai``)::
 
     {"id": "...", "messages": [{"role": "user", ...}, {"role": "assistant", ...}, ...],
      "provenance": {"source": file, "line": n, "format": ..., "target": ..., "target_fingerprint": ...,

@@ -186,7 +186,8 @@ def _answered(model: Any, tokenizer: Any, prompts: list[tuple[str, Tensor]], max
 
 def _from_conversations(path: str, model: Any, tokenizer: Any, train_config: Any, n: int, max_length: int,
                         mode: str, max_new_tokens: int) -> SampleSet:
-    from eyas.data.conversations import Conversation, read_conversations
+    from eyas.data.conversations import Conversation
+    from eyas.data.conversation_files import read_conversations
 
     result = read_conversations(path, on_error="skip")
     convs = result.conversations

@@ -102,7 +102,7 @@ def load_samples(cfg: TrainConfig, target: LoadedTarget, force: bool) -> tuple[A
                 f"{ds.contract.capture.boundaries}; recapture or drop --boundaries")
         mode = ds.contract.tokenisation.system_prompt if ds.contract.tokenisation else cfg.system_prompt
         return ds, CaptureSpec(tuple(ds.contract.capture.boundaries), L), True, mode
-    from eyas.data.conversations import read_conversations
+    from eyas.data.conversation_files import read_conversations
     from eyas.data.render import system_prompt_mode
     from eyas.data.render_pool import render_many
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eyas.data.conversations import Conversation, read_conversations
+from eyas.data.conversations import Conversation
+from eyas.data.conversation_files import read_conversations
 
 CALIBRATION_FILE = Path(__file__).parent / "data" / "calibration.jsonl"
 CALIBRATION_POSITIONS = 2000  # round positions a default calibration measures, per temperature
