@@ -7,9 +7,10 @@
 #
 #   part        keep the GGUF parts carried in this call in /tmp; install the wheels into /tmp/deps once
 #   start       join the GGUF (sha256 checked), then in the background (setsid: it outlives the call):
-#               serve_load.py (1..256 clients, temperatures 0 and 1, speculation auto and off, a warm
-#               pass first), serve_startup.py (a cold then a warm start of `eyas serve`), then
-#               row_speculation_cpu.py on the GPU (the engine's rounds per rows and depth); then waits
+#               serve_load.py (it launches `eyas serve` with speculation auto, then off, on a fresh
+#               compile cache: the first is the cold start; 1..256 clients, temperatures 0 and 1, a warm
+#               pass first), serve_startup.py (warm starts of `eyas serve` on the cache serve_load filled),
+#               and with ROWS=1 row_speculation_cpu.py on the GPU (the engine's rounds per rows and depth)
 #   wait [S]    wait up to S seconds (default 540) for it to end; copy what is done into $OUT
 #
 # Results: $OUT/serve_load.json, serve_load.log, startup.json, startup.log, rows.json, rows.log
@@ -41,17 +42,20 @@ case "${1:-}" in
     mkdir -p "$RUN"
     rm -f "$RUN/DONE"
     setsid nohup bash -c "
-      timeout ${LOAD_S:-600} python benchmarks/serve_load.py --target /tmp/smol.gguf --draft $D --tree 4,8,15 \
+      export EYAS_CACHE=/tmp/eyas-cache
+      timeout ${LOAD_S:-780} python benchmarks/serve_load.py --target /tmp/smol.gguf --draft $D --tree 4,8,15 \
         --clients 1,4,16,64,256 --requests 2 --max-tokens 128 --temperatures 0,1 --speculation auto,off \
         --max-rows 256 --warm-pass --json > $RUN/serve_load.json 2> $RUN/serve_load.log
       echo \"serve_load exit \$?\" >> $RUN/serve_load.log
       timeout ${STARTUP_S:-300} python benchmarks/serve_startup.py --target /tmp/smol.gguf --draft $D \
-        --cache /tmp/eyas-startup --fresh --starts 2 --json > $RUN/startup.json 2> $RUN/startup.log
+        --cache /tmp/eyas-cache --starts 2 --json -- --max-rows 256 > $RUN/startup.json 2> $RUN/startup.log
       echo \"startup exit \$?\" >> $RUN/startup.log
-      timeout ${ROWS_S:-240} python benchmarks/row_speculation_cpu.py --target /tmp/smol.gguf --draft $D \
-        --rows 4,16,64 --depths 1,2,3,4 --temperatures 0,1 --steps 24 --json --plot $RUN/rows.png \
-        > $RUN/rows.json 2> $RUN/rows.log
-      echo \"rows exit \$?\" >> $RUN/rows.log
+      if [ \"${ROWS:-0}\" = 1 ]; then
+        timeout ${ROWS_S:-240} python benchmarks/row_speculation_cpu.py --target /tmp/smol.gguf --draft $D \
+          --rows 4,16,64 --depths 1,2,3,4 --temperatures 0,1 --steps 24 --json --plot $RUN/rows.png \
+          > $RUN/rows.json 2> $RUN/rows.log
+        echo \"rows exit \$?\" >> $RUN/rows.log
+      fi
       echo done > $RUN/DONE" > /dev/null 2>&1 &
     sleep 5
     bash "$0" wait "${WAIT_S:-520}"

@@ -96,6 +96,9 @@ def test_8_concurrent_greedy_requests_each_get_their_single_request_output_from_
     assert all((depth > 0) == (kind == "batched_speculative") for kind, _, depth in batched)
     assert m[("eyas_generation_tokens_total", ())] == 8 * TOKENS  # the toy never stops early
     assert health["queue"] == {"running": 0, "waiting": 0, "max_rows": 4}
+    chosen = health["batch_speculation"]  # each measured rate with its steps (those that compiled: not counted)
+    assert set(chosen["steps"]) == set(chosen["tokens_per_s"]) and 0 < sum(chosen["steps"].values()) <= len(batched)
+    assert chosen["compile_s"] >= 0 and chosen["mode"] == speculation
     if speculation == "on":  # rounds of the batch counted in the acceptance metrics, per depth chosen
         assert m[("eyas_spec_decode_num_drafts_total", ())] >= sum(rows for k, rows, _ in batched)
         assert m[("eyas_spec_decode_num_accepted_tokens_total", ())] > 0

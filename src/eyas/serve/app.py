@@ -363,8 +363,8 @@ def build_app(state: ServeState) -> FastAPI:
                 "queue": {"running": state.worker.running_count, "waiting": state.worker.waiting,
                           "max_rows": state.worker.max_rows},
                 "speculation": None if state.worker.policy is None else state.worker.policy.to_dict(),
-                "batch_speculation": (state.worker.batch_policy.to_dict()
-                                      if getattr(state.worker, "batch_policy", None) is not None else None),
+                "batch_speculation": (state.worker.batch_report()
+                                      if hasattr(state.worker, "batch_report") else None),
                 "tree": sv.tree.to_dict(), "startup": sv.startup.to_dict()}
         if pf.forced:
             body["warning"] = (f"started with --force past {len(pf.failures)} failed check(s): "

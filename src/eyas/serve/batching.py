@@ -125,6 +125,12 @@ class BatchWorker(Worker):
     def running_count(self) -> int:
         return len(self.rows) + (self.solo is not None or self.starting is not None)
 
+    def batch_report(self) -> dict[str, Any]:
+        """``/health``'s ``batch_speculation``: the depth chosen per batch size and its measured rates,
+        and the seconds the batched engine spent compiling and capturing shapes at their first use
+        (they stall every row: a load test warms them first)."""
+        return {**self.batch_policy.to_dict(), "compile_s": round(self.batch.engine.compile_s, 2)}
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def _loop(self) -> None:

@@ -167,6 +167,8 @@ class BatchSpeculation:
         self.rate(rows, kind, depth).add(tokens, seconds)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "last_depth": self.last, "tokens_per_s": {
-            f"{2 ** (b - 1)}+/{kind}/{d}": round(r.per_s, 2)
-            for (b, kind, d), r in sorted(self.rates.items()) if r.per_s is not None}}
+        measured = [(f"{2 ** (b - 1)}+/{kind}/{d}", r) for (b, kind, d), r in sorted(self.rates.items())
+                    if r.per_s is not None]
+        return {"mode": self.mode, "last_depth": self.last,
+                "tokens_per_s": {key: round(r.per_s, 2) for key, r in measured},
+                "steps": {key: r.samples for key, r in measured}}  # steps measured (compiling ones are not)
