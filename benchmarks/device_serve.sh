@@ -44,7 +44,7 @@ case "${1:-}" in
     setsid nohup bash -c "
       export EYAS_CACHE=/tmp/eyas-cache
       timeout ${LOAD_S:-780} python benchmarks/serve_load.py --target /tmp/smol.gguf --draft $D --tree 4,8,15 \
-        --clients 1,4,16,64,256 --requests 2 --max-tokens 128 --temperatures 0,1 --speculation auto,off \
+        --clients 1,4,16,64,256 --requests 2 --min-requests 32 --max-tokens 128 --temperatures 0,1 --speculation auto,off \
         --max-rows 256 --warm-pass --json > $RUN/serve_load.json 2> $RUN/serve_load.log
       echo \"serve_load exit \$?\" >> $RUN/serve_load.log
       timeout ${STARTUP_S:-300} python benchmarks/serve_startup.py --target /tmp/smol.gguf --draft $D \

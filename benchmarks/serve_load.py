@@ -16,7 +16,8 @@ the clients of a level are threads spread over ``--client-procs`` forked process
 client threads in the server's interpreter, or in one client interpreter, queue on its lock and
 count their wait as the server's.
 
-Each client sends ``--requests`` streaming chat requests one after another (``--max-tokens`` new
+Each client sends ``--requests`` streaming chat requests one after another (more where
+``--min-requests`` asks a level for more than its clients would send) (``--max-tokens`` new
 tokens, prompts: the first turns of the MT-bench set shipped with eyas, in turn), and records per
 request: TTFT = first content chunk - request sent (queue wait included), TPOT = (last chunk - first
 chunk) / (completion tokens - 1), the completion tokens from the usage chunk. Throughput = all
@@ -225,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", default="5")
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument("--min-requests", type=int, default=0,
+                    help="requests a level at least: its clients send more each (at most 16) where they are few, "
+                         "so that a level of 1 or 4 clients lasts long enough to measure")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperatures", default="0", help="comma-separated; each level runs at each")
     ap.add_argument("--speculation", default="auto", help="auto, on, off, or several (a server launched for each)")
@@ -289,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 t.stop()
         setup["exit_codes"] = {x: t.exit_code for x, t in servers.items()}
     compare(rows)
-    report = {**setup, "requests_per_client": a.requests, "max_tokens": a.max_tokens,
+    report = {**setup, "requests_per_client": a.requests, "min_requests": a.min_requests, "max_tokens": a.max_tokens,
               "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
               "cpu_count": os.cpu_count(), "levels": rows}
     if a.json:
@@ -303,6 +307,11 @@ def client_procs(a: argparse.Namespace, clients: int) -> int:
     return a.client_procs or max(1, min(os.cpu_count() or 1, clients // 8))
 
 
+def requests_each(a: argparse.Namespace, clients: int) -> int:
+    """Requests per client at a level of ``clients``: ``--requests``, more where ``--min-requests`` asks."""
+    return min(MAX_REQUESTS, max(a.requests, -(-a.min_requests // clients)))
+
+
 def run_levels(host: str, ports: dict[str, int], model: str, prompts: list[str], levels: list[int],
                temperatures: list[float], a: argparse.Namespace) -> list[dict]:
     """Every level at every temperature on each server (setting -> port), the settings interleaved
@@ -313,7 +322,7 @@ def run_levels(host: str, ports: dict[str, int], model: str, prompts: list[str],
         for t in temperatures:
             for c in levels:
                 for setting, port in ports.items():
-                    run_level(host, port, model, prompts, c, a.requests, a.max_tokens, a.timeout, t, {},
+                    run_level(host, port, model, prompts, c, requests_each(a, c), a.max_tokens, a.timeout, t, {},
                               client_procs(a, c))
                     print(f"warm: {setting}, temperature {t:g}, {c} clients", file=sys.stderr)
     greedy_texts: dict[int, str] = {}  # shared: every server must give a prompt the same greedy answer
@@ -321,8 +330,8 @@ def run_levels(host: str, ports: dict[str, int], model: str, prompts: list[str],
     for t in temperatures:
         for c in levels:
             for setting, port in ports.items():
-                r = run_level(host, port, model, prompts, c, a.requests, a.max_tokens, a.timeout, t, greedy_texts,
-                              client_procs(a, c))
+                r = run_level(host, port, model, prompts, c, requests_each(a, c), a.max_tokens, a.timeout, t,
+                              greedy_texts, client_procs(a, c))
                 rows.append({"speculation": setting, **r})
                 print(f"level: {setting}, temperature {t:g}, {c} clients: {r['throughput_tok_s']} tok/s, "
                       f"TTFT p50 {r['ttft_p50_s']} s", file=sys.stderr)  # progress
