@@ -57,3 +57,21 @@ def test_batch_speculation_tries_each_depth_then_takes_the_fastest_per_batch_siz
     assert BatchSpeculation("on", depths=(1, 2)).arms() == [1, 2]
     with pytest.raises(ValueError, match="speculation: expected one of"):
         BatchSpeculation("sometimes")
+
+
+def test_a_batched_rounds_metrics_equal_its_rows_counted_one_at_a_time():
+    """ServeMetrics.rounds (a batched step's rows at once) moves every counter and histogram as
+    ServeMetrics.round per row does."""
+    from eyas.serve.metrics import ServeMetrics
+
+    accepted, emitted = [0, 3, 1, 3, 2], [1, 4, 2, 3, 3]  # row 3 cut by a stop: fewer kept than accepted + 1
+    one, batch = ServeMetrics(4, None, False, 0), ServeMetrics(4, None, False, 0)
+    for a, e in zip(accepted, emitted):
+        one.round(3, a, e)
+    batch.rounds(3, accepted, emitted)
+    batch.rounds(3, [], [])  # a step without rows changes nothing
+    def counts(m: ServeMetrics) -> list[bytes]:  # every sample but the series' creation times
+        return [line for line in m.text().splitlines() if b"_created" not in line]
+
+    assert counts(batch) == counts(one)
+    assert b"eyas_spec_decode_num_accepted_tokens_per_pos_total{position=\"2\"} 2.0" in batch.text()

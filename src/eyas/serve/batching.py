@@ -58,7 +58,8 @@ DEFAULT_ROWS = {"cuda": 64, "cpu": 8}  # --max-rows by device: a CPU's memory ho
 
 
 def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int = 256, speculation: str = "auto",
-                on_round: Callable[[int, int, int], None] | None = None,
+                on_round: Callable[[int, int, int, bool], None] | None = None,
+                on_rounds: Callable[[int, list[int], list[int]], None] | None = None,
                 on_done: Callable[[Job, Any, float | None, float | None], None] | None = None,
                 on_step: Callable[[str, int], None] | None = None) -> Worker:
     """The server's worker: a :class:`BatchWorker` of ``max_rows`` rows (None: :data:`DEFAULT_ROWS`
@@ -74,7 +75,7 @@ def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int =
     batch = RowBatch(BatchedLlama(model, rows=rows), capacity=served.max_length, eos_ids=served.loaded.eos_ids,
                      drafter=drafter, boundaries=served.target.spec.boundaries if drafter is not None else ())
     return BatchWorker(served, batch, speculation=speculation, max_queue=max_queue, on_round=on_round, on_done=on_done,
-                       on_step=on_step)
+                       on_step=on_step, on_rounds=on_rounds)
 
 
 @dataclass
@@ -97,12 +98,14 @@ class BatchWorker(Worker):
 
     ``on_step(kind, rows, depth)`` sees every step: ``"speculative"`` (a lone request's round),
     ``"batched"`` (a plain step of ``rows`` busy rows) or ``"batched_speculative"`` (a round of
-    ``depth`` drafts a row)."""
+    ``depth`` drafts a row). ``on_rounds(depth, accepted, emitted)`` sees a batched round's rows at
+    once (per row: drafts accepted, tokens kept); without it ``on_round`` sees each row's."""
 
     def __init__(self, served: Served, batch: RowBatch, *, speculation: str = "auto",
-                 on_step: Callable[[str, int, int], None] | None = None, **kwargs: Any) -> None:
+                 on_step: Callable[[str, int, int], None] | None = None,
+                 on_rounds: Callable[[int, list[int], list[int]], None] | None = None, **kwargs: Any) -> None:
         super().__init__(served, **kwargs)
-        self.batch, self.on_step = batch, on_step
+        self.batch, self.on_step, self.on_rounds = batch, on_step, on_rounds
         self.max_rows = batch.rows
         self.policy = SpeculationPolicy(speculation if served.drafter is not None else "off")
         self.batch_policy = BatchSpeculation(speculation if batch.spec is not None else "off")
@@ -281,23 +284,28 @@ class BatchWorker(Worker):
         compiled_before = self.batch.engine.compile_s
         t0 = time.perf_counter()
         stepped = self.batch.speculate(depth) if depth else self.batch.step()
-        seconds = time.perf_counter() - t0
-        # a step that compiled or captured its shape first is no measure of its speed
-        if self.batch.engine.compile_s == compiled_before:
-            if alone is not None:  # a row alone in the batch: the lone policy's other measure
-                self.policy.measured(alone.job.sampling, "row", sum(len(got.tokens) for got in stepped), seconds)
-            self.batch_policy.measured(n, kind, depth, sum(len(got.tokens) for got in stepped), seconds)
         for got in stepped:
             live = self.rows[got.row]
             if depth:
                 live.stats.record_round(depth, got.accepted, len(got.tokens))
-                if self.on_round is not None:
+                if self.on_round is not None and self.on_rounds is None:
                     self.on_round(depth, got.accepted, len(got.tokens), False)
             else:
                 live.stats.rounds += 1
             self._row_tokens(got.row, got.tokens, got.finished)
+        if depth and self.on_rounds is not None:
+            self.on_rounds(depth, [got.accepted for got in stepped], [len(got.tokens) for got in stepped])
         if self.on_step is not None:
             self.on_step("batched_speculative" if depth else "batched", n, depth)
+        # The step's cost as the policies see it: the engine's step and the host's work on its
+        # tokens (streaming, stop checks, metrics), which grows with a round's tokens and rows. A step
+        # that compiled or captured its shape first is no measure of its speed.
+        seconds = time.perf_counter() - t0
+        if self.batch.engine.compile_s == compiled_before:
+            tokens = sum(len(got.tokens) for got in stepped)
+            if alone is not None:  # a row alone in the batch: the lone policy's other measure
+                self.policy.measured(alone.job.sampling, "row", tokens, seconds)
+            self.batch_policy.measured(n, kind, depth, tokens, seconds)
 
     def _row_tokens(self, row: int, tokens: list[int], finished: bool) -> None:
         """A row's new tokens: emitted up to a stop condition, which ends the row. The device's

@@ -35,6 +35,8 @@ reads this endpoint as it reads vLLM's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from eyas.watch.verdict import Prediction, Verdict
@@ -114,6 +116,21 @@ class ServeMetrics:
         for p in range(accepted):
             self.accepted_per_pos.labels(str(p)).inc()
         self.accept_length.observe(emitted)
+
+    def rounds(self, depth: int, accepted: Sequence[int], emitted: Sequence[int]) -> None:
+        """A batched step's rounds at once (a chain of ``depth`` drafts a row; row i accepted
+        ``accepted[i]`` and kept ``emitted[i]`` tokens): the same counts as :meth:`round` per row,
+        each counter moved once (a counter's increment takes a lock: 256 rows x 6 of them were a
+        millisecond a step)."""
+        if not accepted:
+            return
+        self.drafts.inc(len(accepted))
+        self.draft_tokens.inc(depth * len(accepted))
+        self.accepted.inc(sum(accepted))
+        for p in range(max(accepted)):
+            self.accepted_per_pos.labels(str(p)).inc(sum(a > p for a in accepted))
+        for e in emitted:
+            self.accept_length.observe(e)
 
     def step(self, kind: str, rows: int, depth: int = 0) -> None:
         """One step of the decode worker: ``kind`` speculative, batched or batched_speculative (of
