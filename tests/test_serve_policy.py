@@ -33,7 +33,7 @@ def test_the_policy_takes_the_faster_path_explores_the_other_and_obeys_on_and_of
 
 
 @pytest.mark.unit
-def test_batch_speculation_tries_each_depth_then_takes_the_fastest_per_batch_size_and_explores_neighbours():
+def test_batch_speculation_tries_each_depth_then_takes_the_fastest_per_batch_size_and_explores_the_others():
     from eyas.serve.policy import BatchSpeculation
 
     p = BatchSpeculation("auto", depths=(1, 2, 3), explore_every=4)
@@ -45,8 +45,9 @@ def test_batch_speculation_tries_each_depth_then_takes_the_fastest_per_batch_siz
         p.measured(2, "greedy", d, speed[d], 1.0)
     assert tried == [2, 2, 0, 0, 1, 1, 3, 3]
     chosen = [p.depth(3, "greedy") for _ in range(8)]  # 3 rows: the same bucket as 2
-    assert chosen == [2, 2, 2, 3, 2, 2, 2, 1]  # the 4th and 8th steps explore a neighbour, deeper then shallower
-    assert p.to_dict()["tokens_per_s"]["2+/greedy/2"] == 180.0 and p.last == 1
+    assert chosen == [2, 2, 2, 0, 2, 2, 2, 1]  # the 4th and 8th steps explore the others in turn, plain first
+    assert p.depth(2, "greedy") == 2 and [p.depth(2, "greedy") for _ in range(3)] == [2, 2, 3]  # the 12th: depth 3
+    assert p.to_dict()["tokens_per_s"]["2+/greedy/2"] == 180.0 and p.last == 3
     assert p.depth(16, "greedy") == 2 and p.depth(2, "sampled") == 2  # other buckets and kinds: their own
     # where plain is fastest (a large batch), speculation turns off; "off" never speculates, "on" always
     for _ in range(8):

@@ -115,7 +115,9 @@ class BatchSpeculation:
     every row greedy; sampled), as decayed sums. A depth measured fewer than twice in a bucket is
     tried first (a middle depth, then plain, then the rest); after that the fastest is chosen
     (speculation must beat plain by ``margin``), and every ``explore_every``-th step of a bucket
-    tries a neighbour of the fastest depth (alternately shallower and deeper), so a drift is seen.
+    tries one of the other depths, each in turn (plain first), so a drift is seen and an arm whose
+    first steps were slow (a busy host, a cold cache) is measured again; the cost is bounded by one
+    step in ``explore_every`` on a slower depth.
     ``mode``: ``auto`` as above, ``on`` (always a round; its depth measured), ``off`` (plain steps)."""
 
     mode: str = "auto"
@@ -125,6 +127,7 @@ class BatchSpeculation:
     rates: dict[tuple[int, str, int], Rate] = field(default_factory=dict)
     last: int = 0  # the depth of the last step (/metrics)
     _steps: dict[tuple[int, str], int] = field(default_factory=dict)
+    _explored: dict[tuple[int, str], int] = field(default_factory=dict)  # exploring steps per bucket and kind
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -157,9 +160,10 @@ class BatchSpeculation:
         else:
             speed = {d: self.rate(rows, kind, d).per_s or 0.0 for d in arms}
             choice = max(arms, key=lambda d: speed[d] * (self.margin if d == 0 else 1.0))
-            if n % self.explore_every == 0:
-                i = arms.index(choice) + (1 if (n // self.explore_every) % 2 else -1)
-                choice = arms[min(max(i, 0), len(arms) - 1)]
+            if n % self.explore_every == 0:  # the others in turn, plain first: none is judged once for all
+                others = [d for d in arms if d != choice]
+                self._explored[key] = k = self._explored.get(key, 0) + 1
+                choice = others[(k - 1) % len(others)] if others else choice
         self.last = choice
         return choice
 
