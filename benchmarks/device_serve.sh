@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 33 on the lent GPU, in few calls (each call: `bash benchmarks/device_serve.sh STEP`).
-# The work tree (31 MB) leaves room for a third of the SmolLM2 GGUF a call: split it in three
-# (`split -n 3 -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf .device/g3/smol.p`, git-ignored) and carry one
+# The work tree (31 MB) leaves room for a quarter of the SmolLM2 GGUF a call: split it in four
+# (`split -n 4 -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf .device/g4/smol.p`, git-ignored) and carry one
 # part a call, the next call within the machine's 30 s of warmth; the py3.12 wheels the image lacks
 # (gguf, pydantic, fastapi, uvicorn and their needs) travel in .device/wheels with the first.
 #
@@ -28,15 +28,15 @@ collect() {
 
 case "${1:-}" in
   part)
-    for f in .device/g3/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/ && echo "kept $f"; done
+    for f in .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/ && echo "kept $f"; done
     if [ -d .device/wheels ] && [ ! -d /tmp/deps ]; then
       pip install -q --no-index --no-deps --target /tmp/deps .device/wheels/*.whl 2>&1 | grep -v "root user" || true
     fi
     ls -la /tmp/smol.p* 2>/dev/null || true
     ;;
   start)
-    for f in .device/g3/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
-    [ -f /tmp/smol.gguf ] || cat /tmp/smol.p0 /tmp/smol.p1 /tmp/smol.p2 > /tmp/smol.gguf
+    for f in .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
+    [ -f /tmp/smol.gguf ] || cat /tmp/smol.p[0-9] > /tmp/smol.gguf
     echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
     python -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
     mkdir -p "$RUN"
