@@ -31,8 +31,8 @@ clients and temperature), and ``greedy_mismatches``: greedy answers whose text d
 answer the same prompt got first, at any level or setting (requests mixed up, or, in bf16, a batched
 product rounding differently from a lone one; in float32 it must be 0). Each level runs on each
 server in turn before the next level (a noisy machine's drift hits every setting alike).
-``--warm-pass`` runs every level once, untimed, first (on a GPU each shape compiles and captures at
-its first use), and the report's ``chosen`` holds each server's ``/health`` ``batch_speculation`` at
+``--warm-pass`` runs every level once, untimed, first, a request a client (on a GPU each shape
+compiles and captures at its first use), and the report's ``chosen`` holds each server's ``/health`` ``batch_speculation`` at
 the end (the tokens/s it measured per batch size, kind and depth).
 """
 
@@ -322,8 +322,7 @@ def run_levels(host: str, ports: dict[str, int], model: str, prompts: list[str],
         for t in temperatures:
             for c in levels:
                 for setting, port in ports.items():
-                    run_level(host, port, model, prompts, c, requests_each(a, c), a.max_tokens, a.timeout, t, {},
-                              client_procs(a, c))
+                    run_level(host, port, model, prompts, c, 1, a.max_tokens, a.timeout, t, {}, client_procs(a, c))
                     print(f"warm: {setting}, temperature {t:g}, {c} clients", file=sys.stderr)
     greedy_texts: dict[int, str] = {}  # shared: every server must give a prompt the same greedy answer
     rows = []
