@@ -348,13 +348,13 @@ def test_draining_refuses_new_requests_and_a_shutdown_finishes_the_running_one(s
     assert not t.thread.is_alive() and not t.state.worker.thread.is_alive()
 
 
-def load_script():
-    """benchmarks/serve_load.py as a module."""
+def load_script(name: str = "serve_load"):
+    """benchmarks/NAME.py as a module."""
     import importlib.util
     import sys
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_load.py"
-    spec = importlib.util.spec_from_file_location("bench_script_serve_load", path)
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
@@ -389,6 +389,25 @@ def test_the_load_script_launches_eyas_serve_per_setting_and_each_exits_0_after_
         assert lv["greedy_mismatches"] == 0
     assert report["levels"][2]["x_speculation_off"] == pytest.approx(
         report["levels"][2]["throughput_tok_s"] / report["levels"][3]["throughput_tok_s"], abs=1e-3)
+
+
+def test_the_overhead_script_measures_the_serving_layer_around_a_waiting_engine(pair, capsys):
+    """benchmarks/serve_overhead_cpu.py: the real server around WaitBatch (a step that only waits):
+    every request answered, and the ideal is rows x tokens a step / the step's wait."""
+    _, target, drafter, _ = pair
+    mod = load_script("serve_overhead_cpu")
+    rc = mod.main(["--target", str(target), "--draft", str(drafter), "--clients", "4", "--speculation", "off,on",
+                   "--chunk-rates", "0,50", "--requests", "1", "--max-tokens", "12", "--step-ms", "5",
+                   "--client-procs", "1", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [(r["speculation"], r["stream_chunk_rate"]) for r in report["levels"]] == [
+        ("off", 0.0), ("off", 50.0), ("on", 0.0), ("on", 50.0)]
+    for r in report["levels"]:
+        assert r["errors"] == 0 and r["requests"] == 4 and 0 < r["throughput_tok_s"]
+        assert r["of_ideal"] == pytest.approx(r["throughput_tok_s"] / r["ideal_tok_s"], abs=1e-3)
+    plain = report["levels"][0]
+    assert plain["ideal_tok_s"] == pytest.approx(4 / 0.005)  # a token a row every 5 ms
+    assert report["levels"][2]["ideal_tok_s"] > plain["ideal_tok_s"]  # rounds: depth + 1 tokens for 1 + depth / 4 waits
 
 
 def test_the_load_script_reports_every_level_and_stays_on_127_0_0_1(server, capsys):
