@@ -376,8 +376,8 @@ def test_the_load_script_launches_eyas_serve_per_setting_and_each_exits_0_after_
 
     mod = load_script()
     rc = mod.main(["--target", str(target), "--draft", str(drafter), "--tree", "3", "--speculation", "auto,off",
-                   "--port", str(free_port()), "--clients", "1,4", "--requests", "1", "--min-requests", "2", "--max-tokens", "4",
-                   "--client-procs", "2", "--timeout", "240", "--json"])
+                   "--port", str(free_port()), "--clients", "1,4", "--requests", "1", "--min-requests", "2",
+                   "--max-tokens", "4", "--client-procs", "2", "--timeout", "240", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert rc == 0 and report["exit_codes"] == {"auto": 0, "off": 0}
     assert "eyas.cli.main serve" in report["command"] and set(report["ready_s"]) == {"auto", "off"}
@@ -385,8 +385,8 @@ def test_the_load_script_launches_eyas_serve_per_setting_and_each_exits_0_after_
         ("auto", 1, 1), ("off", 1, 1), ("auto", 4, 2), ("off", 4, 2)]
     for lv in report["levels"]:
         # a level sends at least 2 requests (--min-requests): the lone client sends 2
-        assert lv["errors"] == [] and lv["requests"] == max(2, lv["clients"]) and lv["completion_tokens"] == 4 * lv["requests"]
-        assert lv["greedy_mismatches"] == 0
+        assert lv["errors"] == [] and lv["requests"] == max(2, lv["clients"])
+        assert lv["completion_tokens"] == 4 * lv["requests"] and lv["greedy_mismatches"] == 0
     assert report["levels"][2]["x_speculation_off"] == pytest.approx(
         report["levels"][2]["throughput_tok_s"] / report["levels"][3]["throughput_tok_s"], abs=1e-3)
 

@@ -326,7 +326,6 @@ def test_streams_gather_tokens_into_fewer_chunks_under_the_chunk_rate_and_keep_t
         chunks = [ch for ch in client(t).chat.completions.create(
             model="toy", messages=chat(questions[6]), temperature=0, max_tokens=n, stream=True) if ch.choices]
         seconds = time.perf_counter() - t0
-        assert t.state.streams == 0  # the stream closed and counted itself out
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
     assert text == alone(questions[6], n)
     content = [ch for ch in chunks if ch.choices[0].delta.content]

@@ -45,10 +45,10 @@ def serve_cmd(
     speculation: str = typer.Option("auto", help="a request alone (nothing else running or waiting): auto (speculative "
                                                  "where measured faster than a plain row, per greedy and sampled "
                                                  "requests), on (always speculative), off (never)"),
-    stream_chunk_rate: float = typer.Option(4000.0, min=0.0, help="streamed chunks a second over all open streams, "
-                                                                   "at most: with many streams each gathers a few steps' "
-                                                                   "tokens into one chunk (the first is never held); 0: "
-                                                                   "every step's tokens at once"),
+    stream_chunk_rate: float = typer.Option(
+        4000.0, min=0.0, help="streamed chunks a second over all decoding requests, at most: with many streams each "
+                              "gathers a few steps' tokens into one chunk (the first is never held); 0: every step's "
+                              "tokens at once"),
     watch_window: int = typer.Option(512, min=1, help="the watchdog's sliding window, in speculative rounds"),
     watch_min_rounds: int = typer.Option(64, min=1, help="rounds in the window before the watchdog judges"),
     graceful_timeout: float = typer.Option(60.0, help="seconds in-flight requests get to finish at shutdown"),

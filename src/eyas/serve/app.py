@@ -58,8 +58,8 @@ class ServeOptions:
     max_rows: int | None = None  # the running batch's rows (None: 64 on a GPU, 8 on a CPU; 1: one request at a time)
     retry_after_s: int = 1  # what a 503 for a full queue tells the client to wait
     speculation: str = "auto"  # a request alone: auto (the faster path, measured), on (speculates), off (never)
-    # Streamed chunks a second over all open streams, at most: a stream holds its tokens back for
-    # open streams / this many seconds after its last chunk (none of them is the first: TTFT is not
+    # Streamed chunks a second over all decoding requests, at most: a stream holds its tokens back
+    # for (requests decoding) / this many seconds after its last chunk (never the first: TTFT is not
     # delayed). Each chunk costs the event loop ~30-50 us of the GIL the decode thread needs: 256
     # streams at a token a step each were half of it. 0: every step's tokens go out at once.
     stream_chunk_rate: float = 4000.0
@@ -83,12 +83,12 @@ class ServeState:
         self.draining = False
         self.created = int(time.time())
         self.pump: EventPump | None = None  # bound to the serving loop at its first request
-        self.streams = 0  # streaming responses open now (the event loop's own count)
 
     def stream_hold(self) -> float:
-        """Seconds a stream waits after its last chunk before sending the next (ServeOptions)."""
+        """Seconds a stream waits after its last chunk before sending the next (ServeOptions): the
+        requests decoding make the chunks (queued ones send nothing yet)."""
         rate = self.options.stream_chunk_rate
-        return self.streams / rate if rate > 0 else 0.0
+        return self.worker.running_count / rate if rate > 0 else 0.0
 
     def pump_for(self, loop: asyncio.AbstractEventLoop) -> EventPump:
         if self.pump is None or self.pump.loop is not loop:
@@ -292,7 +292,6 @@ def build_app(state: ServeState) -> FastAPI:
         finished = False
         loop = asyncio.get_running_loop()
         sent: float | None = None  # when the last content chunk went out
-        state.streams += 1
         try:
             if kind == "chat":
                 yield chunk(None, first=True)
@@ -332,7 +331,6 @@ def build_app(state: ServeState) -> FastAPI:
                 yield {"data": "[DONE]"}
                 return
         finally:
-            state.streams -= 1
             if not finished:  # the client went away mid-stream: free the work
                 job.cancel()
 

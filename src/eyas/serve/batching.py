@@ -61,7 +61,7 @@ def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int =
                 on_round: Callable[[int, int, int, bool], None] | None = None,
                 on_rounds: Callable[[int, list[int], list[int]], None] | None = None,
                 on_done: Callable[[Job, Any, float | None, float | None], None] | None = None,
-                on_step: Callable[[str, int], None] | None = None) -> Worker:
+                on_step: Callable[[str, int, int], None] | None = None) -> Worker:
     """The server's worker: a :class:`BatchWorker` of ``max_rows`` rows (None: :data:`DEFAULT_ROWS`
     for the target's device) where the batched engine runs the target, else (an architecture it
     does not run, a target split over devices, ``max_rows`` 1) the FIFO :class:`DecodeWorker`."""
