@@ -2,7 +2,7 @@
 acceptance of a running SGLang / vLLM / eyas server against the drafter's training prediction).
 
     eyas serve --target smollm2 [--draft default] [--host 127.0.0.1] [--port 8000] [--tree 5] [--force]
-               [--max-rows 64] [--speculation auto|on|off] [--stream-chunk-rate 4000]
+               [--max-rows 64] [--speculation auto|on|off] [--stream-chunk-rate 0]
     eyas watch --metrics http://127.0.0.1:8000/metrics --draft runs/d-vllm [--every 30] [--json]
 
 Exit codes: serve 1 when the start-up checks refuse the pair, 2 for unusable input; watch 0 when
@@ -46,9 +46,9 @@ def serve_cmd(
                                                  "where measured faster than a plain row, per greedy and sampled "
                                                  "requests), on (always speculative), off (never)"),
     stream_chunk_rate: float = typer.Option(
-        4000.0, min=0.0, help="streamed chunks a second over all decoding requests, at most: with many streams each "
-                              "gathers a few steps' tokens into one chunk (the first is never held); 0: every step's "
-                              "tokens at once"),
+        0.0, min=0.0, help="streamed chunks a second over all decoding requests, at most: with many streams each "
+                           "gathers a few steps' tokens into one chunk (the first is never held); 0: every step's "
+                           "tokens at once"),
     watch_window: int = typer.Option(512, min=1, help="the watchdog's sliding window, in speculative rounds"),
     watch_min_rounds: int = typer.Option(64, min=1, help="rounds in the window before the watchdog judges"),
     graceful_timeout: float = typer.Option(60.0, help="seconds in-flight requests get to finish at shutdown"),

@@ -60,9 +60,10 @@ class ServeOptions:
     speculation: str = "auto"  # a request alone: auto (the faster path, measured), on (speculates), off (never)
     # Streamed chunks a second over all decoding requests, at most: a stream holds its tokens back
     # for (requests decoding) / this many seconds after its last chunk (never the first: TTFT is not
-    # delayed). Each chunk costs the event loop ~30-50 us of the GIL the decode thread needs: 256
-    # streams at a token a step each were half of it. 0: every step's tokens go out at once.
-    stream_chunk_rate: float = 4000.0
+    # delayed), so that fewer chunks (each ~30-50 us of the event loop) cross the interpreter lock
+    # the decode thread needs. 0 (the default): every step's tokens go out at once; on the CPU
+    # stand-in (benchmarks/serve_overhead_cpu.py) 4000 measured no gain, the GPU is not measured.
+    stream_chunk_rate: float = 0.0
 
 
 class ServeState:
