@@ -17,8 +17,8 @@ client threads in the server's interpreter, or in one client interpreter, queue 
 count their wait as the server's.
 
 Each client sends ``--requests`` streaming chat requests one after another (more where
-``--min-requests`` asks a level for more than its clients would send) (``--max-tokens`` new
-tokens, prompts: the first turns of the MT-bench set shipped with eyas, in turn), and records per
+``--min-requests`` asks a level for more than its clients would send; ``--max-tokens`` new
+tokens; prompts: the first turns of the MT-bench set shipped with eyas, in turn), and records per
 request: TTFT = first content chunk - request sent (queue wait included), TPOT = (last chunk - first
 chunk) / (completion tokens - 1), the completion tokens from the usage chunk. Throughput = all
 completion tokens of a level / the level's wall time (first request sent to last answer read). It
@@ -32,8 +32,9 @@ answer the same prompt got first, at any level or setting (requests mixed up, or
 product rounding differently from a lone one; in float32 it must be 0). Each level runs on each
 server in turn before the next level (a noisy machine's drift hits every setting alike).
 ``--warm-pass`` runs every level once, untimed, first, a request a client (on a GPU each shape
-compiles and captures at its first use), and the report's ``chosen`` holds each server's ``/health`` ``batch_speculation`` at
-the end (the tokens/s it measured per batch size, kind and depth).
+compiles and captures at its first use), and the report's ``chosen`` holds each server's
+``/health`` ``batch_speculation`` at the end (the tokens/s it measured per batch size, kind and
+depth).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve_process.py beside it, however it is loaded
-from serve_process import ServerProcess  # noqa: E402
+from serve_process import ServerProcess, request  # noqa: E402
 
 MAX_CLIENTS, MAX_REQUESTS, MAX_TOKENS = 256, 16, 512
 
@@ -261,10 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         if u.hostname != "127.0.0.1":
             ap.error(f"--url: only a server on 127.0.0.1 is load-tested, found {u.hostname}")
         host, port = "127.0.0.1", u.port or 80
-        c = http.client.HTTPConnection(host, port, timeout=10)
-        c.request("GET", "/v1/models")
-        model = json.loads(c.getresponse().read())["data"][0]["id"]
-        c.close()
+        model = request(port, "/v1/models", timeout=10)[1]["data"][0]["id"]
         setup: dict = {"url": a.url}
         rows = [{k: v for k, v in r.items() if k != "speculation"}
                 for r in run_levels(host, {"as served": port}, model, prompts, levels, temperatures, a)]

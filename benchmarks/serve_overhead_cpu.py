@@ -4,7 +4,7 @@ short of ``rows x 1000 / step_ms`` tokens/s is the host's work (scheduling, even
 SSE chunks, metrics), which on a GPU competes with the engine for one interpreter lock.
 
     PYTHONPATH=src .venv/bin/python benchmarks/serve_overhead_cpu.py --clients 64,256 --step-ms 4.4 \
-        --chunk-rates 0,4000 --speculation off,on --json
+        --speculation off,on --json
 
 A stand-in :class:`WaitBatch` replaces the :class:`~eyas.engine.continuous.RowBatch` of the real
 server (the served pair is loaded as ``eyas serve`` loads it: tokenizer, templates, checks): each
@@ -22,11 +22,11 @@ settings within one run only.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -125,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--step-ms", type=float, default=4.4, help="a step's wait (the H200's plain step of 256 rows: 4.4)")
-    ap.add_argument("--chunk-rates", default="0,4000", help="--stream-chunk-rate settings, each a server")
     ap.add_argument("--speculation", default="off", help="off (plain steps), on (rounds of depth 1-4), or both")
     ap.add_argument("--client-procs", type=int, default=2)
     ap.add_argument("--json", action="store_true")
@@ -137,26 +136,24 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for clients in [int(c) for c in a.clients.split(",")]:
         for spec in a.speculation.split(","):
-            for rate in [float(r) for r in a.chunk_rates.split(",")]:
-                options = replace(ServeOptions(), max_rows=clients, max_queue=4096, speculation=spec,
-                                  stream_chunk_rate=rate, default_max_tokens=a.max_tokens)
-                batch = WaitBatch(clients, text_ids, a.step_ms / 1e3, spec == "on")
-                r = measure(served, options, batch, clients, a.requests, a.max_tokens, a.client_procs)
-                # the ideal: every row its tokens at each step's wait, at the depths the server chose
-                steps = {int(k.rsplit("/", 1)[1]): 0 for k in r["depths"]}  # depth -> steps
-                for k, s in r.pop("depths").items():
-                    steps[int(k.rsplit("/", 1)[1])] += s
-                n = sum(steps.values())
-                tokens = sum((d + 1) * s for d, s in steps.items()) / n if n else 1.0
-                wait = sum((1 + 0.25 * d) * s for d, s in steps.items()) / n if n else 1.0
-                ideal = clients * tokens / (wait * a.step_ms / 1e3)
-                row = {"clients": clients, "speculation": spec, "stream_chunk_rate": rate,
-                       "throughput_tok_s": r["throughput_tok_s"], "ideal_tok_s": round(ideal, 1),
-                       "of_ideal": round(r["throughput_tok_s"] / ideal, 3), "ttft_p50_s": r["ttft_p50_s"],
-                       "tpot_p50_s": r["tpot_p50_s"], "errors": len(r["errors"]), "requests": r["requests"]}
-                rows.append(row)
-                print(f"{clients} clients, speculation {spec}, chunk rate {rate:g}: {row['throughput_tok_s']} tok/s "
-                      f"({row['of_ideal']:.0%} of {row['ideal_tok_s']:.0f})", file=sys.stderr)
+            options = ServeOptions(max_rows=clients, max_queue=4096, speculation=spec, default_max_tokens=a.max_tokens)
+            batch = WaitBatch(clients, text_ids, a.step_ms / 1e3, spec == "on")
+            r = measure(served, options, batch, clients, a.requests, a.max_tokens, a.client_procs)
+            # the ideal: every row its tokens at each step's wait, at the depths the server chose
+            steps: collections.Counter[int] = collections.Counter()  # depth -> steps, over batch sizes
+            for key, n in r["depths"].items():  # "64+/greedy/2": steps
+                steps[int(key.rsplit("/", 1)[1])] += n
+            n = sum(steps.values())
+            tokens = sum((d + 1) * s for d, s in steps.items()) / n if n else 1.0
+            wait = sum((1 + 0.25 * d) * s for d, s in steps.items()) / n if n else 1.0
+            ideal = clients * tokens / (wait * a.step_ms / 1e3)
+            row = {"clients": clients, "speculation": spec, "throughput_tok_s": r["throughput_tok_s"],
+                   "ideal_tok_s": round(ideal, 1), "of_ideal": round(r["throughput_tok_s"] / ideal, 3),
+                   "ttft_p50_s": r["ttft_p50_s"], "tpot_p50_s": r["tpot_p50_s"], "errors": len(r["errors"]),
+                   "requests": r["requests"]}
+            rows.append(row)
+            print(f"{clients} clients, speculation {spec}: {row['throughput_tok_s']} tok/s "
+                  f"({row['of_ideal']:.0%} of {row['ideal_tok_s']:.0f})", file=sys.stderr)
     report = {"target": a.target, "step_ms": a.step_ms, "max_tokens": a.max_tokens, "requests_per_client": a.requests,
               "client_procs": a.client_procs, "levels": rows}
     if a.json:

@@ -311,23 +311,3 @@ def test_speculation_auto_measures_both_paths_of_a_lone_request_and_takes_the_fa
             assert json.loads(r.read())["speculation"]["mode"] == "auto"
         m = metrics(t)
         assert m[("eyas_lone_request_tokens_per_second", (("kind", "greedy"), ("path", "row")))] > 0
-
-
-
-@pytest.mark.parametrize("rate", [0.0, 20.0])
-def test_streams_gather_tokens_into_fewer_chunks_under_the_chunk_rate_and_keep_their_text(served, alone, rate):
-    """--stream-chunk-rate 20 with one stream: after its first chunk (never held) a stream sends at
-    most a chunk every 1/20 s, each holding what the steps decoded meanwhile; the text is the request's
-    own. 0: no holding back (a chunk as tokens come; how many depends on the machine's pace)."""
-    sv, questions = served
-    n = 40
-    with ServerThread(sv, replace(OPTIONS, stream_chunk_rate=rate, speculation="off")) as t:
-        t0 = time.perf_counter()
-        chunks = [ch for ch in client(t).chat.completions.create(
-            model="toy", messages=chat(questions[6]), temperature=0, max_tokens=n, stream=True) if ch.choices]
-        seconds = time.perf_counter() - t0
-    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
-    assert text == alone(questions[6], n)
-    content = [ch for ch in chunks if ch.choices[0].delta.content]
-    if rate:
-        assert 2 <= len(content) <= 2 + seconds * rate  # the first, then one a 1/20 s at most

@@ -2,7 +2,7 @@
 acceptance of a running SGLang / vLLM / eyas server against the drafter's training prediction).
 
     eyas serve --target smollm2 [--draft default] [--host 127.0.0.1] [--port 8000] [--tree 5] [--force]
-               [--max-rows 64] [--speculation auto|on|off] [--stream-chunk-rate 0]
+               [--max-rows 64] [--speculation auto|on|off]
     eyas watch --metrics http://127.0.0.1:8000/metrics --draft runs/d-vllm [--every 30] [--json]
 
 Exit codes: serve 1 when the start-up checks refuse the pair, 2 for unusable input; watch 0 when
@@ -45,10 +45,6 @@ def serve_cmd(
     speculation: str = typer.Option("auto", help="a request alone (nothing else running or waiting): auto (speculative "
                                                  "where measured faster than a plain row, per greedy and sampled "
                                                  "requests), on (always speculative), off (never)"),
-    stream_chunk_rate: float = typer.Option(
-        0.0, min=0.0, help="streamed chunks a second over all decoding requests, at most: with many streams each "
-                           "gathers a few steps' tokens into one chunk (the first is never held); 0: every step's "
-                           "tokens at once"),
     watch_window: int = typer.Option(512, min=1, help="the watchdog's sliding window, in speculative rounds"),
     watch_min_rounds: int = typer.Option(64, min=1, help="rounds in the window before the watchdog judges"),
     graceful_timeout: float = typer.Option(60.0, help="seconds in-flight requests get to finish at shutdown"),
@@ -61,7 +57,7 @@ def serve_cmd(
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = ServeOptions(max_body_bytes=max_body_bytes, max_queue=max_queue, default_max_tokens=max_tokens,
                            watch_window=watch_window, watch_min_rounds=watch_min_rounds, max_rows=max_rows,
-                           speculation=speculation, stream_chunk_rate=stream_chunk_rate)
+                           speculation=speculation)
     # The port opens first and answers "loading" (503, /health says which step) until the pair is
     # loaded, checked and warmed; a refused pair closes it again.
     server, loading = make_loading_server(host, port, graceful_timeout=graceful_timeout)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
@@ -28,12 +29,13 @@ from eyas.data.conversations import (
     Problem,
     ReadResult,
     detect_format,
-    logger,
     parse_chat,
     parse_prompts,
     record_id,
 )
 from eyas.io import atomic_write_text
+
+logger = logging.getLogger("eyas.data")
 
 # ---------------------------------------------------------------------------------------------
 # Reading

@@ -34,15 +34,12 @@ line (JSONL) or array index (JSON), the field, what was expected and what was fo
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from eyas.errors import EyasError
-
-logger = logging.getLogger("eyas.data")
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
 

@@ -58,12 +58,6 @@ class ServeOptions:
     max_rows: int | None = None  # the running batch's rows (None: 64 on a GPU, 8 on a CPU; 1: one request at a time)
     retry_after_s: int = 1  # what a 503 for a full queue tells the client to wait
     speculation: str = "auto"  # a request alone: auto (the faster path, measured), on (speculates), off (never)
-    # Streamed chunks a second over all decoding requests, at most: a stream holds its tokens back
-    # for (requests decoding) / this many seconds after its last chunk (never the first: TTFT is not
-    # delayed), so that fewer chunks (each ~30-50 us of the event loop) cross the interpreter lock
-    # the decode thread needs. 0 (the default): every step's tokens go out at once; on the CPU
-    # stand-in (benchmarks/serve_overhead_cpu.py) 4000 measured no gain, the GPU is not measured.
-    stream_chunk_rate: float = 0.0
 
 
 class ServeState:
@@ -84,12 +78,6 @@ class ServeState:
         self.draining = False
         self.created = int(time.time())
         self.pump: EventPump | None = None  # bound to the serving loop at its first request
-
-    def stream_hold(self) -> float:
-        """Seconds a stream waits after its last chunk before sending the next (ServeOptions): the
-        requests decoding make the chunks (queued ones send nothing yet)."""
-        rate = self.options.stream_chunk_rate
-        return self.worker.running_count / rate if rate > 0 else 0.0
 
     def pump_for(self, loop: asyncio.AbstractEventLoop) -> EventPump:
         if self.pump is None or self.pump.loop is not loop:
@@ -291,8 +279,6 @@ def build_app(state: ServeState) -> FastAPI:
                                         "choices": [choice], **extra})}
 
         finished = False
-        loop = asyncio.get_running_loop()
-        sent: float | None = None  # when the last content chunk went out
         try:
             if kind == "chat":
                 yield chunk(None, first=True)
@@ -300,10 +286,6 @@ def build_app(state: ServeState) -> FastAPI:
             while True:
                 ev, held = held or await events.get(), None
                 if ev.kind == "tokens":
-                    if sent is not None:  # many streams: gather a few steps' tokens into one chunk
-                        wait = sent + state.stream_hold() - loop.time()
-                        if wait > 0:
-                            await asyncio.sleep(wait)
                     ids = list(ev.tokens)
                     while not events.empty():  # what came in meanwhile goes in the same chunk
                         more = events.get_nowait()
@@ -314,7 +296,6 @@ def build_app(state: ServeState) -> FastAPI:
                     piece = text.push(ids)
                     if piece:
                         yield chunk(piece)
-                        sent = loop.time()
                     continue
                 finished = True
                 if ev.error is not None:
