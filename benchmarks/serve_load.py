@@ -197,12 +197,14 @@ def compare(rows: list[dict]) -> None:
     for r in rows:
         single = next((o for o in rows if o["clients"] == 1 and o["temperature"] == r["temperature"]
                        and o.get("speculation") == r.get("speculation")), None)
+        base, _, where = (r.get("speculation") or "").partition("/")  # "auto/in-process": auto, in-process
+        off_label = "off" + (f"/{where}" if where else "")  # the same server with speculation off
         off = next((o for o in rows if o["clients"] == r["clients"] and o["temperature"] == r["temperature"]
-                    and o.get("speculation") == "off"), None)
+                    and o.get("speculation") == off_label), None)
         ratio = (lambda a, b: round(a / b, 3) if a and b else None)
         r["x_single_stream"] = ratio(r["throughput_tok_s"], single and single["throughput_tok_s"])
         r["x_speculation_off"] = (ratio(r["throughput_tok_s"], off["throughput_tok_s"])
-                                  if off is not None and r.get("speculation") not in (None, "off") else None)
+                                  if off is not None and base not in ("", "off") else None)
 
 
 def table(rows: list[dict]) -> str:
@@ -232,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                          "so that a level of 1 or 4 clients lasts long enough to measure")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperatures", default="0", help="comma-separated; each level runs at each")
-    ap.add_argument("--speculation", default="auto", help="auto, on, off, or several (a server launched for each)")
+    ap.add_argument("--speculation", default="auto", help="auto, on, off, or several (a server launched for each); "
+                    "X/in-process: the server with its worker in the HTTP process (eyas serve --in-process)")
     ap.add_argument("--max-rows", type=int, default=None, help="the launched servers' running batch rows")
     ap.add_argument("--port", type=int, default=8391, help="the first launched server's port (the next: +1, ...)")
     ap.add_argument("--client-procs", type=int, default=None,
@@ -250,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 1 <= c <= MAX_CLIENTS for c in levels) or not 1 <= a.requests <= MAX_REQUESTS \
             or not 1 <= a.max_tokens <= MAX_TOKENS:
         ap.error(f"bounded: clients 1..{MAX_CLIENTS}, requests 1..{MAX_REQUESTS}, max tokens 1..{MAX_TOKENS}")
-    if any(x not in ("auto", "on", "off") for x in settings) or (a.url and settings != ["auto"]):
-        ap.error(f"--speculation: auto, on, off or several, and only for launched servers; found {a.speculation!r}")
+    if any(x.partition("/")[0] not in ("auto", "on", "off") or x.partition("/")[2] not in ("", "in-process")
+           for x in settings) or (a.url and settings != ["auto"]):
+        ap.error(f"--speculation: auto, on, off (each optionally /in-process) or several, and only for launched "
+                 f"servers; found {a.speculation!r}")
     from eyas.bench import load_prompts
 
     prompts = [next(m["content"] for m in c.messages if m["role"] == "user") for c in load_prompts("mt_bench")]
@@ -275,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         servers: dict[str, ServerProcess] = {}
         try:
             for i, x in enumerate(settings):
-                servers[x] = ServerProcess.launch(serve_args + ["--speculation", x], a.port + i, timeout=a.timeout)
+                flags = ["--speculation", x.partition("/")[0]] + (["--in-process"] if x.endswith("/in-process") else [])
+                servers[x] = ServerProcess.launch(serve_args + flags, a.port + i, timeout=a.timeout)
                 print(f"serve: --speculation {x} ready in {servers[x].ready_s} s", file=sys.stderr)
             first = next(iter(servers.values()))
             h = first.health()

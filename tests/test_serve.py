@@ -397,16 +397,17 @@ def test_the_overhead_script_measures_the_serving_layer_around_a_waiting_engine(
     _, target, drafter, _ = pair
     mod = load_script("serve_overhead_cpu")
     rc = mod.main(["--target", str(target), "--draft", str(drafter), "--clients", "4", "--speculation", "off,on",
-                   "--requests", "1", "--max-tokens", "12", "--step-ms", "5",
+                   "--mode", "in-process,engine-process", "--requests", "1", "--max-tokens", "12", "--step-ms", "5",
                    "--client-procs", "1", "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert rc == 0 and [r["speculation"] for r in report["levels"]] == ["off", "on"]
+    assert rc == 0 and [(r["mode"], r["speculation"]) for r in report["levels"]] == [
+        ("in-process", "off"), ("in-process", "on"), ("engine-process", "off"), ("engine-process", "on")]
     for r in report["levels"]:
         assert r["errors"] == 0 and r["requests"] == 4
         assert 0 < r["of_ideal"] <= 1.05  # no server delivers more than every row its tokens at every wait
-    plain, rounds = report["levels"]
-    assert plain["ideal_tok_s"] == pytest.approx(4 / 0.005)  # a token a row every 5 ms
-    assert rounds["ideal_tok_s"] > plain["ideal_tok_s"]  # rounds: depth + 1 tokens for 1 + depth / 4 waits
+    for plain, rounds in (report["levels"][:2], report["levels"][2:]):
+        assert plain["ideal_tok_s"] == pytest.approx(4 / 0.005)  # a token a row every 5 ms
+        assert rounds["ideal_tok_s"] > plain["ideal_tok_s"]  # rounds: depth + 1 tokens for 1 + depth / 4 waits
 
 
 def test_the_load_script_reports_every_level_and_stays_on_127_0_0_1(server, capsys):

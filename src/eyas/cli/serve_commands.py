@@ -2,7 +2,7 @@
 acceptance of a running SGLang / vLLM / eyas server against the drafter's training prediction).
 
     eyas serve --target smollm2 [--draft default] [--host 127.0.0.1] [--port 8000] [--tree 5] [--force]
-               [--max-rows 64] [--speculation auto|on|off]
+               [--max-rows 64] [--speculation auto|on|off] [--in-process]
     eyas watch --metrics http://127.0.0.1:8000/metrics --draft runs/d-vllm [--every 30] [--json]
 
 Exit codes: serve 1 when the start-up checks refuse the pair, 2 for unusable input; watch 0 when
@@ -48,11 +48,16 @@ def serve_cmd(
     watch_window: int = typer.Option(512, min=1, help="the watchdog's sliding window, in speculative rounds"),
     watch_min_rounds: int = typer.Option(64, min=1, help="rounds in the window before the watchdog judges"),
     graceful_timeout: float = typer.Option(60.0, help="seconds in-flight requests get to finish at shutdown"),
+    engine_process: bool = typer.Option(True, "--engine-process/--in-process",
+                                        help="decode in a process of its own (default), so that the engine's steps "
+                                             "never wait for the HTTP side's interpreter lock; --in-process: one process"),
 ) -> None:
     """Serve TARGET with its drafter through the OpenAI API (chat and completions, streaming or not)."""
     import threading
 
-    from eyas.serve import RefusedError, ServeOptions, ServeState, load_served, make_loading_server, serve_forever
+    from eyas.serve import RefusedError, ServeOptions, ServeState, make_loading_server, serve_forever
+    from eyas.serve.server import engine_state
+    from eyas.serve.startup import LoadArgs
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = ServeOptions(max_body_bytes=max_body_bytes, max_queue=max_queue, default_max_tokens=max_tokens,
@@ -68,15 +73,15 @@ def serve_cmd(
         err.print(f"[dim]serve: {m}[/]", highlight=False)
 
     def load() -> None:
+        args = LoadArgs(target, draft, tree=tree, tree_sampled=tree_sampled, force=force, device=device,
+                        target_impl=target_impl, matvec=matvec, attention=attention, model_name=served_model_name)
         try:
-            served = load_served(target, draft, tree=tree, tree_sampled=tree_sampled, force=force, device=device,
-                                 target_impl=target_impl, matvec=matvec, attention=attention,
-                                 model_name=served_model_name, log=log)
-            state = ServeState(served, options)
+            state = engine_state(args, options, log) if engine_process else ServeState(args.load(log), options)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread once the port is closed
             failure.append(e)
             server.should_exit = True
             return
+        served = state.served
         pf = served.preflight
         if pf.forced:
             err.print(f"[bold yellow]--force: serving despite {len(pf.failures)} failed check(s)[/] "
@@ -88,8 +93,9 @@ def serve_cmd(
         server.ready(state)
         t, up = served.tree, served.startup
         err.print(f"eyas serve: {served.model_name} on http://{host}:{port}/v1 (tree {t.greedy.label}, sampled "
-                  f"{t.sampled.label}, target {served.target.implementation}, drafter {served.draft_path}, "
-                  f"{state.worker.max_rows} rows, speculation {speculation}); ready in {up.total_s:.1f} s "
+                  f"{t.sampled.label}, target {served.implementation}, drafter {served.draft_path}, "
+                  f"{state.worker.max_rows} rows, speculation {speculation}, "
+                  f"{'an engine process' if engine_process else 'in process'}); ready in {up.total_s:.1f} s "
                   f"({'warm' if up.warm_cache else 'cold'} compile cache {up.compile_cache})", highlight=False)
 
     threading.Thread(target=load, name="eyas-load", daemon=True).start()

@@ -38,7 +38,7 @@ from eyas.engine.stats import STOP_EOS, STOP_STRING
 from eyas.serve.metrics import ServeMetrics
 from eyas.serve.protocol import APIError, ChatRequest, CompletionRequest, TextStream, parse
 from eyas.serve.pump import EventPump
-from eyas.serve.startup import Served
+from eyas.serve.startup import Served, ServedInfo
 from eyas.serve.watchdog import Watchdog
 from eyas.serve.batching import make_worker
 from eyas.serve.worker import Event, Job, QueueFull
@@ -61,19 +61,32 @@ class ServeOptions:
 
 
 class ServeState:
-    """What the app shares across requests: the served pair, the worker, the metrics, the watchdog."""
+    """What the app shares across requests: the served pair, the worker, the metrics, the watchdog.
 
-    def __init__(self, served: Served, options: ServeOptions) -> None:
-        self.served, self.options = served, options
-        pf = served.preflight
-        depth = max(served.tree.greedy.depth, served.tree.sampled.depth)
-        self.metrics = ServeMetrics(depth, served.prediction, pf.forced, len(pf.failures))
-        self.watchdog = Watchdog(served.prediction, target=served.target_name, draft=str(served.draft_path),
+    ``served``: a pair loaded in this process (its worker decodes on a thread of this process), or
+    the :class:`ServedInfo` of an engine process's pair with ``worker`` that process
+    (:class:`~eyas.serve.engine_process.EngineProcess`), whose hooks this state sets."""
+
+    def __init__(self, served: Served | ServedInfo, options: ServeOptions, worker: Any = None) -> None:
+        info = served.info() if isinstance(served, Served) else served
+        self.served, self.options = info, options
+        pf = info.preflight
+        depth = max(info.tree.greedy.depth, info.tree.sampled.depth)
+        self.metrics = ServeMetrics(depth, info.prediction, pf.forced, len(pf.failures))
+        self.watchdog = Watchdog(info.prediction, target=info.target_name, draft=str(info.draft_path),
                                  window=options.watch_window, min_rounds=options.watch_min_rounds,
                                  on_verdict=self.metrics.verdict)
-        self.worker = make_worker(served, options.max_rows, max_queue=options.max_queue, speculation=options.speculation,
-                                  on_round=self._round, on_rounds=self.metrics.rounds,
-                                  on_done=self._done, on_step=self.metrics.step)
+        hooks = {"on_round": self._round, "on_rounds": self.metrics.rounds, "on_done": self._done,
+                 "on_step": self.metrics.step}
+        if worker is None:
+            if not isinstance(served, Served):
+                raise TypeError("ServeState: a ServedInfo comes with the engine process that serves it (worker=...)")
+            worker = make_worker(served, options.max_rows, max_queue=options.max_queue,
+                                 speculation=options.speculation, **hooks)
+        else:
+            for name, hook in hooks.items():
+                setattr(worker, name, hook)
+        self.worker = worker
         self.worker.on_cancelled_early = lambda job: self.metrics.cancelled.inc()
         self.draining = False
         self.created = int(time.time())
@@ -338,7 +351,7 @@ def build_app(state: ServeState) -> FastAPI:
         check_model(req.model)
         p = req.prompt
         if isinstance(p, list) and p and isinstance(p[0], int):
-            vocab = sv.loaded.vocab_size
+            vocab = sv.vocab_size
             if any(t < 0 or t >= vocab for t in p):  # type: ignore[operator]
                 raise APIError(400, "invalid_value", f"prompt: token ids must be in 0..{vocab - 1}", "prompt")
             prompt = list(p)  # type: ignore[arg-type]

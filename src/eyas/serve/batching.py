@@ -145,6 +145,7 @@ class BatchWorker(Worker):
                 self._tick()
             except Exception as e:  # noqa: BLE001 - a failure ends the requests it touched, not the worker
                 self._fail_all(f"{type(e).__name__}: {e}")
+            self._ticked()
 
     def _take(self, block: bool) -> None:
         """Move submitted jobs to ``pending`` (waiting for one when ``block``); they count as

@@ -12,7 +12,10 @@ socket, so a new connection is refused), ``/health`` answers 503 "draining", and
 already queued or decoding finish (uvicorn waits for their connections, up to
 ``graceful_timeout`` seconds). The decode worker is stopped after the last one.
 
-:class:`ServerThread` runs the same server in a thread of this process (tests, the load script).
+:func:`engine_state` starts the decode worker in an engine process of its own
+(:mod:`eyas.serve.engine_process`, ``eyas serve``'s default). :class:`ServerThread` runs the same
+server in a thread of this process (tests, the load script), with the worker in this process or
+in an engine process.
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 from fastapi.responses import JSONResponse
 
 from eyas.serve.app import ServeOptions, ServeState, build_app
+from eyas.serve.engine_process import EngineOptions, EngineProcess
 from eyas.serve.protocol import APIError
-from eyas.serve.startup import Served
+from eyas.serve.startup import LoadArgs, Served
 
 LOADING_RETRY_S = 5
 
@@ -79,9 +83,26 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def make_server(served: Served, host: str = "127.0.0.1", port: int = 8000, options: ServeOptions | None = None,
-                graceful_timeout: float = 60.0, log_level: str = "info") -> GracefulServer:
-    state = ServeState(served, options or ServeOptions())
+def engine_state(load: LoadArgs, options: ServeOptions, log: Callable[[str], None] = lambda m: None,
+                 make: Callable[..., Any] | None = None) -> ServeState:
+    """The pair loaded, checked and warmed in an engine process of its own, and the state that
+    serves it (raises the engine process's :class:`~eyas.serve.startup.RefusedError` or error).
+    ``make``: the engine process's worker factory (a benchmark's stand-in engine)."""
+    engine = EngineProcess(load, EngineOptions(options.max_rows, options.speculation), max_queue=options.max_queue,
+                           log=log, make=make)
+    try:
+        info = engine.wait_ready()
+    except BaseException:
+        if engine.process.is_alive():
+            engine.process.terminate()
+        raise
+    return ServeState(info, options, engine)
+
+
+def make_server(served: Served | ServeState, host: str = "127.0.0.1", port: int = 8000,
+                options: ServeOptions | None = None, graceful_timeout: float = 60.0,
+                log_level: str = "info") -> GracefulServer:
+    state = served if isinstance(served, ServeState) else ServeState(served, options or ServeOptions())
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout,
                             lifespan="off")
@@ -113,11 +134,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerThread:
-    """The server in a background thread on 127.0.0.1 and a free port: ``with ServerThread(served) as t: t.url``."""
+    """The server in a background thread on 127.0.0.1 and a free port: ``with ServerThread(served) as t: t.url``.
 
-    def __init__(self, served: Served, options: ServeOptions | None = None, port: int | None = None) -> None:
+    ``served``: a loaded pair (its worker decodes on a thread of this process), or the
+    :class:`LoadArgs` an engine process loads it with (:func:`engine_state`). ``make``: the worker's
+    factory, as :func:`~eyas.serve.batching.make_worker` is called (a benchmark's stand-in engine)."""
+
+    def __init__(self, served: Served | LoadArgs, options: ServeOptions | None = None, port: int | None = None,
+                 make: Callable[..., Any] | None = None) -> None:
         self.port = port or free_port()
-        self.server = make_server(served, "127.0.0.1", self.port, options, graceful_timeout=30, log_level="warning")
+        options = options or ServeOptions()
+        if isinstance(served, LoadArgs):
+            state = engine_state(served, options, make=make)
+        else:
+            worker = None if make is None else make(served, options.max_rows, max_queue=options.max_queue,
+                                                    speculation=options.speculation)
+            state = ServeState(served, options, worker)
+        self.server = make_server(state, "127.0.0.1", self.port, options, graceful_timeout=30, log_level="warning")
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # not the main thread
         self.thread = threading.Thread(target=serve_forever, args=(self.server,), daemon=True)
 

@@ -97,6 +97,9 @@ class RefusedError(Exception):
         super().__init__(text)
         self.preflight = preflight
 
+    def __reduce__(self) -> tuple[Any, ...]:  # from the engine process to the HTTP side
+        return (RefusedError, (self.preflight, str(self)))
+
 
 @dataclass
 class Startup:
@@ -147,6 +150,50 @@ class Served:
     @property
     def max_length(self) -> int:
         return int(self.target.max_length)
+
+    def info(self) -> "ServedInfo":
+        return ServedInfo(self.loaded.tokenizer, self.loaded.vocab_size, self.max_length, self.model_name,
+                          self.target_name, self.draft_path, self.tree, self.preflight, self.prediction, self.startup,
+                          str(getattr(self.target, "implementation", "")))
+
+
+@dataclass
+class ServedInfo:
+    """What the HTTP side serves with (the routes, /health, /metrics, the watchdog): no weights, no
+    engine, so that it pickles from an engine process (:mod:`eyas.serve.engine_process`)."""
+
+    tokenizer: Any
+    vocab_size: int  # V: valid token ids of a completion prompt are 0..V-1
+    max_length: int  # the context: prompt and answer
+    model_name: str
+    target_name: str
+    draft_path: Path
+    tree: TreePlan
+    preflight: Preflight
+    prediction: Prediction | None
+    startup: Startup
+    implementation: str  # the engine's target (fast, generic, ...)
+
+
+@dataclass(frozen=True)
+class LoadArgs:
+    """:func:`load_served`'s arguments, which an engine process loads with (picklable)."""
+
+    target: str
+    draft: str | None
+    tree: str = "5"
+    tree_sampled: str | None = None
+    force: bool = False
+    device: str = "auto"
+    target_impl: str = "auto"
+    matvec: str = "auto"
+    attention: str = "auto"
+    model_name: str | None = None
+
+    def load(self, log: Callable[[str], None] = lambda m: None) -> Served:
+        return load_served(self.target, self.draft, tree=self.tree, tree_sampled=self.tree_sampled, force=self.force,
+                           device=self.device, target_impl=self.target_impl, matvec=self.matvec,
+                           attention=self.attention, model_name=self.model_name, log=log)
 
 
 def check_pair(loaded: LoadedTarget, draft_path: Path, log: Callable[[str], None] | None = None) -> Preflight:

@@ -56,9 +56,14 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.perf_counter)
     started: float | None = None
+    on_cancel: Callable[[], None] | None = None  # where the worker is elsewhere: tell it (once)
 
     def cancel(self) -> None:
+        if self.cancelled.is_set():
+            return
         self.cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel()
 
 
 class QueueFull(Exception):
@@ -84,6 +89,7 @@ class Worker:
         self.served, self.max_queue = served, max_queue
         self.on_round, self.on_done = on_round, on_done
         self.on_cancelled_early: Callable[[Job], None] | None = None
+        self.on_tick: Callable[[], None] | None = None  # after each step's events (an engine process sends them)
         self.queue: queue.Queue[Any] = queue.Queue()
         self.waiting = 0  # jobs submitted and not yet decoding
         self.max_rows = 1  # requests decoding at once, at most
@@ -114,6 +120,10 @@ class Worker:
         """Finish every queued job, then end the thread."""
         self.queue.put(STOP)
         self.thread.join(timeout)
+
+    def _ticked(self) -> None:
+        if self.on_tick is not None:
+            self.on_tick()
 
     def _taken(self) -> None:
         with self._lock:
@@ -187,6 +197,7 @@ class DecodeWorker(Worker):
                 job.emit(Event("done", error=f"{type(e).__name__}: {e}", time=time.perf_counter()))
             finally:
                 self._running = None
+                self._ticked()
 
     def _run(self, job: Job) -> None:
         if self._skip_cancelled(job):
@@ -196,6 +207,7 @@ class DecodeWorker(Worker):
         if s.out.tokens:
             first = last = time.perf_counter()
             job.emit(Event("tokens", list(s.out.tokens), time=first))
+            self._ticked()
         stats = s.stats
         while not s.done:
             if job.cancelled.is_set():
@@ -208,6 +220,7 @@ class DecodeWorker(Worker):
                 last = time.perf_counter()
                 first = first or last
                 job.emit(Event("tokens", tokens, time=last))
+                self._ticked()
         result = s.result()
         if self.on_done is not None:
             self.on_done(job, result, first, last)
