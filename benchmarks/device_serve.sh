@@ -12,7 +12,7 @@
 #               pass first), serve_startup.py (warm starts of `eyas serve` on the cache serve_load filled),
 #               and with ROWS=1 row_speculation_cpu.py on the GPU (the engine's rounds per rows and depth)
 #               (env: CLIENTS, TEMPS, SPEC (serve_load's --speculation, e.g. auto,off,off/in-process),
-#               LOAD_S, STARTUP_S (1: no start-up runs), WAIT_S)
+#               ONE=1: --one-at-a-time, LOAD_S, STARTUP_S (1: no start-up runs), WAIT_S)
 #   wait [S]    wait up to S seconds (default 540) for it to end; copy what is done into $OUT
 #
 # Results: $OUT/serve_load.json, serve_load.log, startup.json, startup.log, rows.json, rows.log
@@ -25,6 +25,9 @@ RUN=/tmp/serve
 
 collect() {
   for f in "$RUN"/*.json "$RUN"/*.log "$RUN"/*.png; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+  for f in /tmp/eyas-serve-*.log; do  # each launched server's own log, its last 100 kB
+    [ -f "$f" ] && { echo "== $f"; tail -c 100000 "$f"; } >> "$OUT/servers.log"
+  done
   true
 }
 
@@ -46,7 +49,7 @@ case "${1:-}" in
     setsid nohup bash -c "
       export EYAS_CACHE=/tmp/eyas-cache
       timeout ${LOAD_S:-780} python benchmarks/serve_load.py --target /tmp/smol.gguf --draft $D --tree 4,8,15 \
-        --clients ${CLIENTS:-1,4,16,64,256} --requests 2 --min-requests 32 --max-tokens 128 --temperatures ${TEMPS:-0,1} --speculation ${SPEC:-auto,off} \
+        --clients ${CLIENTS:-1,4,16,64,256} --requests 2 --min-requests 32 --max-tokens 128 --temperatures ${TEMPS:-0,1} --speculation ${SPEC:-auto,off} ${ONE:+--one-at-a-time} \
         --max-rows 256 --warm-pass --json > $RUN/serve_load.json 2> $RUN/serve_load.log
       echo \"serve_load exit \$?\" >> $RUN/serve_load.log
       timeout ${STARTUP_S:-300} python benchmarks/serve_startup.py --target /tmp/smol.gguf --draft $D \

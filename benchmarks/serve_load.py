@@ -30,7 +30,10 @@ level's, same temperature and speculation), ``x_speculation_off`` (speculation o
 clients and temperature), and ``greedy_mismatches``: greedy answers whose text differs from the
 answer the same prompt got first, at any level or setting (requests mixed up, or, in bf16, a batched
 product rounding differently from a lone one; in float32 it must be 0). Each level runs on each
-server in turn before the next level (a noisy machine's drift hits every setting alike).
+server in turn before the next level (a noisy machine's drift hits every setting alike), unless
+``--one-at-a-time`` (each server alone on the GPU, all its levels, then stopped: servers of 256 rows
+each hold a KV cache, and three did not fit an 80 GB H100). A stream that ends with an error chunk
+counts as a failed request.
 ``--warm-pass`` runs every level once, untimed, first, a request a client (on a GPU each shape
 compiles and captures at its first use), and the report's ``chosen`` holds each server's
 ``/health`` ``batch_speculation`` at the end (the tokens/s it measured per batch size, kind and
@@ -100,6 +103,9 @@ def one_request(host: str, port: int, model: str, prompt: str, max_tokens: int, 
         if data == b"[DONE]":
             break
         chunk = json.loads(data)
+        if "error" in chunk:  # the server ended the stream with an error: the request failed
+            conn.close()
+            raise RuntimeError(f"streamed error: {chunk['error'].get('message', chunk['error'])}"[:300])
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
         for c in chunk.get("choices", []):
@@ -238,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                     "X/in-process: the server with its worker in the HTTP process (eyas serve --in-process)")
     ap.add_argument("--max-rows", type=int, default=None, help="the launched servers' running batch rows")
     ap.add_argument("--port", type=int, default=8391, help="the first launched server's port (the next: +1, ...)")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="launch each setting's server after the previous one stopped, all its levels in a row "
+                         "(servers of 256 rows each hold their own KV cache: several at once may not fit a GPU)")
     ap.add_argument("--client-procs", type=int, default=None,
                     help="processes the clients of a level are spread over (default: one per 8 clients, at most "
                          "one per CPU core)")
@@ -278,23 +287,34 @@ def main(argv: list[str] | None = None) -> int:
         serve_args = ["--target", a.target, "--tree", a.tree, "--max-queue", str(MAX_CLIENTS * MAX_REQUESTS)] \
             + (["--draft", a.draft] if a.draft else []) + (["--max-rows", str(a.max_rows)] if a.max_rows else [])
         servers: dict[str, ServerProcess] = {}
+        groups = [[x] for x in settings] if a.one_at_a_time else [settings]
+        greedy_texts: dict[int, str] = {}  # shared: every server must give a prompt the same greedy answer
+        setup = {}
         try:
-            for i, x in enumerate(settings):
-                flags = ["--speculation", x.partition("/")[0]] + (["--in-process"] if x.endswith("/in-process") else [])
-                servers[x] = ServerProcess.launch(serve_args + flags, a.port + i, timeout=a.timeout)
-                print(f"serve: --speculation {x} ready in {servers[x].ready_s} s", file=sys.stderr)
-            first = next(iter(servers.values()))
-            h = first.health()
-            setup = {"target": a.target, "draft": a.draft or "default", "tree": a.tree,
-                     "command": first.command.replace(f"--port {first.port}", "--port PORT"),
-                     "ready_s": {x: t.ready_s for x, t in servers.items()}, "startup": h.get("startup"),
-                     "max_rows": h["queue"]["max_rows"]}
-            ports = {x: t.port for x, t in servers.items()}
-            rows = run_levels("127.0.0.1", ports, first.model(), prompts, levels, temperatures, a)
-            setup["chosen"] = {x: t.health().get("batch_speculation") for x, t in servers.items()}
+            for group in groups:
+                for x in group:
+                    flags = ["--speculation", x.partition("/")[0]] + (["--in-process"] if x.endswith("/in-process")
+                                                                      else [])
+                    servers[x] = ServerProcess.launch(serve_args + flags, a.port + len(servers), timeout=a.timeout)
+                    print(f"serve: --speculation {x} ready in {servers[x].ready_s} s", file=sys.stderr)
+                if not setup:
+                    first = servers[group[0]]
+                    h = first.health()
+                    setup = {"target": a.target, "draft": a.draft or "default", "tree": a.tree,
+                             "command": first.command.replace(f"--port {first.port}", "--port PORT"),
+                             "startup": h.get("startup"), "max_rows": h["queue"]["max_rows"],
+                             "one_at_a_time": a.one_at_a_time, "chosen": {}}
+                ports = {x: servers[x].port for x in group}
+                rows += run_levels("127.0.0.1", ports, servers[group[0]].model(), prompts, levels, temperatures, a,
+                                   greedy_texts)
+                for x in group:
+                    setup["chosen"][x] = servers[x].health().get("batch_speculation")
+                    if a.one_at_a_time:
+                        servers[x].stop()
         finally:
             for t in servers.values():
                 t.stop()
+        setup["ready_s"] = {x: t.ready_s for x, t in servers.items()}
         setup["exit_codes"] = {x: t.exit_code for x, t in servers.items()}
     compare(rows)
     report = {**setup, "requests_per_client": a.requests, "min_requests": a.min_requests, "max_tokens": a.max_tokens,
@@ -317,7 +337,7 @@ def requests_each(a: argparse.Namespace, clients: int) -> int:
 
 
 def run_levels(host: str, ports: dict[str, int], model: str, prompts: list[str], levels: list[int],
-               temperatures: list[float], a: argparse.Namespace) -> list[dict]:
+               temperatures: list[float], a: argparse.Namespace, greedy_texts: dict[int, str] | None = None) -> list[dict]:
     """Every level at every temperature on each server (setting -> port), the settings interleaved
     level by level, after a warm-up request each (not counted)."""
     for port in ports.values():
@@ -328,7 +348,7 @@ def run_levels(host: str, ports: dict[str, int], model: str, prompts: list[str],
                 for setting, port in ports.items():
                     run_level(host, port, model, prompts, c, 1, a.max_tokens, a.timeout, t, {}, client_procs(a, c))
                     print(f"warm: {setting}, temperature {t:g}, {c} clients", file=sys.stderr)
-    greedy_texts: dict[int, str] = {}  # shared: every server must give a prompt the same greedy answer
+    greedy_texts = {} if greedy_texts is None else greedy_texts  # a prompt's first greedy answer, over servers
     rows = []
     for t in temperatures:
         for c in levels:
