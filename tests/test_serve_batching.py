@@ -63,10 +63,11 @@ def streamed(c: OpenAI, question: str, n: int = TOKENS, **kw) -> str:
         model="toy", messages=chat(question), temperature=0, max_tokens=n, stream=True, **kw) if ch.choices)
 
 
-@pytest.mark.parametrize("speculation", ["on", "off"])
+@pytest.mark.parametrize("speculation", ["on", "off", "auto"])
 def test_8_concurrent_greedy_requests_each_get_their_single_request_output_from_one_batch(served, alone, speculation):
     """``on``: the batch runs speculative rounds (a chain a row, each row its own accepted length);
-    ``off``: plain batched steps. Either way each request gets its output alone."""
+    ``off``: plain batched steps; ``auto``: a request alone may speculate, a batch steps plainly
+    (``--batch-speculation`` off unless asked). Either way each request gets its output alone."""
     sv, questions = served
     prompts = [questions[i % len(questions)] + f" ({i})" for i in range(8)]
     want = [alone(p) for p in prompts]
@@ -85,6 +86,8 @@ def test_8_concurrent_greedy_requests_each_get_their_single_request_output_from_
     kinds = {kind for kind, _, _ in steps}
     if speculation == "on":  # a request alone at the start may run its own rounds first
         assert "batched_speculative" in kinds and kinds <= {"batched_speculative", "speculative"}
+    elif speculation == "auto":
+        assert "batched" in kinds and kinds <= {"batched", "speculative"}
     else:
         assert kinds == {"batched"}
     batched = [(kind, rows, depth) for kind, rows, depth in steps if kind.startswith("batched")]
@@ -98,7 +101,7 @@ def test_8_concurrent_greedy_requests_each_get_their_single_request_output_from_
     assert health["queue"] == {"running": 0, "waiting": 0, "max_rows": 4}
     chosen = health["batch_speculation"]  # each measured rate with its steps (those that compiled: not counted)
     assert set(chosen["steps"]) == set(chosen["tokens_per_s"]) and 0 < sum(chosen["steps"].values()) <= len(batched)
-    assert chosen["compile_s"] >= 0 and chosen["mode"] == speculation
+    assert chosen["compile_s"] >= 0 and chosen["mode"] == {"auto": "off"}.get(speculation, speculation)
     if speculation == "on":  # rounds of the batch counted in the acceptance metrics, per depth chosen
         assert m[("eyas_spec_decode_num_drafts_total", ())] >= sum(rows for k, rows, _ in batched)
         assert m[("eyas_spec_decode_num_accepted_tokens_total", ())] > 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eyas.engine import SamplingParams
-from eyas.serve.policy import SpeculationPolicy
+from eyas.serve.policy import SpeculationPolicy, batch_mode
 
 pytestmark = pytest.mark.unit
 
@@ -76,3 +76,11 @@ def test_a_batched_rounds_metrics_equal_its_rows_counted_one_at_a_time():
 
     assert counts(batch) == counts(one)
     assert b"eyas_spec_decode_num_accepted_tokens_per_pos_total{position=\"2\"} 2.0" in batch.text()
+
+
+def test_a_batch_speculates_only_where_asked_and_never_with_speculation_off():
+    assert batch_mode("auto") == "off" and batch_mode("off") == "off" and batch_mode("on") == "on"
+    assert batch_mode("auto", "auto") == "auto" and batch_mode("on", "off") == "off"
+    assert batch_mode("off", "on") == "off"  # off means no drafter at all
+    with pytest.raises(ValueError, match=r"batch_speculation: expected one of \['auto', 'on', 'off'\], found 'yes'"):
+        batch_mode("auto", "yes")

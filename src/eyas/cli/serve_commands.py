@@ -2,7 +2,7 @@
 acceptance of a running SGLang / vLLM / eyas server against the drafter's training prediction).
 
     eyas serve --target smollm2 [--draft default] [--host 127.0.0.1] [--port 8000] [--tree 5] [--force]
-               [--max-rows 64] [--speculation auto|on|off] [--in-process]
+               [--max-rows 64] [--speculation auto|on|off] [--batch-speculation off|auto|on] [--in-process]
     eyas watch --metrics http://127.0.0.1:8000/metrics --draft runs/d-vllm [--every 30] [--json]
 
 Exit codes: serve 1 when the start-up checks refuse the pair, 2 for unusable input; watch 0 when
@@ -45,6 +45,10 @@ def serve_cmd(
     speculation: str = typer.Option("auto", help="a request alone (nothing else running or waiting): auto (speculative "
                                                  "where measured faster than a plain row, per greedy and sampled "
                                                  "requests), on (always speculative), off (never)"),
+    batch_speculation: Optional[str] = typer.Option(None, help="several rows decoding: off (plain steps; measured "
+                                                              "faster on the H100), auto (the depth of a batch's "
+                                                              "speculative rounds measured per batch size), on "
+                                                              "(default: on with --speculation on, else off)"),
     watch_window: int = typer.Option(512, min=1, help="the watchdog's sliding window, in speculative rounds"),
     watch_min_rounds: int = typer.Option(64, min=1, help="rounds in the window before the watchdog judges"),
     graceful_timeout: float = typer.Option(60.0, help="seconds in-flight requests get to finish at shutdown"),
@@ -59,10 +63,17 @@ def serve_cmd(
     from eyas.serve.server import engine_state
     from eyas.serve.startup import LoadArgs
 
+    from eyas.cli.common import fail
+    from eyas.serve.policy import batch_mode
+
+    try:  # before the port opens or a process starts
+        batch_mode(speculation, batch_speculation)
+    except ValueError as e:
+        fail(f"--{str(e).replace('_', '-')}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = ServeOptions(max_body_bytes=max_body_bytes, max_queue=max_queue, default_max_tokens=max_tokens,
                            watch_window=watch_window, watch_min_rounds=watch_min_rounds, max_rows=max_rows,
-                           speculation=speculation)
+                           speculation=speculation, batch_speculation=batch_speculation)
     # The port opens first and answers "loading" (503, /health says which step) until the pair is
     # loaded, checked and warmed; a refused pair closes it again.
     server, loading = make_loading_server(host, port, graceful_timeout=graceful_timeout)
@@ -94,7 +105,8 @@ def serve_cmd(
         t, up = served.tree, served.startup
         err.print(f"eyas serve: {served.model_name} on http://{host}:{port}/v1 (tree {t.greedy.label}, sampled "
                   f"{t.sampled.label}, target {served.implementation}, drafter {served.draft_path}, "
-                  f"{state.worker.max_rows} rows, speculation {speculation}, "
+                  f"{state.worker.max_rows} rows, speculation {speculation}, batches "
+                  f"{batch_mode(speculation, batch_speculation)}, "
                   f"{'an engine process' if engine_process else 'in process'}); ready in {up.total_s:.1f} s "
                   f"({'warm' if up.warm_cache else 'cold'} compile cache {up.compile_cache})", highlight=False)
 

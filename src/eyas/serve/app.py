@@ -58,6 +58,7 @@ class ServeOptions:
     max_rows: int | None = None  # the running batch's rows (None: 64 on a GPU, 8 on a CPU; 1: one request at a time)
     retry_after_s: int = 1  # what a 503 for a full queue tells the client to wait
     speculation: str = "auto"  # a request alone: auto (the faster path, measured), on (speculates), off (never)
+    batch_speculation: str | None = None  # several rows: auto (depth measured per batch size), on, off (None: as policy.batch_mode)
 
 
 class ServeState:
@@ -81,8 +82,8 @@ class ServeState:
         if worker is None:
             if not isinstance(served, Served):
                 raise TypeError("ServeState: a ServedInfo comes with the engine process that serves it (worker=...)")
-            worker = make_worker(served, options.max_rows, max_queue=options.max_queue,
-                                 speculation=options.speculation, **hooks)
+            worker = make_worker(served, options.max_rows, max_queue=options.max_queue, speculation=options.speculation,
+                                 batch_speculation=options.batch_speculation, **hooks)
         else:
             for name, hook in hooks.items():
                 setattr(worker, name, hook)

@@ -14,12 +14,13 @@ two steps it takes what was submitted, then:
    prompt and its tokens are prefilled into a row, which continues from its last token
    (:class:`~eyas.engine.continuous.RowRequest` ``next_token``).
 3. Otherwise waiting requests are prefilled into free rows (in arrival order: nobody is overtaken),
-   and one batched step runs: a plain step (a token per row) or, with a drafter, a batched
-   speculative round (:meth:`~eyas.engine.continuous.RowBatch.speculate`: a chain of drafts per row,
-   one verification for all rows, each row its own accepted length), at the depth measured fastest
-   for this many rows and this kind of step (:class:`~eyas.serve.policy.BatchSpeculation`: it turns
-   speculation down, then off, as the batch grows and a forward stops being bound by reading the
-   weights). Each row's tokens go to its request at once (streaming per row); a row whose request
+   and one batched step runs: a plain step (a token per row) or, where ``--batch-speculation``
+   asks for them (:func:`~eyas.serve.policy.batch_mode`: off by default, measured not to pay), a
+   batched speculative round (:meth:`~eyas.engine.continuous.RowBatch.speculate`: a chain of drafts
+   per row, one verification for all rows, each row its own accepted length), at the depth
+   measured fastest for this many rows and this kind of step (``auto``,
+   :class:`~eyas.serve.policy.BatchSpeculation`: it turns speculation down, then off, as the batch
+   grows and a forward stops being bound by reading the weights). Each row's tokens go to its request at once (streaming per row); a row whose request
    ends (eos, its ``max_tokens``, a stop string, a client gone) is freed at once, and the next step
    can fill it.
 
@@ -50,7 +51,7 @@ from eyas.engine.continuous import RowBatch, RowRequest
 from eyas.engine.speculative import STOP_CANCELLED, GenerationResult
 from eyas.engine.stats import STOP_EOS, STOP_MAX_NEW_TOKENS, GenerationStats
 from eyas.engine.stopping import StopCriteria
-from eyas.serve.policy import BatchSpeculation, SpeculationPolicy
+from eyas.serve.policy import BatchSpeculation, SpeculationPolicy, batch_mode
 from eyas.serve.startup import Served
 from eyas.serve.worker import STOP, DecodeWorker, Event, Job, Worker
 
@@ -58,24 +59,26 @@ DEFAULT_ROWS = {"cuda": 64, "cpu": 8}  # --max-rows by device: a CPU's memory ho
 
 
 def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int = 256, speculation: str = "auto",
-                on_round: Callable[[int, int, int, bool], None] | None = None,
+                batch_speculation: str | None = None, on_round: Callable[[int, int, int, bool], None] | None = None,
                 on_rounds: Callable[[int, list[int], list[int]], None] | None = None,
                 on_done: Callable[[Job, Any, float | None, float | None], None] | None = None,
                 on_step: Callable[[str, int, int], None] | None = None) -> Worker:
     """The server's worker: a :class:`BatchWorker` of ``max_rows`` rows (None: :data:`DEFAULT_ROWS`
     for the target's device) where the batched engine runs the target, else (an architecture it
-    does not run, a target split over devices, ``max_rows`` 1) the FIFO :class:`DecodeWorker`."""
+    does not run, a target split over devices, ``max_rows`` 1) the FIFO :class:`DecodeWorker`.
+    ``speculation``: a request alone; ``batch_speculation``: the batch's rounds
+    (:func:`~eyas.serve.policy.batch_mode`: off unless asked)."""
     model, device = served.loaded.model, served.target.device
     rows = int(max_rows if max_rows is not None else DEFAULT_ROWS.get(device.type, 8))
     if rows < 1:
         raise ValueError(f"--max-rows: expected at least 1, found {rows}")
     if rows == 1 or fast_unsupported(model) is not None:
         return DecodeWorker(served, max_queue=max_queue, on_round=on_round, on_done=on_done)
-    drafter = served.drafter if speculation != "off" else None
+    drafter = served.drafter if batch_mode(speculation, batch_speculation) != "off" else None  # else no batched drafter state
     batch = RowBatch(BatchedLlama(model, rows=rows), capacity=served.max_length, eos_ids=served.loaded.eos_ids,
                      drafter=drafter, boundaries=served.target.spec.boundaries if drafter is not None else ())
-    return BatchWorker(served, batch, speculation=speculation, max_queue=max_queue, on_round=on_round, on_done=on_done,
-                       on_step=on_step, on_rounds=on_rounds)
+    return BatchWorker(served, batch, speculation=speculation, batch_speculation=batch_speculation, max_queue=max_queue,
+                       on_round=on_round, on_done=on_done, on_step=on_step, on_rounds=on_rounds)
 
 
 @dataclass
@@ -101,14 +104,15 @@ class BatchWorker(Worker):
     ``depth`` drafts a row). ``on_rounds(depth, accepted, emitted)`` sees a batched round's rows at
     once (per row: drafts accepted, tokens kept); without it ``on_round`` sees each row's."""
 
-    def __init__(self, served: Served, batch: RowBatch, *, speculation: str = "auto",
+    def __init__(self, served: Served, batch: RowBatch, *, speculation: str = "auto", batch_speculation: str | None = None,
                  on_step: Callable[[str, int, int], None] | None = None,
                  on_rounds: Callable[[int, list[int], list[int]], None] | None = None, **kwargs: Any) -> None:
         super().__init__(served, **kwargs)
         self.batch, self.on_step, self.on_rounds = batch, on_step, on_rounds
         self.max_rows = batch.rows
         self.policy = SpeculationPolicy(speculation if served.drafter is not None else "off")
-        self.batch_policy = BatchSpeculation(speculation if batch.spec is not None else "off")
+        self.batch_policy = BatchSpeculation(batch_mode(speculation, batch_speculation) if batch.spec is not None
+                                             else "off")
         self.pending: deque[Job] = deque()  # taken off the queue, waiting for a row
         self.rows: dict[int, Live] = {}  # row -> its request
         self.solo: tuple[Live, Any] | None = None  # the lone request and its speculative session

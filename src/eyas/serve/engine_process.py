@@ -57,6 +57,7 @@ class EngineOptions:
 
     max_rows: int | None
     speculation: str
+    batch_speculation: str | None = None
 
 
 # -- the engine process ---------------------------------------------------------------------------
@@ -137,7 +138,7 @@ def engine_main(conn: Any, load: LoadArgs, options: EngineOptions, make: Callabl
 
         # The HTTP side bounds the queue; here nothing is refused.
         worker = make(served, options.max_rows, max_queue=1 << 30, speculation=options.speculation,
-                      on_round=lambda *a: outbox.add((ROUND, *a)), on_rounds=lambda *a: outbox.add((ROUNDS, *a)),
+                      batch_speculation=options.batch_speculation, on_round=lambda *a: outbox.add((ROUND, *a)), on_rounds=lambda *a: outbox.add((ROUNDS, *a)),
                       on_done=finished, on_step=lambda *a: outbox.add((STEP, *a)))
         worker.on_cancelled_early = lambda job: outbox.add((CANCELLED_EARLY, job.id))
         worker.on_tick = outbox.flush

@@ -29,6 +29,23 @@ KINDS = ("greedy", "sampled")
 PATHS = ("speculative", "row")
 
 
+def batch_mode(speculation: str, batch_speculation: str | None = None) -> str:
+    """What a batch of several rows does (:class:`BatchSpeculation`'s mode): ``batch_speculation``
+    where given (never speculative with ``speculation`` off), else ``on`` with ``speculation`` on and
+    ``off`` otherwise. Off by default because it was measured not to pay: on the H100 (2026-12-06,
+    SmolLM2 and its drafter, ``benchmarks/results/2026-12-06-serve-load-h100-engine-process.md``)
+    every depth's round delivered 0.4-1.1x a plain step's tokens/s at every batch size of 2-256
+    rows, and learning that online cost the ``auto`` server 117 s of compiling and capturing rounds
+    while it served (one capture per rows bucket, depth, mode and key length), against 40 s for
+    plain steps; a request alone still speculates (its tree rounds: 1.9-2.5x)."""
+    for name, value in (("speculation", speculation), ("batch_speculation", batch_speculation)):
+        if value is not None and value not in MODES:
+            raise ValueError(f"{name}: expected one of {list(MODES)}, found {value!r}")
+    if speculation == "off":
+        return "off"
+    return batch_speculation or ("on" if speculation == "on" else "off")
+
+
 @dataclass
 class Rate:
     """Tokens per second as decayed sums: each sample scales the past by ``decay``."""

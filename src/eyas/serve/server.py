@@ -88,7 +88,7 @@ def engine_state(load: LoadArgs, options: ServeOptions, log: Callable[[str], Non
     """The pair loaded, checked and warmed in an engine process of its own, and the state that
     serves it (raises the engine process's :class:`~eyas.serve.startup.RefusedError` or error).
     ``make``: the engine process's worker factory (a benchmark's stand-in engine)."""
-    engine = EngineProcess(load, EngineOptions(options.max_rows, options.speculation), max_queue=options.max_queue,
+    engine = EngineProcess(load, EngineOptions(options.max_rows, options.speculation, options.batch_speculation), max_queue=options.max_queue,
                            log=log, make=make)
     try:
         info = engine.wait_ready()
@@ -148,7 +148,8 @@ class ServerThread:
             state = engine_state(served, options, make=make)
         else:
             worker = None if make is None else make(served, options.max_rows, max_queue=options.max_queue,
-                                                    speculation=options.speculation)
+                                                    speculation=options.speculation,
+                                                    batch_speculation=options.batch_speculation)
             state = ServeState(served, options, worker)
         self.server = make_server(state, "127.0.0.1", self.port, options, graceful_timeout=30, log_level="warning")
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # not the main thread
