@@ -20,6 +20,7 @@ from eyas.cli.common import run as _run
 from eyas.cli.data_commands import register as register_data_commands
 from eyas.cli.doctor_command import register as register_doctor_command
 from eyas.cli.engine_commands import register as register_engine_commands
+from eyas.cli.open_prompts_command import register as register_open_prompts_command
 from eyas.cli.serve_commands import register as register_serve_commands
 
 app = typer.Typer(
@@ -351,6 +352,7 @@ def train(
 
 
 register_data_commands(app)  # eyas regenerate, eyas capture
+register_open_prompts_command(app)  # eyas open-prompts
 register_engine_commands(app)  # eyas generate, eyas bench
 register_doctor_command(app)  # eyas doctor
 register_serve_commands(app)  # eyas serve, eyas watch

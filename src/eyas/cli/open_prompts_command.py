@@ -1,0 +1,70 @@
+"""`eyas open-prompts`: user prompts from open sets on GitHub (pinned by commit and sha256, each
+prompt with its source and licence), as `eyas regenerate` reads them.
+
+    eyas open-prompts --out open.jsonl [--sets squad-v2-dev,...] [--files DIR] [--max-per-set N]
+                      [--target smollm2] [--list] [--json]
+
+Exit code 2 for unusable input (an unknown set, a file whose sha256 differs, no network and no --files).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from eyas.cli.common import console, fail
+from eyas.cli.common import print_json as _print_json
+from eyas.cli.common import run as _run
+
+
+def open_prompts_cmd(
+    out: Optional[Path] = typer.Option(None, help="JSONL of user prompts to write (replaced at the end)"),
+    sets: str = typer.Option("", help="comma-separated set names (default: all; --list names them)"),
+    files: Optional[Path] = typer.Option(None, help="local copies of the files as <owner>__<name>/<path> "
+                                                    "(default: downloaded at their commit into eyas' cache)"),
+    max_per_set: Optional[int] = typer.Option(None, min=1, help="at most this many prompts a set"),
+    target: Optional[str] = typer.Option(None, help="count lengths in this target's tokens (the share over 1,000)"),
+    list_sets: bool = typer.Option(False, "--list", help="print the sets (source, licence, kind) and exit"),
+    json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
+) -> None:
+    """Write user prompts from open prompt sets: long documents to summarize or answer questions
+    about, translation pairs, math and code tasks."""
+    from eyas.data.open_readers import write_open_prompts
+    from eyas.data.open_sets import OPEN_SETS
+
+    if list_sets:
+        rows = [{"name": s.name, "kind": s.kind, "licence": s.licence,
+                 "files": [f"{f.repo}@{f.commit[:10]}:{f.path}" for f in s.files], "note": s.note}
+                for s in OPEN_SETS.values()]
+        if json_out:
+            _print_json(rows)
+        else:
+            for r in rows:
+                console.print(f"{r['name']} ({r['kind']}, {r['licence']}): {', '.join(r['files'])}", highlight=False,
+                              soft_wrap=True)
+        return
+    if out is None:
+        fail("--out: expected the JSONL file to write, found none")
+    tokenizer = None
+    if target is not None:
+        from eyas.targets.loading import load_tokenizer
+
+        tokenizer = _run(load_tokenizer, target)
+    names = [x.strip() for x in sets.split(",") if x.strip()]
+    result = _run(write_open_prompts, names, out, files_dir=files, max_per_set=max_per_set, tokenizer=tokenizer,
+                  on_set=None if json_out else lambda name, n: console.print(f"{name}: {n} prompts", highlight=False))
+    report = {"command": "open-prompts", **result.to_dict()}
+    if json_out:
+        _print_json(report)
+        return
+    share = report["share_over_1000"]
+    console.print(f"open-prompts -> {result.out_path}: {result.written} prompts "
+                  f"({', '.join(f'{k} {v}' for k, v in sorted(result.per_kind.items()))}); "
+                  f"{result.duplicates} duplicates dropped; median {report['length_p50']} {result.unit}"
+                  + (f", {share:.0%} over 1,000 tokens" if share is not None else ""), highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("open-prompts")(open_prompts_cmd)

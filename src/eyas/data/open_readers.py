@@ -1,0 +1,198 @@
+"""Readers of open prompt sets (:mod:`eyas.data.open_sets`): each turns a set's files into user
+prompts, and :func:`write_open_prompts` writes them as ``eyas regenerate`` reads them.
+
+Readers (by name, :data:`READERS`; a set's ``options`` configure them):
+
+- ``squad``: SQuAD-format JSON (``data[].paragraphs[].context`` and ``.qas[].question``). An
+  article's paragraphs, joined, are one long document: it gives one summarization prompt and up to
+  ``questions_per_article`` question-answering prompts spread over the article (the whole article
+  as the context, RAG-style), so that a context is not repeated hundreds of times.
+- ``jsonl_template``: a JSON-lines file (or a JSON array) of records; each prompt is ``template``
+  formatted with the record's fields (``{problem}``, ``{text}``, ``{test_list[0]}``).
+- ``parallel_lines``: line-aligned files, one per language of ``languages``; line i of the first
+  (the pivot) and of another language make a pair, asked one way on even lines and the other way
+  on odd ones, so each pair gives one prompt and both directions are covered.
+- ``text_chunks``: a long plain text (a public-domain book) cut at blank lines into passages of
+  about ``chars`` characters, each to be summarized.
+
+Invariants: a reader yields prompts in file order with stable ids (``<set>/<place in its
+file>``), so a rerun writes the same file; :func:`write_open_prompts` drops exact duplicates
+(case- and whitespace-folded) and writes to a temporary file that replaces ``out`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from eyas.data.open_sets import OPEN_SETS, OpenSet, OpenSetError, fetch_file
+
+RAG = ("Answer the question using the document below.\n\n{document}\n\nQuestion: {question}")
+SUMMARIZE = "Summarize the following article{title}.\n\n{document}"
+SUMMARIZE_PASSAGE = "Summarize this passage from {title}.\n\n{document}"
+TRANSLATE = "Translate the following text from {source} into {target}.\n\n{text}"
+
+
+@dataclass(frozen=True)
+class OpenPrompt:
+    id: str
+    text: str
+    kind: str  # what it asks (open_sets.KINDS)
+    file: int = 0  # which of the set's files it came from
+
+
+Reader = Callable[[OpenSet, Sequence[Path]], Iterator[OpenPrompt]]
+READERS: dict[str, Reader] = {}
+
+
+def reader(name: str) -> Callable[[Reader], Reader]:
+    def add(fn: Reader) -> Reader:
+        READERS[name] = fn
+        return fn
+    return add
+
+
+def _records(path: Path) -> list[Any]:
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+@reader("squad")
+def squad(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
+    per_article = int(s.option("questions_per_article", "8"))
+    for k, path in enumerate(paths):
+        for a, article in enumerate(json.loads(path.read_text(encoding="utf-8"))["data"]):
+            document = "\n\n".join(p["context"].strip() for p in article["paragraphs"])
+            title = str(article.get("title", "")).replace("_", " ")
+            yield OpenPrompt(f"{s.name}/{k}/{a}/summary", SUMMARIZE.format(title=f" about {title}" if title else "",
+                                                                         document=document), "summarize", k)
+            questions = [q for p in article["paragraphs"] for q in p["qas"]]
+            step = max(1, len(questions) // max(per_article, 1))
+            for q in questions[::step][:per_article]:
+                yield OpenPrompt(f"{s.name}/{k}/{a}/{q.get('id', '')}",
+                                 RAG.format(document=document, question=q["question"].strip()), "rag_qa", k)
+
+
+@reader("jsonl_template")
+def jsonl_template(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
+    template = s.option("template")
+    if not template:
+        raise OpenSetError(f"open set {s.name}: option template: expected a format string, found none")
+    for k, path in enumerate(paths):
+        for i, record in enumerate(_records(path)):
+            try:
+                text = template.format_map(record)
+            except (KeyError, IndexError, TypeError) as e:
+                raise OpenSetError(f"{path} record {i}: template {template!r} needs {e}, the record has "
+                                   f"{sorted(record) if isinstance(record, dict) else type(record).__name__}") from None
+            yield OpenPrompt(f"{s.name}/{k}/{i}", text.strip(), s.kind, k)
+
+
+@reader("parallel_lines")
+def parallel_lines(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
+    languages = [x.strip() for x in s.option("languages").split(",") if x.strip()]
+    if len(languages) != len(paths) or len(paths) < 2:
+        raise OpenSetError(f"open set {s.name}: option languages: expected one per file ({len(paths)}), "
+                           f"found {languages}")
+    lines = [p.read_text(encoding="utf-8").splitlines() for p in paths]
+    for p, ls in zip(paths[1:], lines[1:]):
+        if len(ls) != len(lines[0]):
+            raise OpenSetError(f"{p}: expected {len(lines[0])} lines, aligned with {paths[0]}, found {len(ls)}")
+    for j in range(1, len(paths)):
+        for i, (pivot, other) in enumerate(zip(lines[0], lines[j])):
+            if not pivot.strip() or not other.strip():
+                continue
+            src, tgt, text, k = ((languages[0], languages[j], pivot, 0) if i % 2 == 0
+                                 else (languages[j], languages[0], other, j))
+            yield OpenPrompt(f"{s.name}/{languages[j]}/{i}", TRANSLATE.format(source=src, target=tgt, text=text.strip()),
+                             "translate", k)
+
+
+@reader("text_chunks")
+def text_chunks(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
+    size, title = int(s.option("chars", "6000")), s.option("title", "a book")
+    for k, path in enumerate(paths):
+        blocks = [b.strip() for b in path.read_text(encoding="utf-8", errors="replace").split("\n\n") if b.strip()]
+        chunk: list[str] = []
+        n = 0
+        for b in blocks + [""]:
+            if b and sum(len(x) for x in chunk) + len(b) <= size:
+                chunk.append(b)
+                continue
+            if chunk and sum(len(x) for x in chunk) >= size // 2:
+                yield OpenPrompt(f"{s.name}/{k}/{n}", SUMMARIZE_PASSAGE.format(title=title, document="\n\n".join(chunk)),
+                                 "summarize", k)
+                n += 1
+            chunk = [b] if b else []
+
+
+@dataclass
+class OpenPromptsResult:
+    out_path: Path
+    per_set: dict[str, int] = field(default_factory=dict)
+    per_kind: dict[str, int] = field(default_factory=dict)
+    duplicates: int = 0
+    lengths: list[int] = field(default_factory=list)  # tokens (with a tokenizer) or characters, per prompt
+    unit: str = "chars"
+
+    @property
+    def written(self) -> int:
+        return sum(self.per_set.values())
+
+    def share_over(self, n: int) -> float:
+        return sum(x > n for x in self.lengths) / len(self.lengths) if self.lengths else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        s = sorted(self.lengths)
+        pick = (lambda q: s[min(len(s) - 1, int(q * len(s)))] if s else 0)
+        return {"out": str(self.out_path), "written": self.written, "per_set": self.per_set, "per_kind": self.per_kind,
+                "duplicates_dropped": self.duplicates, "length_unit": self.unit,
+                "length_p50": pick(0.5), "length_p90": pick(0.9),
+                "share_over_1000": round(self.share_over(1000), 4) if self.unit == "tokens" else None}
+
+
+def write_open_prompts(names: Sequence[str], out: Path, *, files_dir: Path | None = None, max_per_set: int | None = None,
+                       tokenizer: Any = None, on_set: Callable[[str, int], None] | None = None) -> OpenPromptsResult:
+    """The prompts of the sets ``names`` (all of :data:`OPEN_SETS` if empty) into ``out`` (module
+    docstring); lengths in the tokenizer's tokens when one is given."""
+    unknown = [n for n in names if n not in OPEN_SETS]
+    if unknown:
+        raise OpenSetError(f"--sets: unknown {unknown}; the sets are {sorted(OPEN_SETS)}")
+    result = OpenPromptsResult(Path(out), unit="tokens" if tokenizer is not None else "chars")
+    seen: set[str] = set()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for name in names or sorted(OPEN_SETS):
+                s = OPEN_SETS[name]
+                paths = [fetch_file(x, files_dir) for x in s.files]
+                n = 0
+                for p in READERS[s.reader](s, paths):
+                    if max_per_set is not None and n >= max_per_set:
+                        break
+                    key = " ".join(p.text.lower().split())
+                    if key in seen:
+                        result.duplicates += 1
+                        continue
+                    seen.add(key)
+                    src = s.files[p.file]
+                    f.write(json.dumps({"id": p.id, "messages": [{"role": "user", "content": p.text}],
+                                        "source": {"set": s.name, "kind": p.kind, "repo": src.repo, "commit": src.commit,
+                                                   "path": src.path, "licence": s.licence}}, ensure_ascii=False) + "\n")
+                    n += 1
+                    result.per_kind[p.kind] = result.per_kind.get(p.kind, 0) + 1
+                    result.lengths.append(len(tokenizer.encode(p.text)) if tokenizer is not None else len(p.text))
+                result.per_set[name] = n
+                if on_set is not None:
+                    on_set(name, n)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return result

@@ -1,0 +1,128 @@
+"""Open prompt sets (eyas.data.open_sets, open_readers, `eyas open-prompts`) on small local files in
+each reader's format: the prompts each reader makes, their sources and licence in every record,
+exact duplicates dropped, a file whose sha256 differs refused with both digests, misaligned
+translation files refused with their line counts, and the CLI's JSON."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from eyas.cli.main import app
+from eyas.data import open_sets
+from eyas.data.open_readers import READERS, write_open_prompts
+from eyas.data.open_sets import OpenFile, OpenSet, OpenSetError, fetch_file
+
+pytestmark = pytest.mark.unit
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+SQUAD = {"version": "v2.0", "data": [
+    {"title": "Norman_Conquest", "paragraphs": [
+        {"context": "The Normans came from Normandy. " * 20,
+         "qas": [{"id": "q1", "question": "Where did the Normans come from?"},
+                 {"id": "q2", "question": "When did they come?"}]},
+        {"context": "They conquered England in 1066. " * 20,
+         "qas": [{"id": "q3", "question": "What did they conquer?"}]}]}]}
+
+
+def put(root, repo: str, path: str, data: bytes) -> OpenFile:
+    f = root / repo.replace("/", "__") / path
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_bytes(data)
+    return OpenFile(repo, COMMIT, path, hashlib.sha256(data).hexdigest(), len(data))
+
+
+@pytest.fixture
+def sets(tmp_path, monkeypatch):
+    files = tmp_path / "files"
+    squad = put(files, "org/squad", "dev.json", json.dumps(SQUAD).encode())
+    math = put(files, "org/math", "test.jsonl", b'{"problem": "What is 2+2?"}\n{"problem": "What is 3+3?"}\n'
+                                                b'{"problem": "what is  2+2?"}\n')
+    en = put(files, "org/mt", "en.txt", b"Good morning.\nThe cat sleeps.\n")
+    de = put(files, "org/mt", "de.txt", "Guten Morgen.\nDie Katze schläft.\n".encode())
+    registry = {
+        "squad-t": OpenSet("squad-t", "rag_qa", "CC-BY-SA-4.0", "squad", (squad,), (("questions_per_article", "2"),)),
+        "math-t": OpenSet("math-t", "math", "MIT", "jsonl_template", (math,), (("template", "{problem}"),)),
+        "mt-t": OpenSet("mt-t", "translate", "CC-BY-SA-4.0", "parallel_lines", (en, de),
+                        (("languages", "English,German"),)),
+    }
+    monkeypatch.setattr(open_sets, "OPEN_SETS", registry)
+    monkeypatch.setattr("eyas.data.open_readers.OPEN_SETS", registry)
+    return files, registry
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_each_reader_makes_its_prompts_with_their_source_and_duplicates_are_dropped(sets, tmp_path):
+    files, registry = sets
+    out = tmp_path / "open.jsonl"
+    result = write_open_prompts([], out, files_dir=files)
+    records = read(out)
+    texts = [r["messages"][0]["content"] for r in records]
+    # squad: the article (both paragraphs) once to summarize, and two questions over the whole article
+    summary = next(t for t, r in zip(texts, records) if r["source"]["kind"] == "summarize")
+    assert summary.startswith("Summarize the following article about Norman Conquest.")
+    assert "Normandy" in summary and "1066" in summary
+    rag = [t for t, r in zip(texts, records) if r["source"]["kind"] == "rag_qa"]
+    assert len(rag) == 2 and all("1066" in t and "Normandy" in t for t in rag)
+    assert rag[0].endswith("Question: Where did the Normans come from?")
+    # math: the third problem is the first one again, case and spaces aside
+    assert [t for t, r in zip(texts, records) if r["source"]["set"] == "math-t"] == ["What is 2+2?", "What is 3+3?"]
+    assert result.duplicates == 1 and result.per_set == {"math-t": 2, "mt-t": 2, "squad-t": 3}
+    # translation: one prompt a pair, the direction alternating
+    mt = [t for t, r in zip(texts, records) if r["source"]["set"] == "mt-t"]
+    assert mt == ["Translate the following text from English into German.\n\nGood morning.",
+                  "Translate the following text from German into English.\n\nDie Katze schläft."]
+    de_record = next(r for r in records if r["source"]["set"] == "mt-t" and "Katze" in r["messages"][0]["content"])
+    assert de_record["source"] == {"set": "mt-t", "kind": "translate", "repo": "org/mt", "commit": COMMIT,
+                                   "path": "de.txt", "licence": "CC-BY-SA-4.0"}
+    assert len({r["id"] for r in records}) == len(records)
+    assert write_open_prompts([], tmp_path / "again.jsonl", files_dir=files).per_set == result.per_set
+    assert (tmp_path / "again.jsonl").read_text() == out.read_text()  # a rerun writes the same file
+
+
+def test_a_changed_file_is_refused_with_both_digests_and_the_output_is_not_touched(sets, tmp_path):
+    files, registry = sets
+    out = tmp_path / "open.jsonl"
+    out.write_text("kept\n")
+    (files / "org__math" / "test.jsonl").write_bytes(b'{"problem": "changed"}\n')
+    with pytest.raises(OpenSetError, match=r"test.jsonl \(org/math@0123456789:test.jsonl\): sha256 expected "
+                                           r"[0-9a-f]{64}, found [0-9a-f]{64}"):
+        write_open_prompts(["math-t"], out, files_dir=files)
+    assert out.read_text() == "kept\n"
+    with pytest.raises(OpenSetError, match=r"no such file \(--files .* holds local copies as <owner>__<name>/<path>"):
+        fetch_file(OpenFile("org/none", COMMIT, "x.json", "0" * 64, 1), files)
+
+
+def test_misaligned_translation_files_and_templates_name_the_file_and_what_was_found(sets, tmp_path):
+    files, registry = sets
+    (files / "org__mt" / "de.txt").write_text("Guten Morgen.\n")
+    de = registry["mt-t"].files[1]
+    paths = [files / "org__mt" / "en.txt", files / "org__mt" / "de.txt"]
+    with pytest.raises(OpenSetError, match=r"de.txt: expected 2 lines, aligned with .*en.txt, found 1"):
+        list(READERS["parallel_lines"](registry["mt-t"], paths))
+    assert de.path == "de.txt"
+    bad = OpenSet("bad", "math", "MIT", "jsonl_template", registry["math-t"].files, (("template", "{question}"),))
+    with pytest.raises(OpenSetError, match=r"record 0: template '\{question\}' needs 'question', the record has "
+                                           r"\['problem'\]"):
+        list(READERS["jsonl_template"](bad, [files / "org__math" / "test.jsonl"]))
+
+
+def test_the_cli_writes_the_prompts_and_reports_them_as_json(sets, tmp_path):
+    files, _ = sets
+    out = tmp_path / "open.jsonl"
+    r = CliRunner().invoke(app, ["open-prompts", "--out", str(out), "--files", str(files), "--sets", "math-t,squad-t",
+                                 "--max-per-set", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["written"] == 4 and report["per_set"] == {"math-t": 2, "squad-t": 2} and len(read(out)) == 4
+    assert report["length_unit"] == "chars" and report["share_over_1000"] is None
+    r = CliRunner().invoke(app, ["open-prompts", "--out", str(out), "--sets", "nope", "--files", str(files)])
+    assert r.exit_code == 2 and "--sets: unknown ['nope']" in " ".join(r.output.split())
+    listed = CliRunner().invoke(app, ["open-prompts", "--list", "--json"])
+    assert listed.exit_code == 0 and {s["name"] for s in json.loads(listed.stdout)} == {"squad-t", "math-t", "mt-t"}
