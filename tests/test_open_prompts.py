@@ -126,3 +126,47 @@ def test_the_cli_writes_the_prompts_and_reports_them_as_json(sets, tmp_path):
     assert r.exit_code == 2 and "--sets: unknown ['nope']" in " ".join(r.output.split())
     listed = CliRunner().invoke(app, ["open-prompts", "--list", "--json"])
     assert listed.exit_code == 0 and {s["name"] for s in json.loads(listed.stdout)} == {"squad-t", "math-t", "mt-t"}
+
+
+def test_long_document_readers_keep_the_whole_story_and_a_widened_meeting_excerpt(tmp_path):
+    story = {"document": "Title\n \n\n By A. WRITER\n \n \n First paragraph.\n \n Second paragraph.",
+             "questions": [{"question_number": 1, "question_text": "What is the plot of the story?"},
+                           {"question_number": 2, "question_text": "Who is the writer?"}]}
+    meeting = {"meeting_transcripts": [{"speaker": f"S{i}", "content": f"turn {i} {{vocalsound}} ok ."}
+                                       for i in range(10)],
+               "general_query_list": [{"query": "Summarize the whole meeting.", "answer": "-"}],
+               "specific_query_list": [{"query": "What about turn 5?", "answer": "-",
+                                        "relevant_text_span": [["5", "5"]]}]}
+    (tmp_path / "s.jsonl").write_text(json.dumps(story) + "\n")
+    (tmp_path / "m.jsonl").write_text(json.dumps(meeting) + "\n")
+    f = OpenFile("o/r", COMMIT, "x", "0" * 64, 1)
+    plot, who = READERS["squality"](OpenSet("sq", "rag_qa", "CC-BY-4.0", "squality", (f,)), [tmp_path / "s.jsonl"])
+    assert plot.kind == "summarize" and who.kind == "rag_qa"
+    assert plot.text == ("Read the story and answer the question.\n\nTitle\n\nBy A. WRITER\n\nFirst paragraph.\n\n"
+                         "Second paragraph.\n\nQuestion: What is the plot of the story?")
+    qm = OpenSet("qm", "summarize", "MIT", "qmsum", (f,), (("max_chars", "1000"), ("span_chars", "40")))
+    general, specific = READERS["qmsum"](qm, [tmp_path / "m.jsonl"])
+    assert general.kind == "summarize" and "S0: turn 0 ok ." in general.text and "S9: turn 9 ok ." in general.text
+    assert "{vocalsound}" not in general.text and general.text.endswith("\n\nSummarize the whole meeting.")
+    # turn 5 widened on both sides until about 40 characters: turns 4 to 6
+    assert specific.text == ("Here is a meeting transcript.\n\nS4: turn 4 ok .\nS5: turn 5 ok .\nS6: turn 6 ok .\n\n"
+                             "What about turn 5?")
+    (tmp_path / "bad.jsonl").write_text('{"problem": "a\u2028b"}\n{"problem": \n')
+    t = OpenSet("t", "math", "MIT", "jsonl_template", (f,), (("template", "{problem}"),))
+    with pytest.raises(OpenSetError, match=r"bad.jsonl line 2: expected a JSON record, found '\{\"problem\": '"):
+        list(READERS["jsonl_template"](t, [tmp_path / "bad.jsonl"]))
+
+
+def test_every_registered_set_is_pinned_licensed_and_readable_by_its_reader():
+    import re
+
+    assert len(open_sets.OPEN_SETS) >= 10
+    for s in open_sets.OPEN_SETS.values():
+        assert s.reader in READERS and s.kind in open_sets.KINDS and s.licence, s.name
+        for f in s.files:
+            assert re.fullmatch(r"[0-9a-f]{40}", f.commit) and re.fullmatch(r"[0-9a-f]{64}", f.sha256), (s.name, f)
+            assert "/" in f.repo and f.bytes > 0
+        if s.reader == "parallel_lines":
+            assert len(s.option("languages").split(",")) == len(s.files), s.name
+        if s.reader == "jsonl_template":
+            assert s.option("template"), s.name

@@ -14,6 +14,9 @@ Readers (by name, :data:`READERS`; a set's ``options`` configure them):
   on odd ones, so each pair gives one prompt and both directions are covered.
 - ``text_chunks``: a long plain text (a public-domain book) cut at blank lines into passages of
   about ``chars`` characters, each to be summarized.
+- ``squality``: SQuALITY's stories (about 7k tokens each), each of its five questions over the
+  whole story; ``qmsum``: QMSum's meeting transcripts, general queries over the transcript's start
+  and specific queries over their span widened to a RAG-sized excerpt.
 
 Invariants: a reader yields prompts in file order with stable ids (``<set>/<place in its
 file>``), so a rerun writes the same file; :func:`write_open_prompts` drops exact duplicates
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -59,7 +63,14 @@ def _records(path: Path) -> list[Any]:
     text = path.read_text(encoding="utf-8")
     if text.lstrip().startswith("["):
         return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    records = []
+    for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 inside a string is no line break
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise OpenSetError(f"{path} line {n}: expected a JSON record, found {line[:80]!r} ({e.msg})") from None
+    return records
 
 
 @reader("squad")
@@ -196,3 +207,63 @@ def write_open_prompts(names: Sequence[str], out: Path, *, files_dir: Path | Non
     finally:
         tmp.unlink(missing_ok=True)
     return result
+
+
+MARKUP = re.compile(r"\s*\{(?:disfmarker|vocalsound|gap|nonvocalsound|pause|comment)\}")  # QMSum's annotations
+
+
+def _paragraphs(text: str) -> str:
+    """Line breaks with stray spaces around them (SQuALITY's " \n \n ") as plain ones; paragraphs
+    separated by one blank line."""
+    text = re.sub(r"[ \t]*\n[ \t]*", "\n", text)
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+STORY = "Read the story and answer the question.\n\n{document}\n\nQuestion: {question}"
+MEETING = "Here is a meeting transcript.\n\n{transcript}\n\n{query}"
+
+
+@reader("squality")
+def squality(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
+    """SQuALITY (JSON lines: ``document``, a public-domain story, and ``questions[].question_text``;
+    question 1 asks for the plot): each question over the whole story."""
+    for k, path in enumerate(paths):
+        for i, record in enumerate(_records(path)):
+            document = _paragraphs(str(record["document"]))
+            for q in record["questions"]:
+                kind = "summarize" if q.get("question_number") == 1 else "rag_qa"
+                yield OpenPrompt(f"{s.name}/{k}/{i}/{q.get('question_number', '')}",
+                                 STORY.format(document=document.strip(), question=q["question_text"].strip()), kind, k)
+
+
+@reader("qmsum")
+def qmsum(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
+    """QMSum (JSON lines: ``meeting_transcripts[]`` of speaker turns, ``general_query_list`` and
+    ``specific_query_list`` with ``relevant_text_span`` turn ranges): a general query over the
+    transcript cut to ``max_chars`` (its start), and each specific query over its span widened
+    with the turns around it to about ``span_chars`` characters (RAG-sized: a retrieved excerpt)."""
+    max_chars, span_chars = int(s.option("max_chars", "24000")), int(s.option("span_chars", "6000"))
+    for k, path in enumerate(paths):
+        for i, record in enumerate(_records(path)):
+            turns = [f"{t['speaker']}: {MARKUP.sub('', t['content']).strip()}" for t in record["meeting_transcripts"]]
+
+            def excerpt(lo: int, hi: int, budget: int) -> str:
+                lo, hi = max(0, lo), min(len(turns) - 1, hi)
+                size = sum(len(t) + 1 for t in turns[lo:hi + 1])
+                while size < budget and (lo > 0 or hi < len(turns) - 1):  # widen on both sides in turn
+                    if lo > 0:
+                        lo -= 1
+                        size += len(turns[lo]) + 1
+                    if hi < len(turns) - 1 and size < budget:
+                        hi += 1
+                        size += len(turns[hi]) + 1
+                return "\n".join(turns[lo:hi + 1])[:max_chars]
+
+            for j, q in enumerate(record["general_query_list"]):
+                yield OpenPrompt(f"{s.name}/{k}/{i}/g{j}", MEETING.format(transcript=excerpt(0, 0, max_chars),
+                                                                          query=q["query"].strip()), "summarize", k)
+            for j, q in enumerate(record["specific_query_list"]):
+                spans = [(int(a), int(b)) for a, b in q["relevant_text_span"]]
+                lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+                yield OpenPrompt(f"{s.name}/{k}/{i}/s{j}", MEETING.format(transcript=excerpt(lo, hi, span_chars),
+                                                                          query=q["query"].strip()), "rag_qa", k)

@@ -119,3 +119,90 @@ def register(s: OpenSet) -> OpenSet:
         raise ValueError(f"open set {s.name}: kind expected one of {list(KINDS)}, found {s.kind!r}")
     OPEN_SETS[s.name] = s
     return s
+
+
+LANGUAGES = "English,German,French,Spanish,Chinese,Japanese,Russian"
+
+register(OpenSet(
+    "xquad-en", "rag_qa", "CC-BY-SA-4.0 (README.md; CC-BY-SA4.0.txt)", "squad",
+    (_gh("google-deepmind/xquad", "7d30520c717524000f0d9d2f9c10a069acd9d285", "xquad.en.json",
+         "e4c57d1c9143aaa1c5d265ba5987a65f4e69528d2a98f29d6e75019b10344f29", 609383),),
+    (("questions_per_article", "12"),),
+    "48 Wikipedia articles of SQuAD v1.1 dev (about 900 tokens each): a summary and 12 questions an article"))
+register(OpenSet(
+    "squality", "rag_qa", "CC-BY-4.0 questions and summaries (README.md, data/LICENSE); stories public domain "
+                          "(Project Gutenberg, data/GUTENBERG_LICENSE)", "squality",
+    (_gh("nyu-mll/SQuALITY", "dc08d4f574639d773bc64ef3ab3527043108fb4e", "data/v1-3/txt/dev.jsonl",
+         "e9cbb1daff74b70a6cd15641ba2f602a925761759200a17c9225aca90018a42b", 1474020),
+     _gh("nyu-mll/SQuALITY", "dc08d4f574639d773bc64ef3ab3527043108fb4e", "data/v1-3/txt/test.jsonl",
+         "5a485f30edebd16367427997ae82fac47bcd9ada9e7755c70a7d6569c0668c9c", 3039248)),
+    note="77 short stories of about 7k tokens, 5 questions each (the first: the plot)"))
+register(OpenSet(
+    "qmsum", "summarize", "MIT (LICENSE); the AMI, ICSI and parliamentary transcripts' own terms are not stated",
+    "qmsum",
+    (_gh("Yale-LILY/QMSum", "83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e", "data/ALL/jsonl/val.jsonl",
+         "fc7444e241bdbe6997c01720d07f1a58b7357284acb73f909766e5a4700db49f", 2714748),
+     _gh("Yale-LILY/QMSum", "83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e", "data/ALL/jsonl/test.jsonl",
+         "6bcd428211260ad2efae3af76cbaf6a7f5ae4bb5e1e59c45a4b8e89539cb9208", 2746108)),
+    (("max_chars", "24000"), ("span_chars", "6000")),
+    "70 meetings: general queries over a transcript's start, specific ones over a widened excerpt"))
+_NTREX = ("MicrosoftTranslator/NTREX", "8561f6a622db9edad1217683e5c83daefd8bb2bf")
+register(OpenSet(
+    "ntrex-128", "translate", "CC-BY-SA-4.0 (LICENSE.md)", "parallel_lines",
+    tuple(_gh(*_NTREX, f"NTREX-128/newstest2019-{name}.txt", sha, size) for name, sha, size in (
+        ("src.eng", "389e8f5796c66db4f646dfad33e1ec622d74767af5ef112b42a1f2cd814df3cc", 251739),
+        ("ref.deu", "259d7406a07b63e6b5b9c4a22fb76b85e2578a3fa0a4e541a50f4f7348e5c1b2", 306436),
+        ("ref.fra", "1dd80d337f6a75c6ed579a95f09ca9b85d87d6e488d0a428c5f89cca99553136", 314688),
+        ("ref.spa", "0ad8129e5ce0bea86ba7e0ea0db0504d6626b8a4d2a7cf4c44b7791c70e99b84", 299333),
+        ("ref.zho-CN", "8bcd6f0868d33f26c8da12f55a82f66088a7b60a5f7b0b1a99dcec51daa8054a", 241603),
+        ("ref.jpn", "4debd275d04414b71c95bad5f68e7275174e32a4ed33ece1b9a43a227aea2fca", 328104),
+        ("ref.rus", "a7e3601298b0368659a5c006c52809cf6792e02eb94bde9b9693333278d85732", 505414))),
+    (("languages", LANGUAGES),),
+    "1,997 news sentences in 7 languages (an MT test set: do not evaluate on NTREX after training on it)"))
+_FLORES = ("Helsinki-NLP/OPUS-MT-testsets", "ac0f19c0be3cb4e0d9450fcb2d7a9847c4bdd180")
+register(OpenSet(
+    "flores-200-devtest", "translate", "CC-BY-SA-4.0 (README.md, LICENSE-CC-BY-SA)", "parallel_lines",
+    tuple(_gh(*_FLORES, f"datasets/facebook/flores/flores200_dataset/devtest/{name}.devtest", sha, size)
+          for name, sha, size in (
+        ("eng_Latn", "612e9fbe87997617c0fa8fa8929654a4f49b728d96738112c2b86ef6a1d78d88", 133108),
+        ("deu_Latn", "9a1bfa90d153fedb7ff80047f4a63d493998888eddb056e8a28e24592f26e5f2", 157370),
+        ("fra_Latn", "82f5b000db419ef9254eea7857cce82943b361090942f17ed696e3dce2944f42", 165038),
+        ("spa_Latn", "40fcb836b49b0a461a14c00b8bce1f03113f8d2668132af424e74b2421d18ce9", 160955),
+        ("zho_Hans", "b30158b1b76f7cee08530d8127a9769f4512597c7eefe97ae1ccf630d5b6e7fd", 121818),
+        ("jpn_Jpan", "36b8e392ae9404a20e8448c731d16d957ac1b94588d97fb691128ae706b63606", 168121),
+        ("rus_Cyrl", "cdc706ed862d1d35d8d67cfda0b396766646885434958b18291aa760ff1bb59e", 261354))),
+    (("languages", LANGUAGES),),
+    "1,012 Wikipedia sentences in 7 languages (an MT test set: do not evaluate on FLORES after training on it)"))
+_HARNESS = ("ZubinGou/math-evaluation-harness", "db77bc6bb2a17c90ed2d63e88ebd8c40a82858c5")
+register(OpenSet(
+    "math-test", "math", "MIT (LICENSE; MATH itself MIT)", "jsonl_template",
+    (_gh(*_HARNESS, "data/math/test.jsonl", "3371949f33dd702d04b43fddd7d53a028de0aaca0e76abb1b875a050297b3aa4",
+         4101364),),
+    (("template", "{problem}"),),
+    "5,000 competition problems of MATH's test split (an evaluation set: do not evaluate on MATH after training on it)"))
+register(OpenSet(
+    "mathqa-test", "math", "MIT (LICENSE; MathQA itself Apache-2.0)", "jsonl_template",
+    (_gh(*_HARNESS, "data/mathqa/test.jsonl", "136de4608366708d01d4c38890437e722c9209e9a66ef5d119cb01f6f88dfec6",
+         700852),),
+    (("template", "{problem}\nOptions: {options}"),),
+    "1,000 multiple-choice word problems"))
+register(OpenSet(
+    "mbpp-sanitized", "code", "MIT (CodeT/LICENSE; MBPP itself CC-BY-4.0)", "jsonl_template",
+    (_gh("microsoft/CodeT", "35f54d60b152cc31d134b788e702878ad613d9f7",
+         "CodeT/data/dataset/mbpp_sanitized_for_code_generation.jsonl",
+         "c48e256d2cdd091ed2dcad85a0b6fbc7672884032cf0cf28284d66b7b4eb1552", 264580),),
+    (("template", "Complete this Python function.\n\n{prompt}"),),
+    "427 Python tasks as a signature and docstring"))
+register(OpenSet(
+    "ifeval", "writing", "Apache-2.0 (LICENSE)", "jsonl_template",
+    (_gh("josejg/instruction_following_eval", "0c495b2f95155e8b10acb919ae283bfb4d5be6e2",
+         "instruction_following_eval/data/input_data.jsonl",
+         "67ffeee0fcb87c317c5b08a2de85557b4a7e96ada6178aa645b4954fe4b53d49", 207111),),
+    (("template", "{prompt}"),),
+    "541 writing tasks with verifiable constraints (length, format, keywords)"))
+register(OpenSet(
+    "arena-hard-v2", "writing", "Apache-2.0 (LICENSE)", "jsonl_template",
+    (_gh("lmarena/arena-hard-auto", "196f6b826783b3da7310e361a805fa36f0be83f3", "data/arena-hard-v2.0/question.jsonl",
+         "a75cef6623db6b27aec810497b059f0659705d7ff48dcbccc5bd5b130728ac73", 947596),),
+    (("template", "{prompt}"),),
+    "750 hard user prompts from Chatbot Arena: 250 creative writing, 253 coding, 247 math"))
