@@ -82,7 +82,12 @@ def test_each_reader_makes_its_prompts_with_their_source_and_duplicates_are_drop
     assert de_record["source"] == {"set": "mt-t", "kind": "translate", "repo": "org/mt", "commit": COMMIT,
                                    "path": "de.txt", "licence": "CC-BY-SA-4.0"}
     assert len({r["id"] for r in records}) == len(records)
-    assert write_open_prompts([], tmp_path / "again.jsonl", files_dir=files).per_set == result.per_set
+    docs = tmp_path / "docs.jsonl"
+    again = write_open_prompts([], tmp_path / "again.jsonl", files_dir=files, documents_out=docs)
+    assert again.per_set == result.per_set and again.documents == 1
+    (doc,) = read(docs)  # the article, once, for `eyas prompts --documents`
+    assert doc["id"] == "squad-t/0/0" and doc["text"].startswith("The Normans came from Normandy.")
+    assert doc["source"]["repo"] == "org/squad" and "1066" in doc["text"]
     assert (tmp_path / "again.jsonl").read_text() == out.read_text()  # a rerun writes the same file
 
 

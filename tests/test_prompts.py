@@ -118,7 +118,52 @@ def test_eyas_prompts_runs_on_a_tiny_chat_target_and_reports_what_it_kept(tmp_pa
     rep = json.loads(r.stdout)
     assert rep["command"] == "prompts" and rep["engine"] == "hf" and rep["batch_size"] == 4
     assert rep["generated"] % 4 == 0
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"id": "d1", "text": "A long report about rivers."}\n')
+    out2 = tmp_path / "p2.jsonl"
+    r = CliRunner().invoke(app, ["prompts", "--target", str(tdir), "--out", str(out2), "--count", "2",
+                                 "--temperatures", "1.0", "--max-new-tokens", "16", "--batch-size", "4",
+                                 "--engine", "hf", "--device", "cpu", "--documents", str(docs), "--json"])
+    assert r.exit_code == 0, r.output
+    for line in out2.read_text().splitlines() if out2.exists() else []:
+        record = json.loads(line)
+        assert record["source"]["document"] == "d1"
+        assert record["messages"][0]["content"].startswith("A long report about rivers.\n\n")
+    docs.write_text("not json\n")
+    r = CliRunner().invoke(app, ["prompts", "--target", str(tdir), "--out", str(out2), "--documents", str(docs)])
+    assert r.exit_code == 2 and "line 1: expected a JSON record with id and text" in " ".join(r.output.split())
     assert rep["written"] + sum(rep["rejected"].values()) + rep["surplus"] == rep["generated"]
     assert len(out.read_text().splitlines()) == rep["written"] <= 2
     bad = CliRunner().invoke(app, ["prompts", "--target", str(tdir), "--out", str(out), "--temperatures", "0"])
     assert bad.exit_code == 2 and "--temperatures: expected numbers > 0" in " ".join(bad.output.split())
+
+
+@pytest.mark.unit
+def test_with_documents_the_target_asks_about_each_and_duplicates_are_judged_per_document(tmp_path):
+    from eyas.data.prompts import Document, read_documents
+    from eyas.errors import EyasError
+
+    tok = chat_tokenizer()
+    docs = [Document("a", "The river flooded the town in May."), Document("b", "The bridge was built in 1890.")]
+    ask = "What happened, according to the text?"
+    script = [(ask, "eos"), (ask, "eos"),  # the same request about two documents: both kept
+              (ask + " ", "eos"),  # about document a again: a duplicate
+              ("Summarize the text in one sentence.", "eos")]  # about b
+    gen = Scripted(tok, script)
+    out = tmp_path / "p.jsonl"
+    r = make_prompts(gen, tok, out, count=3, batch_size=2, seed=1, documents=docs)
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["messages"][0]["content"] for x in records] == [
+        f"{docs[0].text}\n\n{ask}", f"{docs[1].text}\n\n{ask}", f"{docs[1].text}\n\nSummarize the text in one sentence."]
+    assert [x["source"]["document"] for x in records] == ["a", "b", "b"] and records[0]["source"]["request"] == ask
+    assert r.rejected["duplicate"] == 1
+    prompts, _ = gen.calls[0]  # row j of batch 0 continues the header, document j and a blank line
+    assert prompts == [user_header(tok) + tok.encode(d.text + "\n\n", add_special_tokens=False) for d in docs]
+    assert gen.reserved[0] == max(len(p) for p in prompts)
+    # resume: the file's requests are indexed per document
+    gen2 = Scripted(tok, [(ask, "eos"), ("Who built it?", "eos")])
+    r2 = make_prompts(gen2, tok, out, count=4, batch_size=2, seed=1, documents=docs)
+    assert (r2.existing, r2.written, r2.rejected["duplicate"]) == (3, 1, 1)
+    (tmp_path / "d.jsonl").write_text('{"id": "x", "text": "t"}\n{"id": "y"}\n')
+    with pytest.raises(EyasError, match=r"d.jsonl line 2: expected a JSON record with id and text"):
+        read_documents(tmp_path / "d.jsonl")

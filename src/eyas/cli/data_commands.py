@@ -346,6 +346,9 @@ def prompts_cmd(
     system_prompt: str = typer.Option("template_default", help=SYSTEM_HELP),
     near_threshold: float = typer.Option(0.7, min=0.0, max=1.0, help="estimated Jaccard similarity (word 3-grams) "
                                                                      "above which a prompt is a near duplicate"),
+    documents: Optional[Path] = typer.Option(None, help="JSON lines of long documents ({id, text}; `eyas "
+                                                        "open-prompts --documents-out` writes them): the target "
+                                                        "writes requests about each, in turn"),
     engine: str = typer.Option("auto", help="fast | hf | auto, as eyas regenerate"),
     rows: Optional[int] = typer.Option(None, help="--engine fast: rows decoded together [default: 256, or "
                                                   "--batch-size when smaller]"),
@@ -359,12 +362,13 @@ def prompts_cmd(
     (exact and near)."""
     from tqdm.auto import tqdm
 
-    from eyas.data.prompts import NearDuplicates, PromptFilter, make_prompts
+    from eyas.data.prompts import NearDuplicates, PromptFilter, make_prompts, read_documents
     from eyas.data.regenerate import HFGenerator
 
     temps = _floats("--temperatures", temperatures)
     if not temps or any(t <= 0 for t in temps):
         _fail(f"--temperatures: expected numbers > 0 (a greedy draw gives one prompt), found {temperatures!r}")
+    docs = _run(read_documents, documents) if documents is not None else ()
     rows = _rows(rows, batch_size, engine)
     loaded = _load(target, device, target_dtype, None)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -387,7 +391,7 @@ def prompts_cmd(
         result = _run(make_prompts, generator, tokenizer, out, count, temps, top_p=top_p, max_new_tokens=max_new_tokens,
                       batch_size=size, seed=seed, eos_ids=loaded.eos_ids, system_prompt=system_prompt,
                       source=str(loaded.name), filter_=PromptFilter(specials, near=NearDuplicates(near_threshold)),
-                      on_batch=progress)
+                      documents=docs, on_batch=progress)
     finally:
         if bar is not None:
             bar.close()

@@ -1,8 +1,8 @@
 """`eyas open-prompts`: user prompts from open sets on GitHub (pinned by commit and sha256, each
 prompt with its source and licence), as `eyas regenerate` reads them.
 
-    eyas open-prompts --out open.jsonl [--sets squad-v2-dev,...] [--files DIR] [--max-per-set N]
-                      [--target smollm2] [--list] [--json]
+    eyas open-prompts --out open.jsonl [--sets xquad-en,...] [--files DIR] [--max-per-set N]
+                      [--target smollm2] [--documents-out docs.jsonl] [--list] [--json]
 
 Exit code 2 for unusable input (an unknown set, a file whose sha256 differs, no network and no --files).
 """
@@ -26,6 +26,8 @@ def open_prompts_cmd(
                                                     "(default: downloaded at their commit into eyas' cache)"),
     max_per_set: Optional[int] = typer.Option(None, min=1, help="at most this many prompts a set"),
     target: Optional[str] = typer.Option(None, help="count lengths in this target's tokens (the share over 1,000)"),
+    documents_out: Optional[Path] = typer.Option(None, help="also write the long documents, once each, for "
+                                                            "`eyas prompts --documents` (the target asks about them)"),
     list_sets: bool = typer.Option(False, "--list", help="print the sets (source, licence, kind) and exit"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
@@ -54,7 +56,7 @@ def open_prompts_cmd(
         tokenizer = _run(load_tokenizer, target)
     names = [x.strip() for x in sets.split(",") if x.strip()]
     result = _run(write_open_prompts, names, out, files_dir=files, max_per_set=max_per_set, tokenizer=tokenizer,
-                  on_set=None if json_out else lambda name, n: console.print(f"{name}: {n} prompts", highlight=False))
+                  documents_out=documents_out, on_set=None if json_out else lambda name, n: console.print(f"{name}: {n} prompts", highlight=False))
     report = {"command": "open-prompts", **result.to_dict()}
     if json_out:
         _print_json(report)

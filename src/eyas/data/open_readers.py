@@ -30,7 +30,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from eyas.data.open_sets import OPEN_SETS, OpenSet, OpenSetError, fetch_file
 
@@ -46,6 +46,8 @@ class OpenPrompt:
     text: str
     kind: str  # what it asks (open_sets.KINDS)
     file: int = 0  # which of the set's files it came from
+    document_id: str = ""  # the long document it is about, if any (written by --documents-out)
+    document: str = ""
 
 
 Reader = Callable[[OpenSet, Sequence[Path]], Iterator[OpenPrompt]]
@@ -80,13 +82,14 @@ def squad(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
         for a, article in enumerate(json.loads(path.read_text(encoding="utf-8"))["data"]):
             document = "\n\n".join(p["context"].strip() for p in article["paragraphs"])
             title = str(article.get("title", "")).replace("_", " ")
-            yield OpenPrompt(f"{s.name}/{k}/{a}/summary", SUMMARIZE.format(title=f" about {title}" if title else "",
-                                                                         document=document), "summarize", k)
+            doc = f"{s.name}/{k}/{a}"
+            yield OpenPrompt(f"{doc}/summary", SUMMARIZE.format(title=f" about {title}" if title else "",
+                                                              document=document), "summarize", k, doc, document)
             questions = [q for p in article["paragraphs"] for q in p["qas"]]
             step = max(1, len(questions) // max(per_article, 1))
             for q in questions[::step][:per_article]:
-                yield OpenPrompt(f"{s.name}/{k}/{a}/{q.get('id', '')}",
-                                 RAG.format(document=document, question=q["question"].strip()), "rag_qa", k)
+                yield OpenPrompt(f"{doc}/{q.get('id', '')}", RAG.format(document=document, question=q["question"].strip()),
+                                 "rag_qa", k, doc, document)
 
 
 @reader("jsonl_template")
@@ -136,8 +139,9 @@ def text_chunks(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
                 chunk.append(b)
                 continue
             if chunk and sum(len(x) for x in chunk) >= size // 2:
-                yield OpenPrompt(f"{s.name}/{k}/{n}", SUMMARIZE_PASSAGE.format(title=title, document="\n\n".join(chunk)),
-                                 "summarize", k)
+                passage = "\n\n".join(chunk)
+                yield OpenPrompt(f"{s.name}/{k}/{n}", SUMMARIZE_PASSAGE.format(title=title, document=passage),
+                                 "summarize", k, f"{s.name}/{k}/{n}", passage)
                 n += 1
             chunk = [b] if b else []
 
@@ -150,6 +154,7 @@ class OpenPromptsResult:
     duplicates: int = 0
     lengths: list[int] = field(default_factory=list)  # tokens (with a tokenizer) or characters, per prompt
     unit: str = "chars"
+    documents: int = 0  # written to documents_out
 
     @property
     def written(self) -> int:
@@ -162,15 +167,18 @@ class OpenPromptsResult:
         s = sorted(self.lengths)
         pick = (lambda q: s[min(len(s) - 1, int(q * len(s)))] if s else 0)
         return {"out": str(self.out_path), "written": self.written, "per_set": self.per_set, "per_kind": self.per_kind,
-                "duplicates_dropped": self.duplicates, "length_unit": self.unit,
+                "duplicates_dropped": self.duplicates, "documents": self.documents, "length_unit": self.unit,
                 "length_p50": pick(0.5), "length_p90": pick(0.9),
                 "share_over_1000": round(self.share_over(1000), 4) if self.unit == "tokens" else None}
 
 
 def write_open_prompts(names: Sequence[str], out: Path, *, files_dir: Path | None = None, max_per_set: int | None = None,
-                       tokenizer: Any = None, on_set: Callable[[str, int], None] | None = None) -> OpenPromptsResult:
+                       tokenizer: Any = None, documents_out: Path | None = None,
+                       on_set: Callable[[str, int], None] | None = None) -> OpenPromptsResult:
     """The prompts of the sets ``names`` (all of :data:`OPEN_SETS` if empty) into ``out`` (module
-    docstring); lengths in the tokenizer's tokens when one is given."""
+    docstring); lengths in the tokenizer's tokens when one is given. ``documents_out``: the long
+    documents the prompts are about, once each (``{"id", "text", "source"}`` lines), for
+    ``eyas prompts --documents`` (the target writes more requests about each)."""
     unknown = [n for n in names if n not in OPEN_SETS]
     if unknown:
         raise OpenSetError(f"--sets: unknown {unknown}; the sets are {sorted(OPEN_SETS)}")
@@ -179,6 +187,7 @@ def write_open_prompts(names: Sequence[str], out: Path, *, files_dir: Path | Non
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
+    documents: dict[str, dict[str, Any]] = {}
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             for name in names or sorted(OPEN_SETS):
@@ -194,19 +203,39 @@ def write_open_prompts(names: Sequence[str], out: Path, *, files_dir: Path | Non
                         continue
                     seen.add(key)
                     src = s.files[p.file]
+                    source = {"set": s.name, "kind": p.kind, "repo": src.repo, "commit": src.commit, "path": src.path,
+                              "licence": s.licence}
                     f.write(json.dumps({"id": p.id, "messages": [{"role": "user", "content": p.text}],
-                                        "source": {"set": s.name, "kind": p.kind, "repo": src.repo, "commit": src.commit,
-                                                   "path": src.path, "licence": s.licence}}, ensure_ascii=False) + "\n")
+                                        "source": source}, ensure_ascii=False) + "\n")
+                    if p.document_id and p.document_id not in documents:
+                        documents[p.document_id] = {"id": p.document_id, "text": p.document,
+                                                    "source": {k: v for k, v in source.items() if k != "kind"}}
                     n += 1
                     result.per_kind[p.kind] = result.per_kind.get(p.kind, 0) + 1
                     result.lengths.append(len(tokenizer.encode(p.text)) if tokenizer is not None else len(p.text))
                 result.per_set[name] = n
                 if on_set is not None:
                     on_set(name, n)
+        if documents_out is not None:
+            write_jsonl_atomic(Path(documents_out), documents.values())
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
+    result.documents = len(documents)
     return result
+
+
+def write_jsonl_atomic(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    """``records`` as JSON lines in ``path``, written to a temporary file renamed at the end."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 MARKUP = re.compile(r"\s*\{(?:disfmarker|vocalsound|gap|nonvocalsound|pause|comment)\}")  # QMSum's annotations
@@ -233,7 +262,8 @@ def squality(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
             for q in record["questions"]:
                 kind = "summarize" if q.get("question_number") == 1 else "rag_qa"
                 yield OpenPrompt(f"{s.name}/{k}/{i}/{q.get('question_number', '')}",
-                                 STORY.format(document=document.strip(), question=q["question_text"].strip()), kind, k)
+                                 STORY.format(document=document, question=q["question_text"].strip()), kind, k,
+                                 f"{s.name}/{k}/{i}", document)
 
 
 @reader("qmsum")
@@ -259,11 +289,13 @@ def qmsum(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
                         size += len(turns[hi]) + 1
                 return "\n".join(turns[lo:hi + 1])[:max_chars]
 
+            start = excerpt(0, 0, max_chars)
             for j, q in enumerate(record["general_query_list"]):
-                yield OpenPrompt(f"{s.name}/{k}/{i}/g{j}", MEETING.format(transcript=excerpt(0, 0, max_chars),
-                                                                          query=q["query"].strip()), "summarize", k)
+                yield OpenPrompt(f"{s.name}/{k}/{i}/g{j}", MEETING.format(transcript=start, query=q["query"].strip()),
+                                 "summarize", k, f"{s.name}/{k}/{i}/start", start)
             for j, q in enumerate(record["specific_query_list"]):
                 spans = [(int(a), int(b)) for a, b in q["relevant_text_span"]]
                 lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
-                yield OpenPrompt(f"{s.name}/{k}/{i}/s{j}", MEETING.format(transcript=excerpt(lo, hi, span_chars),
-                                                                          query=q["query"].strip()), "rag_qa", k)
+                part = excerpt(lo, hi, span_chars)
+                yield OpenPrompt(f"{s.name}/{k}/{i}/s{j}", MEETING.format(transcript=part, query=q["query"].strip()),
+                                 "rag_qa", k, f"{s.name}/{k}/{i}/{lo}-{hi}", part)

@@ -17,6 +17,10 @@ temperature in turn (hotter draws are more diverse and noisier), and keeps a pro
 - it is not a duplicate: exactly (case- and whitespace-folded) or nearly (:class:`NearDuplicates`:
   MinHash over word 3-grams, Jaccard similarity estimated above ``near_threshold``).
 
+Long prompts (``documents``, :func:`read_documents`): the header followed by a long document and a
+blank line, and the target continues with a request about it (Magpie conditioned on a text, as
+serving reads long contexts); the prompt is the document and that request.
+
 Output: JSONL records ``{"id", "messages": [{"role": "user", "content": ...}], "source": {...}}``
 that ``eyas regenerate`` reads. The file is appended to batch by batch (each line flushed), and a
 rerun resumes: it reads the records already there into the duplicate index and writes only what
@@ -39,6 +43,7 @@ import numpy as np
 from eyas.data.generation import BatchGenerator, BatchParams
 from eyas.data.loops import find_loops
 from eyas.data.render import TEMPLATE_DEFAULT, user_header
+from eyas.errors import EyasError
 
 @dataclass
 class NearDuplicates:
@@ -150,16 +155,46 @@ def batch_seed(seed: int, temperature: float, index: int) -> int:
     return int.from_bytes(h, "little") >> 1
 
 
+@dataclass(frozen=True)
+class Document:
+    """A long text the target writes requests about (``eyas prompts --documents``)."""
+
+    id: str
+    text: str
+
+
+def read_documents(path: str | Path) -> list[Document]:
+    """``{"id", "text"}`` JSON lines (``eyas open-prompts --documents-out`` writes them)."""
+    docs = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), 1):
+        if line.strip():
+            try:
+                r = json.loads(line)
+                docs.append(Document(str(r["id"]), str(r["text"])))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise EyasError(f"{path} line {n}: expected a JSON record with id and text, found "
+                                 f"{line[:80]!r} ({type(e).__name__}: {e})") from None
+    if not docs:
+        raise EyasError(f"{path}: expected documents (JSON lines with id and text), found none")
+    return docs
+
+
 def make_prompts(generator: BatchGenerator, tokenizer: Any, out_path: str | Path, count: int,
                  temperatures: Sequence[float] = (1.0,), *, top_p: float = 1.0, max_new_tokens: int = 256,
                  batch_size: int = 64, seed: int = 0, eos_ids: Sequence[int] = (),
                  system_prompt: str = TEMPLATE_DEFAULT, source: str = "", max_batches: int | None = None,
-                 filter_: PromptFilter | None = None,
+                 filter_: PromptFilter | None = None, documents: Sequence[Document] = (),
                  on_batch: Callable[[int, int], None] | None = None) -> PromptsResult:
     """Write prompts to ``out_path`` until it holds ``count`` (see the module docstring): batches of
     ``batch_size`` continuations of the user header, temperatures taken in turn. ``max_batches``
     bounds the batches (None: 20 x what ``count`` needs at full yield). ``on_batch(written, asked)``
-    after each batch (a progress bar)."""
+    after each batch (a progress bar).
+
+    With ``documents``, row j of batch b continues the header followed by document
+    ``(b * batch_size + j) mod D`` and a blank line: the target writes a request about that
+    document (a question, a summary to make, a task on it), and the prompt is the document, a blank
+    line and that request. Exact and near duplicates are judged among one document's requests, and
+    the record's ``source`` names the document and holds the request alone (``request``)."""
     if count < 1 or batch_size < 1 or not temperatures or any(t <= 0 for t in temperatures):
         raise ValueError(f"count, batch_size: expected >= 1, temperatures > 0; found {count}, {batch_size}, "
                          f"{list(temperatures)}")
@@ -167,17 +202,25 @@ def make_prompts(generator: BatchGenerator, tokenizer: Any, out_path: str | Path
     header = user_header(tokenizer, system_prompt)
     specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
     filt = filter_ or PromptFilter(specials)
+    # One filter a document (its own duplicate index), sharing the rejection counts.
+    per_doc = {d.id: PromptFilter(filt.special_texts, filt.min_chars, NearDuplicates(filt.near.threshold),
+                                  rejected=filt.rejected) for d in documents}
+    prefixes = [list(header) + tokenizer.encode(d.text + "\n\n", add_special_tokens=False) for d in documents]
     existing, next_batch = 0, 0
     if out.exists():
         for line in out.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 record = json.loads(line)
-                filt.remember(record["messages"][0]["content"])
+                doc = record.get("source", {}).get("document")
+                if doc is not None and doc in per_doc:
+                    per_doc[doc].remember(record["source"]["request"])
+                elif doc is None:
+                    filt.remember(record["messages"][0]["content"])
                 existing += 1
                 m = re.fullmatch(r"magpie-(\d+)-\d+", str(record.get("id", "")))
                 next_batch = max(next_batch, int(m.group(1)) + 1) if m else next_batch
     need = count - existing
-    generator.reserve(len(header), max_new_tokens)
+    generator.reserve(max((len(p) for p in prefixes), default=len(header)), max_new_tokens)
     limit = max_batches if max_batches is not None else 20 * -(-max(need, 0) // batch_size)
     written, generated, surplus, per_t = 0, 0, 0, {f"{t:g}": 0 for t in temperatures}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -186,17 +229,23 @@ def make_prompts(generator: BatchGenerator, tokenizer: Any, out_path: str | Path
         while written < need and b - next_batch < limit:
             t = float(temperatures[b % len(temperatures)])
             params = BatchParams(max_new_tokens, tuple(int(e) for e in eos_ids), t, top_p, batch_seed(seed, t, b))
-            answers = generator.generate([list(header)] * batch_size, params)
+            rows = [(b * batch_size + j) % len(documents) for j in range(batch_size)] if documents else []
+            answers = generator.generate([prefixes[d] for d in rows] if documents else [list(header)] * batch_size,
+                                         params)
             generated += len(answers)
             for j, (ids, finish) in enumerate(answers):
                 if written >= need:  # the batch's last answers, past the count: not looked at
                     surplus += 1
                     continue
                 text = tokenizer.decode(ids)  # special tokens kept: the filter rejects them
-                if filt.why_not(text, ids, finish) is not None:
+                doc = documents[rows[j]] if documents else None
+                if (per_doc[doc.id] if doc is not None else filt).why_not(text, ids, finish) is not None:
                     continue
-                record = {"id": f"magpie-{b}-{j}", "messages": [{"role": "user", "content": text.strip()}],
-                          "source": {"generator": "magpie", "target": source, "temperature": t, "top_p": top_p}}
+                about = {} if doc is None else {"document": doc.id, "request": text.strip()}
+                content = text.strip() if doc is None else f"{doc.text}\n\n{text.strip()}"
+                record = {"id": f"magpie-{b}-{j}", "messages": [{"role": "user", "content": content}],
+                          "source": {"generator": "magpie", "target": source, "temperature": t, "top_p": top_p,
+                                     **about}}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
                 written += 1
                 per_t[f"{t:g}"] += 1
