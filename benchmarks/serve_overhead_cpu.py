@@ -42,7 +42,7 @@ def measure(served, options, mode: str, step_s: float, speculative: bool, client
     """One server around the stand-in engine (``mode``: its worker in this process, or in an engine
     process of its own, which loads the pair itself), loaded by serve_load.py --url."""
     from eyas.serve import ServerThread
-    from eyas.serve.startup import LoadArgs
+    from eyas.serve.load_args import LoadArgs
 
     make = partial(stand_in_worker, step_s=step_s, speculative=speculative)
     where = LoadArgs(served.target_name, str(served.draft_path), tree="3") if mode == "engine-process" else served

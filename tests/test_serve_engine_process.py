@@ -23,7 +23,7 @@ import pytest
 
 from eyas.serve import ServeOptions, ServerThread
 from eyas.serve.engine_process import EngineProcess
-from eyas.serve.startup import LoadArgs
+from eyas.serve.load_args import LoadArgs
 from tests.support.serving import chat
 from tests.test_serve import metrics
 from tests.test_serve_batching import OPTIONS, TOKENS, alone, client, served, streamed  # noqa: F401 - fixtures

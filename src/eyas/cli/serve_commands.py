@@ -59,17 +59,24 @@ def serve_cmd(
     """Serve TARGET with its drafter through the OpenAI API (chat and completions, streaming or not)."""
     import threading
 
-    from eyas.serve import RefusedError, ServeOptions, ServeState, make_loading_server, serve_forever
-    from eyas.serve.server import engine_state
-    from eyas.serve.startup import LoadArgs
-
     from eyas.cli.common import fail
+    from eyas.serve.load_args import LoadArgs
     from eyas.serve.policy import batch_mode
 
     try:  # before the port opens or a process starts
         batch_mode(speculation, batch_speculation)
     except ValueError as e:
         fail(f"--{str(e).replace('_', '-')}")
+    args = LoadArgs(target, draft, tree=tree, tree_sampled=tree_sampled, force=force, device=device,
+                    target_impl=target_impl, matvec=matvec, attention=attention, model_name=served_model_name)
+    engine = None
+    if engine_process:  # started first: its imports and loading overlap this process's imports
+        from eyas.serve.engine_process import EngineOptions, EngineProcess
+
+        engine = EngineProcess(args, EngineOptions(max_rows, speculation, batch_speculation), max_queue=max_queue)
+    from eyas.serve import RefusedError, ServeOptions, ServeState, make_loading_server, serve_forever
+    from eyas.serve.server import engine_state
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = ServeOptions(max_body_bytes=max_body_bytes, max_queue=max_queue, default_max_tokens=max_tokens,
                            watch_window=watch_window, watch_min_rounds=watch_min_rounds, max_rows=max_rows,
@@ -84,10 +91,8 @@ def serve_cmd(
         err.print(f"[dim]serve: {m}[/]", highlight=False)
 
     def load() -> None:
-        args = LoadArgs(target, draft, tree=tree, tree_sampled=tree_sampled, force=force, device=device,
-                        target_impl=target_impl, matvec=matvec, attention=attention, model_name=served_model_name)
         try:
-            state = engine_state(args, options, log) if engine_process else ServeState(args.load(log), options)
+            state = engine_state(engine, options, log) if engine is not None else ServeState(args.load(log), options)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread once the port is closed
             failure.append(e)
             server.should_exit = True

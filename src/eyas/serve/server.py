@@ -31,7 +31,8 @@ from fastapi.responses import JSONResponse
 from eyas.serve.app import ServeOptions, ServeState, build_app
 from eyas.serve.engine_process import EngineOptions, EngineProcess
 from eyas.serve.protocol import APIError
-from eyas.serve.startup import LoadArgs, Served
+from eyas.serve.load_args import LoadArgs
+from eyas.serve.startup import Served
 
 LOADING_RETRY_S = 5
 
@@ -83,13 +84,17 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def engine_state(load: LoadArgs, options: ServeOptions, log: Callable[[str], None] = lambda m: None,
+def engine_state(load: LoadArgs | EngineProcess, options: ServeOptions, log: Callable[[str], None] | None = None,
                  make: Callable[..., Any] | None = None) -> ServeState:
-    """The pair loaded, checked and warmed in an engine process of its own, and the state that
-    serves it (raises the engine process's :class:`~eyas.serve.startup.RefusedError` or error).
-    ``make``: the engine process's worker factory (a benchmark's stand-in engine)."""
-    engine = EngineProcess(load, EngineOptions(options.max_rows, options.speculation, options.batch_speculation), max_queue=options.max_queue,
-                           log=log, make=make)
+    """The pair loaded, checked and warmed in an engine process of its own (``load``: its options,
+    or the engine process already started), and the state that serves it; raises the engine
+    process's :class:`~eyas.serve.startup.RefusedError` or error, the process ended. ``make``: the
+    engine process's worker factory (a benchmark's stand-in engine)."""
+    engine = load if isinstance(load, EngineProcess) else EngineProcess(
+        load, EngineOptions(options.max_rows, options.speculation, options.batch_speculation),
+        max_queue=options.max_queue, make=make)
+    if log is not None:
+        engine.log = log
     try:
         info = engine.wait_ready()
     except BaseException:

@@ -175,27 +175,6 @@ class ServedInfo:
     implementation: str  # the engine's target (fast, generic, ...)
 
 
-@dataclass(frozen=True)
-class LoadArgs:
-    """:func:`load_served`'s arguments, which an engine process loads with (picklable)."""
-
-    target: str
-    draft: str | None
-    tree: str = "5"
-    tree_sampled: str | None = None
-    force: bool = False
-    device: str = "auto"
-    target_impl: str = "auto"
-    matvec: str = "auto"
-    attention: str = "auto"
-    model_name: str | None = None
-
-    def load(self, log: Callable[[str], None] = lambda m: None) -> Served:
-        return load_served(self.target, self.draft, tree=self.tree, tree_sampled=self.tree_sampled, force=self.force,
-                           device=self.device, target_impl=self.target_impl, matvec=self.matvec,
-                           attention=self.attention, model_name=self.model_name, log=log)
-
-
 def check_pair(loaded: LoadedTarget, draft_path: Path, log: Callable[[str], None] | None = None) -> Preflight:
     """The doctor's static stage on the pair (every failure and warning, with its fix)."""
     stage = static_check(loaded, draft_path, log=log)

@@ -26,51 +26,17 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from eyas.engine import SamplingParams, start, step
+from eyas.engine import start, step
+from eyas.serve.jobs import STOP, Event, Job, QueueFull
 from eyas.serve.startup import Served, generator_for
 
-
-@dataclass
-class Event:
-    kind: str  # tokens | done
-    tokens: list[int] = field(default_factory=list)
-    result: Any = None  # GenerationResult on done
-    error: str | None = None
-    time: float = 0.0
+__all__ = ["STOP", "DecodeWorker", "Event", "Job", "QueueFull", "Worker"]
 
 
-@dataclass
-class Job:
-    prompt: list[int]
-    sampling: SamplingParams
-    max_new_tokens: int
-    stop: list[str]
-    seed: int
-    emit: Callable[[Event], None]  # thread-safe: called from the worker thread
-    id: str = ""
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    enqueued: float = field(default_factory=time.perf_counter)
-    started: float | None = None
-    on_cancel: Callable[[], None] | None = None  # where the worker is elsewhere: tell it (once)
-
-    def cancel(self) -> None:
-        if self.cancelled.is_set():
-            return
-        self.cancelled.set()
-        if self.on_cancel is not None:
-            self.on_cancel()
-
-
-class QueueFull(Exception):
-    pass
-
-
-STOP = object()
 SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval while a decode worker runs (_run_loop)
 
 
