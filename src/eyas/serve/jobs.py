@@ -1,6 +1,6 @@
 """What a request handler and a decode worker hand each other: a :class:`Job` (the request, its
-sampling and its stop conditions, and the channel its events go back on) and its :class:`Event`\ s
-(``tokens``, then exactly one ``done``). A module without torch, so that ``eyas serve`` can start
+sampling and its stop conditions, and the channel its events go back on) and its events
+(:class:`Event`: ``tokens``, then exactly one ``done``). A module without torch, so that ``eyas serve`` can start
 its engine process before the HTTP side's heavier imports (:mod:`eyas.serve.engine_process`).
 """
 
