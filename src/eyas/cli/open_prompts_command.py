@@ -55,8 +55,12 @@ def open_prompts_cmd(
 
         tokenizer = _run(load_tokenizer, target)
     names = [x.strip() for x in sets.split(",") if x.strip()]
+    def on_set(name: str, n: int) -> None:
+        if not json_out:
+            console.print(f"{name}: {n} prompts", highlight=False)
+
     result = _run(write_open_prompts, names, out, files_dir=files, max_per_set=max_per_set, tokenizer=tokenizer,
-                  documents_out=documents_out, on_set=None if json_out else lambda name, n: console.print(f"{name}: {n} prompts", highlight=False))
+                  documents_out=documents_out, on_set=on_set)
     report = {"command": "open-prompts", **result.to_dict()}
     if json_out:
         _print_json(report)

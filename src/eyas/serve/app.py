@@ -58,7 +58,7 @@ class ServeOptions:
     max_rows: int | None = None  # the running batch's rows (None: 64 on a GPU, 8 on a CPU; 1: one request at a time)
     retry_after_s: int = 1  # what a 503 for a full queue tells the client to wait
     speculation: str = "auto"  # a request alone: auto (the faster path, measured), on (speculates), off (never)
-    batch_speculation: str | None = None  # several rows: auto (depth measured per batch size), on, off (None: as policy.batch_mode)
+    batch_speculation: str | None = None  # several rows: auto (measured per batch size), on, off (None: batch_mode's)
 
 
 class ServeState:

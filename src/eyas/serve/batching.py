@@ -20,9 +20,9 @@ two steps it takes what was submitted, then:
    per row, one verification for all rows, each row its own accepted length), at the depth
    measured fastest for this many rows and this kind of step (``auto``,
    :class:`~eyas.serve.policy.BatchSpeculation`: it turns speculation down, then off, as the batch
-   grows and a forward stops being bound by reading the weights). Each row's tokens go to its request at once (streaming per row); a row whose request
-   ends (eos, its ``max_tokens``, a stop string, a client gone) is freed at once, and the next step
-   can fill it.
+   grows and a forward stops being bound by reading the weights). Each row's tokens go to its
+   request at once (streaming per row); a row whose request ends (eos, its ``max_tokens``, a stop
+   string, a client gone) is freed at once, and the next step can fill it.
 
 Invariants: only the worker thread touches the engines and the sessions; each job's events arrive
 in order, ``tokens`` then exactly one ``done``; a greedy request gets the tokens it would get alone
@@ -74,7 +74,8 @@ def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int =
         raise ValueError(f"--max-rows: expected at least 1, found {rows}")
     if rows == 1 or fast_unsupported(model) is not None:
         return DecodeWorker(served, max_queue=max_queue, on_round=on_round, on_done=on_done)
-    drafter = served.drafter if batch_mode(speculation, batch_speculation) != "off" else None  # else no batched drafter state
+    # The batch gets the drafter only where it may speculate (else no batched drafter state).
+    drafter = served.drafter if batch_mode(speculation, batch_speculation) != "off" else None
     batch = RowBatch(BatchedLlama(model, rows=rows), capacity=served.max_length, eos_ids=served.loaded.eos_ids,
                      drafter=drafter, boundaries=served.target.spec.boundaries if drafter is not None else ())
     return BatchWorker(served, batch, speculation=speculation, batch_speculation=batch_speculation, max_queue=max_queue,

@@ -6,7 +6,8 @@ and the decode worker share one interpreter lock, and the loop holds it most of 
 stand-in engine whose 256-row step waits 4.4 ms (the H200's), the clients received 41% of the
 tokens the steps made, and py-spy found the loop holding the lock in 270 of 546 samples
 (``benchmarks/results/2026-12-06-serve-overhead-cpu.md``). vLLM's engine core and SGLang's
-scheduler run in their own processes for the same reason.
+scheduler run in their own processes for the same reason. On the H100 it gave 1.1-2.6x the
+throughput of one process from 4 clients on (``2026-12-06-serve-load-h100-engine-process.md``).
 
 Shape::
 
@@ -38,6 +39,7 @@ going away (the pipe closes) makes the engine process finish its jobs and exit.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import multiprocessing as mp
 import pickle
@@ -236,6 +238,10 @@ class EngineProcess:
         self.process = ctx.Process(target=engine_main, args=(child, load, options, make), name="eyas-engine")
         self.process.start()
         child.close()
+        # Runs before multiprocessing's own exit handler (registered earlier, run later), which
+        # joins every child: a server that ends before its engine process was stopped (a port in
+        # use, SIGTERM while loading) would otherwise wait forever on a process waiting for it.
+        atexit.register(self._reap)
         self._reader = threading.Thread(target=self._read, name="eyas-engine-read", daemon=True)
 
     # -- start-up -----------------------------------------------------------------------------------
@@ -296,6 +302,13 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(5)
+
+    def _reap(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+            if self.process.is_alive():
+                self.process.kill()
 
     # -- the reader thread ------------------------------------------------------------------------
 
