@@ -175,3 +175,16 @@ def test_every_registered_set_is_pinned_licensed_and_readable_by_its_reader():
             assert len(s.option("languages").split(",")) == len(s.files), s.name
         if s.reader == "jsonl_template":
             assert s.option("template"), s.name
+
+
+def test_a_long_text_is_cut_at_blank_lines_into_passages_of_about_the_size_asked(tmp_path):
+    paragraphs = [f"Paragraph {i}. " + "word " * 30 for i in range(10)]  # 10 x ~165 characters
+    (tmp_path / "book.txt").write_text("\n\n".join(paragraphs))
+    s = OpenSet("book", "summarize", "public domain", "text_chunks", (OpenFile("o/b", COMMIT, "book.txt", "0" * 64, 1),),
+                (("chars", "500"), ("title", "a test book")))
+    passages = list(READERS["text_chunks"](s, [tmp_path / "book.txt"]))
+    assert len(passages) == 3  # 3 + 3 + 3 paragraphs; the last one alone is under half the size: dropped
+    assert all(p.text.startswith("Summarize this passage from a test book.\n\n") for p in passages)
+    assert passages[0].document == "\n\n".join(x.strip() for x in paragraphs[:3])
+    assert passages[-1].document == "\n\n".join(x.strip() for x in paragraphs[6:9])
+    assert passages[-1].document_id == "book/0/2"

@@ -13,7 +13,7 @@ Readers (by name, :data:`READERS`; a set's ``options`` configure them):
   (the pivot) and of another language make a pair, asked one way on even lines and the other way
   on odd ones, so each pair gives one prompt and both directions are covered.
 - ``text_chunks``: a long plain text (a public-domain book) cut at blank lines into passages of
-  about ``chars`` characters, each to be summarized.
+  about ``chars`` characters, each to be summarized (a passage under half that is dropped).
 - ``squality``: SQuALITY's stories (about 7k tokens each), each of its five questions over the
   whole story; ``qmsum``: QMSum's meeting transcripts, general queries over the transcript's start
   and specific queries over their span widened to a RAG-sized excerpt.
