@@ -188,3 +188,17 @@ def test_a_long_text_is_cut_at_blank_lines_into_passages_of_about_the_size_asked
     assert passages[0].document == "\n\n".join(x.strip() for x in paragraphs[:3])
     assert passages[-1].document == "\n\n".join(x.strip() for x in paragraphs[6:9])
     assert passages[-1].document_id == "book/0/2"
+
+
+def test_a_gutenberg_book_is_read_between_its_markers_without_bom_or_crlf(tmp_path):
+    from eyas.data.open_readers import book_text
+
+    raw = ("\ufeffThe Project Gutenberg eBook of A Test\r\n\r\n*** START OF THIS PROJECT GUTENBERG EBOOK A TEST ***\r\n"
+           "\r\nChapter 1\r\n\r\nIt was a dark\r\nand stormy night.\r\n\r\n"
+           "*** END OF THIS PROJECT GUTENBERG EBOOK A TEST ***\r\n\r\nLicence text.\r\n")
+    (tmp_path / "b.txt").write_bytes(raw.encode("utf-8"))
+    assert book_text(tmp_path / "b.txt").strip() == "Chapter 1\n\nIt was a dark\nand stormy night."
+    s = OpenSet("b", "summarize", "public domain", "text_chunks", (OpenFile("o/b", COMMIT, "b.txt", "0" * 64, 1),),
+                (("chars", "35"), ("titles", "A Test")))
+    (passage,) = READERS["text_chunks"](s, [tmp_path / "b.txt"])  # the chapter title alone is under half the size
+    assert passage.text == "Summarize this passage from A Test.\n\nIt was a dark and stormy night."

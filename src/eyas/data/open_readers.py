@@ -127,11 +127,29 @@ def parallel_lines(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
                              "translate", k)
 
 
+GUTENBERG = re.compile(r"^\*\*\* ?(START|END) OF (THE|THIS) PROJECT GUTENBERG EBOOK.*$", re.MULTILINE | re.IGNORECASE)
+
+
+def book_text(path: Path) -> str:
+    """A plain text as read for passages: UTF-8 (a byte-order mark dropped), line ends as ``\n``,
+    and, where a Project Gutenberg header and footer mark the book, only what lies between them."""
+    text = path.read_text(encoding="utf-8-sig", errors="replace").replace("\r\n", "\n")
+    marks = {m.group(1).upper(): m for m in GUTENBERG.finditer(text)}
+    if "START" in marks and "END" in marks and marks["START"].end() < marks["END"].start():
+        text = text[marks["START"].end():marks["END"].start()]
+    return text
+
+
 @reader("text_chunks")
 def text_chunks(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
-    size, title = int(s.option("chars", "6000")), s.option("title", "a book")
+    """Passages of a long text (module docstring); a paragraph's hard-wrapped lines joined;
+    ``titles``: one per file, separated by ``|``."""
+    size = int(s.option("chars", "6000"))
+    titles = s.option("titles", "").split("|")
     for k, path in enumerate(paths):
-        blocks = [b.strip() for b in path.read_text(encoding="utf-8", errors="replace").split("\n\n") if b.strip()]
+        title = titles[k].strip() if k < len(titles) and titles[k].strip() else s.option("title", "a book")
+        blocks = [" ".join(x.strip() for x in b.strip().split("\n")) for b in book_text(path).split("\n\n")
+                  if b.strip()]
         chunk: list[str] = []
         n = 0
         for b in blocks + [""]:
