@@ -54,7 +54,8 @@ def measure(served, options, mode: str, step_s: float, speculative: bool, client
         if out.returncode != 0:
             raise RuntimeError(f"serve_load.py exited {out.returncode}: {out.stderr[-2000:]}")
         level = json.loads(out.stdout)["levels"][0]
-        time.sleep(0.3)  # an engine process reports its policies' state every 0.25 s
+        if hasattr(t.state.worker, "settled"):  # an engine process: its state as it went idle
+            t.state.worker.settled.wait(10)
         chosen = t.state.worker.batch_report()
     return {**level, "depths": chosen["steps"]}
 

@@ -202,3 +202,24 @@ def test_a_gutenberg_book_is_read_between_its_markers_without_bom_or_crlf(tmp_pa
                 (("chars", "35"), ("titles", "A Test")))
     (passage,) = READERS["text_chunks"](s, [tmp_path / "b.txt"])  # the chapter title alone is under half the size
     assert passage.text == "Summarize this passage from A Test.\n\nIt was a dark and stormy night."
+
+
+def test_a_file_is_downloaded_at_its_commit_checked_and_only_then_kept(tmp_path, monkeypatch):
+    files = tmp_path / "files"
+    good = put(files, "org/math", "test.jsonl", b'{"problem": "What is 2+2?"}\n')
+    # the raw URL, as a file:// URL into the local copies: urllib fetches it as it fetches https
+    monkeypatch.setattr(open_sets, "RAW_URL", f"file://{files}/{{repo}}/{{path}}")
+    monkeypatch.setattr(OpenFile, "local_name", lambda self: self.path)
+    (files / "org" / "math").mkdir(parents=True)
+    (files / "org" / "math" / "test.jsonl").write_bytes(b'{"problem": "What is 2+2?"}\n')
+    cache = tmp_path / "cache"
+    path = fetch_file(good, cache=cache)
+    assert path == cache / good.sha256 and path.read_bytes() == b'{"problem": "What is 2+2?"}\n'
+    assert fetch_file(good, cache=cache) == path  # from the cache now
+    bad = OpenFile("org/math", COMMIT, "test.jsonl", "f" * 64, 1)
+    with pytest.raises(OpenSetError, match=r"test.jsonl: sha256 expected f{64}, found [0-9a-f]{64} \(the file changed"):
+        fetch_file(bad, cache=cache)
+    assert sorted(p.name for p in cache.iterdir()) == [good.sha256]  # nothing kept of the bad one
+    missing = OpenFile("org/none", COMMIT, "x.json", "0" * 64, 1)
+    with pytest.raises(OpenSetError, match=r"x.json: could not download it .*pass --files DIR"):
+        fetch_file(missing, cache=cache)

@@ -20,19 +20,20 @@ Readers (by name, :data:`READERS`; a set's ``options`` configure them):
 
 Invariants: a reader yields prompts in file order with stable ids (``<set>/<place in its
 file>``), so a rerun writes the same file; :func:`write_open_prompts` drops exact duplicates
-(case- and whitespace-folded) and writes to a temporary file that replaces ``out`` at the end.
+(case- and whitespace-folded, :func:`eyas.data.prompts.fold`) and writes ``out`` atomically.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from eyas.data.open_sets import OPEN_SETS, OpenSet, OpenSetError, fetch_file
+from eyas.data.prompts import fold
+from eyas.io import atomic_write, atomic_write_text
 
 RAG = ("Answer the question using the document below.\n\n{document}\n\nQuestion: {question}")
 SUMMARIZE = "Summarize the following article{title}.\n\n{document}"
@@ -164,98 +165,6 @@ def text_chunks(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
             chunk = [b] if b else []
 
 
-@dataclass
-class OpenPromptsResult:
-    out_path: Path
-    per_set: dict[str, int] = field(default_factory=dict)
-    per_kind: dict[str, int] = field(default_factory=dict)
-    duplicates: int = 0
-    lengths: list[int] = field(default_factory=list)  # tokens (with a tokenizer) or characters, per prompt
-    unit: str = "chars"
-    documents: int = 0  # written to documents_out
-
-    @property
-    def written(self) -> int:
-        return sum(self.per_set.values())
-
-    def share_over(self, n: int) -> float:
-        return sum(x > n for x in self.lengths) / len(self.lengths) if self.lengths else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        s = sorted(self.lengths)
-        pick = (lambda q: s[min(len(s) - 1, int(q * len(s)))] if s else 0)
-        return {"out": str(self.out_path), "written": self.written, "per_set": self.per_set, "per_kind": self.per_kind,
-                "duplicates_dropped": self.duplicates, "documents": self.documents, "length_unit": self.unit,
-                "length_p50": pick(0.5), "length_p90": pick(0.9),
-                "share_over_1000": round(self.share_over(1000), 4) if self.unit == "tokens" else None}
-
-
-def write_open_prompts(names: Sequence[str], out: Path, *, files_dir: Path | None = None, max_per_set: int | None = None,
-                       tokenizer: Any = None, documents_out: Path | None = None,
-                       on_set: Callable[[str, int], None] | None = None) -> OpenPromptsResult:
-    """The prompts of the sets ``names`` (all of :data:`OPEN_SETS` if empty) into ``out`` (module
-    docstring); lengths in the tokenizer's tokens when one is given. ``documents_out``: the long
-    documents the prompts are about, once each (``{"id", "text", "source"}`` lines), for
-    ``eyas prompts --documents`` (the target writes more requests about each)."""
-    unknown = [n for n in names if n not in OPEN_SETS]
-    if unknown:
-        raise OpenSetError(f"--sets: unknown {unknown}; the sets are {sorted(OPEN_SETS)}")
-    result = OpenPromptsResult(Path(out), unit="tokens" if tokenizer is not None else "chars")
-    seen: set[str] = set()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
-    documents: dict[str, dict[str, Any]] = {}
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for name in names or sorted(OPEN_SETS):
-                s = OPEN_SETS[name]
-                paths = [fetch_file(x, files_dir) for x in s.files]
-                n = 0
-                for p in READERS[s.reader](s, paths):
-                    if max_per_set is not None and n >= max_per_set:
-                        break
-                    key = " ".join(p.text.lower().split())
-                    if key in seen:
-                        result.duplicates += 1
-                        continue
-                    seen.add(key)
-                    src = s.files[p.file]
-                    source = {"set": s.name, "kind": p.kind, "repo": src.repo, "commit": src.commit, "path": src.path,
-                              "licence": s.licence}
-                    f.write(json.dumps({"id": p.id, "messages": [{"role": "user", "content": p.text}],
-                                        "source": source}, ensure_ascii=False) + "\n")
-                    if p.document_id and p.document_id not in documents:
-                        documents[p.document_id] = {"id": p.document_id, "text": p.document,
-                                                    "source": {k: v for k, v in source.items() if k != "kind"}}
-                    n += 1
-                    result.per_kind[p.kind] = result.per_kind.get(p.kind, 0) + 1
-                    result.lengths.append(len(tokenizer.encode(p.text)) if tokenizer is not None else len(p.text))
-                result.per_set[name] = n
-                if on_set is not None:
-                    on_set(name, n)
-        if documents_out is not None:
-            write_jsonl_atomic(Path(documents_out), documents.values())
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    result.documents = len(documents)
-    return result
-
-
-def write_jsonl_atomic(path: Path, records: Iterable[dict[str, Any]]) -> None:
-    """``records`` as JSON lines in ``path``, written to a temporary file renamed at the end."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 MARKUP = re.compile(r"\s*\{(?:disfmarker|vocalsound|gap|nonvocalsound|pause|comment)\}")  # QMSum's annotations
 
 
@@ -317,3 +226,79 @@ def qmsum(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
                 part = excerpt(lo, hi, span_chars)
                 yield OpenPrompt(f"{s.name}/{k}/{i}/s{j}", MEETING.format(transcript=part, query=q["query"].strip()),
                                  "rag_qa", k, f"{s.name}/{k}/{i}/{lo}-{hi}", part)
+
+
+@dataclass
+class OpenPromptsResult:
+    out_path: Path
+    per_set: dict[str, int] = field(default_factory=dict)
+    per_kind: dict[str, int] = field(default_factory=dict)
+    duplicates: int = 0
+    lengths: list[int] = field(default_factory=list)  # tokens (with a tokenizer) or characters, per prompt
+    unit: str = "chars"
+    documents: int = 0  # written to documents_out
+
+    @property
+    def written(self) -> int:
+        return sum(self.per_set.values())
+
+    def share_over(self, n: int) -> float:
+        return sum(x > n for x in self.lengths) / len(self.lengths) if self.lengths else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        s = sorted(self.lengths)
+        pick = (lambda q: s[min(len(s) - 1, int(q * len(s)))] if s else 0)
+        return {"out": str(self.out_path), "written": self.written, "per_set": self.per_set, "per_kind": self.per_kind,
+                "duplicates_dropped": self.duplicates, "documents": self.documents, "length_unit": self.unit,
+                "length_p50": pick(0.5), "length_p90": pick(0.9),
+                "share_over_1000": round(self.share_over(1000), 4) if self.unit == "tokens" else None}
+
+
+def write_open_prompts(names: Sequence[str], out: Path, *, files_dir: Path | None = None, max_per_set: int | None = None,
+                       tokenizer: Any = None, documents_out: Path | None = None,
+                       on_set: Callable[[str, int], None] | None = None) -> OpenPromptsResult:
+    """The prompts of the sets ``names`` (all of :data:`OPEN_SETS` if empty) into ``out`` (module
+    docstring); lengths in the tokenizer's tokens when one is given. ``documents_out``: the long
+    documents the prompts are about, once each (``{"id", "text", "source"}`` lines), for
+    ``eyas prompts --documents`` (the target writes more requests about each)."""
+    unknown = [n for n in names if n not in OPEN_SETS]
+    if unknown:
+        raise OpenSetError(f"--sets: unknown {unknown}; the sets are {sorted(OPEN_SETS)}")
+    result = OpenPromptsResult(Path(out), unit="tokens" if tokenizer is not None else "chars")
+    documents: dict[str, dict[str, Any]] = {}
+
+    def write(tmp: str) -> None:
+        seen: set[str] = set()
+        with open(tmp, "w", encoding="utf-8") as f:
+            for name in names or sorted(OPEN_SETS):
+                s = OPEN_SETS[name]
+                paths = [fetch_file(x, files_dir) for x in s.files]
+                n = 0
+                for p in READERS[s.reader](s, paths):
+                    if max_per_set is not None and n >= max_per_set:
+                        break
+                    if fold(p.text) in seen:
+                        result.duplicates += 1
+                        continue
+                    seen.add(fold(p.text))
+                    src = s.files[p.file]
+                    source = {"set": s.name, "kind": p.kind, "repo": src.repo, "commit": src.commit, "path": src.path,
+                              "licence": s.licence}
+                    f.write(json.dumps({"id": p.id, "messages": [{"role": "user", "content": p.text}],
+                                        "source": source}, ensure_ascii=False) + "\n")
+                    if p.document_id and p.document_id not in documents:
+                        documents[p.document_id] = {"id": p.document_id, "text": p.document,
+                                                    "source": {k: v for k, v in source.items() if k != "kind"}}
+                    n += 1
+                    result.per_kind[p.kind] = result.per_kind.get(p.kind, 0) + 1
+                    result.lengths.append(len(tokenizer.encode(p.text)) if tokenizer is not None else len(p.text))
+                result.per_set[name] = n
+                if on_set is not None:
+                    on_set(name, n)
+
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, write)  # a failure (a changed file, no network) leaves ``out`` as it was
+    if documents_out is not None:
+        atomic_write_text(documents_out, "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in documents.values()))
+    result.documents = len(documents)
+    return result

@@ -10,7 +10,7 @@ Shape. :data:`OPEN_SETS` is the registry: each :class:`OpenSet` names its files
 (:class:`OpenFile`: repo, commit, path, sha256, bytes), its licence, its kind and the reader that
 turns its files into prompts (:data:`eyas.data.open_readers.READERS`, by name). :func:`fetch_file`
 gets a file from ``raw.githubusercontent.com`` at its commit into eyas' cache
-(``$EYAS_CACHE/open_sets/<sha256>``, written to a temporary name, checked, then renamed) or takes
+(``$EYAS_CACHE/open_sets/<sha256>``, checked before :func:`eyas.io.atomic_write` moves it in place) or takes
 it from a directory of local copies (``files_dir``: ``<repo with / as __>/<path>``, for machines
 without network), and refuses a file whose sha256 differs, naming the file, the expected and the
 found digest. Invariant: every prompt written carries its source (set, repo, commit, path,
@@ -20,12 +20,13 @@ licence), so a dataset built from them says where each prompt came from and unde
 from __future__ import annotations
 
 import hashlib
-import os
+import shutil
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.errors import EyasError
+from eyas.io import atomic_write
 from eyas.targets.loading import cache_root
 
 KINDS = ("rag_qa", "summarize", "translate", "math", "code", "writing")
@@ -64,11 +65,8 @@ class OpenSetError(EyasError):
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def fetch_file(f: OpenFile, files_dir: Path | None = None, cache: Path | None = None, timeout: float = 60.0) -> Path:
@@ -83,21 +81,20 @@ def fetch_file(f: OpenFile, files_dir: Path | None = None, cache: Path | None = 
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             url = RAW_URL.format(repo=f.repo, commit=f.commit, path=f.path)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
-            try:
-                with urllib.request.urlopen(url, timeout=timeout) as r, open(tmp, "wb") as out:
-                    while block := r.read(1 << 20):
-                        out.write(block)
-            except OSError as e:
-                tmp.unlink(missing_ok=True)
-                raise OpenSetError(f"{url}: could not download it ({e}); on a machine without network, "
-                                   "download it elsewhere and pass --files DIR") from None
-            found = _sha256(tmp)
-            if found != f.sha256:
-                tmp.unlink(missing_ok=True)
-                raise OpenSetError(f"{url}: sha256 expected {f.sha256}, found {found} (the file changed or the "
-                                   "download was cut)")
-            os.replace(tmp, path)
+
+            def download(tmp: str) -> None:  # checked before it takes its place
+                try:
+                    with urllib.request.urlopen(url, timeout=timeout) as r, open(tmp, "wb") as out:
+                        shutil.copyfileobj(r, out, 1 << 20)
+                except OSError as e:
+                    raise OpenSetError(f"{url}: could not download it ({e}); on a machine without network, "
+                                       "download it elsewhere and pass --files DIR") from None
+                found = _sha256(Path(tmp))
+                if found != f.sha256:
+                    raise OpenSetError(f"{url}: sha256 expected {f.sha256}, found {found} (the file changed or the "
+                                       "download was cut)")
+
+            atomic_write(path, download)
             return path
     found = _sha256(path)
     if found != f.sha256:

@@ -77,16 +77,13 @@ class ServeState:
         self.watchdog = Watchdog(info.prediction, target=info.target_name, draft=str(info.draft_path),
                                  window=options.watch_window, min_rounds=options.watch_min_rounds,
                                  on_verdict=self.metrics.verdict)
-        hooks = {"on_round": self._round, "on_rounds": self.metrics.rounds, "on_done": self._done,
-                 "on_step": self.metrics.step}
         if worker is None:
             if not isinstance(served, Served):
                 raise TypeError("ServeState: a ServedInfo comes with the engine process that serves it (worker=...)")
             worker = make_worker(served, options.max_rows, max_queue=options.max_queue, speculation=options.speculation,
-                                 batch_speculation=options.batch_speculation, **hooks)
-        else:
-            for name, hook in hooks.items():
-                setattr(worker, name, hook)
+                                 batch_speculation=options.batch_speculation)
+        worker.on_round, worker.on_rounds = self._round, self.metrics.rounds
+        worker.on_done, worker.on_step = self._done, self.metrics.step
         self.worker = worker
         self.worker.on_cancelled_early = lambda job: self.metrics.cancelled.inc()
         self.draining = False

@@ -155,6 +155,8 @@ class BatchWorker(Worker):
     def _take(self, block: bool) -> None:
         """Move submitted jobs to ``pending`` (waiting for one when ``block``); they count as
         ``waiting`` until they leave it (:meth:`_next`)."""
+        if block:
+            self._idle()
         while True:
             try:
                 item = self.queue.get(block=block)

@@ -74,9 +74,11 @@ class EngineOptions:
 
 class Outbox:
     """The worker thread's items, gathered and handed to the sender thread once a step (``flush``,
-    the worker's ``on_tick``), with the policies' state every :data:`STATUS_EVERY_S` seconds."""
+    the worker's ``on_tick``), with the policies' state every :data:`STATUS_EVERY_S` seconds and
+    whenever the worker runs out of work (``idle``, its ``on_idle``: the state /health then shows
+    is the final one)."""
 
-    def __init__(self, out: "queue.SimpleQueue[Any]", status: Callable[[], tuple]) -> None:
+    def __init__(self, out: "queue.SimpleQueue[Any]", status: Callable[[bool], tuple]) -> None:
         self.out, self.status = out, status
         self.items: list[tuple] = []
         self.status_at = 0.0
@@ -84,14 +86,17 @@ class Outbox:
     def add(self, item: tuple) -> None:
         self.items.append(item)
 
-    def flush(self) -> None:
+    def flush(self, idle: bool = False) -> None:
         now = time.perf_counter()
-        if now - self.status_at >= STATUS_EVERY_S:
+        if idle or now - self.status_at >= STATUS_EVERY_S:
             self.status_at = now
-            self.items.append(self.status())
+            self.items.append(self.status(idle))
         if self.items:
             self.out.put(self.items)
             self.items = []
+
+    def idle(self) -> None:
+        self.flush(idle=True)
 
 
 def _sendable(e: BaseException) -> BaseException:
@@ -135,10 +140,10 @@ def engine_main(conn: Any, load: LoadArgs, options: EngineOptions, make: Callabl
         jobs: dict[str, Job] = {}
         worker: Any = None
 
-        def status() -> tuple:
+        def status(idle: bool = False) -> tuple:
             policy = worker.policy.to_dict() if worker.policy is not None else None
             report = worker.batch_report() if hasattr(worker, "batch_report") else None
-            return (STATUS, policy, report)
+            return (STATUS, policy, report, idle)
 
         outbox = Outbox(out, status)
 
@@ -150,7 +155,7 @@ def engine_main(conn: Any, load: LoadArgs, options: EngineOptions, make: Callabl
                       batch_speculation=options.batch_speculation, on_round=lambda *a: outbox.add((ROUND, *a)), on_rounds=lambda *a: outbox.add((ROUNDS, *a)),
                       on_done=finished, on_step=lambda *a: outbox.add((STEP, *a)))
         worker.on_cancelled_early = lambda job: outbox.add((CANCELLED_EARLY, job.id))
-        worker.on_tick = outbox.flush
+        worker.on_tick, worker.on_idle = outbox.flush, outbox.idle
         out.put([(READY, served.info(), worker.max_rows), status()])
     except BaseException as e:  # noqa: BLE001 - the HTTP side raises it
         out.put([(FAILED, _sendable(e))])
@@ -184,7 +189,7 @@ def engine_main(conn: Any, load: LoadArgs, options: EngineOptions, make: Callabl
         elif msg[0] == "stop":
             worker.stop()
             break
-    outbox.items.append(status())
+    outbox.items.append(status(True))
     out.put(outbox.items + [(STOPPED,)])
     out.put(None)
     sender.join()
@@ -227,6 +232,7 @@ class EngineProcess:
         self.max_rows = 0
         self.policy: Reported | None = None
         self._report: dict[str, Any] | None = None
+        self.settled = threading.Event()  # the engine went idle with every job done, and reported its state
         self.jobs: dict[str, Job] = {}  # submitted, not done
         self._fresh: set[str] = set()  # submitted, no event yet: waiting
         self._lock = threading.Lock()
@@ -288,6 +294,7 @@ class EngineProcess:
             job.id = job.id or f"req-{next(self._ids)}"
             self.jobs[job.id] = job
             self._fresh.add(job.id)
+            self.settled.clear()
         job.on_cancel = lambda: self._send(("cancel", job.id))
         self._send(("submit", job.id, job.prompt, job.sampling, job.max_new_tokens, job.stop, job.seed, job.enqueued))
         if self._gone is not None:
@@ -363,9 +370,12 @@ class EngineProcess:
             self._status(item)
 
     def _status(self, item: tuple) -> None:
-        _, policy, report = item
+        _, policy, report, idle = item
         self.policy = Reported(policy) if policy is not None else None
         self._report = report
+        with self._lock:
+            if idle and not self.jobs:  # nothing submitted since: the state is final until the next job
+                self.settled.set()
 
     def _end(self, job_id: str, event: Event) -> None:
         with self._lock:

@@ -110,12 +110,8 @@ class ServeMetrics:
             self.predicted_accept_length.set(prediction.accept_length(depth))
 
     def round(self, depth: int, accepted: int, emitted: int) -> None:
-        self.drafts.inc()
-        self.draft_tokens.inc(depth)
-        self.accepted.inc(accepted)
-        for p in range(accepted):
-            self.accepted_per_pos.labels(str(p)).inc()
-        self.accept_length.observe(emitted)
+        """One speculative round: ``depth`` drafts, ``accepted`` of them kept, ``emitted`` tokens."""
+        self.rounds(depth, [accepted], [emitted])
 
     def rounds(self, depth: int, accepted: Sequence[int], emitted: Sequence[int]) -> None:
         """A batched step's rounds at once (a chain of ``depth`` drafts a row; row i accepted

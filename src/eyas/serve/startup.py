@@ -154,7 +154,7 @@ class Served:
     def info(self) -> "ServedInfo":
         return ServedInfo(self.loaded.tokenizer, self.loaded.vocab_size, self.max_length, self.model_name,
                           self.target_name, self.draft_path, self.tree, self.preflight, self.prediction, self.startup,
-                          str(getattr(self.target, "implementation", "")))
+                          self.target.implementation)
 
 
 @dataclass

@@ -56,6 +56,9 @@ class Worker:
         self.on_round, self.on_done = on_round, on_done
         self.on_cancelled_early: Callable[[Job], None] | None = None
         self.on_tick: Callable[[], None] | None = None  # after each step's events (an engine process sends them)
+        self.on_idle: Callable[[], None] | None = None  # before waiting for work (an engine process reports its state)
+        self.on_rounds: Callable[[int, list[int], list[int]], None] | None = None  # BatchWorker's (its docstring)
+        self.on_step: Callable[[str, int, int], None] | None = None
         self.queue: queue.Queue[Any] = queue.Queue()
         self.waiting = 0  # jobs submitted and not yet decoding
         self.max_rows = 1  # requests decoding at once, at most
@@ -90,6 +93,10 @@ class Worker:
     def _ticked(self) -> None:
         if self.on_tick is not None:
             self.on_tick()
+
+    def _idle(self) -> None:
+        if self.on_idle is not None:
+            self.on_idle()
 
     def _taken(self) -> None:
         with self._lock:
@@ -152,6 +159,7 @@ class DecodeWorker(Worker):
 
     def _loop(self) -> None:
         while True:
+            self._idle()
             job = self.queue.get()
             if job is STOP:
                 return
