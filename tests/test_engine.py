@@ -145,6 +145,22 @@ def test_greedy_identity_on_another_architecture(kind):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("shape", [(5,), (32,), (33,), (49152,), (3, 1000), (16, 49152), (2, 3, 1025)])
+def test_the_chunked_scan_is_the_cumulative_sum(shape):
+    """cumsum_last (scans of at most 32 elements, which inductor compiles without splitting them)
+    equals torch.cumsum in float64 up to summation order, for lengths below, at and past a chunk,
+    padded ones and the vocabulary's; and in float32 to a few units in the last place."""
+    from eyas.engine.sampling import SCAN_CHUNK, cumsum_last
+
+    assert SCAN_CHUNK == 32
+    x = torch.rand(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert cumsum_last(x).shape == x.shape
+    assert torch.allclose(cumsum_last(x), x.cumsum(-1), rtol=1e-12, atol=1e-12)
+    p = torch.softmax(x.float() * 8, dim=-1)  # a distribution: the cumulative mass ends at 1
+    assert (cumsum_last(p).double() - p.double().cumsum(-1)).abs().max() < 1e-6
+
+
+@pytest.mark.unit
 def test_a_counter_stream_draws_the_same_again_and_fresh_numbers_per_position_tag_and_key():
     """A sampled round's draws are a hash of (key, committed length, tag, index): the same arguments
     give the same numbers (a round drafted ahead draws what it would in turn), any other position,

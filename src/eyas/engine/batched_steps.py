@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eyas.engine.llama import BlockWeights, project, rms_norm, rope
-from eyas.engine.sampling import counter_uniform
+from eyas.engine.sampling import counter_uniform, cumsum_last
 from eyas.targets.structure import find_decoder_blocks, text_config
 
 MODES = ("greedy", "sample", "top_p")
@@ -183,7 +183,7 @@ def row_probabilities(logits: Tensor, temperature: Tensor, drop_mass: Tensor, to
     x = logits.float() / temperature.view(shape)
     if top_p:
         sorted_x, order = x.sort(dim=-1)
-        cum = sorted_x.softmax(-1).cumsum(-1)
+        cum = cumsum_last(sorted_x.softmax(-1))
         drop_sorted = cum <= drop_mass.view(shape)
         drop_sorted[..., -1] = False
         x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
@@ -193,7 +193,7 @@ def row_probabilities(logits: Tensor, temperature: Tensor, drop_mass: Tensor, to
 def draw(p: Tensor, u: Tensor) -> Tensor:
     """Inverse-CDF draws, long [...], from distributions p [..., V] (not necessarily normalised)
     with uniforms u [...] in (0, 1)."""
-    cdf = p.cumsum(-1)
+    cdf = cumsum_last(p)
     threshold = u * cdf[..., -1]
     return (cdf <= threshold[..., None]).sum(-1).clamp(max=p.shape[-1] - 1)
 

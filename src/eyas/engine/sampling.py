@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from eyas.engine.errors import RequestError
@@ -93,6 +94,31 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     """logits [..., V] -> the distribution plain sampling draws from, float32 [..., V]."""
     use_top_k, use_top_p = params.filters(logits.shape[-1])
     return filtered_probabilities(logits, params.temperature, params.top_p, params.top_k, use_top_k, use_top_p)
+
+
+# The longest scan :func:`cumsum_last` leaves to one cumsum: inductor splits a longer scan over a
+# few rows across thread blocks (SplitScan), and on torch 2.11 that codegen failed for a sampled
+# batch's draw (its scan over the vocabulary fused with the count after it: "NYI
+# TritonSplitDimKernel reductions"), leaving the batched epilogue eager. Inductor never splits a
+# scan of at most 32 elements. (The single-request acceptance keeps torch's cumsum: on the H100 the
+# chunked scan there failed to lower, "NotImplementedError: View", where the plain one compiles
+# at temperature alone; with top-p, both fail and it runs eagerly.)
+SCAN_CHUNK = 32
+
+
+def cumsum_last(x: Tensor, chunk: int = SCAN_CHUNK) -> Tensor:
+    """The cumulative sum along the last dimension, [..., V] -> [..., V], as scans of at most
+    ``chunk`` elements: within each chunk of the (zero-padded) row, then, recursively, over the
+    chunks' totals, which are added back as each chunk's exclusive offset. Equal to ``x.cumsum(-1)``
+    up to float summation order."""
+    V = x.shape[-1]
+    if V <= chunk:
+        return x.cumsum(-1)
+    pad = (-V) % chunk
+    inner = F.pad(x, (0, pad)).unflatten(-1, (-1, chunk)).cumsum(-1)  # [..., V'/chunk, chunk]
+    totals = inner[..., -1]  # [..., V'/chunk]
+    before = cumsum_last(totals, chunk) - totals  # each chunk's offset: the totals of the chunks before it
+    return (inner + before[..., None]).flatten(-2)[..., :V]
 
 
 def filtered_probabilities(logits: Tensor, temperature: float | Tensor, top_p: float | Tensor, top_k: int | Tensor,
