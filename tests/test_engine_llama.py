@@ -49,9 +49,10 @@ def test_the_step_traced_by_torch_compile_computes_the_same_with_one_compilation
     """The GPU compiles the fixed-shape step's functions with inductor; here dynamo and AOT autograd
     trace the same functions (fullgraph: no graph break; the cache writes as in-place mutations of
     the inputs) without generating code. Every block reuses its (token bucket, key bucket)
-    compilation: the walk's steps (16, 16), (8, 32), (8, 32), (1, 16) make 3 pairs x (_prologue,
-    _layer) + 3 token buckets x (_down, _head) = 12 graphs, whatever the number of blocks; a decode
-    step that crosses into key bucket 32 adds _prologue and _layer, not _down or _head."""
+    compilation: the walk's steps (16, 16), (8, 32), (8, 32), (1, 16) make 3 pairs x _layer + 3
+    token buckets x (_prologue, _down, _head) = 12 graphs, whatever the number of blocks; a decode
+    step that crosses into key bucket 32 adds _layer alone (the prologue's mask covers the cache;
+    the step takes a view of its first K columns), which keeps a warm start's tracing short."""
     from torch._dynamo.utils import counters
 
     fast, hf = _pair(kind, fixed_shapes=True)
@@ -64,7 +65,21 @@ def test_the_step_traced_by_torch_compile_computes_the_same_with_one_compilation
     ids = torch.tensor([[5]])
     for pos in (15, 16):  # cache_len 15 + 1 <= 16; then 16 + 1: key bucket 32
         same(fast.forward(ids, torch.tensor([[pos]])), hf.forward(ids, torch.tensor([[pos]])))
-    assert (1, 32) in fast._ready and counters["stats"]["unique_graphs"] == 14
+    assert (1, 32) in fast._ready and counters["stats"]["unique_graphs"] == 13
+
+
+@pytest.mark.unit
+def test_unwarmed_lists_the_pairs_a_partial_warmup_left_smallest_keys_first():
+    """A warm server start compiles the key buckets of a short request and leaves the others to the
+    worker's idle time (eyas.serve.startup): unwarmed() is that list, and warming each empties it."""
+    fast, _ = _pair("llama", fixed_shapes=True)
+    assert fast.unwarmed() == [(B, K) for K in fast.key_buckets for B in fast.buckets if B <= K]
+    fast.warmup(context=KEYS[0])
+    left = fast.unwarmed()
+    assert left and left == [(B, K) for K in fast.key_buckets[1:] for B in fast.buckets if B <= K]
+    for B, K in left:
+        fast.warmup(buckets=[B], keys=[K])
+    assert fast.unwarmed() == [] and _pair("llama")[0].unwarmed() == []  # exact shapes: nothing to warm
 
 
 @pytest.mark.unit

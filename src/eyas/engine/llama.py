@@ -27,8 +27,9 @@ within 2x of the keys in use with log2(C/512) + 1 rungs (4 for C = 4096).
 On a GPU the step's four functions (:mod:`eyas.engine.llama_steps`: ``_prologue``, ``_layer``,
 ``_down``, ``_head``) are then compiled with ``torch.compile(fullgraph=True, dynamic=False)``
 (inductor fuses each block's norms, rope, cache writes, softmax and SiLU into a few kernels; all
-blocks have the same shapes, so one compilation per (B, K) serves every block: ``_layer`` and
-``_prologue`` compile once per (B, K), ``_down`` and ``_head`` once per B) and each (B, K) step is
+blocks have the same shapes, so one compilation per (B, K) serves every block: ``_layer`` compiles
+once per (B, K); ``_prologue``, ``_down`` and ``_head`` once per B: the prologue's mask covers the
+whole cache and the step hands the blocks its first K columns, a view) and each (B, K) step is
 captured once as a CUDA graph and replayed (forward hooks would not survive a replay: the captured
 boundaries are an output of the step). A graph for key bucket K reads entries [0, K) only, and a step
 runs the graph of its own K, so a captured graph stays valid as the cache grows. On the CPU the same
@@ -357,7 +358,10 @@ class LlamaTarget(Target):
         [B, S*H] in the spec's slot order (boundary b = the residual stream entering block b;
         boundary L = the last block's output, before the final norm)."""
         prologue, layer, down, head, whole_output_rows, split_kv_layer, split_kv_rows = fns
-        x, d, cos, sin, slots, mask = prologue(*inputs, self.embed_weight, self.inv_freq, n_keys=n_keys)
+        # The mask over the whole cache, then its first n_keys columns (a view, no copy): the
+        # prologue's shapes depend on B alone, so a warm start traces it 6 times, not 6 x 4.
+        x, d, cos, sin, slots, mask = prologue(*inputs, self.embed_weight, self.inv_freq, n_keys=self.max_length)
+        mask = mask[:, :n_keys]  # [B, n_keys]
         if x.shape[0] <= whole_output_rows:
             d = None  # every block returns its output whole (see llama_steps._down): one compilation of _layer
         layer_takes_kv = split_kv_layer is not None and x.shape[0] <= split_kv_rows
@@ -466,6 +470,13 @@ class LlamaTarget(Target):
             self.implementation = self._implementation()
             self._step(buf, K, self._fixed)
 
+    def unwarmed(self) -> list[tuple[int, int]]:
+        """The (token bucket, key bucket) pairs a step may reach that are not compiled and captured
+        yet (B <= K), smallest keys first: what :meth:`warmup` of the whole context would add."""
+        if not self.fixed_shapes:
+            return []
+        return [(B, K) for K in self.key_buckets for B in self.buckets if B <= K and (B, K) not in self._ready]
+
     @torch.no_grad()
     def warmup(self, buckets: Sequence[int] | None = None, keys: Sequence[int] | None = None,
                context: int | None = None) -> float:
@@ -476,7 +487,7 @@ class LlamaTarget(Target):
         request, capped at the capacity) reaches: 512, 1024 and 2048 with the default ladder. A
         longer sequence compiles and captures each further key bucket at its first use (a few
         seconds on a GPU); ``context=target.max_length`` warms them all. Each (B, K) pair is one
-        compilation of ``_prologue`` and ``_layer`` (``_down`` and ``_head`` compile once per B) and one CUDA
+        compilation of ``_layer`` (``_prologue``, ``_down`` and ``_head`` compile once per B) and one CUDA
         graph. Empties the cache (call it before ``prefill``). Returns the seconds it took (also
         added to ``compile_seconds``)."""
         self.reset()

@@ -313,7 +313,7 @@ def step_functions(consts: dict[str, float], backend: str | None, matvec: str = 
     if split_rows:
         fns.append(functools.partial(_layer_split_kv, **block))
     if backend is not None:
-        # Each function's shapes (_prologue and _layer: per (token bucket, key bucket) pair; _down and
+        # Each function's shapes (_layer: per (token bucket, key bucket) pair; _prologue, _down and
         # _head: per token bucket; per model) are separate compilations of one code object
         # (functools.partial's): 6 token buckets x 4 key buckets = 24 of _layer for C = 4096.
         raise_recompile_limits()
