@@ -83,6 +83,26 @@ def test_unwarmed_lists_the_pairs_a_partial_warmup_left_smallest_keys_first():
 
 
 @pytest.mark.unit
+def test_a_step_pads_to_a_larger_ready_bucket_rather_than_compile_its_own():
+    """prefer_ready (a server after a warm start that left buckets to the background): a step of T
+    tokens whose own bucket is not compiled runs in the smallest larger one that is, and gives the
+    same tokens and features; once its own bucket is warmed, it runs there again."""
+    fast, hf = _pair("llama", fixed_shapes=True)
+    top = max(b for b in fast.buckets if b <= KEYS[0])  # 16
+    fast.warmup(buckets=[top], keys=[KEYS[0]])
+    assert fast.step_shape(5) == (8, KEYS[0])  # not asked: the smallest bucket, compiled at first use
+    fast.prefer_ready = True
+    assert fast.step_shape(5) == (top, KEYS[0])
+    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    same(fast.prefill(prompt), hf.prefill(prompt))
+    assert (8, KEYS[0]) not in fast._ready  # nothing compiled for it
+    ids = prompt[0].tolist()
+    assert plain_generate(fast, ids, max_new_tokens=10).tokens == plain_generate(hf, ids, max_new_tokens=10).tokens
+    fast.warmup(buckets=[8], keys=[KEYS[0]])
+    assert fast.step_shape(5) == (8, KEYS[0])
+
+
+@pytest.mark.unit
 def test_a_failing_compiler_leaves_the_eager_step_with_a_warning(monkeypatch):
     """E.g. a GPU machine without the C compiler Triton needs: the step still runs, and says so."""
     def no_compiler(gm, example_inputs):

@@ -23,7 +23,8 @@ the runtime: see :mod:`eyas.tune`.
 """
 
 from eyas.engine.errors import RequestError, SessionError
-from eyas.engine.llama import TARGET_IMPLEMENTATIONS, LlamaTarget, build_target
+from eyas.engine.build import TARGET_IMPLEMENTATIONS, build_target
+from eyas.engine.llama import LlamaTarget
 from eyas.engine.observe import RoundObserver
 from eyas.engine.sampling import GREEDY, AcceptRule, SamplingParams, rejection_rule
 from eyas.engine.speculative import GenerationResult, Session, plain_generate, speculative_generate, start, step

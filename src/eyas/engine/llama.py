@@ -7,7 +7,8 @@ products and attention run: the ``matvec`` and ``attention`` options, what ``"au
 fused q/k/v and gate/up weights), :mod:`eyas.engine.llama_steps` (the step's pure functions over
 tensors, their numerics, how they are bound and compiled) and this one (:class:`LlamaTarget`: the
 weights gathered, the cache, the walk through the blocks, the step's shapes, compilation and CUDA
-graphs; :func:`build_target`, :func:`supports`). Names other modules have imported from here
+graphs; :func:`supports`; :func:`eyas.engine.build.build_target` chooses it or the Hugging Face
+target). Names other modules have imported from here
 (``rms_norm``, ``rope``, ``linear``, ``project``, ``fuse_projections``, ...) are re-exported.
 
 Every step runs through one walk, ``_step``: B new tokens write their keys/values at cache slots
@@ -277,6 +278,9 @@ class LlamaTarget(Target):
         self.implementation = self._implementation()
         self._inputs: dict[int, _Inputs] = {}  # token bucket B -> its input buffers (shared by its key buckets)
         self._ready: set[tuple[int, int]] = set()  # (B, K) steps compiled / captured
+        # A step pads to a larger bucket that is ready rather than compile its own (step_shape): a
+        # server sets it once its start-up left buckets to the background (eyas.serve.startup)
+        self.prefer_ready = False
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.compile_seconds = 0.0  # time spent compiling and capturing (B, K) steps (at first use or in warmup)
@@ -387,11 +391,17 @@ class LlamaTarget(Target):
 
     def step_shape(self, T: int) -> tuple[int, int] | None:
         """(B, K) of a forward of T tokens at the current cache_len: the token bucket it is padded to
-        and the key bucket it attends; None where it runs exact shapes (not ``fixed_shapes``, T past
-        the largest bucket, or the pads' slots past the capacity). Host ints only."""
+        (the smallest >= T, or with ``prefer_ready`` a larger one that is compiled and captured when
+        the smallest is not) and the key bucket it attends; None where it runs exact shapes (not
+        ``fixed_shapes``, T past the largest bucket, or the pads' slots past the capacity). Host ints only."""
         B = next((b for b in self.buckets if b >= T), None) if self.fixed_shapes else None
         if B is None or self._len + B > self.max_length:
             return None
+        if self.prefer_ready and (B, self._key_bucket(self._len + B)) not in self._ready:
+            # A larger bucket already compiled and captured, rather than compiling this one now (a
+            # warm start leaves some to the background): its pads cost a GPU far less than a compilation.
+            B = next((b for b in self.buckets if b > B and self._len + b <= self.max_length
+                      and (b, self._key_bucket(self._len + b)) in self._ready), B)
         return B, self._key_bucket(self._len + B)
 
     def _buffers(self, B: int) -> _Inputs:
@@ -510,38 +520,3 @@ class LlamaTarget(Target):
                 self._load(B, ids, torch.arange(B, device=self.device)[None], None)  # at cache_len 0
                 self._prepare(B, K)
         return time.perf_counter() - t0
-
-
-TARGET_IMPLEMENTATIONS = ("auto", "fast", "hf")
-
-
-def build_target(model: nn.Module, spec: CaptureSpec, implementation: str = "auto", matvec: str = "auto",
-                 attention: str = "auto") -> Target:
-    """The target the engine serves ``model`` with (``--target-impl``).
-
-    - ``fast``: :class:`LlamaTarget` (fixed shapes, compiled, CUDA graphs on a GPU; refused, with the
-      reason, for an architecture it does not implement);
-    - ``hf``: :class:`~eyas.engine.target.HFTarget`, any causal LM;
-    - ``auto``: ``fast`` wherever it applies (on a GPU with CUDA graphs; on a CPU eagerly, where
-      its static cache still beats the Hugging Face model: SmolLM2 in float32 on 2 cores, 22.6
-      against 20.0 tok/s plain and 20.0 against 17.6 speculative), else ``hf``.
-    The returned target's ``implementation`` says which one runs. ``matvec`` and ``attention``: the
-    fast target's one-token products and its attention (:class:`LlamaTarget`, which checks them);
-    asking for one that is not the default where the Hugging Face target runs is refused, with the
-    reason.
-    """
-    from eyas.engine.target import HFTarget
-
-    impl = str(implementation).lower()
-    if impl not in TARGET_IMPLEMENTATIONS:
-        raise UnsupportedTarget(f"--target-impl: expected one of {list(TARGET_IMPLEMENTATIONS)}, found {implementation!r}")
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    if impl == "hf" or (impl == "auto" and supports(model) is not None):
-        asked = [f"--{k} {v}" for k, v in (("matvec", matvec), ("attention", attention))
-                 if v not in ("auto", "gemm", "eager")]  # what the fast target would change
-        if asked:
-            why = "--target-impl hf" if impl == "hf" else supports(model)
-            raise UnsupportedTarget(f"{' '.join(asked)}: options of the fast Llama-family target, and this model runs "
-                                    f"on the Hugging Face target ({why}); leave them out")
-        return HFTarget(model, spec)
-    return LlamaTarget(model, spec, cuda_graphs=on_gpu, matvec=matvec, attention=attention)
