@@ -154,3 +154,26 @@ def test_a_step_covers_the_rows_up_to_the_highest_busy_one_and_leaves_the_others
     assert covered == [4, 1, 1, 1, 1]
     assert torch.equal(engine.state.ids[3:], ids_before)  # rows past the step's are untouched
     assert tokens[a.row] == hf_greedy(model, prompts[0], 6, None)[0]
+
+
+def test_a_step_prepared_while_idle_changes_nothing_and_is_not_compiled_again():
+    """A server prepares its batch's step shapes while idle (BatchedLlama.prepare over
+    RowBatch.step_shapes): each is compiled once, the rows' state is left as it was, and the
+    requests then served get their answers alone, their steps compiling nothing more."""
+    model = tiny_model("llama", 2)
+    prompts = random_prompts(3, 128, seed=5, lengths=(3, 12))
+    want = [hf_greedy(model, p, 9, None)[0] for p in prompts]
+    batch = RowBatch(BatchedLlama(model, rows=4, compile=True, backend="aot_eager", key_buckets=[16]), capacity=40,
+                     row_buckets=[2, 4])
+    eng, st = batch.engine, batch.engine.state
+    shapes = batch.step_shapes(24, modes=("greedy",))
+    assert shapes == [(16, "greedy", 2), (16, "greedy", 4), (eng.capacity, "greedy", 2), (eng.capacity, "greedy", 4)]
+    before = [t.clone() for t in (st.ids, st.pos, st.active, st.n_gen, st.out)]
+    assert [eng.prepare(*shape) for shape in shapes] == [True] * 4
+    assert [eng.prepare(*shape) for shape in shapes] == [False] * 4  # once each
+    assert all(torch.equal(a, b) for a, b in zip(before, (st.ids, st.pos, st.active, st.n_gen, st.out)))
+    compiled = eng.compile_s
+    got = drive(batch, {0: [RowRequest(p, 9) for p in prompts]})
+    assert [got[i] for i in range(3)] == want
+    assert eng.compile_s == compiled  # every step's shape was prepared
+    assert not BatchedLlama(model, rows=2).prepare(16, "greedy")  # nothing compiled: nothing to prepare

@@ -434,11 +434,27 @@ class BatchedLlama:
             self._compiled.add(key)
             self.compile_s += time.perf_counter() - t0
 
-    def _capture(self, K: int, mode: str, n: int | None = None) -> torch.cuda.CUDAGraph | None:
-        """Compile (in the warm-ups) and capture the step of bucket K in ``mode``. The warm-ups run
-        real steps: the state is restored from a snapshot before each of them and after the capture,
-        so the step then replayed is the one the caller asked for."""
+    def prepare(self, K: int, mode: str, n: int | None = None) -> bool:
+        """Compile (and on a GPU capture) the step of (K, ``mode``, first ``n`` rows) now, leaving
+        the rows' state as it was (a server's idle time: the step's first use then replays it);
+        False where there is nothing to do (prepared already, or nothing compiled)."""
+        n = self.rows if n is None else int(n)
+        key = (K, mode) if n == self.rows else (K, mode, n)
+        if self.cuda_graphs:
+            return key not in self._graphs and self._capture(K, mode, n) is not None
+        if not self.compile or key in self._compiled:
+            return False
         t0 = time.perf_counter()
+        restore = self._snapshot()
+        self._decode(K, mode, n)
+        restore()
+        self._compiled.add(key)
+        self.compile_s += time.perf_counter() - t0
+        return True
+
+    def _snapshot(self) -> Callable[[], None]:
+        """A copy of the rows' state a step changes; calling what it returns puts it back (a step
+        also writes each row's cache entry at its own position, which the next real step writes again)."""
         st = self.state
         assert st is not None
         mutable = (st.ids, st.pos, st.active, st.n_gen, st.out)
@@ -447,6 +463,14 @@ class BatchedLlama:
         def restore() -> None:
             for dst, src in zip(mutable, snapshot):
                 dst.copy_(src)
+        return restore
+
+    def _capture(self, K: int, mode: str, n: int | None = None) -> torch.cuda.CUDAGraph | None:
+        """Compile (in the warm-ups) and capture the step of bucket K in ``mode``. The warm-ups run
+        real steps: the state is restored from a snapshot before each of them and after the capture,
+        so the step then replayed is the one the caller asked for."""
+        t0 = time.perf_counter()
+        restore = self._snapshot()
 
         def warm() -> None:
             restore()

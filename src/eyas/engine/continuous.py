@@ -273,6 +273,15 @@ class RowBatch:
             out.append(RowTokens(r, new, finished, drafted=depth, accepted=min(a, len(new))))
         return out
 
+    def step_shapes(self, context: int, modes: Sequence[str] = ("greedy", "sample")) -> list[tuple[int, str, int]]:
+        """The (key bucket, mode, rows) of the plain steps that requests of up to ``context`` tokens
+        run, fewest keys, then fewest rows, first: what a server prepares while it is idle
+        (:meth:`~eyas.engine.batched.BatchedLlama.prepare`), so that a load's first steps of each
+        shape do not stall every row on a compilation."""
+        buckets = self.engine.buckets()
+        keys = [K for K in buckets if K < context] + [next((K for K in buckets if K >= context), buckets[-1])]
+        return [(K, mode, n) for K in keys for n in self.row_buckets for mode in modes]
+
     def release(self, row: int) -> None:
         """Free ``row`` now (its request ended or was cancelled); the device stops advancing it."""
         if self.sampling[row] is None:
