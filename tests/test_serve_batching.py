@@ -314,3 +314,42 @@ def test_speculation_auto_measures_both_paths_of_a_lone_request_and_takes_the_fa
             assert json.loads(r.read())["speculation"]["mode"] == "auto"
         m = metrics(t)
         assert m[("eyas_lone_request_tokens_per_second", (("kind", "greedy"), ("path", "row")))] > 0
+
+
+@pytest.mark.parametrize("max_rows", [4, 1], ids=["batch-worker", "decode-worker"])
+def test_deferred_startup_work_runs_while_idle_in_order_and_a_failure_only_warns(served, alone, max_rows,
+                                                                                   monkeypatch):
+    """A warm start leaves compilations no short request needs to the worker (Served.deferred):
+    each runs on the decode thread after QUIET_BEFORE_DEFERRED_S without a request, in order; one
+    that fails warns and the rest still run; requests are answered as before, and /health counts
+    what was deferred."""
+    import threading
+
+    from eyas.serve import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "QUIET_BEFORE_DEFERRED_S", 0.3)
+    sv, questions = served
+    ran: list[tuple[int, str, float]] = []
+
+    def unit(i: int):
+        def run() -> None:
+            ran.append((i, threading.current_thread().name, time.perf_counter()))
+            if i == 1:
+                raise RuntimeError("no compiler")
+        return run
+
+    deferred = [unit(i) for i in range(3)]
+    t0 = time.perf_counter()
+    with pytest.warns(UserWarning, match="a deferred start-up compilation failed .RuntimeError: no compiler"):
+        with ServerThread(replace(sv, deferred=deferred, startup=replace(sv.startup, deferred=3)),
+                          replace(OPTIONS, max_rows=max_rows)) as t:
+            deadline = time.time() + 30
+            while len(ran) < 3 and time.time() < deadline:
+                time.sleep(0.02)
+            assert [(i, name) for i, name, _ in ran] == [(0, "eyas-decode"), (1, "eyas-decode"), (2, "eyas-decode")]
+            # each waited for its quiet window: the worker was idle from the start
+            assert ran[0][2] - t0 >= 0.3 and ran[1][2] - ran[0][2] >= 0.3 and ran[2][2] - ran[1][2] >= 0.3
+            assert t.state.worker.deferred == [] and sv.deferred == []  # the worker's own list
+            with urllib.request.urlopen(t.url + "/health") as r:
+                assert json.loads(r.read())["startup"]["deferred"] == 3
+            assert streamed(client(t), questions[0]) == alone(questions[0])

@@ -38,6 +38,7 @@ accepts less at each depth than the tree the prediction is for).
 
 from __future__ import annotations
 
+import functools
 import queue
 import time
 from collections import deque
@@ -52,7 +53,7 @@ from eyas.engine.speculative import STOP_CANCELLED, GenerationResult
 from eyas.engine.stats import STOP_EOS, STOP_MAX_NEW_TOKENS, GenerationStats
 from eyas.engine.stopping import StopCriteria
 from eyas.serve.policy import BatchSpeculation, SpeculationPolicy, batch_mode
-from eyas.serve.startup import Served
+from eyas.serve.startup import START_CONTEXT, Served
 from eyas.serve.worker import STOP, DecodeWorker, Event, Job, Worker
 
 DEFAULT_ROWS = {"cuda": 64, "cpu": 8}  # --max-rows by device: a CPU's memory holds fewer rows' caches
@@ -119,6 +120,9 @@ class BatchWorker(Worker):
         self.solo: tuple[Live, Any] | None = None  # the lone request and its speculative session
         self.starting: Job | None = None  # a lone request whose prefill runs now
         self.stopping = False
+        if getattr(batch.engine, "compile", False):  # the batch's step shapes, compiled while idle (first)
+            self.deferred[:0] = [functools.partial(batch.engine.prepare, K, mode, n)
+                                 for K, mode, n in batch.step_shapes(START_CONTEXT)]
         self.thread.start()
 
     @property
@@ -135,9 +139,13 @@ class BatchWorker(Worker):
 
     def batch_report(self) -> dict[str, Any]:
         """``/health``'s ``batch_speculation``: the depth chosen per batch size and its measured rates,
-        and the seconds the batched engine spent compiling and capturing shapes at their first use
-        (they stall every row: a load test warms them first)."""
-        return {**self.batch_policy.to_dict(), "compile_s": round(self.batch.engine.compile_s, 2)}
+        the seconds the batched engine spent compiling and capturing shapes (at their first use they
+        stall every row: a load test warms them first), the same for the target that lone requests
+        decode on (its start-up included), and the start-up work still deferred (the batch's step
+        shapes first, which the worker prepares while the server is idle)."""
+        return {**self.batch_policy.to_dict(), "compile_s": round(self.batch.engine.compile_s, 2),
+                "target_compile_s": round(float(getattr(self.served.target, "compile_seconds", 0.0)), 2),
+                "deferred_left": len(self.deferred)}
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -11,6 +11,11 @@ Order (each step only when the previous passed, or with ``--force``):
 4. the engine's target (``eyas.engine.build_target``) and, on a GPU, its warm-up and the
    drafter's and the acceptance's for the served trees (``--tree`` for greedy requests,
    ``--tree-sampled`` for the others; short generations, greedy and sampled: :func:`warm_rounds`).
+   On a warm compile cache only what a short request runs is compiled before the server is ready
+   (the largest token bucket over the key bucket of ``START_CONTEXT`` tokens, what greedy and
+   temperature rounds run); the rest (the other token buckets, longer key buckets, top-p's
+   acceptance) is ``Served.deferred``, which the decode worker runs one unit at a time after a
+   quiet while (meanwhile a step pads to a larger ready bucket, or compiles at its first use).
 
 Compiled artifacts (inductor's FX graph and kernel caches, Triton's kernels) are kept in eyas' cache
 directory (:func:`compile_cache`: ``$EYAS_CACHE/compile``, unless ``TORCHINDUCTOR_CACHE_DIR`` is
@@ -24,6 +29,7 @@ the server starts anyway; ``forced`` and the failures stay visible in ``/health`
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -108,6 +114,7 @@ class Startup:
     seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds (load, check, compile, ...)
     compile_cache: str | None = None  # the directory of inductor's and Triton's caches
     warm_cache: bool = False  # the cache held compiled artifacts before this start
+    deferred: int = 0  # compilations left to the worker's idle time (Served.deferred)
 
     @property
     def total_s(self) -> float:
@@ -115,7 +122,7 @@ class Startup:
 
     def to_dict(self) -> dict[str, Any]:
         return {"total_s": self.total_s, "seconds": {k: round(v, 2) for k, v in self.seconds.items()},
-                "compile_cache": self.compile_cache, "warm_cache": self.warm_cache}
+                "compile_cache": self.compile_cache, "warm_cache": self.warm_cache, "deferred": self.deferred}
 
 
 def compile_cache() -> tuple[str, bool]:
@@ -142,6 +149,9 @@ class Served:
     preflight: Preflight
     prediction: Prediction | None
     startup: Startup = field(default_factory=Startup)
+    # Start-up work left for the decode worker's idle time (compilations no short request needs:
+    # longer key buckets, top-p's acceptance), run one at a time while no request waits
+    deferred: list[Callable[[], object]] = field(default_factory=list)
 
     @property
     def tokenizer(self) -> Any:
@@ -229,23 +239,48 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", tree_sampled
     engine_target = build_target(loaded.model, CaptureSpec(tuple(contract.capture.boundaries), loaded.num_blocks),
                                  target_impl, matvec=matvec, attention=attention)
     done("check")
-    if getattr(engine_target, "cuda_graphs", False):
-        # Every key bucket up to the capacity: a server's long requests should not pay a compilation.
+    graphs = getattr(engine_target, "cuda_graphs", False)
+    deferred: list[Callable[[], object]] = []
+    if graphs:
+        # Cold: every token and key bucket up to the capacity now (a long request should not wait
+        # for a compilation from scratch). Warm: the largest token bucket over a short request's
+        # keys now (a prompt's chunks), and below the ones the warm rounds use (verification); the
+        # others in the background (loaded from the cache, a fraction of a second each), a step
+        # meanwhile padded to a larger bucket that is ready (LlamaTarget.prefer_ready).
         log("compiling the fast target's steps and capturing CUDA graphs")
-        engine_target.warmup(context=engine_target.max_length)
+        if startup.warm_cache:
+            engine_target.warmup(buckets=[max(engine_target.buckets)], context=START_CONTEXT)
+        else:
+            engine_target.warmup(context=engine_target.max_length)
     if plan is None:  # --tree auto: timed on this hardware, calibrated at temperatures 0 and 1
         plan = auto_trees(engine_target, drafter, loaded, contract, log)
         if tree_sampled:
             plan = TreePlan(plan.greedy, TreeSpec.parse(tree_sampled))
-    if getattr(engine_target, "cuda_graphs", False):
-        warm_rounds(engine_target, drafter, plan, loaded.tokenizer.encode("Hello"), log)
+    if graphs:
+        prompt = loaded.tokenizer.encode("Hello")
+        later = WARM_SAMPLING[1:] if startup.warm_cache else ()
+        warm_rounds(engine_target, drafter, plan, prompt, log, sampled=WARM_SAMPLING[:len(WARM_SAMPLING) - len(later)])
+        deferred += [functools.partial(warm_round, engine_target, drafter, plan.sampled, prompt, sampling)
+                     for sampling in later]
+    if graphs and startup.warm_cache:
+        # Set only now: the warm rounds (and --tree auto's timings) compile the buckets they use
+        engine_target.prefer_ready = True
+        deferred += [functools.partial(engine_target.warmup, buckets=[B], keys=[K])
+                     for B, K in engine_target.unwarmed()]
+    startup.deferred = len(deferred)
+    if deferred:
+        log(f"{len(deferred)} more compilations (longer contexts, top-p) run in the background while the server is idle")
     done("compile")
     recorded = read_contract(draft_path)
     prediction = prediction_from_metrics(recorded.metrics if recorded is not None else None,
                                          f"{draft_path}/eyas.json contract.metrics")
     name = model_name or (target if not Path(target).exists() else Path(target).name)
-    return Served(loaded, drafter, engine_target, plan, draft_path, target, name, pf, prediction, startup)
+    return Served(loaded, drafter, engine_target, plan, draft_path, target, name, pf, prediction, startup, deferred)
 
+
+# The context whose key buckets a warm start compiles before it is ready (a short request's: 512
+# keys with the default ladder); the longer ones follow in the background (Served.deferred).
+START_CONTEXT = 512
 
 # What the start-up's warm rounds sample with: each filter combination a request may bring (the server
 # takes temperature and top_p) has its own compiled acceptance; the temperature is the graph's input,
@@ -253,18 +288,24 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", tree_sampled
 WARM_SAMPLING = (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9))
 
 
-def warm_rounds(target: Any, drafter: Any, plan: TreePlan, prompt: list[int], log: Callable[[str], None]) -> None:
+def warm_rounds(target: Any, drafter: Any, plan: TreePlan, prompt: list[int], log: Callable[[str], None],
+                sampled: tuple[SamplingParams, ...] = WARM_SAMPLING) -> None:
     """Compile and capture, now, what requests' rounds run (each is compiled or captured at its first
     use, seconds that no request should pay): the drafter's steps for each tree of the plan, and the
-    acceptance of greedy and of sampled rounds (:data:`WARM_SAMPLING`)."""
-    from eyas.engine import speculative_generate
-
-    for spec, samplings in ((plan.greedy, (SamplingParams(),)), (plan.sampled, WARM_SAMPLING)):
+    acceptance of greedy and of sampled rounds (``sampled``: default :data:`WARM_SAMPLING`)."""
+    for spec, samplings in ((plan.greedy, (SamplingParams(),)), (plan.sampled, sampled)):
         log(f"compiling the drafter's steps and the acceptance for tree {spec.label} "
             f"({'greedy' if samplings[0].greedy else 'sampled'} requests)")
         for sampling in samplings:
-            speculative_generate(target, drafter, prompt, tree=spec, sampling=sampling, max_new_tokens=2 * spec.depth + 2,
-                                 generator=torch.Generator(device=target.device).manual_seed(0))
+            warm_round(target, drafter, spec, prompt, sampling)
+
+
+def warm_round(target: Any, drafter: Any, spec: TreeSpec, prompt: list[int], sampling: SamplingParams) -> None:
+    """A short generation with ``spec`` and ``sampling``: what its rounds run, compiled and captured."""
+    from eyas.engine import speculative_generate
+
+    speculative_generate(target, drafter, prompt, tree=spec, sampling=sampling, max_new_tokens=2 * spec.depth + 2,
+                         generator=torch.Generator(device=target.device).manual_seed(0))
 
 
 def auto_trees(target: Any, drafter: Any, loaded: LoadedTarget, contract: Any, log: Callable[[str], None]) -> TreePlan:

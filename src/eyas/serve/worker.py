@@ -26,6 +26,7 @@ import queue
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -38,6 +39,11 @@ __all__ = ["STOP", "DecodeWorker", "Event", "Job", "QueueFull", "Worker"]
 
 
 SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval while a decode worker runs (_run_loop)
+# Deferred start-up work (Served.deferred) waits for this many seconds without a request: a unit
+# cannot be interrupted (a compilation, 0.5-2 s on a warm cache), so it must not land between the
+# requests of a client that sends them back to back (on the H100 a 1-client load lost 4x to it);
+# a server left idle (its first minutes, the gaps of interactive use) still runs it all
+QUIET_BEFORE_DEFERRED_S = 2.0
 
 
 class Worker:
@@ -63,6 +69,8 @@ class Worker:
         self.waiting = 0  # jobs submitted and not yet decoding
         self.max_rows = 1  # requests decoding at once, at most
         self.policy: Any = None  # where a lone request may take another path: its SpeculationPolicy
+        self.deferred: list[Callable[[], object]] = list(getattr(served, "deferred", ()))  # see _background
+        self.quiet_s = QUIET_BEFORE_DEFERRED_S
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.thread = threading.Thread(target=self._run_loop, name="eyas-decode", daemon=True)
@@ -97,6 +105,24 @@ class Worker:
     def _idle(self) -> None:
         if self.on_idle is not None:
             self.on_idle()
+        self._background()
+
+    def _background(self) -> None:
+        """The start-up's deferred work (``Served.deferred``: compilations no short request needs),
+        one unit at a time after ``quiet_s`` seconds without a job: a job that arrives waits for
+        one unit at most, and a client sending requests back to back never does. A unit that fails
+        warns; the step it would have compiled compiles at its first use."""
+        while self.deferred and self._quiet(self.quiet_s):
+            unit = self.deferred.pop(0)
+            try:
+                unit()
+            except Exception as e:  # noqa: BLE001 - never end the worker over a warm-up
+                warnings.warn(f"a deferred start-up compilation failed ({type(e).__name__}: {e}); it runs at first use")
+
+    def _quiet(self, seconds: float) -> bool:
+        """Whether ``seconds`` pass with nothing submitted (False as soon as something is)."""
+        with self.queue.not_empty:
+            return not self.queue.not_empty.wait_for(lambda: len(self.queue.queue) > 0, timeout=seconds)
 
     def _taken(self) -> None:
         with self._lock:
