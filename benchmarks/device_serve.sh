@@ -10,18 +10,23 @@
 #               serve_load.py (it launches `eyas serve` with speculation auto, then off, on a fresh
 #               compile cache: the first is the cold start; 1..256 clients, temperatures 0 and 1, a warm
 #               pass first), serve_startup.py (warm starts of `eyas serve` on the cache serve_load filled),
+#               with PROFILE=1 startup_profile_gpu.py (a warm start under cProfile, in-process),
 #               and with ROWS=1 row_speculation_cpu.py on the GPU (the engine's rounds per rows and depth)
 #               (env: CLIENTS, TEMPS, SPEC (serve_load's --speculation, e.g. auto,off,off/in-process),
 #               ONE=1: --one-at-a-time, LOAD_S, STARTUP_S (1: no start-up runs), WAIT_S)
+#   bars        issue 33's bars on a fresh cache (RUN=/tmp/serve3): `eyas serve` started cold, then warm
+#               twice; a warming load (speculation off); serve_load.py (SPEC, CLIENTS, TEMPS) one server
+#               at a time
 #   wait [S]    wait up to S seconds (default 540) for it to end; copy what is done into $OUT
 #
-# Results: $OUT/serve_load.json, serve_load.log, startup.json, startup.log, rows.json, rows.log
+# Results: $OUT/serve_load.json, serve_load.log, startup.json, startup.log, profile.json, profile.log, rows.json,
+# rows.log, servers.log (bars: startup.json, warming.json, serve_load.json, runs.log, servers.log)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 export PYTHONPATH=src:/tmp/deps TOKENIZERS_PARALLELISM=false TQDM_MININTERVAL=30 PYTHONUNBUFFERED=1
 D=src/eyas/interop/embedded/smollm2-135m-instruct
-RUN=/tmp/serve
+RUN=${RUN:-/tmp/serve}
 
 collect() {
   for f in "$RUN"/*.json "$RUN"/*.log "$RUN"/*.png; do [ -f "$f" ] && cp "$f" "$OUT/"; done
@@ -55,6 +60,11 @@ case "${1:-}" in
       timeout ${STARTUP_S:-300} python benchmarks/serve_startup.py --target /tmp/smol.gguf --draft $D \
         --cache /tmp/eyas-cache --starts 2 --json -- --max-rows 256 > $RUN/startup.json 2> $RUN/startup.log
       echo \"startup exit \$?\" >> $RUN/startup.log
+      if [ \"${PROFILE:-0}\" = 1 ]; then
+        timeout ${PROFILE_S:-300} python benchmarks/startup_profile_gpu.py --target /tmp/smol.gguf --draft $D \
+          --cache /tmp/eyas-cache --json > $RUN/profile.json 2> $RUN/profile.log
+        echo \"profile exit \$?\" >> $RUN/profile.log
+      fi
       if [ \"${ROWS:-0}\" = 1 ]; then
         timeout ${ROWS_S:-240} python benchmarks/row_speculation_cpu.py --target /tmp/smol.gguf --draft $D \
           --rows 4,16,64 --depths 1,2,3,4 --temperatures 0,1 --steps 24 --json --plot $RUN/rows.png \
@@ -65,6 +75,36 @@ case "${1:-}" in
     sleep 5
     bash "$0" wait "${WAIT_S:-520}"
     ;;
+  bars)
+    # Issue 33's bars in one job, on a fresh cache /tmp/eyas-cache3 (RUN=/tmp/serve3; `RUN=/tmp/serve3
+    # bash $0 wait` in the next calls): `eyas serve` launched three times (serve_startup.py --fresh:
+    # the cold start, then two warm ones); a load with speculation off that compiles the batch's
+    # shapes (warming.json, not a measure); then serve_load.py, SPEC (default auto,off) one server at
+    # a time on the warm cache, CLIENTS x TEMPS
+    for f in .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
+    [ -f /tmp/smol.gguf ] || cat /tmp/smol.p[0-9] > /tmp/smol.gguf
+    echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
+    python -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+    RUN=/tmp/serve3 && rm -rf "$RUN" /tmp/eyas-cache3 && mkdir -p "$RUN"
+    L="python benchmarks/serve_load.py --target /tmp/smol.gguf --draft $D --tree 4,8,15 --max-tokens 128 --max-rows 256 --warm-pass --json"
+    setsid nohup bash -c "
+      export EYAS_CACHE=/tmp/eyas-cache3
+      echo \"== serve_startup \$(date -u +%T)\" >> $RUN/runs.log
+      timeout ${STARTUP_S:-420} python benchmarks/serve_startup.py --target /tmp/smol.gguf --draft $D \
+        --cache /tmp/eyas-cache3 --fresh --starts 3 --json -- --max-rows 256 > $RUN/startup.json 2>> $RUN/runs.log
+      echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
+      echo \"== warming load \$(date -u +%T)\" >> $RUN/runs.log
+      timeout ${WARMING_S:-300} $L --clients 4,16,64,256 --requests 1 --temperatures 0,1 --speculation off \
+        > $RUN/warming.json 2>> $RUN/runs.log
+      echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
+      echo \"== serve_load \$(date -u +%T)\" >> $RUN/runs.log
+      timeout ${LOAD_S:-600} $L --clients ${CLIENTS:-1,4,16,64,256} --requests ${REQUESTS:-4} --min-requests ${MIN_REQUESTS:-128} \
+        --temperatures ${TEMPS:-0,1} --speculation ${SPEC:-auto,off} --one-at-a-time > $RUN/serve_load.json 2>> $RUN/runs.log
+      echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
+      echo done > $RUN/DONE" > /dev/null 2>&1 &
+    sleep 5
+    RUN=$RUN bash "$0" wait "${WAIT_S:-540}"
+    ;;
   wait)
     limit=${2:-540} t=0
     while [ ! -f "$RUN/DONE" ] && [ "$t" -lt "$limit" ]; do sleep 10; t=$((t + 10)); done
@@ -73,9 +113,11 @@ case "${1:-}" in
     grep -av "warn\|^$" "$RUN/serve_load.log" 2>/dev/null | tail -n 30 || true
     tail -n 6 "$RUN/startup.log" 2>/dev/null || true
     tail -n 30 "$RUN/rows.log" 2>/dev/null || true
+    tail -n 12 "$RUN/profile.log" 2>/dev/null || true
+    grep -a "^==\|^exit\|ready in\|failed\|level:\|Error" "$RUN/runs.log" 2>/dev/null | tail -n 40 || true
     ;;
   *)
-    echo "usage: $0 part | start | wait [S]" >&2
+    echo "usage: $0 part | start | bars | wait [S]" >&2
     exit 2
     ;;
 esac

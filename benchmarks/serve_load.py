@@ -37,7 +37,9 @@ counts as a failed request.
 ``--warm-pass`` runs every level once, untimed, first, a request a client (on a GPU each shape
 compiles and captures at its first use), and the report's ``chosen`` holds each server's
 ``/health`` ``batch_speculation`` at the end (the tokens/s it measured per batch size, kind and
-depth).
+depth). Each level's ``server`` says what the server did during it: its decode steps by kind and
+the seconds it spent compiling (the batch's steps, the lone requests' target), so that a level
+that paid for a compilation shows it.
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ import http.client
 import json
 import multiprocessing
 import os
+import re
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -336,6 +340,28 @@ def requests_each(a: argparse.Namespace, clients: int) -> int:
     return min(MAX_REQUESTS, max(a.requests, -(-a.min_requests // clients)))
 
 
+def server_state(host: str, port: int) -> dict:
+    """What a server has done so far: its decode steps by kind (``/metrics``) and the seconds it spent
+    compiling, its batch's steps and its lone requests' target (``/health``, as the engine reported
+    it when it last went idle). Taken before and after a level, the difference says which path the
+    level's tokens took and whether it paid for a compilation (a stall of every row)."""
+    _, health = request(port, "/health", timeout=10)
+    batch = health.get("batch_speculation") or {}
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    steps = {m.group(1): float(m.group(2))
+             for m in re.finditer(r'^eyas_decode_steps_total\{kind="([^"]+)"\} (\S+)$', text, re.M)}
+    return {"compile_s": batch.get("compile_s") or 0.0, "target_compile_s": batch.get("target_compile_s") or 0.0,
+            "steps": steps}
+
+
+def state_change(before: dict, after: dict) -> dict:
+    return {"compile_s": round(after["compile_s"] - before["compile_s"], 2),
+            "target_compile_s": round(after["target_compile_s"] - before["target_compile_s"], 2),
+            "steps": {k: int(v - before["steps"].get(k, 0.0)) for k, v in after["steps"].items()
+                      if v != before["steps"].get(k, 0.0)}}
+
+
 def run_levels(host: str, ports: dict[str, int], model: str, prompts: list[str], levels: list[int],
                temperatures: list[float], a: argparse.Namespace, greedy_texts: dict[int, str] | None = None) -> list[dict]:
     """Every level at every temperature on each server (setting -> port), the settings interleaved
@@ -353,9 +379,10 @@ def run_levels(host: str, ports: dict[str, int], model: str, prompts: list[str],
     for t in temperatures:
         for c in levels:
             for setting, port in ports.items():
+                before = server_state(host, port)
                 r = run_level(host, port, model, prompts, c, requests_each(a, c), a.max_tokens, a.timeout, t,
                               greedy_texts, client_procs(a, c))
-                rows.append({"speculation": setting, **r})
+                rows.append({"speculation": setting, **r, "server": state_change(before, server_state(host, port))})
                 print(f"level: {setting}, temperature {t:g}, {c} clients: {r['throughput_tok_s']} tok/s, "
                       f"TTFT p50 {r['ttft_p50_s']} s", file=sys.stderr)  # progress
     return rows

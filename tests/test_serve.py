@@ -387,6 +387,11 @@ def test_the_load_script_launches_eyas_serve_per_setting_and_each_exits_0_after_
         # a level sends at least 2 requests (--min-requests): the lone client sends 2
         assert lv["errors"] == [] and lv["requests"] == max(2, lv["clients"])
         assert lv["completion_tokens"] == 4 * lv["requests"] and lv["greedy_mismatches"] == 0
+        # what the server did in the level: its steps (a batched step or a lone round each) and no compilation on a CPU
+        steps = lv["server"]["steps"]
+        assert set(steps) <= {"speculative", "batched", "batched_speculative"} and 0 < sum(steps.values())
+        assert lv["server"]["compile_s"] == 0 == lv["server"]["target_compile_s"]
+    assert all("speculative" not in lv["server"]["steps"] for lv in report["levels"] if lv["speculation"] == "off")
     assert report["levels"][2]["x_speculation_off"] == pytest.approx(
         report["levels"][2]["throughput_tok_s"] / report["levels"][3]["throughput_tok_s"], abs=1e-3)
 
