@@ -15,12 +15,12 @@
 #               (env: CLIENTS, TEMPS, SPEC (serve_load's --speculation, e.g. auto,off,off/in-process),
 #               ONE=1: --one-at-a-time, LOAD_S, STARTUP_S (1: no start-up runs), WAIT_S)
 #   bars        issue 33's bars on a fresh cache (RUN=/tmp/serve3): `eyas serve` started cold, then warm
-#               twice; a warming load (speculation off); serve_load.py (SPEC, CLIENTS, TEMPS) one server
-#               at a time
+#               twice (PROFILE=1: then a warm start under cProfile); a warming load (speculation off);
+#               serve_load.py (SPEC, CLIENTS, TEMPS, REQUESTS, MIN_REQUESTS) one server at a time
 #   wait [S]    wait up to S seconds (default 540) for it to end; copy what is done into $OUT
 #
 # Results: $OUT/serve_load.json, serve_load.log, startup.json, startup.log, profile.json, profile.log, rows.json,
-# rows.log, servers.log (bars: startup.json, warming.json, serve_load.json, runs.log, servers.log)
+# rows.log, servers.log (bars: startup.json, profile.json, warming.json, serve_load.json, runs.log, servers.log)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -93,6 +93,12 @@ case "${1:-}" in
       timeout ${STARTUP_S:-420} python benchmarks/serve_startup.py --target /tmp/smol.gguf --draft $D \
         --cache /tmp/eyas-cache3 --fresh --starts 3 --json -- --max-rows 256 > $RUN/startup.json 2>> $RUN/runs.log
       echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
+      if [ \"${PROFILE:-0}\" = 1 ]; then
+        echo \"== warm start in-process under cProfile \$(date -u +%T)\" >> $RUN/runs.log
+        timeout 300 python benchmarks/startup_profile_gpu.py --target /tmp/smol.gguf --draft $D --cache /tmp/eyas-cache3 \
+          --json > $RUN/profile.json 2>> $RUN/runs.log
+        echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
+      fi
       echo \"== warming load \$(date -u +%T)\" >> $RUN/runs.log
       timeout ${WARMING_S:-300} $L --clients 4,16,64,256 --requests 1 --temperatures 0,1 --speculation off \
         > $RUN/warming.json 2>> $RUN/runs.log
