@@ -353,3 +353,16 @@ def test_deferred_startup_work_runs_while_idle_in_order_and_a_failure_only_warns
             with urllib.request.urlopen(t.url + "/health") as r:
                 assert json.loads(r.read())["startup"]["deferred"] == 3
             assert streamed(client(t), questions[0]) == alone(questions[0])
+
+
+def test_a_warm_start_compiles_the_verification_buckets_of_its_trees_and_the_largest():
+    """Before a warm server is ready: the token bucket each tree verifies in (its drafts and the
+    root) and the largest, which a shorter step pads to until the background compiled its own."""
+    from eyas.engine import TreePlan
+    from eyas.serve.startup import start_buckets
+
+    buckets = (1, 8, 16, 32, 64, 128)
+    assert start_buckets(buckets, TreePlan.parse("4,8,15")) == [16, 128]  # 16 tokens a round
+    assert start_buckets(buckets, TreePlan.parse("3", "6,10,60")) == [8, 64, 128]  # a chain of 3, a tree of 60
+    assert start_buckets(buckets, None) == [128]  # --tree auto: its timings compile what they use
+    assert start_buckets(buckets, TreePlan.parse("8,16,200")) == [128]  # past the largest: verified unpadded

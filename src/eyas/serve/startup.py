@@ -34,7 +34,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -243,13 +243,15 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", tree_sampled
     deferred: list[Callable[[], object]] = []
     if graphs:
         # Cold: every token and key bucket up to the capacity now (a long request should not wait
-        # for a compilation from scratch). Warm: the largest token bucket over a short request's
-        # keys now (a prompt's chunks), and below the ones the warm rounds use (verification); the
-        # others in the background (loaded from the cache, a fraction of a second each), a step
-        # meanwhile padded to a larger bucket that is ready (LlamaTarget.prefer_ready).
+        # for a compilation from scratch). Warm: over a short request's keys, the token buckets
+        # of the plan's verification and the largest (a prompt's chunks) now; the others in the
+        # background (loaded from the cache, a fraction of a second each), a step meanwhile padded
+        # to a larger bucket that is ready (LlamaTarget.prefer_ready; with --tree auto only once
+        # its timings and the warm rounds have compiled the buckets they use).
         log("compiling the fast target's steps and capturing CUDA graphs")
         if startup.warm_cache:
-            engine_target.warmup(buckets=[max(engine_target.buckets)], context=START_CONTEXT)
+            engine_target.warmup(buckets=start_buckets(engine_target.buckets, plan), context=START_CONTEXT)
+            engine_target.prefer_ready = plan is not None
         else:
             engine_target.warmup(context=engine_target.max_length)
     if plan is None:  # --tree auto: timed on this hardware, calibrated at temperatures 0 and 1
@@ -263,7 +265,6 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", tree_sampled
         deferred += [functools.partial(warm_round, engine_target, drafter, plan.sampled, prompt, sampling)
                      for sampling in later]
     if graphs and startup.warm_cache:
-        # Set only now: the warm rounds (and --tree auto's timings) compile the buckets they use
         engine_target.prefer_ready = True
         deferred += [functools.partial(engine_target.warmup, buckets=[B], keys=[K])
                      for B, K in engine_target.unwarmed()]
@@ -276,6 +277,16 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", tree_sampled
                                          f"{draft_path}/eyas.json contract.metrics")
     name = model_name or (target if not Path(target).exists() else Path(target).name)
     return Served(loaded, drafter, engine_target, plan, draft_path, target, name, pf, prediction, startup, deferred)
+
+
+def start_buckets(buckets: Sequence[int], plan: TreePlan | None) -> list[int]:
+    """The token buckets a warm start compiles before it is ready: the one each tree of ``plan``
+    verifies in (its drafts and the root; none known yet with --tree auto) and the largest, which
+    every shorter step can pad to (a prompt's chunks, a plain step)."""
+    need = {max(buckets)}
+    for spec in (plan.greedy, plan.sampled) if plan is not None else ():
+        need.add(next((b for b in sorted(buckets) if b >= spec.total_tokens + 1), max(buckets)))
+    return sorted(need)
 
 
 # The context whose key buckets a warm start compiles before it is ready (a short request's: 512
