@@ -17,6 +17,7 @@
 #   bars        issue 33's bars on a fresh cache (RUN=/tmp/serve3): `eyas serve` started cold, then warm
 #               twice (PROFILE=1: then a warm start under cProfile); a warming load (speculation off);
 #               serve_load.py (SPEC, CLIENTS, TEMPS, REQUESTS, MIN_REQUESTS) one server at a time
+#               (LOADS=0: the starts alone)
 #   wait [S]    wait up to S seconds (default 540) for it to end; copy what is done into $OUT
 #
 # Results: $OUT/serve_load.json, serve_load.log, startup.json, startup.log, profile.json, profile.log, rows.json,
@@ -25,6 +26,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 export PYTHONPATH=src:/tmp/deps TOKENIZERS_PARALLELISM=false TQDM_MININTERVAL=30 PYTHONUNBUFFERED=1
+# Byte-code kept as an installed package keeps it: without it every process compiled ~1,500 modules from
+# source (5.8 s of a warm start's cProfile on the H100 image), which no user's pip install pays
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=/tmp/pycache
 D=src/eyas/interop/embedded/smollm2-135m-instruct
 RUN=${RUN:-/tmp/serve}
 
@@ -99,6 +104,7 @@ case "${1:-}" in
           --json > $RUN/profile.json 2>> $RUN/runs.log
         echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
       fi
+      [ \"${LOADS:-1}\" = 0 ] && { echo done > $RUN/DONE; exit 0; }
       echo \"== warming load \$(date -u +%T)\" >> $RUN/runs.log
       timeout ${WARMING_S:-300} $L --clients 4,16,64,256 --requests 1 --temperatures 0,1 --speculation off \
         > $RUN/warming.json 2>> $RUN/runs.log
