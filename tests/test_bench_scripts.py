@@ -308,3 +308,24 @@ def test_matvec_gpu_times_the_products_on_the_cpu_in_the_interpreter_and_writes_
     assert written["64x40/silu/r16"] == [few["rows"][1]["best"][k] for k in ("block_n", "block_k", "warps", "evict_first")]
     with pytest.raises(SystemExit, match=r"--rows: expected 1..64, found 65"):
         script.main(["--tiny", "--rows", "65"])
+
+
+def test_plot_serve_load_draws_each_setting_and_marks_the_levels_that_compiled(tmp_path, capsys):
+    """plot_serve_load.py: a line per setting and temperature, the levels in which the server
+    compiled over half a second marked; a file that is no serve_load report is named, with exit 2."""
+    plot = load_script("plot_serve_load")
+    level = (lambda s, t, c, tok, comp: {"speculation": s, "temperature": t, "clients": c, "throughput_tok_s": tok,
+                                         "server": {"compile_s": comp, "target_compile_s": 0.0, "steps": {}}})
+    report = tmp_path / "load.json"
+    report.write_text(json.dumps({"levels": [level("auto", 0.0, 1, 1700.0, 0.0), level("auto", 0.0, 4, 450.0, 10.9),
+                                             level("off", 0.0, 4, 1300.0, 0.2), level("off", 0.0, 1, 560.0, 0.0),
+                                             level("off", 1.0, 1, 620.0, 0.0)]}))
+    assert plot.main([str(report), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert Path(out["plot"]) == report.with_suffix(".png") and report.with_suffix(".png").stat().st_size > 0
+    assert [(r["temperature"], r["speculation"], r["clients"], r["compile_s"]) for r in out["levels"]] == [
+        (0.0, "auto", 1, 0.0), (0.0, "auto", 4, 10.9), (0.0, "off", 1, 0.0), (0.0, "off", 4, 0.2), (1.0, "off", 1, 0.0)]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": []}))
+    assert plot.main([str(bad)]) == 2
+    assert f"{bad}: expected a serve_load.py --json report with 'levels'" in capsys.readouterr().err
