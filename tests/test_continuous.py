@@ -177,3 +177,27 @@ def test_a_step_prepared_while_idle_changes_nothing_and_is_not_compiled_again():
     assert [got[i] for i in range(3)] == want
     assert eng.compile_s == compiled  # every step's shape was prepared
     assert not BatchedLlama(model, rows=2).prepare(16, "greedy")  # nothing compiled: nothing to prepare
+
+
+def test_a_shape_not_compiled_yet_is_stood_in_for_until_its_rent_reaches_its_compilation():
+    """Right after a start, a step whose shape is not compiled runs as a prepared step with more keys,
+    rows and a wider mode (greedy rows take the argmax in a sampled step): the same answers, no
+    compilation. Once the steps run in its place have cost what compiling it did on average, the
+    shape itself is compiled and run (rent or buy)."""
+    model = tiny_model("llama", 2)
+    prompts = random_prompts(3, 128, seed=6, lengths=(3, 10))
+    want = [hf_greedy(model, p, 9, None)[0] for p in prompts]
+    eng = BatchedLlama(model, rows=4, compile=True, backend="aot_eager", key_buckets=[16])
+    batch = RowBatch(eng, capacity=40, row_buckets=[2, 4])
+    wide = (eng.capacity, "sample", 4)
+    assert eng.cover(16, "greedy", 2) is None and eng.compile_per_shape_s is None
+    assert eng.prepare(*wide) and eng.cover(16, "greedy", 2) == wide and eng.cover(16, "top_p", 2) is None
+    compiled = eng.compile_s
+    got = drive(batch, {0: [RowRequest(p, 9) for p in prompts]})
+    assert [got[i] for i in range(3)] == want
+    assert eng.compile_s == compiled and not eng.prepared(16, "greedy", 4)  # stood in for, not compiled
+    assert batch.rent and all(s > 0 for s in batch.rent.values())
+    shape = (16, "greedy", 4)
+    batch.rent[shape] = eng.compile_per_shape_s  # its rent has reached its price: the next step compiles it
+    got = drive(batch, {0: [RowRequest(p, 9) for p in prompts]})
+    assert [got[i] for i in range(3)] == want and eng.prepared(*shape) and eng.compile_s > compiled

@@ -434,6 +434,39 @@ class BatchedLlama:
             self._compiled.add(key)
             self.compile_s += time.perf_counter() - t0
 
+    def prepared(self, K: int, mode: str, n: int | None = None) -> bool:
+        """Whether the step of (K, ``mode``, first ``n`` rows) runs without compiling first (compiled
+        and captured already, or nothing is compiled)."""
+        n = self.rows if n is None else int(n)
+        key = (K, mode) if n == self.rows else (K, mode, n)
+        if self.cuda_graphs:
+            return key in self._graphs
+        return not self.compile or key in self._compiled
+
+    def cover(self, K: int, mode: str, n: int) -> tuple[int, str, int] | None:
+        """The cheapest prepared step that can stand in for (K, ``mode``, ``n``): at least as many
+        keys (the extra ones are masked) and rows (the extra ones are idle), and a mode that serves
+        these rows (greedy rows take the argmax in a sampled step; top-p's step serves rows without
+        it): fewest rows, then keys, then the narrowest mode. None: no prepared step covers it."""
+        wider = MODES[MODES.index(mode):]
+        keys = self._graphs if self.cuda_graphs else self._compiled
+        found = []
+        for key in keys:
+            k, m, rows = key[0], key[1], (key[2] if len(key) > 2 else self.rows)
+            if k >= K and rows >= n and m in wider:
+                found.append((rows, k, MODES.index(m)))
+        if not found:
+            return None
+        rows, k, m = min(found)
+        return k, MODES[m], rows
+
+    @property
+    def compile_per_shape_s(self) -> float | None:
+        """The mean seconds a step shape has cost to compile and capture so far (None: none yet)."""
+        shapes = len(self._graphs) if self.cuda_graphs else len(self._compiled)
+        return self.compile_s / shapes if shapes else None
+
+    @torch.no_grad()
     def prepare(self, K: int, mode: str, n: int | None = None) -> bool:
         """Compile (and on a GPU capture) the step of (K, ``mode``, first ``n`` rows) now, leaving
         the rows' state as it was (a server's idle time: the step's first use then replays it);

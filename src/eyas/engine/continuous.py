@@ -18,7 +18,10 @@ exposes the same state one step at a time:
   (default buckets 1, 2, 4, ... R: one request alone in 8 rows would pay for 8); on a GPU a step
   reads the weights once for all rows, but each row also reads its K cache entries per block, and
   each bucket costs a compilation and a CUDA graph per key bucket and mode, so the default there is
-  4, 16, 64, ... R (a few clients' step and round do not pay for R rows' attention);
+  4, 16, 64, ... R (a few clients' step and round do not pay for R rows' attention). A shape not
+  compiled yet is stood in for by a prepared one with at least its keys, rows and mode, until the
+  steps run in its place have cost what its compilation would (rent or buy: :meth:`RowBatch._stand_in`),
+  so a server right after its start does not stall every row for each new shape;
 - :meth:`RowBatch.speculate` (with a drafter) runs one batched speculative round instead
   (:mod:`eyas.engine.row_speculation`: a chain of ``depth`` drafts per row, verified in one forward)
   and reads back each row's accepted drafts and bonus token, cut at the row's eos and limit;
@@ -41,6 +44,7 @@ one filters, else ``sample``. Invariants:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -137,6 +141,7 @@ class RowBatch:
         self.limit = [0] * self.rows  # the row's max_new_tokens
         self.fresh = [False] * self.rows  # the drafter has read every token of the row
         self.steps = 0  # decode steps and speculative rounds run
+        self.rent: dict[tuple[int, str, int], float] = {}  # shape -> seconds of steps run in its place (_stand_in)
 
     # -- rows ------------------------------------------------------------------------------------
 
@@ -231,9 +236,14 @@ class RowBatch:
         assert st is not None
         need = max(self.pos[r] for r in busy) + 1  # entries 0 .. pos attended
         n = next(b for b in self.row_buckets if b > busy[-1])  # rows 0 .. n-1 step; the rest are free
-        eng.decode_step(next(b for b in eng.buckets() if b >= need), self.mode(), n)
+        shape = (next(b for b in eng.buckets() if b >= need), self.mode(), n)
+        run = self._stand_in(shape)
+        t0 = time.perf_counter()
+        eng.decode_step(*run)
         self.steps += 1
         ids, active = torch.stack((st.ids[:n], st.active[:n].long())).tolist()  # the step's one read of the device
+        if run != shape:
+            self.rent[shape] = self.rent.get(shape, 0.0) + time.perf_counter() - t0
         out = []
         for r in busy:
             self.pos[r] += 1
@@ -241,6 +251,22 @@ class RowBatch:
             self.fresh[r] = False  # the drafter did not read this token (module docstring of row_speculation)
             out.append(RowTokens(r, [int(ids[r])], not active[r]))
         return out
+
+    def _stand_in(self, shape: tuple[int, str, int]) -> tuple[int, str, int]:
+        """The step to run for ``shape`` (keys, mode, rows): itself when it is prepared; else, while
+        the steps run in its place have cost less than compiling it would (the engine's mean so
+        far), a prepared step that covers it (:meth:`BatchedLlama.cover`); else itself, compiled
+        now. A rent-or-buy rule: a shape needed for a few steps never stalls every row for a
+        compilation, one needed for long pays it once, and neither costs more than twice the
+        better choice made in hindsight."""
+        eng = self.engine
+        if eng.prepared(*shape):
+            return shape
+        price = eng.compile_per_shape_s
+        cover = eng.cover(*shape) if price is not None else None
+        if cover is None or self.rent.get(shape, 0.0) >= price:
+            return shape
+        return cover
 
     @torch.no_grad()
     def speculate(self, depth: int) -> list[RowTokens]:

@@ -24,6 +24,12 @@ two steps it takes what was submitted, then:
    request at once (streaming per row); a row whose request ends (eos, its ``max_tokens``, a stop
    string, a client gone) is freed at once, and the next step can fill it.
 
+Compilation. On a GPU each (keys, mode, rows) shape of the batch's step is compiled and captured at
+its first use, which stalls every row (a second on a warm cache). The worker prepares them while
+the server is quiet (after 2 s without a request: the widest shape first, then the shapes of
+contexts up to 512 tokens), and until a shape is prepared a covering one stands in for it for as
+long as that costs less than compiling it (:meth:`~eyas.engine.continuous.RowBatch.step`).
+
 Invariants: only the worker thread touches the engines and the sessions; each job's events arrive
 in order, ``tokens`` then exactly one ``done``; a greedy request gets the tokens it would get alone
 (losslessness of the speculative paths; the batched step's rows never read each other's cache);
@@ -121,8 +127,10 @@ class BatchWorker(Worker):
         self.starting: Job | None = None  # a lone request whose prefill runs now
         self.stopping = False
         if getattr(batch.engine, "compile", False):  # the batch's step shapes, compiled while idle (first)
-            self.deferred[:0] = [functools.partial(batch.engine.prepare, K, mode, n)
-                                 for K, mode, n in batch.step_shapes(START_CONTEXT)]
+            shapes = batch.step_shapes(START_CONTEXT)
+            # the widest first: it stands in for every other until each is compiled (RowBatch._stand_in)
+            widest = (shapes[-1][0], "top_p", batch.rows)
+            self.deferred[:0] = [functools.partial(batch.engine.prepare, K, mode, n) for K, mode, n in [widest] + shapes]
         self.thread.start()
 
     @property
