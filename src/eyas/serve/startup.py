@@ -150,7 +150,7 @@ class Served:
     prediction: Prediction | None
     startup: Startup = field(default_factory=Startup)
     # Start-up work left for the decode worker's idle time (compilations no short request needs:
-    # longer key buckets, top-p's acceptance), run one at a time while no request waits
+    # other token buckets, longer key buckets, top-p's acceptance), run one at a time when quiet
     deferred: list[Callable[[], object]] = field(default_factory=list)
 
     @property
@@ -270,7 +270,7 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", tree_sampled
                      for B, K in engine_target.unwarmed()]
     startup.deferred = len(deferred)
     if deferred:
-        log(f"{len(deferred)} more compilations (longer contexts, top-p) run in the background while the server is idle")
+        log(f"{len(deferred)} more compilations (other buckets, longer contexts, top-p) run while the server is idle")
     done("compile")
     recorded = read_contract(draft_path)
     prediction = prediction_from_metrics(recorded.metrics if recorded is not None else None,

@@ -40,9 +40,9 @@ __all__ = ["STOP", "DecodeWorker", "Event", "Job", "QueueFull", "Worker"]
 
 SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval while a decode worker runs (_run_loop)
 # Deferred start-up work (Served.deferred) waits for this many seconds without a request: a unit
-# cannot be interrupted (a compilation, 0.5-2 s on a warm cache), so it must not land between the
-# requests of a client that sends them back to back (on the H100 a 1-client load lost 4x to it);
-# a server left idle (its first minutes, the gaps of interactive use) still runs it all
+# cannot be interrupted (a compilation, about a second on a warm cache), so it must not land between
+# the requests of a client that sends them back to back; a server left idle (its first minutes, the
+# gaps of interactive use) still runs it all
 QUIET_BEFORE_DEFERRED_S = 2.0
 
 
@@ -118,6 +118,8 @@ class Worker:
                 unit()
             except Exception as e:  # noqa: BLE001 - never end the worker over a warm-up
                 warnings.warn(f"a deferred start-up compilation failed ({type(e).__name__}: {e}); it runs at first use")
+            if self.on_idle is not None:  # /health's count of what is left
+                self.on_idle()
 
     def _quiet(self, seconds: float) -> bool:
         """Whether ``seconds`` pass with nothing submitted (False as soon as something is)."""
