@@ -410,7 +410,10 @@ class BatchedLlama(StepShapes):
         n = self.rows if n is None else n
         if n < self.rows:
             st = Rows(*(t if name == "is_eos" else t[:n] for name, t in zip(Rows._fields, st)))
-        x, d, cos, sin, mask = self._prologue(st.ids, st.pos, self.embed, self.inv_freq, K)
+        # The mask over the whole cache, then its first K columns (a view): the prologue compiles once
+        # per rows bucket, not once per (rows, keys) shape, so a new shape costs one compilation less.
+        x, d, cos, sin, mask = self._prologue(st.ids, st.pos, self.embed, self.inv_freq, self.capacity)
+        mask = mask[:, :K]  # [n, K]
         for b, w in enumerate(self.weights):
             x, d = self._layer(x, d, cos, sin, st.pos, mask, self.keys[b, :n], self.values[b, :n], w)
         self._epilogue[mode](x, d, self.norm_weight, self.lm_head, self.lm_bias, st)
