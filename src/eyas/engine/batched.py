@@ -53,9 +53,10 @@ inductor (``torch.compile(fullgraph=True, dynamic=False)`` through
 :class:`~eyas.engine.graphs.CompiledOrEager`; every block shares its bucket's compilation) and the
 whole step, all blocks and the state's update included, is captured as one CUDA graph per (K, mode)
 and replayed. On a CPU the same functions run eagerly, so the tests check the code the GPU compiles.
-A bucket's first use compiles and captures it (``compile_s``; :mod:`eyas.engine.batched_shapes`); its warm-up runs are undone (the
-state is restored from a snapshot; the only other write, a row's entry at its own position, is
-written again by the real step). Prefills (shapes vary with the group) run eagerly everywhere.
+A bucket's first use compiles and captures it (``compile_s``; :mod:`eyas.engine.batched_shapes`);
+its warm-up runs are undone (the state is restored from a snapshot; the only other write, a row's
+entry at its own position, is written again by the real step). Prefills (shapes vary with the
+group) run eagerly everywhere.
 
 Sampling. ``temperature`` > 0 draws from Hugging Face's distribution (temperature, then top-p: the
 order of :func:`eyas.engine.sampling.probabilities`) by the inverse CDF of one uniform per row and

@@ -7,7 +7,7 @@ idle rows change no busy row's token, and a greedy row takes the argmax in a sam
 
 What it needs of the engine: ``state`` (the rows, :class:`~eyas.engine.batched_steps.Rows`), ``rows``,
 ``device``, ``capacity``, ``compile``, ``cuda_graphs``, ``implementation``, ``compile_s``,
-``_graphs`` ((K, mode[, n]) -> CUDA graph), ``_compiled`` (the keys run compiled without graphs),
+``_graphs`` ((K, mode, n) -> CUDA graph), ``_compiled`` (the shapes run compiled without graphs),
 ``_pool``, ``buckets()``, ``ensure()`` and ``_decode(K, mode, n)``, the step itself.
 """
 
@@ -47,19 +47,27 @@ class StepShapes:
     def _decode(self, K: int, mode: str, n: int | None = None) -> None:
         raise NotImplementedError
 
+    def _shape(self, K: int, mode: str, n: int | None) -> tuple[int, str, int]:
+        """A step's key in ``_graphs`` / ``_compiled``: (K, mode, rows), n None meaning all rows."""
+        return int(K), mode, self.rows if n is None else int(n)
+
+    @property
+    def _done(self) -> dict | set:
+        """The shapes that run without compiling first: captured (with graphs) or compiled."""
+        return self._graphs if self.cuda_graphs else self._compiled
+
     def decode_step(self, K: int, mode: str, n: int | None = None) -> None:
         """One decode step of the first ``n`` rows (default all; rows past n keep their state): its
         graph replayed (captured at first use), else run (compiled at first use)."""
-        n = self.rows if n is None else int(n)
-        key = (K, mode) if n == self.rows else (K, mode, n)
+        key = self._shape(K, mode, n)
         if self.cuda_graphs:
-            graph = self._graphs.get(key) or self._capture(K, mode, n)
+            graph = self._graphs.get(key) or self._capture(*key)
             if graph is not None:
                 graph.replay()
                 return
         first = self.compile and key not in self._compiled
         t0 = time.perf_counter()
-        self._decode(K, mode, n)
+        self._decode(*key)
         if first:  # its compilation: timed apart
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -69,24 +77,15 @@ class StepShapes:
     def prepared(self, K: int, mode: str, n: int | None = None) -> bool:
         """Whether the step of (K, ``mode``, first ``n`` rows) runs without compiling first (compiled
         and captured already, or nothing is compiled)."""
-        n = self.rows if n is None else int(n)
-        key = (K, mode) if n == self.rows else (K, mode, n)
-        if self.cuda_graphs:
-            return key in self._graphs
-        return not self.compile or key in self._compiled
+        return not (self.compile or self.cuda_graphs) or self._shape(K, mode, n) in self._done
 
     def cover(self, K: int, mode: str, n: int) -> tuple[int, str, int] | None:
         """The cheapest prepared step that can stand in for (K, ``mode``, ``n``): at least as many
         keys (the extra ones are masked) and rows (the extra ones are idle), and a mode that serves
         these rows (greedy rows take the argmax in a sampled step; top-p's step serves rows without
         it): fewest rows, then keys, then the narrowest mode. None: no prepared step covers it."""
-        wider = MODES[MODES.index(mode):]
-        keys = self._graphs if self.cuda_graphs else self._compiled
-        found = []
-        for key in keys:
-            k, m, rows = key[0], key[1], (key[2] if len(key) > 2 else self.rows)
-            if k >= K and rows >= n and m in wider:
-                found.append((rows, k, MODES.index(m)))
+        found = [(rows, k, MODES.index(m)) for k, m, rows in self._done
+                 if k >= K and rows >= n and MODES.index(m) >= MODES.index(mode)]
         if not found:
             return None
         rows, k, m = min(found)
@@ -95,23 +94,21 @@ class StepShapes:
     @property
     def compile_per_shape_s(self) -> float | None:
         """The mean seconds a step shape has cost to compile and capture so far (None: none yet)."""
-        shapes = len(self._graphs) if self.cuda_graphs else len(self._compiled)
-        return self.compile_s / shapes if shapes else None
+        return self.compile_s / len(self._done) if self._done else None
 
     @torch.no_grad()
     def prepare(self, K: int, mode: str, n: int | None = None) -> bool:
         """Compile (and on a GPU capture) the step of (K, ``mode``, first ``n`` rows) now, leaving
         the rows' state as it was (a server's idle time: the step's first use then replays it);
         False where there is nothing to do (prepared already, or nothing compiled)."""
-        n = self.rows if n is None else int(n)
-        key = (K, mode) if n == self.rows else (K, mode, n)
-        if self.cuda_graphs:
-            return key not in self._graphs and self._capture(K, mode, n) is not None
-        if not self.compile or key in self._compiled:
+        key = self._shape(K, mode, n)
+        if self.prepared(*key):
             return False
+        if self.cuda_graphs:
+            return self._capture(*key) is not None
         t0 = time.perf_counter()
         restore = self._snapshot()
-        self._decode(K, mode, n)
+        self._decode(*key)
         restore()
         self._compiled.add(key)
         self.compile_s += time.perf_counter() - t0
@@ -151,7 +148,7 @@ class StepShapes:
             return None
         restore()
         torch.cuda.synchronize(self.device)
-        self._graphs[(K, mode) if n in (None, self.rows) else (K, mode, n)] = graph
+        self._graphs[self._shape(K, mode, n)] = graph
         self.compile_s += time.perf_counter() - t0
         return graph
 

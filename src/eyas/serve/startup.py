@@ -12,10 +12,11 @@ Order (each step only when the previous passed, or with ``--force``):
    drafter's and the acceptance's for the served trees (``--tree`` for greedy requests,
    ``--tree-sampled`` for the others; short generations, greedy and sampled: :func:`warm_rounds`).
    On a warm compile cache only what a short request runs is compiled before the server is ready
-   (the largest token bucket over the key bucket of ``START_CONTEXT`` tokens, what greedy and
-   temperature rounds run); the rest (the other token buckets, longer key buckets, top-p's
-   acceptance) is ``Served.deferred``, which the decode worker runs one unit at a time after a
-   quiet while (meanwhile a step pads to a larger ready bucket, or compiles at its first use).
+   (over the key bucket of ``START_CONTEXT`` tokens, the token buckets the trees verify in and the
+   largest: :func:`start_buckets`; what greedy and temperature rounds run); the rest (the other
+   token buckets, longer key buckets, top-p's acceptance) is ``Served.deferred``, which the decode
+   worker runs one unit at a time after a quiet while (meanwhile a step pads to a larger ready
+   bucket, or compiles at its first use).
 
 Compiled artifacts (inductor's FX graph and kernel caches, Triton's kernels) are kept in eyas' cache
 directory (:func:`compile_cache`: ``$EYAS_CACHE/compile``, unless ``TORCHINDUCTOR_CACHE_DIR`` is
@@ -260,14 +261,14 @@ def load_served(target: str, draft: str | None, *, tree: str = "5", tree_sampled
             plan = TreePlan(plan.greedy, TreeSpec.parse(tree_sampled))
     if graphs:
         prompt = loaded.tokenizer.encode("Hello")
-        later = WARM_SAMPLING[1:] if startup.warm_cache else ()
-        warm_rounds(engine_target, drafter, plan, prompt, log, sampled=WARM_SAMPLING[:len(WARM_SAMPLING) - len(later)])
+        now, later = (WARM_SAMPLING[:1], WARM_SAMPLING[1:]) if startup.warm_cache else (WARM_SAMPLING, ())
+        warm_rounds(engine_target, drafter, plan, prompt, log, sampled=now)
         deferred += [functools.partial(warm_round, engine_target, drafter, plan.sampled, prompt, sampling)
                      for sampling in later]
-    if graphs and startup.warm_cache:
-        engine_target.prefer_ready = True
-        deferred += [functools.partial(engine_target.warmup, buckets=[B], keys=[K])
-                     for B, K in engine_target.unwarmed()]
+        if startup.warm_cache:
+            engine_target.prefer_ready = True
+            deferred += [functools.partial(engine_target.warmup, buckets=[B], keys=[K])
+                         for B, K in engine_target.unwarmed()]
     startup.deferred = len(deferred)
     if deferred:
         log(f"{len(deferred)} more compilations (other buckets, longer contexts, top-p) run while the server is idle")
