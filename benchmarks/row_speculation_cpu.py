@@ -9,7 +9,10 @@ temperature. What ``eyas serve``'s BatchSpeculation chooses between, measured di
 Each (R, temperature, depth) starts from the same R prompts (the first turns of the prompt sets
 shipped with eyas, in turn over ``--sets``), prefilled into a fresh batch (not timed), then runs
 ``--steps`` steps or rounds (timed: every row's new tokens / wall seconds). Greedy rows are checked
-against the plain steps' tokens (float32: equal). Works on a GPU too (the rounds run eagerly there).
+against the plain steps' tokens (float32: equal). On a GPU the engine compiles each step and captures
+it as a CUDA graph at its first use: ``--warm`` (the default there) runs every setting once untimed
+first, so the figures are the steady state a server reaches (each row's ``compile_s`` says what the
+timed pass still compiled: 0 when warm).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=24, help="steps or rounds timed per setting")
     ap.add_argument("--sets", default="mt_bench,gsm8k,sum,humaneval")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--warm", action=argparse.BooleanOptionalAction, default=None,
+                    help="run each setting once untimed first (default: on a GPU)")
     ap.add_argument("--plot", default=None, help="write a PNG: tokens/s against rows, a line per depth")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -57,24 +62,27 @@ def main(argv: list[str] | None = None) -> int:
     engine = BatchedLlama(sv.loaded.model, rows=R)
     batch = RowBatch(engine, capacity=max(map(len, prompts)) + limit, drafter=sv.drafter,
                      boundaries=sv.target.spec.boundaries, row_buckets=rows_list)
+    warm = engine.device.type == "cuda" if a.warm is None else a.warm
     results = []
     for t in temps:
         sampling = SamplingParams(temperature=t)
         for n in rows_list:
             plain_tokens: dict[int, list[int]] = {}
             for depth in depths:
-                for r in list(batch.busy):
-                    batch.release(r)
-                batch.admit([RowRequest(p, limit, sampling, seed=i) for i, p in enumerate(prompts[:n])])
-                got: dict[int, list[int]] = {r: [] for r in range(n)}
-                accepted = rounds = 0
-                t0 = time.perf_counter()
-                for _ in range(a.steps):
-                    for out in (batch.speculate(depth) if depth else batch.step()):
-                        got[out.row] += out.tokens
-                        accepted += out.accepted
-                        rounds += depth > 0
-                seconds = time.perf_counter() - t0
+                for _ in range(2 if warm else 1):  # the last pass is the measure
+                    for r in list(batch.busy):
+                        batch.release(r)
+                    batch.admit([RowRequest(p, limit, sampling, seed=i) for i, p in enumerate(prompts[:n])])
+                    got: dict[int, list[int]] = {r: [] for r in range(n)}
+                    accepted = rounds = 0
+                    compiled = engine.compile_s
+                    t0 = time.perf_counter()
+                    for _ in range(a.steps):
+                        for out in (batch.speculate(depth) if depth else batch.step()):
+                            got[out.row] += out.tokens
+                            accepted += out.accepted
+                            rounds += depth > 0
+                    seconds = time.perf_counter() - t0
                 tokens = sum(map(len, got.values()))
                 if depth == 0:
                     plain_tokens = got
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                        "tokens_per_s": round(tokens / seconds, 2),
                        "tau": round(tokens / (a.steps * n), 3),
                        "accepted_per_round": round(accepted / rounds, 3) if rounds else None,
-                       "greedy_equal_to_plain": same}
+                       "greedy_equal_to_plain": same, "compile_s": round(engine.compile_s - compiled, 3)}
                 results.append(row)
                 print(f"t={t:g} rows={n} depth={depth}: {row['tokens_per_s']:8.1f} tok/s, tau {row['tau']:.2f}"
                       + ("" if same is None else f", equal to plain: {same}"), file=sys.stderr)
@@ -93,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             for x in results:
                 if x["temperature"] == t and x["rows"] == n:
                     x["x_plain"] = round(x["tokens_per_s"] / base["tokens_per_s"], 3)
-    report = {"target": a.target, "device": str(engine.device), "threads": torch.get_num_threads(),
+    report = {"target": a.target, "device": str(engine.device), "threads": torch.get_num_threads(), "warm": warm,
+              "implementation": engine.implementation,
               "dtype": str(engine.dtype), "steps": a.steps, "sets": a.sets, "results": results}
     if a.plot:
         plot(results, temps, depths, a.plot)
