@@ -17,7 +17,7 @@
 #   bars        issue 33's bars on a fresh cache (RUN=/tmp/serve3): `eyas serve` started cold, then warm
 #               twice (PROFILE=1: then a warm start under cProfile); a warming load (speculation off);
 #               serve_load.py (SPEC, CLIENTS, TEMPS, REQUESTS, MIN_REQUESTS) one server at a time
-#               (LOADS=0: the starts alone); ROWS=1: then row_speculation_cpu.py on the GPU, warm
+#               (LOADS=0: no load); ROWS=1: after the starts, row_speculation_cpu.py on the GPU, warm
 #               (the engine's batched rounds against plain steps per rows and depth, ROW_SIZES)
 #   wait [S]    wait up to S seconds (default 540) for it to end; copy what is done into $OUT
 #
@@ -105,6 +105,13 @@ case "${1:-}" in
           --json > $RUN/profile.json 2>> $RUN/runs.log
         echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
       fi
+      if [ \"${ROWS:-0}\" = 1 ]; then
+        echo \"== row speculation (engine alone, warm) \$(date -u +%T)\" >> $RUN/runs.log
+        timeout ${ROWS_S:-300} python benchmarks/row_speculation_cpu.py --target /tmp/smol.gguf --draft $D \
+          --rows ${ROW_SIZES:-1,2,4,8,16,64} --depths 1,2,3,4 --temperatures 0,1 --steps 24 --json --plot $RUN/rows.png \
+          > $RUN/rows.json 2>> $RUN/runs.log
+        echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
+      fi
       [ \"${LOADS:-1}\" = 0 ] && { echo done > $RUN/DONE; exit 0; }
       echo \"== warming load \$(date -u +%T)\" >> $RUN/runs.log
       timeout ${WARMING_S:-300} $L --clients 4,16,64,256 --requests 1 --temperatures 0,1 --speculation off \
@@ -114,13 +121,6 @@ case "${1:-}" in
       timeout ${LOAD_S:-600} $L --clients ${CLIENTS:-1,4,16,64,256} --requests ${REQUESTS:-4} --min-requests ${MIN_REQUESTS:-128} \
         --temperatures ${TEMPS:-0,1} --speculation ${SPEC:-auto,off} --one-at-a-time > $RUN/serve_load.json 2>> $RUN/runs.log
       echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
-      if [ \"${ROWS:-0}\" = 1 ]; then
-        echo \"== row speculation (engine alone, warm) \$(date -u +%T)\" >> $RUN/runs.log
-        timeout ${ROWS_S:-300} python benchmarks/row_speculation_cpu.py --target /tmp/smol.gguf --draft $D \
-          --rows ${ROW_SIZES:-1,2,4,8,16,64} --depths 1,2,3,4 --temperatures 0,1 --steps 24 --json --plot $RUN/rows.png \
-          > $RUN/rows.json 2>> $RUN/runs.log
-        echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
-      fi
       echo done > $RUN/DONE" > /dev/null 2>&1 &
     sleep 5
     RUN=$RUN bash "$0" wait "${WAIT_S:-540}"

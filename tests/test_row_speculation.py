@@ -63,8 +63,18 @@ def drive(batch: RowBatch, arrivals: dict[int, list[RowRequest]], plan) -> tuple
 @pytest.mark.unit
 @pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
 def test_greedy_rounds_give_each_row_its_answer_alone(llama, trained_drafter, backend):
-    # "compiled": the steps and the rounds' verification traced by torch.compile (dynamic sizes for
-    # the rounds) as on a GPU, with a backend that runs on the CPU
+    # "compiled": the steps and the rounds' verification and drafter steps traced by torch.compile
+    # (dynamic sizes for the rounds) as on a GPU, with a backend that runs on the CPU
+    rounds_give_each_row_its_answer_alone(llama, trained_drafter, backend)
+
+
+@pytest.mark.slow
+def test_greedy_rounds_compiled_by_inductor_give_each_row_its_answer_alone(llama, trained_drafter):
+    # the GPU's compiler (C++ kernels here): every step of a round compiles, none falls back to eager
+    rounds_give_each_row_its_answer_alone(llama, trained_drafter, "inductor")
+
+
+def rounds_give_each_row_its_answer_alone(llama, trained_drafter, backend):
     prompts = random_prompts(6, 128, seed=5, lengths=(1, 20))
     limits = [17, 9, 23, 1, 14, 20]
     want = [hf_greedy(llama, p, m, None)[0] for p, m in zip(prompts, limits)]
@@ -81,7 +91,8 @@ def test_greedy_rounds_give_each_row_its_answer_alone(llama, trained_drafter, ba
     assert sum(accepted) > len(accepted) // 2  # the drafter's drafts are accepted: the rounds speculate
     assert batch.busy == [] and not batch.engine.state.active.any()
     if backend is not None:  # the rounds did run compiled (a failed compilation falls back to eager)
-        assert batch.spec._layer.error is None and batch.spec._layer.compiled is not None
+        for step in (batch.spec._layer, batch.spec._draft_step, batch.spec._reread):
+            assert step.error is None and step.compiled is not None and step.seconds > 0, step.name
 
 
 @pytest.mark.unit

@@ -74,9 +74,10 @@ _SALT = 0x5BD1E995  # the rounds' random stream, apart from the plain steps' (sa
 
 class RowKVCache(KVCache):
     """The drafter's cache for rows that each write their own slots: ``update(slots [B, T], k, v [B,
-    Hkv, T, D])`` writes row b's entries at its slots. Over ``kv`` [2, R, Hkv, C, D] (a view: the first
-    n rows) or, with ``rows`` [B], over those rows (the update writes them in place and returns a
-    copy of their cache)."""
+    Hkv, T, D])`` writes row b's entries at its slots. Over ``kv`` [2, R, Hkv, C, D]: the update writes
+    rows 0..B-1 and returns their cache (views), or, with ``rows`` [B], rows ``rows`` (in place; it
+    returns a copy of their cache). One object serves every B, so a compiled step that reads it
+    sees the same cache whatever the batch."""
 
     def __init__(self, kv: Tensor, rows: Tensor | None = None) -> None:
         torch.nn.Module.__init__(self)
@@ -96,6 +97,8 @@ class RowKVCache(KVCache):
         index = (rows[:, None, None], torch.arange(H, device=k.device)[None, :, None], slots[:, None, :])
         self.kv[0].index_put_(index, k.to(self.kv.dtype))
         self.kv[1].index_put_(index, v.to(self.kv.dtype))
+        if self.rows is None:
+            return self.kv[0, :B], self.kv[1, :B]
         return self.k, self.v
 
 
@@ -115,13 +118,19 @@ class RowSpeculation:
         self.kv = torch.zeros(2, R, cfg.num_key_value_heads, C, cfg.head_dim, dtype=drafter.fc.weight.dtype, device=dev)
         self.root_logits = torch.zeros(R, cfg.draft_vocab_size, dtype=torch.float32, device=dev)
         self.root_hidden = torch.zeros(R, cfg.hidden_size, dtype=drafter.fc.weight.dtype, device=dev)
+        self.cache = RowKVCache(self.kv)  # rows 0..n-1 of a round: n from its inputs
         self.draft_ids = drafter.draft_to_target(torch.arange(cfg.draft_vocab_size, device=dev))  # [Vd]
         c = engine.constants
         self._prologue = functools.partial(chain_prologue, rope_scaling=c["rope_scaling"])
         self._layer = functools.partial(chain_layer, eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"])
+        self._draft_step, self._reread = self._draft_step_eager, self._reread_eager
         if engine.compile:  # dynamic sizes: one compilation for every (rows, depth, key bucket) (module docstring)
             self._prologue = CompiledOrEager(self._prologue, engine.backend, "batched chain prologue", dynamic=True)
             self._layer = CompiledOrEager(self._layer, engine.backend, "batched chain block", dynamic=True)
+            # The drafter's forwards too: eagerly each is ~60 small kernels (norms, rope, the cache's
+            # writes, the masked attention, SiLU), which a captured round replays at a few us each
+            self._draft_step = CompiledOrEager(self._draft_step, engine.backend, "batched chain draft step", dynamic=True)
+            self._reread = CompiledOrEager(self._reread, engine.backend, "batched chain re-read", dynamic=True)
         self.cuda_graphs = engine.cuda_graphs
         # (rows, depth, mode, key bucket) -> the captured round and its outputs (tokens, accepted)
         self._graphs: dict[tuple[int, int, str, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
@@ -159,7 +168,6 @@ class RowSpeculation:
         """The chains of rows 0..n-1: (drafts [n, depth] long target ids, q [n, depth, V] their
         distributions, None when every row is greedy)."""
         dev, C, V = self.kv.device, self.capacity, self.engine.vocab_size
-        cache = RowKVCache(self.kv[:, :n])
         logits, hidden = self.root_logits[:n], self.root_hidden[:n]
         key, count0 = st.key[:n] ^ _SALT, st.n_gen[:n] * 64
         drafts, qs = [], []
@@ -175,10 +183,7 @@ class RowSpeculation:
             drafts.append(token)
             if i + 1 < depth:
                 slot = (st.pos[:n] + i).clamp(max=C - 1)[:, None]  # [n, 1]
-                mask = torch.arange(C, device=dev)[None, None, None, :] <= slot[:, None, :, None]
-                out = self.drafter(token[:, None], hidden[:, None], slot, cache=cache, cache_slots=slot, mask=mask,
-                                   from_target=False)
-                logits, hidden = out.logits[:, 0].float(), out.hidden[:, 0]
+                logits, hidden = self._draft_step(token, hidden, slot)
         return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
 
     def verify(self, st: Rows, n: int, tokens: Tensor, n_keys: int) -> tuple[Tensor, Tensor]:
@@ -194,17 +199,32 @@ class RowSpeculation:
         logits = torch.nn.functional.linear(rms_norm(x + d, e.norm_weight, e.constants["eps"]), e.lm_head, e.lm_bias)
         return logits, torch.cat([seen[b] for b in self.boundaries], dim=-1)
 
+    def _draft_step_eager(self, token: Tensor, hidden: Tensor, slot: Tensor) -> tuple[Tensor, Tensor]:
+        """One draft step of rows 0..n-1: the drafter reads (its own state hidden [n, H_d], token [n])
+        at slot [n, 1] (its position and cache slot; written there): (logits [n, Vd] float32, the
+        next state [n, H_d])."""
+        C = self.capacity
+        mask = torch.arange(C, device=slot.device)[None, None, None, :] <= slot[:, None, :, None]
+        out = self.drafter(token[:, None], hidden[:, None], slot, cache=self.cache, cache_slots=slot, mask=mask,
+                           from_target=False)
+        return out.logits[:, 0].float(), out.hidden[:, 0]
+
+    def _reread_eager(self, tokens: Tensor, features: Tensor, pos: Tensor, accepted: Tensor) -> tuple[Tensor, Tensor]:
+        """The re-read of :meth:`reread` (its entries written): (the roots' logits [n, Vd] float32,
+        their states [n, H_d])."""
+        C, (n, T) = self.capacity, tokens.shape
+        at = (pos[:, None] + torch.arange(T, device=pos.device)[None, :]).clamp(max=C - 1)  # [n, T]
+        mask = torch.arange(C, device=pos.device)[None, None, :] <= at[:, :, None]
+        out = self.drafter(tokens, features.to(self.kv.dtype), at, cache=self.cache, cache_slots=at,
+                           mask=mask[:, None], from_target=True, logits_at=accepted)
+        return out.logits.float(), out.hidden[torch.arange(n, device=pos.device), accepted]
+
     def reread(self, st: Rows, n: int, tokens: Tensor, features: Tensor, accepted: Tensor) -> None:
         """The drafter's entries m .. m + a of rows 0..n-1 (module docstring, commit): tokens [n, T]
         the new x_{m+1} .., features [n, T, W] the verified f_m ..; the roots at index accepted [n]."""
-        dev, C = self.kv.device, self.capacity
-        T = tokens.shape[1]
-        at = (st.pos[:n, None] + torch.arange(T, device=dev)[None, :]).clamp(max=C - 1)  # [n, T]
-        mask = torch.arange(C, device=dev)[None, None, :] <= at[:, :, None]
-        out = self.drafter(tokens, features.to(self.kv.dtype), at, cache=RowKVCache(self.kv[:, :n]), cache_slots=at,
-                           mask=mask[:, None], from_target=True, logits_at=accepted)
-        self.root_logits[:n] = out.logits.float()
-        self.root_hidden[:n] = out.hidden[torch.arange(n, device=dev), accepted]
+        logits, hidden = self._reread(tokens, features, st.pos[:n], accepted)
+        self.root_logits[:n] = logits
+        self.root_hidden[:n] = hidden
 
     @torch.no_grad()
     def round(self, n: int, depth: int, mode: str, n_keys: int) -> tuple[Tensor, Tensor]:
