@@ -59,6 +59,11 @@ def test_8_concurrent_greedy_requests_through_the_engine_process_each_get_their_
     assert 0 < measured <= m[("eyas_decode_steps_total", (("kind", "batched_speculative"),))]
     assert h["speculation"]["mode"] == "on"
     assert engine.process.exitcode == 0  # the shutdown drained it
+    # the start-up as the engine process saw it: the loader's stages and what came around them
+    seconds = h["startup"]["seconds"]
+    assert set(seconds) == {"spawn", "imports", "load", "check", "compile", "worker"}
+    assert all(v >= 0 for v in seconds.values()) and seconds["spawn"] > 0 and seconds["worker"] > 0
+    assert h["startup"]["total_s"] == pytest.approx(sum(seconds.values()), abs=0.05)
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_row_in_the_engine_process(served):

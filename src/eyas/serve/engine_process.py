@@ -108,10 +108,16 @@ def _sendable(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}")
 
 
-def engine_main(conn: Any, load: LoadArgs, options: EngineOptions, make: Callable[..., Any] | None = None) -> None:
+def engine_main(conn: Any, load: LoadArgs, options: EngineOptions, make: Callable[..., Any] | None = None,
+                spawned_at: float | None = None) -> None:
     """The engine process: load the pair, then serve the HTTP side's submits until it says stop
     (or goes away). ``make``: the worker's factory (default :func:`~eyas.serve.batching.make_worker`;
-    a benchmark's stand-in engine passes its own)."""
+    a benchmark's stand-in engine passes its own). The start-up's stages gain what happens around
+    the loader's own: ``spawn`` (the parent's spawn call, at ``spawned_at``, to this function: a
+    fresh interpreter and the unpickling of its arguments), ``imports`` (the loader's time outside
+    its stages: torch, transformers and eyas imported) and ``worker`` (the batch built: its caches
+    allocated)."""
+    entered = time.perf_counter()
     out: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def send_loop() -> None:
@@ -135,6 +141,11 @@ def engine_main(conn: Any, load: LoadArgs, options: EngineOptions, make: Callabl
     sender.start()
     try:
         served = load.load(log=lambda m: out.put([(LOG, m)]))
+        stages = served.startup.seconds
+        loaded = time.perf_counter()
+        if spawned_at is not None:
+            stages["spawn"] = entered - spawned_at
+        stages["imports"] = max(loaded - entered - sum(stages.values()) + stages.get("spawn", 0.0), 0.0)
         if make is None:
             from eyas.serve.batching import make_worker as make
         jobs: dict[str, Job] = {}
@@ -154,6 +165,7 @@ def engine_main(conn: Any, load: LoadArgs, options: EngineOptions, make: Callabl
         worker = make(served, options.max_rows, max_queue=1 << 30, speculation=options.speculation,
                       batch_speculation=options.batch_speculation, on_round=lambda *a: outbox.add((ROUND, *a)), on_rounds=lambda *a: outbox.add((ROUNDS, *a)),
                       on_done=finished, on_step=lambda *a: outbox.add((STEP, *a)))
+        stages["worker"] = time.perf_counter() - loaded
         worker.on_cancelled_early = lambda job: outbox.add((CANCELLED_EARLY, job.id))
         worker.on_tick, worker.on_idle = outbox.flush, outbox.idle
         out.put([(READY, served.info(), worker.max_rows), status()])
@@ -241,7 +253,8 @@ class EngineProcess:
         self._gone: str | None = None  # why submits fail: the engine process exited
         ctx = mp.get_context("spawn")  # a fork would copy the HTTP side's threads (and CUDA cannot fork)
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=engine_main, args=(child, load, options, make), name="eyas-engine")
+        self.process = ctx.Process(target=engine_main, args=(child, load, options, make, time.perf_counter()),
+                                   name="eyas-engine")
         self.process.start()
         child.close()
         # Runs before multiprocessing's own exit handler (registered earlier, run later), which
