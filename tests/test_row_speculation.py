@@ -107,6 +107,30 @@ def test_an_eos_inside_a_round_ends_the_row_there(llama, trained_drafter):
     assert got[0] == want
 
 
+@pytest.mark.unit
+def test_a_prepared_round_shape_runs_without_compiling_and_changes_nothing(llama, trained_drafter):
+    # prepare() compiles a round's shape ahead (a server's idle time) on the rows' real state, then
+    # puts the state back: the rounds that follow give the same tokens and compile nothing more
+    prompts = random_prompts(2, 128, seed=11, lengths=(4, 9))
+    got = {}
+    for ahead in (False, True):
+        engine = BatchedLlama(llama, rows=4, compile=True, backend="aot_eager")
+        batch = RowBatch(engine, capacity=64, drafter=trained_drafter, boundaries=SPEC4.boundaries)
+        tokens = {t.row: list(t.tokens) for t in batch.admit([RowRequest(p, 12) for p in prompts])}
+        shapes = batch.round_shapes(context=64, depths=[3], max_rows=2, modes=["greedy"])
+        assert shapes == [(n, 3, "greedy", K) for K in engine.buckets() for n in (1, 2)]  # row buckets 1, 2, 4
+        if ahead:
+            assert all(batch.spec.prepare(*shape) for shape in shapes)
+            assert not batch.spec.prepare(*shapes[0]) and batch.spec.prepared(*shapes[0])
+        compiled = engine.compile_s
+        for _ in range(3):
+            for t in batch.speculate(3):
+                tokens[t.row] += t.tokens
+        assert (engine.compile_s == compiled) == ahead
+        got[ahead] = tokens
+    assert got[True] == got[False] and min(map(len, got[True].values())) > 4
+
+
 @pytest.fixture(scope="module")
 def small_vocab():
     return make_small_vocab()

@@ -308,6 +308,18 @@ class RowBatch:
         keys = [K for K in buckets if K < context] + [next((K for K in buckets if K >= context), buckets[-1])]
         return [(K, mode, n) for K in keys for n in self.row_buckets for mode in modes]
 
+    def round_shapes(self, context: int, depths: Sequence[int], max_rows: int,
+                     modes: Sequence[str] = ("greedy", "sample")) -> list[tuple[int, int, str, int]]:
+        """The (rows, depth, mode, key bucket) of the speculative rounds that batches of up to
+        ``max_rows`` busy rows run for requests of up to ``context`` tokens, fewest keys, then fewest
+        rows, first (:meth:`RowSpeculation.prepare`, as :meth:`step_shapes` for the plain steps)."""
+        if self.spec is None:
+            return []
+        buckets = self.engine.buckets()
+        keys = [K for K in buckets if K < context] + [next((K for K in buckets if K >= context), buckets[-1])]
+        rows = [n for n in self.row_buckets if n <= max(max_rows, self.row_buckets[0])]
+        return [(n, d, mode, K) for K in keys for n in rows for d in depths for mode in modes]
+
     def release(self, row: int) -> None:
         """Free ``row`` now (its request ended or was cancelled); the device stops advancing it."""
         if self.sampling[row] is None:

@@ -56,7 +56,7 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -134,6 +134,7 @@ class RowSpeculation:
         self.cuda_graphs = engine.cuda_graphs
         # (rows, depth, mode, key bucket) -> the captured round and its outputs (tokens, accepted)
         self._graphs: dict[tuple[int, int, str, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
+        self._done: set[tuple[int, int, str, int]] = set()  # the shapes compiled (and captured) so far
 
     @property
     def capacity(self) -> int:
@@ -233,20 +234,45 @@ class RowSpeculation:
         graphs these are the graph's buffers, overwritten by the next round of the same shape."""
         if not 1 <= depth <= MAX_DEPTH:
             raise ValueError(f"depth: expected 1 .. {MAX_DEPTH}, found {depth}")
+        key = (n, depth, mode, n_keys)
         if self.cuda_graphs:
-            key = (n, depth, mode, n_keys)
             captured = self._graphs.get(key) or self._capture(key)
             if captured is not None:
                 graph, out = captured
                 graph.replay()
                 return out
-        return self._round(n, depth, mode, n_keys)
+        if self.engine.compile and key not in self._done:  # its first, compiling, call
+            t0 = time.perf_counter()
+            out = self._round(*key)
+            self._done.add(key)
+            self.engine.compile_s += time.perf_counter() - t0
+            return out
+        return self._round(*key)
 
-    def _capture(self, key: tuple[int, int, str, int]) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]] | None:
-        """Compile (in the warm-ups) and capture the round of ``key``; the state restored after each
-        warm-up and after the capture (module docstring). Its seconds count in the engine's
-        ``compile_s``. A capture that fails warns, and rounds run eagerly from then on."""
+    def prepared(self, n: int, depth: int, mode: str, n_keys: int) -> bool:
+        """Whether the round of this shape runs without compiling or capturing first."""
+        return not (self.cuda_graphs or self.engine.compile) or (n, depth, mode, n_keys) in self._done
+
+    @torch.no_grad()
+    def prepare(self, n: int, depth: int, mode: str, n_keys: int) -> bool:
+        """Compile (and on a GPU capture) the round of this shape now, the rows' state left as it was
+        (a server's idle time: its first use then replays it); False where there is nothing to do."""
+        key = (n, depth, mode, n_keys)
+        if self.prepared(*key):
+            return False
+        if self.cuda_graphs:
+            return self._capture(key) is not None
         t0 = time.perf_counter()
+        restore = self._snapshot()
+        self._round(*key)
+        restore()
+        self._done.add(key)
+        self.engine.compile_s += time.perf_counter() - t0
+        return True
+
+    def _snapshot(self) -> Callable[[], None]:
+        """A copy of the rows' state a round changes; calling what it returns puts it back (what
+        else a round writes lies past the rows' committed entries: scratch, module docstring)."""
         st = self.engine.state
         assert st is not None
         mutable = (st.ids, st.pos, st.n_gen, st.active, self.root_logits, self.root_hidden)
@@ -255,6 +281,14 @@ class RowSpeculation:
         def restore() -> None:
             for dst, src in zip(mutable, snapshot):
                 dst.copy_(src)
+        return restore
+
+    def _capture(self, key: tuple[int, int, str, int]) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]] | None:
+        """Compile (in the warm-ups) and capture the round of ``key``; the state restored after each
+        warm-up and after the capture (module docstring). Its seconds count in the engine's
+        ``compile_s``. A capture that fails warns, and rounds run eagerly from then on."""
+        t0 = time.perf_counter()
+        restore = self._snapshot()
 
         def warm() -> None:
             restore()
@@ -271,6 +305,7 @@ class RowSpeculation:
         restore()
         torch.cuda.synchronize(self.engine.device)
         self._graphs[key] = (graph, out)
+        self._done.add(key)
         self.engine.compile_s += time.perf_counter() - t0
         return graph, out
 
