@@ -447,3 +447,26 @@ def test_a_prompt_read_in_fixed_chunks_equals_one_exact_step(trained_drafter, be
         torch.testing.assert_close(state.root_logits, exact.root_logits, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(state.root_hidden, exact.root_hidden, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(state.cache.kv[..., :end, :], exact.cache.kv[..., :end, :], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.unit
+def test_a_step_compiled_on_another_thread_compiles_every_shape_past_torchs_default_limit():
+    # A server compiles on its decode thread (shapes prepared while idle, a shape at its first
+    # use); torch >= 2.12 keeps settings made in code per thread, and its default limit of 8
+    # compilations per function would leave the 9th shape eager there.
+    import threading
+
+    from eyas.engine.graphs import CompiledOrEager
+
+    step = CompiledOrEager(lambda x: (x * 2,), backend="eager", name="toy step")
+    failures: list[str | None] = []
+
+    def compile_twelve_shapes() -> None:
+        for n in range(1, 13):
+            assert torch.equal(step(torch.ones(n))[0], torch.full((n,), 2.0))
+        failures.append(step.error)
+
+    t = threading.Thread(target=compile_twelve_shapes)
+    t.start()
+    t.join()
+    assert failures == [None] and step.compiled is not None

@@ -366,3 +366,37 @@ def test_a_warm_start_compiles_the_verification_buckets_of_its_trees_and_the_lar
     assert start_buckets(buckets, TreePlan.parse("3", "6,10,60")) == [8, 64, 128]  # a chain of 3, a tree of 60
     assert start_buckets(buckets, None) == [128]  # --tree auto: its timings compile what they use
     assert start_buckets(buckets, TreePlan.parse("8,16,200")) == [128]  # past the largest: verified unpadded
+
+
+def test_a_compiling_batch_prepares_its_step_shapes_then_its_round_shapes_while_idle(served, monkeypatch):
+    """A batch whose engine compiles (a GPU's; here torch.compile's aot_eager on the CPU) defers its
+    shapes to the worker's idle time: the widest plain step first, then every plain step of contexts
+    up to START_CONTEXT, then the rounds of batches up to the policy's max_rows; once idle long
+    enough, every one of them runs without compiling (on the decode thread)."""
+    from eyas.engine.batched import BatchedLlama
+    from eyas.engine.continuous import RowBatch
+    from eyas.serve import worker as worker_module
+    from eyas.serve.startup import START_CONTEXT
+
+    monkeypatch.setattr(worker_module, "QUIET_BEFORE_DEFERRED_S", 0.01)
+    sv, _ = served
+    engine = BatchedLlama(sv.loaded.model, rows=4, compile=True, backend="aot_eager")
+    batch = RowBatch(engine, capacity=200, eos_ids=sv.loaded.eos_ids, drafter=sv.drafter,
+                     boundaries=sv.target.spec.boundaries)
+    worker = BatchWorker(replace(sv, deferred=[]), batch, speculation="auto", batch_speculation="auto",
+                         batch_max_rows=2)
+    try:
+        widest = (engine.buckets()[-1], "top_p", 4)
+        steps = batch.step_shapes(START_CONTEXT)
+        rounds = batch.round_shapes(START_CONTEXT, worker.batch_policy.depths, 2)
+        assert rounds and {n for n, *_ in rounds} == {1, 2}  # batches of up to max_rows busy rows
+
+        def done() -> bool:
+            return not worker.deferred and engine.prepared(*widest) and all(engine.prepared(*s) for s in steps) \
+                and all(batch.spec.prepared(*shape) for shape in rounds)
+        deadline = time.time() + 300
+        while not done() and time.time() < deadline:
+            time.sleep(0.05)
+        assert done() and worker.batch_report()["deferred_left"] == 0
+    finally:
+        worker.stop()

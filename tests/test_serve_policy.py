@@ -56,6 +56,9 @@ def test_batch_speculation_tries_each_depth_then_takes_the_fastest_per_batch_siz
     assert p.depth(64, "greedy") == 0
     assert BatchSpeculation("off").depth(2, "greedy") == 0
     assert BatchSpeculation("on", depths=(1, 2)).arms() == [1, 2]
+    # above max_rows: plain steps, nothing tried or measured there (each round shape is a compilation)
+    capped = BatchSpeculation("on", depths=(3,), max_rows=16)
+    assert [capped.depth(n, "greedy") for n in (1, 4, 16, 17, 256)] == [3, 3, 3, 0, 0]
     with pytest.raises(ValueError, match="speculation: expected one of"):
         BatchSpeculation("sometimes")
 

@@ -304,8 +304,7 @@ class RowBatch:
         run, fewest keys, then fewest rows, first: what a server prepares while it is idle
         (:meth:`~eyas.engine.batched.BatchedLlama.prepare`), so that a load's first steps of each
         shape do not stall every row on a compilation."""
-        buckets = self.engine.buckets()
-        keys = [K for K in buckets if K < context] + [next((K for K in buckets if K >= context), buckets[-1])]
+        keys = self._keys_up_to(context)
         return [(K, mode, n) for K in keys for n in self.row_buckets for mode in modes]
 
     def round_shapes(self, context: int, depths: Sequence[int], max_rows: int,
@@ -315,10 +314,14 @@ class RowBatch:
         rows, first (:meth:`RowSpeculation.prepare`, as :meth:`step_shapes` for the plain steps)."""
         if self.spec is None:
             return []
-        buckets = self.engine.buckets()
-        keys = [K for K in buckets if K < context] + [next((K for K in buckets if K >= context), buckets[-1])]
+        keys = self._keys_up_to(context)
         rows = [n for n in self.row_buckets if n <= max(max_rows, self.row_buckets[0])]
         return [(n, d, mode, K) for K in keys for n in rows for d in depths for mode in modes]
+
+    def _keys_up_to(self, context: int) -> list[int]:
+        """The key buckets a request of up to ``context`` tokens attends, each once."""
+        buckets = self.engine.buckets()
+        return [K for K in buckets if K < context] + [K for K in buckets if K >= context][:1]
 
     def release(self, row: int) -> None:
         """Free ``row`` now (its request ended or was cancelled); the device stops advancing it."""

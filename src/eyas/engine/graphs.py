@@ -144,13 +144,22 @@ def raise_recompile_limits() -> None:
     silently, so raise it. And every compiled functools.partial runs through one wrapper code
     object of torch's (``external_utils.inner``), so all the targets a process builds share its
     cache: at 128 the 16th compiled target of one test run on the H200 failed with
-    ``FailOnRecompileLimitHit`` (2026-12-02); hence 1024."""
+    ``FailOnRecompileLimitHit`` (2026-12-02); hence 1024.
+
+    For every thread: since torch 2.12 a setting made in code is the setting of the thread that
+    made it (a ContextVar), and a server compiles on its decode thread too (the shapes it prepares
+    while idle, a shape at its first use), where the limit stayed 8 and the 9th shape of a
+    function ran eagerly (torch 2.13, a CPU test). So the shared default is raised as well."""
     import torch._dynamo.config as dynamo_config
 
+    entries = getattr(dynamo_config, "_config", {})
     for name, least in (("recompile_limit", 1024), ("cache_size_limit", 1024),
                         ("accumulated_recompile_limit", 8192), ("accumulated_cache_size_limit", 8192)):
         if isinstance(getattr(dynamo_config, name, None), int):
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), least))
+            entry = entries.get(name) if isinstance(entries, dict) else None
+            if entry is not None and isinstance(getattr(entry, "default", None), int):
+                entry.default = max(entry.default, least)  # what threads without a setting of their own read
 
 
 def brief_error(error: str, head: int = 300, tail: int = 900) -> str:

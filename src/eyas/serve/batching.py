@@ -58,7 +58,7 @@ from eyas.engine.continuous import RowBatch, RowRequest
 from eyas.engine.speculative import STOP_CANCELLED, GenerationResult
 from eyas.engine.stats import STOP_EOS, STOP_MAX_NEW_TOKENS, GenerationStats
 from eyas.engine.stopping import StopCriteria
-from eyas.serve.policy import BatchSpeculation, SpeculationPolicy, batch_mode
+from eyas.serve.policy import BATCH_MAX_ROWS, BatchSpeculation, SpeculationPolicy, batch_mode
 from eyas.serve.startup import START_CONTEXT, Served
 from eyas.serve.worker import STOP, DecodeWorker, Event, Job, Worker
 
@@ -113,14 +113,14 @@ class BatchWorker(Worker):
     once (per row: drafts accepted, tokens kept); without it ``on_round`` sees each row's."""
 
     def __init__(self, served: Served, batch: RowBatch, *, speculation: str = "auto", batch_speculation: str | None = None,
-                 on_step: Callable[[str, int, int], None] | None = None,
+                 batch_max_rows: int | None = BATCH_MAX_ROWS, on_step: Callable[[str, int, int], None] | None = None,
                  on_rounds: Callable[[int, list[int], list[int]], None] | None = None, **kwargs: Any) -> None:
         super().__init__(served, **kwargs)
         self.batch, self.on_step, self.on_rounds = batch, on_step, on_rounds
         self.max_rows = batch.rows
         self.policy = SpeculationPolicy(speculation if served.drafter is not None else "off")
         self.batch_policy = BatchSpeculation(batch_mode(speculation, batch_speculation) if batch.spec is not None
-                                             else "off")
+                                             else "off", max_rows=batch_max_rows)
         self.pending: deque[Job] = deque()  # taken off the queue, waiting for a row
         self.rows: dict[int, Live] = {}  # row -> its request
         self.solo: tuple[Live, Any] | None = None  # the lone request and its speculative session
@@ -131,6 +131,11 @@ class BatchWorker(Worker):
             # the widest first: it stands in for every other until each is compiled (RowBatch._stand_in)
             widest = (shapes[-1][0], "top_p", batch.rows)
             self.deferred[:0] = [functools.partial(batch.engine.prepare, K, mode, n) for K, mode, n in [widest] + shapes]
+            if batch.spec is not None and self.batch_policy.mode != "off":  # then the rounds it may take
+                p = self.batch_policy
+                rounds = batch.round_shapes(START_CONTEXT, p.depths, p.max_rows or batch.rows)
+                self.deferred[len(shapes) + 1:len(shapes) + 1] = [functools.partial(batch.spec.prepare, *shape)
+                                                                  for shape in rounds]
         self.thread.start()
 
     @property

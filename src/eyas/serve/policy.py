@@ -115,6 +115,7 @@ class SpeculationPolicy:
 
 
 DEPTHS = (1, 2, 3, 4)  # a batched round's chain depths (0: a plain batched step)
+BATCH_MAX_ROWS: int | None = None  # the server's BatchSpeculation.max_rows
 
 
 @dataclass
@@ -135,10 +136,13 @@ class BatchSpeculation:
     tries one of the other depths, each in turn (plain first), so a drift is seen and an arm whose
     first steps were slow (a busy host, a cold cache) is measured again; the cost is bounded by one
     step in ``explore_every`` on a slower depth.
-    ``mode``: ``auto`` as above, ``on`` (always a round; its depth measured), ``off`` (plain steps)."""
+    ``mode``: ``auto`` as above, ``on`` (always a round; its depth measured), ``off`` (plain steps).
+    ``max_rows``: batches of more busy rows take plain steps, never measuring a round (each round
+    shape tried is a compilation and a capture at its first use; None: no limit)."""
 
     mode: str = "auto"
     depths: tuple[int, ...] = DEPTHS
+    max_rows: int | None = None
     explore_every: int = 16
     margin: float = 1.02
     rates: dict[tuple[int, str, int], Rate] = field(default_factory=dict)
@@ -164,7 +168,7 @@ class BatchSpeculation:
 
     def depth(self, rows: int, kind: str) -> int:
         """The depth of the next step of ``rows`` busy rows of ``kind`` (greedy | sampled)."""
-        if self.mode == "off":
+        if self.mode == "off" or (self.max_rows is not None and rows > self.max_rows):
             self.last = 0
             return 0
         arms = self.arms()
