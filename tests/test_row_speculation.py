@@ -122,13 +122,36 @@ def test_a_prepared_round_shape_runs_without_compiling_and_changes_nothing(llama
         if ahead:
             assert all(batch.spec.prepare(*shape) for shape in shapes)
             assert not batch.spec.prepare(*shapes[0]) and batch.spec.prepared(*shapes[0])
-        compiled = engine.compile_s
+        compiled = batch.compile_s
         for _ in range(3):
             for t in batch.speculate(3):
                 tokens[t.row] += t.tokens
-        assert (engine.compile_s == compiled) == ahead
+        assert (batch.compile_s == compiled) == ahead
         got[ahead] = tokens
     assert got[True] == got[False] and min(map(len, got[True].values())) > 4
+
+
+@pytest.mark.unit
+def test_a_round_shape_not_compiled_waits_until_the_plain_steps_in_its_place_cost_its_compilation(llama,
+                                                                                                trained_drafter):
+    # rent or buy (RowBatch.round_ready): a round whose shape would compile now waits while the plain
+    # steps run in its place (charged to it) cost less than compiling a shape has cost on average
+    engine = BatchedLlama(llama, rows=4, compile=True, backend="aot_eager")
+    batch = RowBatch(engine, capacity=64, drafter=trained_drafter, boundaries=SPEC4.boundaries)
+    batch.admit([RowRequest(p, 20) for p in random_prompts(2, 128, seed=12, lengths=(4, 9))])
+    assert batch.round_ready(3)  # no compilation yet, no price known: it compiles now
+    batch.step()  # a plain step compiles: the price of a shape
+    price = engine.compile_per_shape_s
+    assert price > 0 and not batch.round_ready(3)
+    shape = batch.round_shape(3)
+    assert shape == (2, 3, "greedy", engine.buckets()[0])
+    batch.charge(shape, price * 0.6)
+    assert not batch.round_ready(3)
+    batch.charge(shape, price * 0.6)
+    assert batch.round_ready(3)
+    batch.speculate(3)  # compiles the round: rounds now have their own price
+    assert batch.spec.compile_per_shape_s == batch.spec.compile_s > 0 and batch.compile_s > engine.compile_s
+    assert not batch.round_ready(2) and batch.spec.prepare(*batch.round_shape(2)) and batch.round_ready(2)
 
 
 @pytest.fixture(scope="module")

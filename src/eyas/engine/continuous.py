@@ -141,9 +141,14 @@ class RowBatch:
         self.limit = [0] * self.rows  # the row's max_new_tokens
         self.fresh = [False] * self.rows  # the drafter has read every token of the row
         self.steps = 0  # decode steps and speculative rounds run
-        self.rent: dict[tuple[int, str, int], float] = {}  # shape -> seconds of steps run in its place (_stand_in)
+        self.rent: dict[tuple, float] = {}  # a step's or round's shape -> seconds of steps run in its place (_stand_in)
 
     # -- rows ------------------------------------------------------------------------------------
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling and capturing the plain steps' and the rounds' shapes so far."""
+        return self.engine.compile_s + (self.spec.compile_s if self.spec is not None else 0.0)
 
     @property
     def busy(self) -> list[int]:
@@ -268,6 +273,28 @@ class RowBatch:
             return shape
         return cover
 
+    def round_shape(self, depth: int) -> tuple[int, int, str, int]:
+        """The (rows, depth, mode, key bucket) a round of ``depth`` runs now (:meth:`speculate`)."""
+        busy = self.busy
+        need = max(self.pos[r] for r in busy) + depth + 1  # entries 0 .. pos + depth attended
+        n = next(b for b in self.row_buckets if b > busy[-1])
+        return n, depth, self.mode(), next(b for b in self.engine.buckets() if b >= need)
+
+    def round_ready(self, depth: int) -> bool:
+        """Whether a round of ``depth`` should run now: its shape is prepared, or the plain steps run
+        in its place (:meth:`charge`) have cost what compiling a shape has cost on average (the
+        rent-or-buy rule of :meth:`_stand_in`, for rounds: a load that never leaves the server idle
+        still gets its rounds, after at most twice the stall a compilation would have been)."""
+        shape = self.round_shape(depth)
+        if self.spec is None or self.spec.prepared(*shape):
+            return True
+        price = self.spec.compile_per_shape_s or self.engine.compile_per_shape_s
+        return price is None or self.rent.get(shape, 0.0) >= price
+
+    def charge(self, shape: tuple, seconds: float) -> None:
+        """A step of ``seconds`` ran where ``shape`` (:meth:`round_shape`) was wanted (:meth:`round_ready`)."""
+        self.rent[shape] = self.rent.get(shape, 0.0) + seconds
+
     @torch.no_grad()
     def speculate(self, depth: int) -> list[RowTokens]:
         """One batched speculative round of every row (``depth`` drafts each; needs a drafter): each
@@ -278,11 +305,10 @@ class RowBatch:
         busy = self.busy
         if not busy:
             return []
-        eng, st = self.engine, self.engine.state
+        st = self.engine.state
         assert st is not None
-        need = max(self.pos[r] for r in busy) + depth + 1  # entries 0 .. pos + depth attended
-        n = next(b for b in self.row_buckets if b > busy[-1])
-        tokens, accepted = self.spec.round(n, depth, self.mode(), next(b for b in eng.buckets() if b >= need))
+        n, _, mode, n_keys = self.round_shape(depth)
+        tokens, accepted = self.spec.round(n, depth, mode, n_keys)
         self.steps += 1
         got = torch.cat([tokens, accepted[:, None], st.active[:n, None].long()], 1).tolist()  # the round's one read
         eos = self.eos

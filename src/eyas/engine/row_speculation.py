@@ -135,6 +135,12 @@ class RowSpeculation:
         # (rows, depth, mode, key bucket) -> the captured round and its outputs (tokens, accepted)
         self._graphs: dict[tuple[int, int, str, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
         self._done: set[tuple[int, int, str, int]] = set()  # the shapes compiled (and captured) so far
+        self.compile_s = 0.0  # their compilation and capture
+
+    @property
+    def compile_per_shape_s(self) -> float | None:
+        """The mean seconds a round shape has cost to compile and capture so far (None: none yet)."""
+        return self.compile_s / len(self._done) if self._done else None
 
     @property
     def capacity(self) -> int:
@@ -245,7 +251,7 @@ class RowSpeculation:
             t0 = time.perf_counter()
             out = self._round(*key)
             self._done.add(key)
-            self.engine.compile_s += time.perf_counter() - t0
+            self.compile_s += time.perf_counter() - t0
             return out
         return self._round(*key)
 
@@ -267,7 +273,7 @@ class RowSpeculation:
         self._round(*key)
         restore()
         self._done.add(key)
-        self.engine.compile_s += time.perf_counter() - t0
+        self.compile_s += time.perf_counter() - t0
         return True
 
     def _snapshot(self) -> Callable[[], None]:
@@ -306,7 +312,7 @@ class RowSpeculation:
         torch.cuda.synchronize(self.engine.device)
         self._graphs[key] = (graph, out)
         self._done.add(key)
-        self.engine.compile_s += time.perf_counter() - t0
+        self.compile_s += time.perf_counter() - t0
         return graph, out
 
     def _round(self, n: int, depth: int, mode: str, n_keys: int) -> tuple[Tensor, Tensor]:

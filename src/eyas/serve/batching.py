@@ -156,7 +156,7 @@ class BatchWorker(Worker):
         stall every row: a load test warms them first), the same for the target that lone requests
         decode on (its start-up included), and the start-up work still deferred (the batch's step
         shapes first, which the worker prepares while the server is idle)."""
-        return {**self.batch_policy.to_dict(), "compile_s": round(self.batch.engine.compile_s, 2),
+        return {**self.batch_policy.to_dict(), "compile_s": round(self.batch.compile_s, 2),
                 "target_compile_s": round(float(getattr(self.served.target, "compile_seconds", 0.0)), 2),
                 "deferred_left": len(self.deferred)}
 
@@ -308,9 +308,12 @@ class BatchWorker(Worker):
             return
         n = len(self.rows)
         kind = "greedy" if self.batch.mode() == "greedy" else "sampled"
-        depth = self.batch_policy.depth(n, kind)
+        wanted = self.batch_policy.depth(n, kind)
+        # a round shape not compiled yet waits while plain steps cost less than its compilation
+        owed = self.batch.round_shape(wanted) if wanted and not self.batch.round_ready(wanted) else None
+        depth = self.batch_policy.last = 0 if owed else wanted
         alone = next(iter(self.rows.values())) if n == 1 else None
-        compiled_before = self.batch.engine.compile_s
+        compiled_before = self.batch.compile_s
         t0 = time.perf_counter()
         stepped = self.batch.speculate(depth) if depth else self.batch.step()
         for got in stepped:
@@ -330,7 +333,9 @@ class BatchWorker(Worker):
         # tokens (streaming, stop checks, metrics), which grows with a round's tokens and rows. A step
         # that compiled or captured its shape first is no measure of its speed.
         seconds = time.perf_counter() - t0
-        if self.batch.engine.compile_s == compiled_before:
+        if owed is not None:
+            self.batch.charge(owed, seconds)
+        if self.batch.compile_s == compiled_before:
             tokens = sum(len(got.tokens) for got in stepped)
             if alone is not None:  # a row alone in the batch: the lone policy's other measure
                 self.policy.measured(alone.job.sampling, "row", tokens, seconds)
