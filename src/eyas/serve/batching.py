@@ -27,8 +27,11 @@ two steps it takes what was submitted, then:
 Compilation. On a GPU each (keys, mode, rows) shape of the batch's step is compiled and captured at
 its first use, which stalls every row (a second on a warm cache). The worker prepares them while
 the server is quiet (after 2 s without a request: the widest shape first, then the shapes of
-contexts up to 512 tokens), and until a shape is prepared a covering one stands in for it for as
-long as that costs less than compiling it (:meth:`~eyas.engine.continuous.RowBatch.step`).
+contexts up to 512 tokens, then, where the batch may speculate, the rounds' (rows, depth, mode,
+keys) shapes of batches up to ``BatchSpeculation.max_rows``), and until a shape is prepared a
+covering one stands in for it for as long as that costs less than compiling it
+(:meth:`~eyas.engine.continuous.RowBatch.step`); a round whose shape is not prepared waits the same
+way, plain steps running in its place (:meth:`~eyas.engine.continuous.RowBatch.round_ready`).
 
 Invariants: only the worker thread touches the engines and the sessions; each job's events arrive
 in order, ``tokens`` then exactly one ``done``; a greedy request gets the tokens it would get alone
