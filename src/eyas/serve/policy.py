@@ -32,12 +32,13 @@ PATHS = ("speculative", "row")
 def batch_mode(speculation: str, batch_speculation: str | None = None) -> str:
     """What a batch of several rows does (:class:`BatchSpeculation`'s mode): ``batch_speculation``
     where given (never speculative with ``speculation`` off), else ``on`` with ``speculation`` on and
-    ``off`` otherwise. Off by default because it was measured not to pay: on the H100 (2026-12-06,
-    SmolLM2 and its drafter, ``benchmarks/results/2026-12-06-serve-load-h100-engine-process.md``)
-    every depth's round delivered 0.4-1.1x a plain step's tokens/s at every batch size of 2-256
-    rows, and learning that online cost the ``auto`` server 117 s of compiling and capturing rounds
-    while it served (one capture per rows bucket, depth, mode and key length), against 40 s for
-    plain steps; a request alone still speculates (its tree rounds: 1.9-2.5x)."""
+    ``off`` otherwise. Off by default because it pays little where it pays: on the H100 (SmolLM2
+    and its drafter, every shape warm, ``benchmarks/results/2026-12-06-row-speculation-h100.md``) a
+    chain round of depth 2-3 gave 1.12-1.14x plain steps at temperature 0 for 1-64 rows and
+    0.6-0.9x at temperature 1 (a chain's tau is 2.1-2.3; a round costs 1.7-1.9 plain steps), and a
+    server learning that online also compiles and captures each round shape it tries (117 s in
+    ``2026-12-06-serve-load-h100-engine-process.md``; now prepared while idle, and a round waits
+    for its compilation by rent or buy); a request alone still speculates (its tree rounds: 1.7-3.1x)."""
     for name, value in (("speculation", speculation), ("batch_speculation", batch_speculation)):
         if value is not None and value not in MODES:
             raise ValueError(f"{name}: expected one of {list(MODES)}, found {value!r}")
