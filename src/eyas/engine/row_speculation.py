@@ -42,9 +42,9 @@ A row the drafter has not followed (it decoded plain steps in between, which do 
 is *stale*: its drafts are poor, and the round stays lossless. Rows are prefilled with the features
 the drafter reads (:meth:`RowSpeculation.read`), so a row is fresh from its admission.
 
-On a GPU (the engine's ``compile`` and ``cuda_graphs``) the verification's prologue and block are
-compiled with dynamic sizes (one compilation serves every rows x depth x key bucket, where static
-sizes would compile each), and the whole round, draft to commit, is captured as one CUDA graph per
+On a GPU (the engine's ``compile`` and ``cuda_graphs``) the verification's prologue and block, and
+the drafter's step and re-read, are compiled with dynamic sizes (one compilation serves every rows x
+depth x key bucket, where static sizes would compile each), and the whole round, draft to commit, is captured as one CUDA graph per
 (rows, depth, mode, key bucket) at its first use and replayed: a round launches one graph, as a
 plain step does. The capture's warm-up runs are real rounds: the rows' state (ids, pos, n_gen,
 active) and the roots are restored from a snapshot after each, and everything else they write lies
@@ -291,8 +291,8 @@ class RowSpeculation:
 
     def _capture(self, key: tuple[int, int, str, int]) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]] | None:
         """Compile (in the warm-ups) and capture the round of ``key``; the state restored after each
-        warm-up and after the capture (module docstring). Its seconds count in the engine's
-        ``compile_s``. A capture that fails warns, and rounds run eagerly from then on."""
+        warm-up and after the capture (module docstring). Its seconds count in ``compile_s`` (the
+        rounds' own; ``RowBatch.compile_s`` adds the plain steps'). A capture that fails warns, and rounds run eagerly from then on."""
         t0 = time.perf_counter()
         restore = self._snapshot()
 
