@@ -21,8 +21,18 @@ class WaitBatch:
         self.rows, self.text, self.step_s = rows, text_ids, step_s
         self.spec = object() if speculative else None  # BatchSpeculation turns on where there is a drafter
         self.engine = SimpleNamespace(compile_s=0.0)
+        self.compile_s = 0.0  # nothing compiles: every step and round is ready
         self.limit: list[int | None] = [None] * rows  # None: free
         self.generated = [0] * rows
+
+    def round_ready(self, depth: int) -> bool:
+        return True
+
+    def round_shape(self, depth: int) -> tuple:
+        return (len(self.busy), depth, "greedy", 0)
+
+    def charge(self, shape: tuple, seconds: float) -> None:
+        pass
 
     @property
     def free(self) -> list[int]:
