@@ -25,7 +25,7 @@ class WaitBatch:
         self.limit: list[int | None] = [None] * rows  # None: free
         self.generated = [0] * rows
 
-    def round_ready(self, depth: int) -> bool:
+    def round_ready(self, shape: tuple) -> bool:
         return True
 
     def round_shape(self, depth: int) -> tuple:

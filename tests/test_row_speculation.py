@@ -139,19 +139,20 @@ def test_a_round_shape_not_compiled_waits_until_the_plain_steps_in_its_place_cos
     engine = BatchedLlama(llama, rows=4, compile=True, backend="aot_eager")
     batch = RowBatch(engine, capacity=64, drafter=trained_drafter, boundaries=SPEC4.boundaries)
     batch.admit([RowRequest(p, 20) for p in random_prompts(2, 128, seed=12, lengths=(4, 9))])
-    assert batch.round_ready(3)  # no compilation yet, no price known: it compiles now
-    batch.step()  # a plain step compiles: the price of a shape
-    price = engine.compile_per_shape_s
-    assert price > 0 and not batch.round_ready(3)
     shape = batch.round_shape(3)
     assert shape == (2, 3, "greedy", engine.buckets()[0])
+    assert batch.round_ready(shape)  # no compilation yet, no price known: it compiles now
+    batch.step()  # a plain step compiles: the price of a shape
+    price = engine.compile_per_shape_s
+    assert price > 0 and not batch.round_ready(shape)
     batch.charge(shape, price * 0.6)
-    assert not batch.round_ready(3)
+    assert not batch.round_ready(shape)
     batch.charge(shape, price * 0.6)
-    assert batch.round_ready(3)
+    assert batch.round_ready(shape)
     batch.speculate(3)  # compiles the round: rounds now have their own price
     assert batch.spec.compile_per_shape_s == batch.spec.compile_s > 0 and batch.compile_s > engine.compile_s
-    assert not batch.round_ready(2) and batch.spec.prepare(*batch.round_shape(2)) and batch.round_ready(2)
+    other = batch.round_shape(2)
+    assert not batch.round_ready(other) and batch.spec.prepare(*other) and batch.round_ready(other)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from eyas.engine.batched_steps import MODES
-from eyas.engine.graphs import capture
+from eyas.engine.graphs import capture, snapshot
 
 
 class StepShapes:
@@ -119,13 +119,7 @@ class StepShapes:
         also writes each row's cache entry at its own position, which the next real step writes again)."""
         st = self.state
         assert st is not None
-        mutable = (st.ids, st.pos, st.active, st.n_gen, st.out)
-        snapshot = [t.clone() for t in mutable]
-
-        def restore() -> None:
-            for dst, src in zip(mutable, snapshot):
-                dst.copy_(src)
-        return restore
+        return snapshot(st.ids, st.pos, st.active, st.n_gen, st.out)
 
     def _capture(self, K: int, mode: str, n: int | None = None) -> torch.cuda.CUDAGraph | None:
         """Compile (in the warm-ups) and capture the step of bucket K in ``mode``. The warm-ups run

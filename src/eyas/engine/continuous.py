@@ -280,12 +280,11 @@ class RowBatch:
         n = next(b for b in self.row_buckets if b > busy[-1])
         return n, depth, self.mode(), next(b for b in self.engine.buckets() if b >= need)
 
-    def round_ready(self, depth: int) -> bool:
-        """Whether a round of ``depth`` should run now: its shape is prepared, or the plain steps run
-        in its place (:meth:`charge`) have cost what compiling a shape has cost on average (the
-        rent-or-buy rule of :meth:`_stand_in`, for rounds: a load that never leaves the server idle
-        still gets its rounds, after at most twice the stall a compilation would have been)."""
-        shape = self.round_shape(depth)
+    def round_ready(self, shape: tuple[int, int, str, int]) -> bool:
+        """Whether a round of ``shape`` (:meth:`round_shape`) should run now: it is prepared, or the
+        plain steps run in its place (:meth:`charge`) have cost what compiling a round has cost on
+        average (the rent-or-buy rule of :meth:`_stand_in`, for rounds: a load that never leaves the
+        server idle still gets its rounds, after at most twice the stall a compilation would have been)."""
         if self.spec is None or self.spec.prepared(*shape):
             return True
         price = self.spec.compile_per_shape_s or self.engine.compile_per_shape_s

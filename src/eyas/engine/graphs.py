@@ -100,6 +100,17 @@ class StepGraphs:
         return graph, static_in, static_out
 
 
+def snapshot(*tensors: torch.Tensor) -> Callable[[], None]:
+    """Copies of ``tensors``; calling what it returns writes them back in place (a step or round run
+    ahead of its use, then undone: its warm-ups, a shape prepared while a server is idle)."""
+    saved = [t.clone() for t in tensors]
+
+    def restore() -> None:
+        for dst, src in zip(tensors, saved):
+            dst.copy_(src)
+    return restore
+
+
 def capture(run: Callable[[], T], pool: object, warmups: int = 2,
             warm: Callable[[], object] | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """``run`` captured as a CUDA graph (in memory pool ``pool``), after ``warmups`` warm-up calls

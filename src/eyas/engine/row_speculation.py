@@ -64,7 +64,7 @@ from torch import Tensor
 from eyas.drafter.model import Eagle3Drafter, KVCache
 from eyas.engine.batched import BatchedLlama
 from eyas.engine.batched_steps import Rows, chain_layer, chain_prologue, draw, row_probabilities
-from eyas.engine.graphs import CompiledOrEager, capture
+from eyas.engine.graphs import CompiledOrEager, capture, snapshot
 from eyas.engine.llama import rms_norm
 from eyas.engine.sampling import counter_uniform
 
@@ -268,12 +268,9 @@ class RowSpeculation:
             return False
         if self.cuda_graphs:
             return self._capture(key) is not None
-        t0 = time.perf_counter()
         restore = self._snapshot()
-        self._round(*key)
+        self.round(*key)  # its first, compiling, call (timed there)
         restore()
-        self._done.add(key)
-        self.compile_s += time.perf_counter() - t0
         return True
 
     def _snapshot(self) -> Callable[[], None]:
@@ -281,13 +278,7 @@ class RowSpeculation:
         else a round writes lies past the rows' committed entries: scratch, module docstring)."""
         st = self.engine.state
         assert st is not None
-        mutable = (st.ids, st.pos, st.n_gen, st.active, self.root_logits, self.root_hidden)
-        snapshot = [t.clone() for t in mutable]
-
-        def restore() -> None:
-            for dst, src in zip(mutable, snapshot):
-                dst.copy_(src)
-        return restore
+        return snapshot(st.ids, st.pos, st.n_gen, st.active, self.root_logits, self.root_hidden)
 
     def _capture(self, key: tuple[int, int, str, int]) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]] | None:
         """Compile (in the warm-ups) and capture the round of ``key``; the state restored after each

@@ -61,7 +61,7 @@ from eyas.engine.continuous import RowBatch, RowRequest
 from eyas.engine.speculative import STOP_CANCELLED, GenerationResult
 from eyas.engine.stats import STOP_EOS, STOP_MAX_NEW_TOKENS, GenerationStats
 from eyas.engine.stopping import StopCriteria
-from eyas.serve.policy import BATCH_MAX_ROWS, BatchSpeculation, SpeculationPolicy, batch_mode
+from eyas.serve.policy import BatchSpeculation, SpeculationPolicy, batch_mode
 from eyas.serve.startup import START_CONTEXT, Served
 from eyas.serve.worker import STOP, DecodeWorker, Event, Job, Worker
 
@@ -116,7 +116,7 @@ class BatchWorker(Worker):
     once (per row: drafts accepted, tokens kept); without it ``on_round`` sees each row's."""
 
     def __init__(self, served: Served, batch: RowBatch, *, speculation: str = "auto", batch_speculation: str | None = None,
-                 batch_max_rows: int | None = BATCH_MAX_ROWS, on_step: Callable[[str, int, int], None] | None = None,
+                 batch_max_rows: int | None = None, on_step: Callable[[str, int, int], None] | None = None,
                  on_rounds: Callable[[int, list[int], list[int]], None] | None = None, **kwargs: Any) -> None:
         super().__init__(served, **kwargs)
         self.batch, self.on_step, self.on_rounds = batch, on_step, on_rounds
@@ -313,7 +313,8 @@ class BatchWorker(Worker):
         kind = "greedy" if self.batch.mode() == "greedy" else "sampled"
         wanted = self.batch_policy.depth(n, kind)
         # a round shape not compiled yet waits while plain steps cost less than its compilation
-        owed = self.batch.round_shape(wanted) if wanted and not self.batch.round_ready(wanted) else None
+        shape = self.batch.round_shape(wanted) if wanted else None
+        owed = shape if shape is not None and not self.batch.round_ready(shape) else None
         depth = self.batch_policy.last = 0 if owed else wanted
         alone = next(iter(self.rows.values())) if n == 1 else None
         compiled_before = self.batch.compile_s

@@ -143,9 +143,9 @@ def engine_main(conn: Any, load: LoadArgs, options: EngineOptions, make: Callabl
         served = load.load(log=lambda m: out.put([(LOG, m)]))
         stages = served.startup.seconds
         loaded = time.perf_counter()
+        stages["imports"] = max(loaded - entered - sum(stages.values()), 0.0)  # the loader's time outside its stages
         if spawned_at is not None:
             stages["spawn"] = entered - spawned_at
-        stages["imports"] = max(loaded - entered - sum(stages.values()) + stages.get("spawn", 0.0), 0.0)
         if make is None:
             from eyas.serve.batching import make_worker as make
         jobs: dict[str, Job] = {}

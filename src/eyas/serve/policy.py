@@ -116,7 +116,6 @@ class SpeculationPolicy:
 
 
 DEPTHS = (1, 2, 3, 4)  # a batched round's chain depths (0: a plain batched step)
-BATCH_MAX_ROWS: int | None = None  # the server's BatchSpeculation.max_rows
 
 
 @dataclass
