@@ -19,6 +19,8 @@
 #               serve_load.py (SPEC, CLIENTS, TEMPS, REQUESTS, MIN_REQUESTS) one server at a time
 #               (LOADS=0: no load); ROWS=1: after the starts, row_speculation_cpu.py on the GPU, warm
 #               (the engine's batched rounds against plain steps per rows and depth, ROW_SIZES)
+#   rows        the engine's batched rounds alone, warm (RUN=/tmp/rows): row_speculation_cpu.py, ROW_SIZES x
+#               (plain steps, DEPTHS chains, TREES trees: greedy only) at TEMPS, STEPS rounds a setting
 #   wait [S]    wait up to S seconds (default 540) for it to end; copy what is done into $OUT
 #
 # Results: $OUT/serve_load.json, serve_load.log, startup.json, startup.log, profile.json, profile.log, rows.json,
@@ -125,6 +127,26 @@ case "${1:-}" in
     sleep 5
     RUN=$RUN bash "$0" wait "${WAIT_S:-540}"
     ;;
+  rows)
+    # The engine's batched rounds alone, warm (RUN=/tmp/rows; `RUN=/tmp/rows bash $0 wait` in the
+    # next calls): row_speculation_cpu.py on the GPU, ROW_SIZES x (plain, DEPTHS chains, TREES trees)
+    # at TEMPS
+    for f in .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
+    [ -f /tmp/smol.gguf ] || cat /tmp/smol.p[0-9] > /tmp/smol.gguf
+    echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
+    python -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+    RUN=/tmp/rows && rm -rf "$RUN" && mkdir -p "$RUN"
+    setsid nohup bash -c "
+      export EYAS_CACHE=/tmp/eyas-cache-rows
+      echo \"== row speculation (engine alone, warm) \$(date -u +%T)\" >> $RUN/runs.log
+      timeout ${ROWS_S:-540} python benchmarks/row_speculation_cpu.py --target /tmp/smol.gguf --draft $D \
+        --rows ${ROW_SIZES:-1,4,16,64} --depths ${DEPTHS:-2,3} --trees '${TREES:-3,4,12;4,4,16;5,4,20;4,8,24}' \
+        --temperatures ${TEMPS:-0,1} --steps ${STEPS:-32} --json --plot $RUN/rows.png > $RUN/rows.json 2> $RUN/rows.log
+      echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
+      echo done > $RUN/DONE" > /dev/null 2>&1 &
+    sleep 5
+    RUN=$RUN bash "$0" wait "${WAIT_S:-540}"
+    ;;
   wait)
     limit=${2:-540} t=0
     while [ ! -f "$RUN/DONE" ] && [ "$t" -lt "$limit" ]; do sleep 10; t=$((t + 10)); done
@@ -137,7 +159,7 @@ case "${1:-}" in
     grep -a "^==\|^exit\|ready in\|failed\|level:\|Error" "$RUN/runs.log" 2>/dev/null | tail -n 40 || true
     ;;
   *)
-    echo "usage: $0 part | start | bars | wait [S]" >&2
+    echo "usage: $0 part | start | bars | rows | wait [S]" >&2
     exit 2
     ;;
 esac

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default=None, help="drafter directory (default: the one shipped for --target)")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--depths", default="1,2,3,4")
+    ap.add_argument("--trees", default="", help="tree rounds too (greedy only): ';'-separated DEPTH,TOPK,TOTAL")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--steps", type=int, default=24, help="steps or rounds timed per setting")
     ap.add_argument("--sets", default="mt_bench,gsm8k,sum,humaneval")
@@ -52,13 +53,15 @@ def main(argv: list[str] | None = None) -> int:
 
     sv = load_served(a.target, a.draft, tree="3", log=lambda m: print(f"load: {m}", file=sys.stderr))
     rows_list = [int(x) for x in a.rows.split(",")]
-    depths = [0] + [int(x) for x in a.depths.split(",")]
+    from eyas.engine.tree import TreeSpec
+
+    depths: list = [0] + [int(x) for x in a.depths.split(",")] + [TreeSpec.parse(x) for x in a.trees.split(";") if x]
     temps = [float(x) for x in a.temperatures.split(",")]
     R = max(rows_list)
     convs = [c for name in a.sets.split(",") for c in load_prompts(name, limit=R)]
     prompts = [render_prompt(c.messages[:1], sv.tokenizer).tolist() for c in convs]
     prompts = [prompts[i] for i in sorted(range(len(prompts)), key=lambda i: i % R)][:R]  # a mix of the sets
-    limit = (max(depths) + 1) * a.steps + 8  # no row finishes inside a setting
+    limit = (max(getattr(d, "depth", d) for d in depths) + 1) * a.steps + 8  # no row finishes inside a setting
     engine = BatchedLlama(sv.loaded.model, rows=R)
     batch = RowBatch(engine, capacity=max(map(len, prompts)) + limit, drafter=sv.drafter,
                      boundaries=sv.target.spec.boundaries, row_buckets=rows_list)
@@ -69,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in rows_list:
             plain_tokens: dict[int, list[int]] = {}
             for depth in depths:
+                if isinstance(depth, TreeSpec) and t > 0:
+                    continue  # tree rounds accept greedily
+                label = depth.label if isinstance(depth, TreeSpec) else depth
                 for _ in range(2 if warm else 1):  # the last pass is the measure
                     for r in list(batch.busy):
                         batch.release(r)
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                         for out in (batch.speculate(depth) if depth else batch.step()):
                             got[out.row] += out.tokens
                             accepted += out.accepted
-                            rounds += depth > 0
+                            rounds += depth != 0
                     seconds = time.perf_counter() - t0
                 tokens = sum(map(len, got.values()))
                 if depth == 0:
@@ -89,13 +95,13 @@ def main(argv: list[str] | None = None) -> int:
                 same = None
                 if t == 0:
                     same = all(got[r][:len(plain_tokens[r])] == plain_tokens[r][:len(got[r])] for r in got)
-                row = {"temperature": t, "rows": n, "depth": depth, "tokens": tokens, "seconds": round(seconds, 4),
+                row = {"temperature": t, "rows": n, "depth": label, "tokens": tokens, "seconds": round(seconds, 4),
                        "tokens_per_s": round(tokens / seconds, 2),
                        "tau": round(tokens / (a.steps * n), 3),
                        "accepted_per_round": round(accepted / rounds, 3) if rounds else None,
                        "greedy_equal_to_plain": same, "compile_s": round(batch.compile_s - compiled, 3)}
                 results.append(row)
-                print(f"t={t:g} rows={n} depth={depth}: {row['tokens_per_s']:8.1f} tok/s, tau {row['tau']:.2f}"
+                print(f"t={t:g} rows={n} depth={label}: {row['tokens_per_s']:8.1f} tok/s, tau {row['tau']:.2f}"
                       + ("" if same is None else f", equal to plain: {same}"), file=sys.stderr)
             base = next(x for x in results if x["temperature"] == t and x["rows"] == n and x["depth"] == 0)
             for x in results:
@@ -105,17 +111,17 @@ def main(argv: list[str] | None = None) -> int:
               "implementation": engine.implementation,
               "dtype": str(engine.dtype), "steps": a.steps, "sets": a.sets, "results": results}
     if a.plot:
-        plot(results, temps, depths, a.plot)
+        plot(results, temps, [getattr(d, "label", d) for d in depths], a.plot)
     if a.json:
         print(json.dumps(report, indent=1))
     else:
         for x in results:
-            print(f"t={x['temperature']:g} rows={x['rows']:3d} depth={x['depth']}: {x['tokens_per_s']:8.1f} tok/s "
+            print(f"t={x['temperature']:g} rows={x['rows']:3d} depth={x['depth']!s:>8}: {x['tokens_per_s']:8.1f} tok/s "
                   f"({x['x_plain']:.2f}x plain), tau {x['tau']:.2f}")
     return 0
 
 
-def plot(results: list[dict], temps: list[float], depths: list[int], path: str) -> None:
+def plot(results: list[dict], temps: list[float], depths: list, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,8 +131,10 @@ def plot(results: list[dict], temps: list[float], depths: list[int], path: str) 
     for ax, t in zip(axes[0], temps):
         for d in depths:
             xs = [x for x in results if x["temperature"] == t and x["depth"] == d]
+            if not xs:
+                continue
             ax.plot([x["rows"] for x in xs], [x["x_plain"] for x in xs], marker="o",
-                    label="plain" if d == 0 else f"depth {d}")
+                    label="plain" if d == 0 else (f"tree {d}" if isinstance(d, str) else f"depth {d}"))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("rows decoding together")
         ax.set_ylabel("tokens/s over plain batched steps")

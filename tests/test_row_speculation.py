@@ -51,7 +51,7 @@ def drive(batch: RowBatch, arrivals: dict[int, list[RowRequest]], plan) -> tuple
             tokens[owner[t.row]] += t.tokens
             if depth:
                 accepted.append(t.accepted)
-                assert t.drafted == depth and t.accepted <= len(t.tokens) - (not t.finished)
+                assert t.drafted == getattr(depth, "depth", depth) and t.accepted <= len(t.tokens) - (not t.finished)
             if t.finished:
                 batch.release(t.row)
                 del owner[t.row]

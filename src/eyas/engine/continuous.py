@@ -53,7 +53,7 @@ import torch
 from eyas.drafter.model import Eagle3Drafter
 from eyas.engine.batched import BatchedLlama
 from eyas.engine.errors import RequestError
-from eyas.engine.row_speculation import MAX_DEPTH, RowSpeculation
+from eyas.engine.row_speculation import MAX_DEPTH, Draft, RowSpeculation
 from eyas.engine.sampling import SamplingParams
 
 _KEY_SPACE = 1 << 31  # counter_uniform's keys are int64; a seed of any size maps into this
@@ -273,14 +273,19 @@ class RowBatch:
             return shape
         return cover
 
-    def round_shape(self, depth: int) -> tuple[int, int, str, int]:
-        """The (rows, depth, mode, key bucket) a round of ``depth`` runs now (:meth:`speculate`)."""
+    def round_shape(self, draft: Draft) -> tuple[int, Draft, str, int]:
+        """The (rows, draft, mode, key bucket) a round of ``draft`` (a chain's depth or a tree) runs
+        now (:meth:`speculate`)."""
         busy = self.busy
-        need = max(self.pos[r] for r in busy) + depth + 1  # entries 0 .. pos + depth attended
+        mode = self.mode()
+        assert self.spec is not None
+        draft = self.spec.check(draft, mode)
+        width = draft if isinstance(draft, int) else int(draft.total_tokens)
+        need = max(self.pos[r] for r in busy) + width + 1  # entries 0 .. pos + the drafts attended
         n = next(b for b in self.row_buckets if b > busy[-1])
-        return n, depth, self.mode(), next(b for b in self.engine.buckets() if b >= need)
+        return n, draft, mode, next(b for b in self.engine.buckets() if b >= need)
 
-    def round_ready(self, shape: tuple[int, int, str, int]) -> bool:
+    def round_ready(self, shape: tuple[int, Draft, str, int]) -> bool:
         """Whether a round of ``shape`` (:meth:`round_shape`) should run now: it is prepared, or the
         plain steps run in its place (:meth:`charge`) have cost what compiling a round has cost on
         average (the rent-or-buy rule of :meth:`_stand_in`, for rounds: a load that never leaves the
@@ -295,10 +300,11 @@ class RowBatch:
         self.rent[shape] = self.rent.get(shape, 0.0) + seconds
 
     @torch.no_grad()
-    def speculate(self, depth: int) -> list[RowTokens]:
-        """One batched speculative round of every row (``depth`` drafts each; needs a drafter): each
-        busy row's accepted drafts and bonus token, cut after an eos token or at the row's limit
-        (``finished`` then, as the device has it)."""
+    def speculate(self, draft: Draft) -> list[RowTokens]:
+        """One batched speculative round of every row (``draft``: a chain of that many drafts each, or
+        a tree, :mod:`eyas.engine.row_trees`; needs a drafter): each busy row's accepted drafts and
+        bonus token, cut after an eos token or at the row's limit (``finished`` then, as the device
+        has it)."""
         if self.spec is None:
             raise RuntimeError("RowBatch.speculate: no drafter (RowBatch(..., drafter=...))")
         busy = self.busy
@@ -306,8 +312,9 @@ class RowBatch:
             return []
         st = self.engine.state
         assert st is not None
-        n, _, mode, n_keys = self.round_shape(depth)
-        tokens, accepted = self.spec.round(n, depth, mode, n_keys)
+        n, draft, mode, n_keys = self.round_shape(draft)
+        depth = draft if isinstance(draft, int) else draft.depth
+        tokens, accepted = self.spec.round(n, draft, mode, n_keys)
         self.steps += 1
         got = torch.cat([tokens, accepted[:, None], st.active[:n, None].long()], 1).tolist()  # the round's one read
         eos = self.eos
@@ -332,16 +339,17 @@ class RowBatch:
         keys = self._keys_up_to(context)
         return [(K, mode, n) for K in keys for n in self.row_buckets for mode in modes]
 
-    def round_shapes(self, context: int, depths: Sequence[int], max_rows: int,
-                     modes: Sequence[str] = ("greedy", "sample")) -> list[tuple[int, int, str, int]]:
-        """The (rows, depth, mode, key bucket) of the speculative rounds that batches of up to
+    def round_shapes(self, context: int, depths: Sequence[Draft], max_rows: int,
+                     modes: Sequence[str] = ("greedy", "sample")) -> list[tuple[int, Draft, str, int]]:
+        """The (rows, draft, mode, key bucket) of the speculative rounds that batches of up to
         ``max_rows`` busy rows run for requests of up to ``context`` tokens, fewest keys, then fewest
         rows, first (:meth:`RowSpeculation.prepare`, as :meth:`step_shapes` for the plain steps)."""
         if self.spec is None:
             return []
         keys = self._keys_up_to(context)
         rows = [n for n in self.row_buckets if n <= max(max_rows, self.row_buckets[0])]
-        return [(n, d, mode, K) for K in keys for n in rows for d in depths for mode in modes]
+        return [(n, d, mode, K) for K in keys for n in rows for d in depths for mode in modes
+                if isinstance(d, int) or d.top_k == 1 or mode == "greedy"]  # trees: greedy rounds only
 
     def _keys_up_to(self, context: int) -> list[int]:
         """The key buckets a request of up to ``context`` tokens attends, each once."""

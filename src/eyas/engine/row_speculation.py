@@ -66,9 +66,12 @@ from eyas.engine.batched import BatchedLlama
 from eyas.engine.batched_steps import Rows, chain_layer, chain_prologue, draw, row_probabilities
 from eyas.engine.graphs import CompiledOrEager, capture, snapshot
 from eyas.engine.llama import rms_norm
+from eyas.engine.row_trees import RowTree, accept_tree, check_tree, draft_tree, move_path_entries, tree_prologue
 from eyas.engine.sampling import counter_uniform
+from eyas.engine.tree import TreeSpec
 
 MAX_DEPTH = 31  # the counter tags of a round (module docstring)
+Draft = int | TreeSpec  # what a round drafts: a chain of that depth, or a tree (eyas.engine.row_trees)
 _SALT = 0x5BD1E995  # the rounds' random stream, apart from the plain steps' (same row key)
 
 
@@ -123,7 +126,9 @@ class RowSpeculation:
         c = engine.constants
         self._prologue = functools.partial(chain_prologue, rope_scaling=c["rope_scaling"])
         self._layer = functools.partial(chain_layer, eps=c["eps"], qk_eps=c["qk_eps"], scaling=c["scaling"])
+        self._tree_prologue = functools.partial(tree_prologue, rope_scaling=c["rope_scaling"])
         self._draft_step, self._reread = self._draft_step_eager, self._reread_eager
+        self._tree_step = self._tree_step_eager
         if engine.compile:  # dynamic sizes: one compilation for every (rows, depth, key bucket) (module docstring)
             self._prologue = CompiledOrEager(self._prologue, engine.backend, "batched chain prologue", dynamic=True)
             self._layer = CompiledOrEager(self._layer, engine.backend, "batched chain block", dynamic=True)
@@ -131,10 +136,13 @@ class RowSpeculation:
             # writes, the masked attention, SiLU), which a captured round replays at a few us each
             self._draft_step = CompiledOrEager(self._draft_step, engine.backend, "batched chain draft step", dynamic=True)
             self._reread = CompiledOrEager(self._reread, engine.backend, "batched chain re-read", dynamic=True)
+            self._tree_prologue = CompiledOrEager(self._tree_prologue, engine.backend, "batched tree prologue",
+                                                  dynamic=True)
+            self._tree_step = CompiledOrEager(self._tree_step, engine.backend, "batched tree draft step", dynamic=True)
         self.cuda_graphs = engine.cuda_graphs
         # (rows, depth, mode, key bucket) -> the captured round and its outputs (tokens, accepted)
-        self._graphs: dict[tuple[int, int, str, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
-        self._done: set[tuple[int, int, str, int]] = set()  # the shapes compiled (and captured) so far
+        self._graphs: dict[tuple[int, Draft, str, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
+        self._done: set[tuple[int, Draft, str, int]] = set()  # the shapes compiled (and captured) so far
         self.compile_s = 0.0  # their compilation and capture
 
     @property
@@ -197,7 +205,20 @@ class RowSpeculation:
         """The target over tokens [n, T] of rows 0..n-1 at positions pos .. pos + T - 1, attending
         their first n_keys entries: (logits [n, T, V], features [n, T, W] at the boundaries)."""
         e = self.engine
-        x, d, cos, sin, at, mask = self._prologue(tokens, st.pos[:n], e.embed, e.inv_freq, n_keys, e.capacity)
+        return self.blocks(n, *self._prologue(tokens, st.pos[:n], e.embed, e.inv_freq, n_keys, e.capacity))
+
+    def verify_tree(self, st: Rows, n: int, tree: RowTree, n_keys: int) -> tuple[Tensor, Tensor]:
+        """The target over the trees of rows 0..n-1 (:mod:`eyas.engine.row_trees`, verify): (logits
+        [n, N+1, V], features [n, N+1, W])."""
+        e = self.engine
+        return self.blocks(n, *self._tree_prologue(tree.tokens, tree.depths, tree.mask, st.pos[:n], e.embed,
+                                                   e.inv_freq, n_keys, e.capacity))
+
+    def blocks(self, n: int, x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, at: Tensor,
+               mask: Tensor) -> tuple[Tensor, Tensor]:
+        """The target's blocks and head over a prologue's inputs for rows 0..n-1 (token t of row r
+        written at entry at[r, t], attending under mask): (logits, the boundaries' features)."""
+        e = self.engine
         seen = {0: x} if 0 in self.boundaries else {}
         for b, w in enumerate(e.weights):
             x, d = self._layer(x, d, cos, sin, at, mask, e.keys[b, :n], e.values[b, :n], w)
@@ -215,6 +236,15 @@ class RowSpeculation:
         out = self.drafter(token[:, None], hidden[:, None], slot, cache=self.cache, cache_slots=slot, mask=mask,
                            from_target=False)
         return out.logits[:, 0].float(), out.hidden[:, 0]
+
+    def _tree_step_eager(self, tokens: Tensor, hidden: Tensor, positions: Tensor, slots: Tensor,
+                         mask: Tensor) -> tuple[Tensor, Tensor]:
+        """One level of rows 0..n-1's trees: the drafter reads k nodes a row (tokens [n, k], their
+        parents' states hidden [n, k, H_d]) at positions [n, k], written at slots [n, k], attending
+        under mask [n, 1, k, C]: (logits [n, k, Vd] float32, their states [n, k, H_d])."""
+        out = self.drafter(tokens, hidden, positions, cache=self.cache, cache_slots=slots, mask=mask,
+                           from_target=False)
+        return out.logits.float(), out.hidden
 
     def _reread_eager(self, tokens: Tensor, features: Tensor, pos: Tensor, accepted: Tensor) -> tuple[Tensor, Tensor]:
         """The re-read of :meth:`reread` (its entries written): (the roots' logits [n, Vd] float32,
@@ -234,13 +264,13 @@ class RowSpeculation:
         self.root_hidden[:n] = hidden
 
     @torch.no_grad()
-    def round(self, n: int, depth: int, mode: str, n_keys: int) -> tuple[Tensor, Tensor]:
-        """One round of rows 0..n-1 (module docstring), the rows' state committed in place: (the new
-        tokens [n, depth + 1], of which row r's first accepted[r] + 1 count; accepted [n]). With CUDA
-        graphs these are the graph's buffers, overwritten by the next round of the same shape."""
-        if not 1 <= depth <= MAX_DEPTH:
-            raise ValueError(f"depth: expected 1 .. {MAX_DEPTH}, found {depth}")
-        key = (n, depth, mode, n_keys)
+    def round(self, n: int, draft: Draft, mode: str, n_keys: int) -> tuple[Tensor, Tensor]:
+        """One round of rows 0..n-1 (module docstring; ``draft`` a chain's depth, or a tree:
+        :mod:`eyas.engine.row_trees`), the rows' state committed in place: (the new tokens [n, depth
+        + 1], of which row r's first accepted[r] + 1 count; accepted [n]). With CUDA graphs these
+        are the graph's buffers, overwritten by the next round of the same shape."""
+        draft = self.check(draft, mode)
+        key = (n, draft, mode, n_keys)
         if self.cuda_graphs:
             captured = self._graphs.get(key) or self._capture(key)
             if captured is not None:
@@ -255,15 +285,30 @@ class RowSpeculation:
             return out
         return self._round(*key)
 
-    def prepared(self, n: int, depth: int, mode: str, n_keys: int) -> bool:
+    def check(self, draft: Draft, mode: str) -> Draft:
+        """``draft`` as a round's key holds it (a tree of top_k 1 is the chain of its depth), or a
+        ValueError saying what a round can draft."""
+        if isinstance(draft, TreeSpec) and draft.top_k == 1:
+            draft = draft.depth
+        if isinstance(draft, TreeSpec):
+            check_tree(draft, MAX_DEPTH + 1)
+            if mode != "greedy":
+                raise ValueError(f"tree {draft.label}: batched tree rounds accept greedily; found mode {mode!r} "
+                                 "(sampled rows draft chains)")
+        elif not 1 <= draft <= MAX_DEPTH:
+            raise ValueError(f"depth: expected 1 .. {MAX_DEPTH}, found {draft}")
+        return draft
+
+    def prepared(self, n: int, draft: Draft, mode: str, n_keys: int) -> bool:
         """Whether the round of this shape runs without compiling or capturing first."""
-        return not (self.cuda_graphs or self.engine.compile) or (n, depth, mode, n_keys) in self._done
+        key = (n, self.check(draft, mode), mode, n_keys)
+        return not (self.cuda_graphs or self.engine.compile) or key in self._done
 
     @torch.no_grad()
-    def prepare(self, n: int, depth: int, mode: str, n_keys: int) -> bool:
+    def prepare(self, n: int, draft: Draft, mode: str, n_keys: int) -> bool:
         """Compile (and on a GPU capture) the round of this shape now, the rows' state left as it was
         (a server's idle time: its first use then replays it); False where there is nothing to do."""
-        key = (n, depth, mode, n_keys)
+        key = (n, self.check(draft, mode), mode, n_keys)
         if self.prepared(*key):
             return False
         if self.cuda_graphs:
@@ -280,7 +325,7 @@ class RowSpeculation:
         assert st is not None
         return snapshot(st.ids, st.pos, st.n_gen, st.active, self.root_logits, self.root_hidden)
 
-    def _capture(self, key: tuple[int, int, str, int]) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]] | None:
+    def _capture(self, key: tuple[int, Draft, str, int]) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]] | None:
         """Compile (in the warm-ups) and capture the round of ``key``; the state restored after each
         warm-up and after the capture (module docstring). Its seconds count in ``compile_s`` (the
         rounds' own; ``RowBatch.compile_s`` adds the plain steps'). A capture that fails warns, and rounds run eagerly from then on."""
@@ -306,10 +351,20 @@ class RowSpeculation:
         self.compile_s += time.perf_counter() - t0
         return graph, out
 
-    def _round(self, n: int, depth: int, mode: str, n_keys: int) -> tuple[Tensor, Tensor]:
+    def _round(self, n: int, draft: Draft, mode: str, n_keys: int) -> tuple[Tensor, Tensor]:
         """The round itself (what the graphs capture): no host reads, shapes fixed by the arguments."""
         st = self.engine.state
         assert st is not None
+        if isinstance(draft, TreeSpec):  # eyas.engine.row_trees' round
+            tree = draft_tree(self, st, n, draft)
+            logits, features = self.verify_tree(st, n, tree, n_keys)
+            tokens, accepted, path = accept_tree(tree, logits, draft.depth)
+            e = self.engine
+            move_path_entries(e.keys[:, :n], e.values[:, :n], st.pos[:n], path)
+            self.reread(st, n, tokens, features.gather(1, path[..., None].expand(-1, -1, features.shape[-1])), accepted)
+            commit_chain(st, n, tokens, accepted)
+            return tokens, accepted
+        depth = draft
         drafts, q = self.draft(st, n, depth, mode)
         logits, features = self.verify(st, n, torch.cat([st.ids[:n, None], drafts], 1), n_keys)
         tokens, accepted = accept_chain(st, n, drafts, q, logits, mode)
