@@ -20,7 +20,7 @@
 #               (LOADS=0: no load); ROWS=1: after the starts, row_speculation_cpu.py on the GPU, warm
 #               (the engine's batched rounds against plain steps per rows and depth, ROW_SIZES)
 #   rows        the engine's batched rounds alone, warm (RUN=/tmp/rows): row_speculation_cpu.py, ROW_SIZES x
-#               (plain steps, DEPTHS chains, TREES trees: greedy only) at TEMPS, STEPS rounds a setting
+#               (plain steps, DEPTHS chains, TREES trees) at TEMPS, STEPS rounds a setting
 #   wait [S]    wait up to S seconds (default 540) for it to end; copy what is done into $OUT
 #
 # Results: $OUT/serve_load.json, serve_load.log, startup.json, startup.log, profile.json, profile.log, rows.json,

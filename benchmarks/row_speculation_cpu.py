@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default=None, help="drafter directory (default: the one shipped for --target)")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--depths", default="1,2,3,4")
-    ap.add_argument("--trees", default="", help="tree rounds too (greedy only): ';'-separated DEPTH,TOPK,TOTAL")
+    ap.add_argument("--trees", default="", help="tree rounds too: ';'-separated DEPTH,TOPK,TOTAL")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--steps", type=int, default=24, help="steps or rounds timed per setting")
     ap.add_argument("--sets", default="mt_bench,gsm8k,sum,humaneval")
@@ -72,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         for n in rows_list:
             plain_tokens: dict[int, list[int]] = {}
             for depth in depths:
-                if isinstance(depth, TreeSpec) and t > 0:
-                    continue  # tree rounds accept greedily
                 label = depth.label if isinstance(depth, TreeSpec) else depth
                 for _ in range(2 if warm else 1):  # the last pass is the measure
                     for r in list(batch.busy):

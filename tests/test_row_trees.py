@@ -7,7 +7,9 @@
   candidates kept, distinct siblings), and an accepted path's cache entries move where a row's
   sequence continues;
 - a tree accepts more drafts a round than a chain of its depth (the reason for trees in a batch);
-- a tree round of sampled rows is refused with a message saying why.
+- sampled rows' tree rounds follow the target's exact distribution (chi-square), and the test
+  catches a rule that keeps a rejected child's mass;
+- a tree a round cannot draft is refused with a message saying why.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import torch
 
 from eyas.engine.batched import BatchedLlama
 from eyas.engine.continuous import RowBatch, RowRequest
+from eyas.engine import row_trees
 from eyas.engine.row_trees import draft_tree, move_path_entries
 from eyas.engine.sampling import SamplingParams
 from eyas.engine.tree import TreeSpec
+from tests.support.lossless import Z_999, chi_square, exact_first_three, make_small_vocab, wilson_hilferty_critical
 from tests.support.tiny import SPEC4, random_prompts
 from tests.test_batched import hf_greedy
-from tests.test_row_speculation import drive
+from tests.test_row_speculation import drive, sample_first_three
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -121,14 +125,48 @@ def test_an_accepted_paths_entries_move_where_the_row_continues():
 
 
 @pytest.mark.unit
-def test_tree_rounds_are_greedy_only_and_a_one_wide_tree_is_the_chain(llama, trained_drafter):
+def test_a_round_checks_its_tree_and_a_one_wide_tree_is_the_chain(llama, trained_drafter):
     batch = RowBatch(BatchedLlama(llama, rows=2), capacity=64, drafter=trained_drafter, boundaries=SPEC4.boundaries)
     batch.admit([RowRequest([5, 6, 7], 10, SamplingParams(temperature=1.0))])
-    with pytest.raises(ValueError, match=r"tree 3,2,6: batched tree rounds accept greedily; found mode 'sample'"):
-        batch.speculate(TreeSpec(3, 2, 6))
+    with pytest.raises(ValueError, match=r"tree 8,4,20: a sampled round draws a uniform per child examined, "
+                                         r"depth x top_k <= 31; found 32"):
+        batch.speculate(TreeSpec(8, 4, 20))
     assert batch.round_shape(TreeSpec(3, 1, 3)) == batch.round_shape(3)
-    shapes = batch.round_shapes(context=64, depths=[2, TreeSpec(3, 2, 6)], max_rows=1)
-    assert {(d, mode) for _, d, mode, _ in shapes} == {(2, "greedy"), (2, "sample"), (TreeSpec(3, 2, 6), "greedy")}
+    shapes = batch.round_shapes(context=64, depths=[2, TreeSpec(3, 2, 6)], max_rows=1, modes=["sample"])
+    assert [d for _, d, _, _ in shapes] == [2, TreeSpec(3, 2, 6)] * (len(shapes) // 2)
     with pytest.raises(ValueError, match=r"tree 4,8,40: a round writes 41 entries past a row's position, "
                                          r"expected at most 32"):
         batch.spec.check(TreeSpec(4, 8, 40), "greedy")
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    return make_small_vocab()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("params,tree", [(SamplingParams(temperature=1.0), TreeSpec(3, 3, 8)),
+                                         (SamplingParams(temperature=0.7, top_p=0.9), TreeSpec(2, 4, 6))])
+def test_sampled_tree_rounds_follow_the_target_distribution(small_vocab, params, tree):
+    model, drafter = small_vocab
+    prompt = [3, 1, 4, 1, 5]
+    exact = exact_first_three(model, prompt, params)
+    counts, accepted = sample_first_three(model, drafter, prompt, params, 800, tree)
+    stat, df = chi_square(counts, exact)
+    crit = wilson_hilferty_critical(df, Z_999)
+    print(f"{params} tree {tree.label}: chi2 {stat:.1f} on {df} df (critical {crit:.1f}); accepted {accepted:.2f}")
+    assert 0.3 < accepted < 1.7  # children accepted and rejected: every branch of the rule runs
+    assert df >= 15 and stat < crit
+
+
+@pytest.mark.integration
+def test_a_tree_rule_that_keeps_rejected_mass_fails_the_same_test(small_vocab, monkeypatch):
+    """The test sees a wrong rule: a residual that keeps a rejected child's mass (no r(c) = 0)
+    over-represents the drafter's choices."""
+    model, drafter = small_vocab
+    monkeypatch.setattr(row_trees, "_without", lambda residual, tok, rejected: residual)
+    params = SamplingParams(temperature=1.0)
+    exact = exact_first_three(model, [3, 1, 4, 1, 5], params)
+    counts, _ = sample_first_three(model, drafter, [3, 1, 4, 1, 5], params, 800, TreeSpec(3, 3, 8))
+    stat, df = chi_square(counts, exact)
+    assert stat > wilson_hilferty_critical(df, Z_999)

@@ -348,8 +348,7 @@ class RowBatch:
             return []
         keys = self._keys_up_to(context)
         rows = [n for n in self.row_buckets if n <= max(max_rows, self.row_buckets[0])]
-        return [(n, d, mode, K) for K in keys for n in rows for d in depths for mode in modes
-                if isinstance(d, int) or d.top_k == 1 or mode == "greedy"]  # trees: greedy rounds only
+        return [(n, d, mode, K) for K in keys for n in rows for d in depths for mode in modes]
 
     def _keys_up_to(self, context: int) -> list[int]:
         """The key buckets a request of up to ``context`` tokens attends, each once."""

@@ -66,7 +66,8 @@ from eyas.engine.batched import BatchedLlama
 from eyas.engine.batched_steps import Rows, chain_layer, chain_prologue, draw, row_probabilities
 from eyas.engine.graphs import CompiledOrEager, capture, snapshot
 from eyas.engine.llama import rms_norm
-from eyas.engine.row_trees import RowTree, accept_tree, check_tree, draft_tree, move_path_entries, tree_prologue
+from eyas.engine.row_trees import (RowTree, accept_tree, accept_tree_sampled, check_tree, draft_tree, move_path_entries,
+                                   tree_prologue)
 from eyas.engine.sampling import counter_uniform
 from eyas.engine.tree import TreeSpec
 
@@ -292,9 +293,9 @@ class RowSpeculation:
             draft = draft.depth
         if isinstance(draft, TreeSpec):
             check_tree(draft, MAX_DEPTH + 1)
-            if mode != "greedy":
-                raise ValueError(f"tree {draft.label}: batched tree rounds accept greedily; found mode {mode!r} "
-                                 "(sampled rows draft chains)")
+            if mode != "greedy" and draft.depth * draft.top_k > MAX_DEPTH:
+                raise ValueError(f"tree {draft.label}: a sampled round draws a uniform per child examined, "
+                                 f"depth x top_k <= {MAX_DEPTH}; found {draft.depth * draft.top_k}")
         elif not 1 <= draft <= MAX_DEPTH:
             raise ValueError(f"depth: expected 1 .. {MAX_DEPTH}, found {draft}")
         return draft
@@ -358,7 +359,10 @@ class RowSpeculation:
         if isinstance(draft, TreeSpec):  # eyas.engine.row_trees' round
             tree = draft_tree(self, st, n, draft)
             logits, features = self.verify_tree(st, n, tree, n_keys)
-            tokens, accepted, path = accept_tree(tree, logits, draft.depth)
+            if mode == "greedy":
+                tokens, accepted, path = accept_tree(tree, logits, draft.depth)
+            else:
+                tokens, accepted, path = accept_tree_sampled(st, n, tree, logits, draft.depth, mode, _SALT)
             e = self.engine
             move_path_entries(e.keys[:, :n], e.values[:, :n], st.pos[:n], path)
             self.reread(st, n, tokens, features.gather(1, path[..., None].expand(-1, -1, features.shape[-1])), accepted)

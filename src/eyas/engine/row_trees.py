@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eyas.engine.batched_steps import Rows, _rotary
+from eyas.engine.batched_steps import Rows, _rotary, draw, row_probabilities
+from eyas.engine.sampling import counter_uniform
 from eyas.engine.tree import TreeSpec
 
 
@@ -57,6 +58,7 @@ class RowTree(NamedTuple):
     parents: Tensor  # [n, N+1] long: parents[:, 0] = -1, parents[:, t] < t
     depths: Tensor  # [n, N+1] long: 0 at the root
     mask: Tensor  # [n, N+1, N+1] bool: node t's ancestors and itself
+    children: Tensor  # [n, N+1, k] long: node t's children, most likely first, -1 past the last
 
 
 def check_tree(tree: TreeSpec, most: int) -> None:
@@ -132,7 +134,19 @@ def draft_tree(spec, st: Rows, n: int, tree: TreeSpec) -> RowTree:
     parents = torch.cat([torch.full((n, 1), -1, dtype=torch.long, device=dev), parent], 1)
     depths = torch.cat([torch.zeros(n, 1, dtype=torch.long, device=dev), cand_depths[kept]], 1)
     all_tokens = torch.cat([st.ids[:n, None], cand_tokens.gather(1, kept)], 1)
-    return RowTree(all_tokens, parents, depths, _ancestors(parents, d))
+    return RowTree(all_tokens, parents, depths, _ancestors(parents, d), _children(parents, k))
+
+
+def _children(parents: Tensor, k: int) -> Tensor:
+    """The children table [n, T, k] of parents [n, T]: node t is child number (its earlier siblings)
+    of its parent; siblings come in node order, which is the drafter's order (most likely first)."""
+    n, T = parents.shape
+    kids = parents[:, 1:]  # [n, T-1]
+    rank = ((kids[:, :, None] == kids[:, None, :]) & torch.ones(T - 1, T - 1, dtype=torch.bool,
+                                                                 device=parents.device).tril(-1)).sum(-1)
+    children = torch.full((n, T * k), -1, dtype=torch.long, device=parents.device)
+    children.scatter_(1, kids * k + rank, torch.arange(1, T, device=parents.device).expand(n, T - 1))
+    return children.view(n, T, k)
 
 
 def tree_prologue(ids: Tensor, depths: Tensor, tree_mask: Tensor, pos: Tensor, embed: Tensor, inv_freq: Tensor,
@@ -174,6 +188,64 @@ def accept_tree(tree: RowTree, logits: Tensor, depth: int) -> tuple[Tensor, Tens
     bonus = target[rows, best]
     tokens = torch.cat([drafts, bonus[:, None]], 1).scatter(1, a[:, None], bonus[:, None])
     return tokens, a, path
+
+
+def accept_tree_sampled(st: Rows, n: int, tree: RowTree, logits: Tensor, depth: int, mode: str,
+                        salt: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Sampled acceptance (module docstring, accept) of trees with logits [n, N+1, V], returned as
+    :func:`accept_tree`'s; rows whose ``st.greedy`` is set accept greedily all the same.
+
+    Each node's children are the drafter's top k, a function of the prefix alone: k deterministic
+    drafts, so SpecInfer's multi-draft rule applies with q a point mass on each. At node v, the
+    residual r starts as p_v (the row's temperature and top-p); child c (most likely first) is
+    accepted with probability r(c) / sum(r); a rejected c leaves r with r(c) = 0 (norm(max(r - q,
+    0)) for that point mass). An accepted child is the next node (r = its p); a node whose children
+    are all rejected, or that has none, ends the path, and the bonus is drawn from r. The tokens are
+    distributed as plain sampling from p, whatever the tree. Uniforms: counter_uniform of the row's
+    salted key and n_gen x 64 + 32 + i k + j for child j at depth i (so depth x k <= 31), + 63 for
+    the bonus."""
+    dev = logits.device
+    rows = torch.arange(n, device=dev)
+    k = tree.children.shape[-1]
+    key, count0 = st.key[:n] ^ salt, st.n_gen[:n] * 64
+    temperature, drop_mass, top_p = st.temperature[:n], st.drop_mass[:n], mode == "top_p"
+    cur = torch.zeros(n, dtype=torch.long, device=dev)
+    walking = torch.ones(n, dtype=torch.bool, device=dev)
+    accepted = torch.zeros(n, dtype=torch.long, device=dev)
+    path = torch.arange(depth + 1, device=dev).expand(n, depth + 1).clone()
+    residual = row_probabilities(logits[:, 0], temperature, drop_mass, top_p)  # [n, V]
+    for i in range(depth):
+        moved = torch.zeros(n, dtype=torch.bool, device=dev)
+        nxt = cur
+        for j in range(k):
+            child = tree.children[rows, cur, j]
+            valid = walking & ~moved & (child >= 0)
+            tok = tree.tokens[rows, child.clamp(min=0)]
+            r_tok = residual[rows, tok]
+            take = valid & (counter_uniform(key, count0 + 32 + i * k + j) * residual.sum(-1) < r_tok)
+            nxt = torch.where(take, child, nxt)
+            moved = moved | take
+            residual = _without(residual, tok, valid & ~take)
+        accepted = accepted + moved.long()
+        path[:, i + 1] = torch.where(moved, nxt, path[:, i + 1])
+        cur, walking = nxt, walking & moved
+        p_next = row_probabilities(logits[rows, cur], temperature, drop_mass, top_p)
+        residual = torch.where(moved[:, None], p_next, residual)
+    p_last = row_probabilities(logits[rows, cur], temperature, drop_mass, top_p)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_last)  # r rounded to nothing: p
+    bonus = draw(residual, counter_uniform(key, count0 + 63))
+    drafts = tree.tokens.gather(1, path[:, 1:])
+    tokens = torch.cat([drafts, bonus[:, None]], 1).scatter(1, accepted[:, None], bonus[:, None])
+    greedy = st.greedy[:n]
+    g_tokens, g_accepted, g_path = accept_tree(tree, logits, depth)
+    return (torch.where(greedy[:, None], g_tokens, tokens), torch.where(greedy, g_accepted, accepted),
+            torch.where(greedy[:, None], g_path, path))
+
+
+def _without(residual: Tensor, tok: Tensor, rejected: Tensor) -> Tensor:
+    """residual [n, V] with residual[r, tok[r]] = 0 where rejected [n] (a point mass's max(r - q, 0))."""
+    rows = torch.arange(residual.shape[0], device=residual.device)
+    return residual.index_put((rows, tok), torch.where(rejected, 0.0, residual[rows, tok]))
 
 
 def move_path_entries(keys: Tensor, values: Tensor, pos: Tensor, path: Tensor) -> None:

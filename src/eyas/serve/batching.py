@@ -136,7 +136,7 @@ class BatchWorker(Worker):
             self.deferred[:0] = [functools.partial(batch.engine.prepare, K, mode, n) for K, mode, n in [widest] + shapes]
             if batch.spec is not None and self.batch_policy.mode != "off":  # then the rounds it may take
                 p = self.batch_policy
-                rounds = batch.round_shapes(START_CONTEXT, p.depths, p.max_rows or batch.rows)
+                rounds = batch.round_shapes(START_CONTEXT, p.drafts, p.max_rows or batch.rows)
                 self.deferred[len(shapes) + 1:len(shapes) + 1] = [functools.partial(batch.spec.prepare, *shape)
                                                                   for shape in rounds]
         self.thread.start()
@@ -311,15 +311,16 @@ class BatchWorker(Worker):
             return
         n = len(self.rows)
         kind = "greedy" if self.batch.mode() == "greedy" else "sampled"
-        wanted = self.batch_policy.depth(n, kind)
+        wanted = self.batch_policy.choose(n, kind)
         # a round shape not compiled yet waits while plain steps cost less than its compilation
         shape = self.batch.round_shape(wanted) if wanted else None
         owed = shape if shape is not None and not self.batch.round_ready(shape) else None
-        depth = self.batch_policy.last = 0 if owed else wanted
+        draft = self.batch_policy.last = 0 if owed else wanted
+        depth = getattr(draft, "depth", draft)  # drafts on a row's longest path (0: a plain step)
         alone = next(iter(self.rows.values())) if n == 1 else None
         compiled_before = self.batch.compile_s
         t0 = time.perf_counter()
-        stepped = self.batch.speculate(depth) if depth else self.batch.step()
+        stepped = self.batch.speculate(draft) if draft else self.batch.step()
         for got in stepped:
             live = self.rows[got.row]
             if depth:
@@ -343,7 +344,7 @@ class BatchWorker(Worker):
             tokens = sum(len(got.tokens) for got in stepped)
             if alone is not None:  # a row alone in the batch: the lone policy's other measure
                 self.policy.measured(alone.job.sampling, "row", tokens, seconds)
-            self.batch_policy.measured(n, kind, depth, tokens, seconds)
+            self.batch_policy.measured(n, kind, draft, tokens, seconds)
 
     def _row_tokens(self, row: int, tokens: list[int], finished: bool) -> None:
         """A row's new tokens: emitted up to a stop condition, which ends the row. The device's

@@ -24,6 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from eyas.engine.row_speculation import Draft
+from eyas.engine.tree import TreeSpec
+
 MODES = ("auto", "on", "off")
 KINDS = ("greedy", "sampled")
 PATHS = ("speculative", "row")
@@ -116,37 +119,52 @@ class SpeculationPolicy:
 
 
 DEPTHS = (1, 2, 3, 4)  # a batched round's chain depths (0: a plain batched step)
+TREES = (TreeSpec(3, 4, 12), TreeSpec(4, 4, 16))  # its trees (eyas.engine.row_trees)
+
+
+def draft_size(draft: Draft) -> int:
+    """The drafts a row verifies in a step of ``draft`` (0: a plain step)."""
+    return int(draft.total_tokens) if isinstance(draft, TreeSpec) else int(draft)
+
+
+def draft_label(draft: Draft) -> str:
+    """``draft`` as /health and the benchmarks name it: '0' (plain), a chain's depth, a tree's DEPTH,TOPK,TOTAL."""
+    return draft.label if isinstance(draft, TreeSpec) else str(draft)
 
 
 @dataclass
 class BatchSpeculation:
-    """The depth of each batched step (0: a plain step, else a speculative round of that many drafts
-    a row, :meth:`eyas.engine.continuous.RowBatch.speculate`), measured per batch size.
+    """What each batched step drafts (0: a plain step; a chain's depth; a tree:
+    :meth:`eyas.engine.continuous.RowBatch.speculate`), measured per batch size.
 
-    A round of depth g costs a target forward over rows x (g + 1) positions and a g-step draft; it
+    A round costs a target forward over rows x (drafts + 1) positions and a few drafter steps; it
     pays while the target's forward is bound by reading its weights (few rows), and stops paying as
     the batch grows and the forward becomes bound by arithmetic, at a size that depends on the
     hardware, the drafter's acceptance on the traffic and the temperature (vLLM's dynamic speculative
-    decoding and SGLang turn speculation down with the batch for the same reason). So the rate of
-    each depth, in tokens per second of the step (every row's new tokens), is kept per batch-size
-    bucket (1, 2-3, 4-7, 8-15, ...: the bit length of the busy rows) and per kind of step (greedy:
-    every row greedy; sampled), as decayed sums. A depth measured fewer than twice in a bucket is
-    tried first (a middle depth, then plain, then the rest); after that the fastest is chosen
-    (speculation must beat plain by ``margin``), and every ``explore_every``-th step of a bucket
-    tries one of the other depths, each in turn (plain first), so a drift is seen and an arm whose
-    first steps were slow (a busy host, a cold cache) is measured again; the cost is bounded by one
-    step in ``explore_every`` on a slower depth.
-    ``mode``: ``auto`` as above, ``on`` (always a round; its depth measured), ``off`` (plain steps).
+    decoding and SGLang turn speculation down with the batch for the same reason). A tree verifies
+    more positions than a chain of its depth and accepts more (its runners-up), so it is the better
+    arm while positions are nearly free, and the first to lose as the batch grows. So the rate of
+    each arm (plain, ``depths`` and ``trees``), in tokens per second of the step
+    (every row's new tokens), is kept per batch-size bucket (1, 2-3, 4-7, 8-15, ...: the bit length
+    of the busy rows) and per kind of step (greedy: every row greedy; sampled), as decayed sums. An
+    arm measured fewer than twice in a bucket is tried first (the middle arm by drafts verified,
+    then plain, then the rest, smallest first); after that the fastest is chosen (speculation must
+    beat plain by ``margin``), and every ``explore_every``-th step of a bucket tries one of the other
+    arms, each in turn (plain first), so a drift is seen and an arm whose first steps were slow (a
+    busy host, a cold cache) is measured again; the cost is bounded by one step in
+    ``explore_every`` on a slower arm.
+    ``mode``: ``auto`` as above, ``on`` (always a round; its arm measured), ``off`` (plain steps).
     ``max_rows``: batches of more busy rows take plain steps, never measuring a round (each round
     shape tried is a compilation and a capture at its first use; None: no limit)."""
 
     mode: str = "auto"
     depths: tuple[int, ...] = DEPTHS
+    trees: tuple[TreeSpec, ...] = TREES
     max_rows: int | None = None
     explore_every: int = 16
     margin: float = 1.02
-    rates: dict[tuple[int, str, int], Rate] = field(default_factory=dict)
-    last: int = 0  # the depth of the last step (/metrics)
+    rates: dict[tuple[int, str, Draft], Rate] = field(default_factory=dict)
+    last: Draft = 0  # what the last step drafted (/metrics)
     _steps: dict[tuple[int, str], int] = field(default_factory=dict)
     _explored: dict[tuple[int, str], int] = field(default_factory=dict)  # exploring steps per bucket and kind
 
@@ -155,26 +173,36 @@ class BatchSpeculation:
             raise ValueError(f"speculation: expected one of {list(MODES)}, found {self.mode!r}")
         if not self.depths or min(self.depths) < 1:
             raise ValueError(f"depths: expected depths >= 1, found {list(self.depths)}")
+        if any(t.top_k < 2 for t in self.trees):
+            raise ValueError(f"trees: expected top_k >= 2 (a chain is a depth), found {[t.label for t in self.trees]}")
+
+    @property
+    def drafts(self) -> tuple[Draft, ...]:
+        """Every round this policy may run (chains, then trees): the shapes a server prepares."""
+        return (*self.depths, *self.trees)
 
     @staticmethod
     def bucket(rows: int) -> int:
         return max(int(rows), 1).bit_length()
 
-    def arms(self) -> list[int]:
-        return sorted(set(self.depths) | ({0} if self.mode == "auto" else set()))
+    def arms(self) -> list[Draft]:
+        """The arms of a step, fewest drafts verified first."""
+        arms = set(self.drafts) | ({0} if self.mode == "auto" else set())
+        return sorted(arms, key=lambda d: (draft_size(d), draft_label(d)))
 
-    def rate(self, rows: int, kind: str, depth: int) -> Rate:
-        return self.rates.setdefault((self.bucket(rows), kind, depth), Rate(decay=0.9))
+    def rate(self, rows: int, kind: str, draft: Draft) -> Rate:
+        return self.rates.setdefault((self.bucket(rows), kind, draft), Rate(decay=0.9))
 
-    def depth(self, rows: int, kind: str) -> int:
-        """The depth of the next step of ``rows`` busy rows of ``kind`` (greedy | sampled)."""
+    def choose(self, rows: int, kind: str) -> Draft:
+        """What the next step of ``rows`` busy rows of ``kind`` (greedy | sampled) drafts."""
         if self.mode == "off" or (self.max_rows is not None and rows > self.max_rows):
             self.last = 0
             return 0
         arms = self.arms()
         key = (self.bucket(rows), kind)
         self._steps[key] = n = self._steps.get(key, 0) + 1
-        first = sorted(arms, key=lambda d: (d != arms[len(arms) // 2], d != 0, d))  # a middle depth, plain, ...
+        middle = arms[len(arms) // 2]
+        first = sorted(arms, key=lambda d: (d != middle, d != 0, draft_size(d)))  # the middle arm, plain, ...
         untried = [d for d in first if self.rate(rows, kind, d).samples < 2]
         if untried:
             choice = untried[0]
@@ -188,12 +216,14 @@ class BatchSpeculation:
         self.last = choice
         return choice
 
-    def measured(self, rows: int, kind: str, depth: int, tokens: int, seconds: float) -> None:
-        self.rate(rows, kind, depth).add(tokens, seconds)
+    def measured(self, rows: int, kind: str, draft: Draft, tokens: int, seconds: float) -> None:
+        self.rate(rows, kind, draft).add(tokens, seconds)
 
     def to_dict(self) -> dict[str, Any]:
-        measured = [(f"{2 ** (b - 1)}+/{kind}/{d}", r) for (b, kind, d), r in sorted(self.rates.items())
-                    if r.per_s is not None]
-        return {"mode": self.mode, "last_depth": self.last,
+        order = sorted(self.rates.items(), key=lambda item: (item[0][0], item[0][1], draft_size(item[0][2]),
+                                                              draft_label(item[0][2])))
+        measured = [(f"{2 ** (b - 1)}+/{kind}/{draft_label(d)}", r) for (b, kind, d), r in order if r.per_s is not None]
+        return {"mode": self.mode, "last_depth": draft_label(self.last),
+                "trees": [t.label for t in self.trees],
                 "tokens_per_s": {key: round(r.per_s, 2) for key, r in measured},
                 "steps": {key: r.samples for key, r in measured}}  # steps measured (compiling ones are not)
