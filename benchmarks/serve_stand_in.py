@@ -28,8 +28,8 @@ class WaitBatch:
     def round_ready(self, shape: tuple) -> bool:
         return True
 
-    def round_shape(self, depth: int) -> tuple:
-        return (len(self.busy), depth, "greedy", 0)
+    def round_shape(self, draft: Any) -> tuple:
+        return (len(self.busy), draft, "greedy", 0)
 
     def charge(self, shape: tuple, seconds: float) -> None:
         pass
@@ -67,7 +67,8 @@ class WaitBatch:
         time.sleep(self.step_s)
         return [self._tokens(r, 1) for r in self.busy]
 
-    def speculate(self, depth: int) -> list:
+    def speculate(self, draft: Any) -> list:  # a chain's depth or a TreeSpec
+        depth = getattr(draft, "depth", draft)
         time.sleep(self.step_s * (1 + 0.25 * depth))  # a round: the verification plus the drafts
         return [self._tokens(r, depth + 1) for r in self.busy]
 

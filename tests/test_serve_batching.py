@@ -75,7 +75,7 @@ def test_8_concurrent_greedy_requests_each_get_their_single_request_output_from_
         assert isinstance(t.state.worker, BatchWorker) and t.state.worker.max_rows == 4
         steps: list[tuple[str, int, int]] = []
         step = t.state.worker.on_step
-        t.state.worker.on_step = lambda kind, rows, depth: steps.append((kind, rows, depth)) or step(kind, rows, depth)
+        t.state.worker.on_step = lambda kind, rows, depth, *rest: steps.append((kind, rows, depth)) or step(kind, rows, depth, *rest)
         c = client(t)
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda p: streamed(c, p), prompts))
@@ -115,7 +115,7 @@ def test_a_request_decoding_alone_joins_the_batch_when_others_arrive_and_keeps_i
         c = client(t)
         kinds: list[str] = []
         step = t.state.worker.on_step
-        t.state.worker.on_step = lambda kind, rows, depth: kinds.append(kind) or step(kind, rows, depth)
+        t.state.worker.on_step = lambda kind, rows, depth, *rest: kinds.append(kind) or step(kind, rows, depth, *rest)
         with ThreadPoolExecutor(4) as pool:
             first = pool.submit(streamed, c, long_q, n)
             deadline = time.time() + 20
@@ -294,7 +294,7 @@ def test_speculation_auto_measures_both_paths_of_a_lone_request_and_takes_the_fa
 
         kinds: list[str] = []
         step = t.state.worker.on_step
-        t.state.worker.on_step = lambda kind, rows, depth: kinds.append(kind) or step(kind, rows, depth)
+        t.state.worker.on_step = lambda kind, rows, depth, *rest: kinds.append(kind) or step(kind, rows, depth, *rest)
 
         def path(q: str) -> str:
             kinds.clear()

@@ -61,7 +61,7 @@ from eyas.engine.continuous import RowBatch, RowRequest
 from eyas.engine.speculative import STOP_CANCELLED, GenerationResult
 from eyas.engine.stats import STOP_EOS, STOP_MAX_NEW_TOKENS, GenerationStats
 from eyas.engine.stopping import StopCriteria
-from eyas.serve.policy import BatchSpeculation, SpeculationPolicy, batch_mode
+from eyas.serve.policy import BatchSpeculation, SpeculationPolicy, batch_mode, draft_size
 from eyas.serve.startup import START_CONTEXT, Served
 from eyas.serve.worker import STOP, DecodeWorker, Event, Job, Worker
 
@@ -72,7 +72,7 @@ def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int =
                 batch_speculation: str | None = None, on_round: Callable[[int, int, int, bool], None] | None = None,
                 on_rounds: Callable[[int, list[int], list[int]], None] | None = None,
                 on_done: Callable[[Job, Any, float | None, float | None], None] | None = None,
-                on_step: Callable[[str, int, int], None] | None = None) -> Worker:
+                on_step: Callable[..., None] | None = None) -> Worker:
     """The server's worker: a :class:`BatchWorker` of ``max_rows`` rows (None: :data:`DEFAULT_ROWS`
     for the target's device) where the batched engine runs the target, else (an architecture it
     does not run, a target split over devices, ``max_rows`` 1) the FIFO :class:`DecodeWorker`.
@@ -110,13 +110,13 @@ class Live:
 class BatchWorker(Worker):
     """Continuous batching with speculation for a request alone (module docstring).
 
-    ``on_step(kind, rows, depth)`` sees every step: ``"speculative"`` (a lone request's round),
-    ``"batched"`` (a plain step of ``rows`` busy rows) or ``"batched_speculative"`` (a round of
-    ``depth`` drafts a row). ``on_rounds(depth, accepted, emitted)`` sees a batched round's rows at
+    ``on_step(kind, rows, depth[, drafts])`` sees every step: ``"speculative"`` (a lone request's
+    round), ``"batched"`` (a plain step of ``rows`` busy rows) or ``"batched_speculative"`` (a round
+    of ``depth`` drafts on a row's path, ``drafts`` verified a row: a tree's nodes). ``on_rounds(depth, accepted, emitted)`` sees a batched round's rows at
     once (per row: drafts accepted, tokens kept); without it ``on_round`` sees each row's."""
 
     def __init__(self, served: Served, batch: RowBatch, *, speculation: str = "auto", batch_speculation: str | None = None,
-                 batch_max_rows: int | None = None, on_step: Callable[[str, int, int], None] | None = None,
+                 batch_max_rows: int | None = None, on_step: Callable[..., None] | None = None,
                  on_rounds: Callable[[int, list[int], list[int]], None] | None = None, **kwargs: Any) -> None:
         super().__init__(served, **kwargs)
         self.batch, self.on_step, self.on_rounds = batch, on_step, on_rounds
@@ -333,7 +333,7 @@ class BatchWorker(Worker):
         if depth and self.on_rounds is not None:
             self.on_rounds(depth, [got.accepted for got in stepped], [len(got.tokens) for got in stepped])
         if self.on_step is not None:
-            self.on_step("batched_speculative" if depth else "batched", n, depth)
+            self.on_step("batched_speculative" if depth else "batched", n, depth, draft_size(draft))
         # The step's cost as the policies see it: the engine's step and the host's work on its
         # tokens (streaming, stop checks, metrics), which grows with a round's tokens and rows. A step
         # that compiled or captured its shape first is no measure of its speed.

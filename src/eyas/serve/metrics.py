@@ -23,7 +23,8 @@ Names (counters carry ``_total`` in the exposition):
     eyas_preflight_failures                        the failed start-up checks
     eyas_requests_running, eyas_requests_waiting, eyas_draining   requests decoding, queued; 1 while shutting down
     eyas_batch_rows                                busy rows of the running batch at the last step
-    eyas_batch_speculation_depth                   drafts a row in the last batched step (0: plain)
+    eyas_batch_speculation_depth                   drafts on a row's path in the last batched step (0: plain)
+    eyas_batch_speculation_drafts                  drafts verified a row there (a tree's nodes, a chain's depth)
     eyas_decode_steps_total{kind}                  steps by what the scheduler chose: "speculative" (a request
                                                    alone: a drafting-verification round) or "batched" (one token per row)
     eyas_lone_request_tokens_per_second{kind,path} what the speculation policy measured for a lone request
@@ -96,6 +97,9 @@ class ServeMetrics:
         self.batch_depth = Gauge("eyas_batch_speculation_depth",
                                  "Drafts a row in the last batched step (0: a plain step), as the policy chose "
                                  "for the batch size.", registry=r)
+        self.batch_drafts = Gauge("eyas_batch_speculation_drafts",
+                                  "Drafts verified a row in the last batched step (a chain: its depth; a tree: "
+                                  "its nodes; 0: a plain step).", registry=r)
         self.lone_rates = Gauge("eyas_lone_request_tokens_per_second",
                                 "A lone request's decode rate per path, as the speculation policy measured it.",
                                 ["kind", "path"], registry=r)
@@ -128,13 +132,15 @@ class ServeMetrics:
         for e in emitted:
             self.accept_length.observe(e)
 
-    def step(self, kind: str, rows: int, depth: int = 0) -> None:
+    def step(self, kind: str, rows: int, depth: int = 0, drafts: int | None = None) -> None:
         """One step of the decode worker: ``kind`` speculative, batched or batched_speculative (of
-        ``depth`` drafts a row), over ``rows`` requests."""
+        ``depth`` drafts on a row's longest path, ``drafts`` verified a row: a tree's nodes, a
+        chain's depth when None), over ``rows`` requests."""
         self.steps.labels(kind).inc()
         self.batch_rows.set(rows)
         if kind != "speculative":
             self.batch_depth.set(depth)
+            self.batch_drafts.set(depth if drafts is None else drafts)
 
     def rates(self, per_s: dict[str, float | None]) -> None:
         """The policy's measured rates ({"greedy/speculative": tok/s or None, ...})."""

@@ -64,7 +64,7 @@ class Worker:
         self.on_tick: Callable[[], None] | None = None  # after each step's events (an engine process sends them)
         self.on_idle: Callable[[], None] | None = None  # before waiting for work (an engine process reports its state)
         self.on_rounds: Callable[[int, list[int], list[int]], None] | None = None  # BatchWorker's (its docstring)
-        self.on_step: Callable[[str, int, int], None] | None = None
+        self.on_step: Callable[..., None] | None = None
         self.queue: queue.Queue[Any] = queue.Queue()
         self.waiting = 0  # jobs submitted and not yet decoding
         self.max_rows = 1  # requests decoding at once, at most
