@@ -1,6 +1,7 @@
 """Batched speculative rounds: every row of a running batch drafts a chain of gamma tokens with the
 EAGLE-3 drafter, the target verifies every row's chain in one forward, and each row accepts its own
-length (:class:`RowSpeculation`, driven by :meth:`eyas.engine.continuous.RowBatch.speculate`).
+length (:class:`RowSpeculation`, driven by :meth:`eyas.engine.continuous.RowBatch.speculate`). A
+round may draft a tree per row instead (:mod:`eyas.engine.row_trees`, same state, same commit).
 
 Why chains. A lone request decodes with EAGLE-2 trees (:mod:`eyas.engine.speculative`); in a batch,
 a row's verification costs rows x (gamma + 1) token positions, so each row gets the few most likely

@@ -16,9 +16,9 @@ two steps it takes what was submitted, then:
 3. Otherwise waiting requests are prefilled into free rows (in arrival order: nobody is overtaken),
    and one batched step runs: a plain step (a token per row) or, where ``--batch-speculation``
    asks for them (:func:`~eyas.serve.policy.batch_mode`: off by default, measured not to pay), a
-   batched speculative round (:meth:`~eyas.engine.continuous.RowBatch.speculate`: a chain of drafts
-   per row, one verification for all rows, each row its own accepted length), at the depth
-   measured fastest for this many rows and this kind of step (``auto``,
+   batched speculative round (:meth:`~eyas.engine.continuous.RowBatch.speculate`: a chain or a
+   tree of drafts per row, one verification for all rows, each row its own accepted length), the
+   arm measured fastest for this many rows and this kind of step (``auto``,
    :class:`~eyas.serve.policy.BatchSpeculation`: it turns speculation down, then off, as the batch
    grows and a forward stops being bound by reading the weights). Each row's tokens go to its
    request at once (streaming per row); a row whose request ends (eos, its ``max_tokens``, a stop
@@ -27,7 +27,7 @@ two steps it takes what was submitted, then:
 Compilation. On a GPU each (keys, mode, rows) shape of the batch's step is compiled and captured at
 its first use, which stalls every row (a second on a warm cache). The worker prepares them while
 the server is quiet (after 2 s without a request: the widest shape first, then the shapes of
-contexts up to 512 tokens, then, where the batch may speculate, the rounds' (rows, depth, mode,
+contexts up to 512 tokens, then, where the batch may speculate, the rounds' (rows, draft, mode,
 keys) shapes of batches up to ``BatchSpeculation.max_rows``), and until a shape is prepared a
 covering one stands in for it for as long as that costs less than compiling it
 (:meth:`~eyas.engine.continuous.RowBatch.step`); a round whose shape is not prepared waits the same
@@ -39,10 +39,11 @@ in order, ``tokens`` then exactly one ``done``; a greedy request gets the tokens
 :meth:`stop` lets every queued and running request finish. What was chosen shows in
 ``/metrics``: ``eyas_decode_steps_total{kind}`` (speculative rounds of a lone request, batched
 plain steps, batched speculative rounds), ``eyas_batch_rows`` (busy rows at the last step) and
-``eyas_batch_speculation_depth`` (the depth of the last batched step, 0 for plain). Every
+``eyas_batch_speculation_depth`` (the depth of the last batched step, 0 for plain) and
+``eyas_batch_speculation_drafts`` (the drafts it verified a row: a tree's nodes). Every
 speculative round, lone or batched, counts in the acceptance metrics; the watchdog compares the
-lone requests' tree rounds with the calibrated prediction (a batched round drafts a chain, which
-accepts less at each depth than the tree the prediction is for).
+lone requests' tree rounds with the calibrated prediction (a batched round drafts another shape
+than the tree the prediction is for).
 """
 
 from __future__ import annotations
