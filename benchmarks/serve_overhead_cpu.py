@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--step-ms", type=float, default=4.4, help="a step's wait (the H200's plain step of 256 rows: 4.4)")
-    ap.add_argument("--speculation", default="off", help="off (plain steps), on (rounds of depth 1-4), or both")
+    ap.add_argument("--speculation", default="off", help="off (plain steps), on (the batch policy's rounds: chains and trees), or both")
     ap.add_argument("--mode", default="in-process", help="in-process (worker and HTTP in one process), "
                     "engine-process (the worker in its own, eyas serve's default), or both")
     ap.add_argument("--client-procs", type=int, default=2)
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                         a.client_procs)
             # the ideal: every row its tokens at each step's wait, at the depths the server chose
             steps: collections.Counter[int] = collections.Counter()  # depth -> steps, over batch sizes
-            for key, n in r["depths"].items():  # "64+/greedy/2": steps
-                steps[int(key.rsplit("/", 1)[1])] += n
+            for key, n in r["depths"].items():  # "64+/greedy/2" or "4+/greedy/3,4,12" (a tree): steps
+                steps[int(key.rsplit("/", 1)[1].split(",")[0])] += n  # the stand-in emits depth + 1 a row
             n = sum(steps.values())
             tokens = sum((d + 1) * s for d, s in steps.items()) / n if n else 1.0
             wait = sum((1 + 0.25 * d) * s for d, s in steps.items()) / n if n else 1.0

@@ -100,7 +100,7 @@ def _heads(w: BlockWeights, D: int) -> int:
     return w.o.shape[1] // D
 
 
-def _rotary(pos: Tensor, inv_freq: Tensor, rope_scaling: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rotary(pos: Tensor, inv_freq: Tensor, rope_scaling: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Hugging Face's rotary cos, sin [..., D] of positions pos [...] (float32, attention scaling
     included, cast to the model's dtype), as ``llama._prologue`` computes them."""
     freqs = pos.float()[..., None] * inv_freq.float()
@@ -128,7 +128,7 @@ def decode_prologue(ids: Tensor, pos: Tensor, embed: Tensor, inv_freq: Tensor, n
     residual still to add: zero), cos, sin [R, 1, D], mask [R, n_keys] (entry j attended iff j <= pos:
     the row's own entries, the new one included)."""
     x = F.embedding(ids, embed)
-    cos, sin = _rotary(pos, inv_freq, rope_scaling, x.dtype)
+    cos, sin = rotary(pos, inv_freq, rope_scaling, x.dtype)
     mask = torch.arange(n_keys, device=ids.device)[None, :] <= pos[:, None]
     return x, torch.zeros_like(x), cos[:, None], sin[:, None], mask
 
@@ -222,7 +222,7 @@ def prefill_prologue(ids: Tensor, embed: Tensor, inv_freq: Tensor, *,
     """A prefill group's inputs: ids [g, P] long (right-padded prompts, positions 0..P-1). Returns x,
     d [g, P, H] (the embeddings, a zero residual) and cos, sin [P, 1, D]."""
     x = F.embedding(ids, embed)
-    cos, sin = _rotary(torch.arange(ids.shape[1], device=ids.device), inv_freq, rope_scaling, x.dtype)
+    cos, sin = rotary(torch.arange(ids.shape[1], device=ids.device), inv_freq, rope_scaling, x.dtype)
     return x, torch.zeros_like(x), cos[:, None], sin[:, None]
 
 
@@ -266,7 +266,7 @@ def chain_prologue(ids: Tensor, pos: Tensor, embed: Tensor, inv_freq: Tensor, n_
     T = ids.shape[1]
     at = pos[:, None] + torch.arange(T, device=ids.device)[None, :]
     x = F.embedding(ids, embed)
-    cos, sin = _rotary(at, inv_freq, rope_scaling, x.dtype)
+    cos, sin = rotary(at, inv_freq, rope_scaling, x.dtype)
     mask = torch.arange(n_keys, device=ids.device)[None, None, :] <= at[:, :, None]
     return x, torch.zeros_like(x), cos[:, :, None], sin[:, :, None], at.clamp(max=capacity - 1), mask
 

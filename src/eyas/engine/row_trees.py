@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eyas.engine.batched_steps import Rows, _rotary, draw, row_probabilities
+from eyas.engine.batched_steps import Rows, draw, rotary, row_probabilities
 from eyas.engine.sampling import counter_uniform
 from eyas.engine.tree import TreeSpec
 
@@ -159,7 +159,7 @@ def tree_prologue(ids: Tensor, depths: Tensor, tree_mask: Tensor, pos: Tensor, e
     T = ids.shape[1]
     at = pos[:, None] + torch.arange(T, device=ids.device)[None, :]
     x = F.embedding(ids, embed)
-    cos, sin = _rotary(pos[:, None] + depths, inv_freq, rope_scaling, x.dtype)
+    cos, sin = rotary(pos[:, None] + depths, inv_freq, rope_scaling, x.dtype)
     rel = torch.arange(n_keys, device=ids.device)[None, :] - pos[:, None]  # [R, n_keys]
     inside = (rel >= 0) & (rel < T)
     ancestry = tree_mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(-1, T, -1))  # [R, T, n_keys]
