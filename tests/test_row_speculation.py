@@ -6,7 +6,8 @@
   (the rounds do speculate);
 - sampled: the first three tokens of many rows (each its own seed) follow the target's exact
   distribution (Pearson's chi-square, as for the single-stream engine), at temperature 1 and with
-  top-p, and the same test catches an acceptance rule that skips the residual.
+  top-p, for chains and trees (eyas.engine.row_trees), and the same test catches an acceptance
+  rule that skips the residual.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from eyas.engine.batched import BatchedLlama
 from eyas.engine.continuous import RowBatch, RowRequest
 from eyas.engine.graphs import CompiledOrEager
 from eyas.engine.sampling import SamplingParams
+from eyas.engine.tree import TreeSpec
 from tests.support.lossless import SPEC3, Z_999, chi_square, exact_first_three, make_small_vocab, wilson_hilferty_critical
 from tests.support.tiny import SPEC4, random_prompts
 from tests.test_batched import hf_greedy
@@ -74,7 +76,11 @@ def test_greedy_rounds_compiled_by_inductor_give_each_row_its_answer_alone(llama
     rounds_give_each_row_its_answer_alone(llama, trained_drafter, "inductor")
 
 
-def rounds_give_each_row_its_answer_alone(llama, trained_drafter, backend):
+def rounds_give_each_row_its_answer_alone(llama, trained_drafter, backend,
+                                          plan=(3, 1, 4, 0, 2, 5, 0, 0, 3), steps=("_layer", "_draft_step", "_reread")):
+    """Six requests (one resumed mid-answer) through rounds drafting ``plan`` in turn (depths, trees,
+    0: a plain step) each get their HF answer; with a backend, the RowSpeculation functions
+    ``steps`` ran compiled."""
     prompts = random_prompts(6, 128, seed=5, lengths=(1, 20))
     limits = [17, 9, 23, 1, 14, 20]
     want = [hf_greedy(llama, p, m, None)[0] for p, m in zip(prompts, limits)]
@@ -85,25 +91,26 @@ def rounds_give_each_row_its_answer_alone(llama, trained_drafter, backend):
     assert batch.spec is not None and isinstance(batch.spec._layer, CompiledOrEager) == (backend is not None)
     arrivals = {0: [RowRequest(p, m) for p, m in zip(prompts[:3], limits[:3])],
                 3: [RowRequest(prompts[3], limits[3]), RowRequest(prompts[4], limits[4])], 6: [resumed]}
-    got, accepted = drive(batch, arrivals, plan=lambda s: [3, 1, 4, 0, 2, 5, 0, 0, 3][s % 9])
+    got, accepted = drive(batch, arrivals, plan=lambda s: plan[s % len(plan)])
     assert [got[i] for i in range(5)] == want[:5]
     assert want[5][:5] + got[5] == want[5]
     assert sum(accepted) > len(accepted) // 2  # the drafter's drafts are accepted: the rounds speculate
     assert batch.busy == [] and not batch.engine.state.active.any()
     if backend is not None:  # the rounds did run compiled (a failed compilation falls back to eager)
-        for step in (batch.spec._layer, batch.spec._draft_step, batch.spec._reread):
+        for step in (getattr(batch.spec, name) for name in steps):
             assert step.error is None and step.compiled is not None and step.seconds > 0, step.name
 
 
 @pytest.mark.unit
-def test_an_eos_inside_a_round_ends_the_row_there(llama, trained_drafter):
+@pytest.mark.parametrize("draft", [4, TreeSpec(4, 4, 16)], ids=["chain", "tree"])
+def test_an_eos_inside_a_round_ends_the_row_there(llama, trained_drafter, draft):
     prompt = random_prompts(1, 128, seed=8, lengths=(6, 6))[0]
     alone = hf_greedy(llama, prompt, 30, None)[0]
     eos = alone[7]  # the 8th token is the eos: a round that accepts past it is cut after it
     want = alone[:alone.index(eos) + 1]
     batch = RowBatch(BatchedLlama(llama, rows=2), capacity=64, eos_ids=[eos], drafter=trained_drafter,
                      boundaries=SPEC4.boundaries)
-    got, _ = drive(batch, {0: [RowRequest(prompt, 30)]}, plan=lambda s: 4)
+    got, _ = drive(batch, {0: [RowRequest(prompt, 30)]}, plan=lambda s: draft)
     assert got[0] == want
 
 
@@ -186,18 +193,28 @@ def sample_first_three(model, drafter, prompt: list[int], params: SamplingParams
     return counts, sum(first_round) / len(first_round)
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("params,depth", [(SamplingParams(temperature=1.0), 2),
-                                          (SamplingParams(temperature=0.7, top_p=0.9), 3)])
-def test_sampled_rounds_follow_the_target_distribution(small_vocab, params, depth):
+def first_three_statistic(small_vocab, params: SamplingParams, draft) -> tuple[float, int, float, float]:
+    """Pearson's statistic of the first three tokens of 800 rows decoded by rounds of ``draft`` (a
+    depth or a TreeSpec) against the target's exact distribution: (statistic, degrees of freedom,
+    the 0.1% critical value, the mean accepted drafts of a row's first round)."""
     model, drafter = small_vocab
     prompt = [3, 1, 4, 1, 5]
     exact = exact_first_three(model, prompt, params)
-    counts, accepted = sample_first_three(model, drafter, prompt, params, 800, depth)
+    counts, accepted = sample_first_three(model, drafter, prompt, params, 800, draft)
     stat, df = chi_square(counts, exact)
-    crit = wilson_hilferty_critical(df, Z_999)
-    print(f"{params} depth {depth}: chi2 {stat:.1f} on {df} df (critical {crit:.1f}); accepted {accepted:.2f}")
-    assert 0.3 < accepted < 1.7  # drafts accepted and rejected: both paths of the rule run
+    return stat, df, wilson_hilferty_critical(df, Z_999), accepted
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("params,draft", [(SamplingParams(temperature=1.0), 2),
+                                          (SamplingParams(temperature=0.7, top_p=0.9), 3),
+                                          (SamplingParams(temperature=1.0), TreeSpec(3, 3, 8)),  # row_trees
+                                          (SamplingParams(temperature=0.7, top_p=0.9), TreeSpec(2, 4, 6))],
+                         ids=["chain-t1", "chain-top-p", "tree-t1", "tree-top-p"])
+def test_sampled_rounds_follow_the_target_distribution(small_vocab, params, draft):
+    stat, df, crit, accepted = first_three_statistic(small_vocab, params, draft)
+    print(f"{params} {draft}: chi2 {stat:.1f} on {df} df (critical {crit:.1f}); accepted {accepted:.2f}")
+    assert 0.3 < accepted < 1.7  # drafts accepted and rejected: every branch of the rule runs
     assert df >= 15 and stat < crit
 
 
@@ -205,12 +222,8 @@ def test_sampled_rounds_follow_the_target_distribution(small_vocab, params, dept
 def test_a_rule_that_accepts_every_draft_fails_the_same_test(small_vocab, monkeypatch):
     """The test has the power to see a wrong rule: accepting every sampled draft (q = 0 makes
     u * q < p always true) gives the drafter's distribution, not the target's."""
-    model, drafter = small_vocab
     real = row_speculation.accept_chain
     monkeypatch.setattr(row_speculation, "accept_chain",
                         lambda st, n, drafts, q, logits, mode: real(st, n, drafts, torch.zeros_like(q), logits, mode))
-    params = SamplingParams(temperature=1.0)
-    exact = exact_first_three(model, [3, 1, 4, 1, 5], params)
-    counts, _ = sample_first_three(model, drafter, [3, 1, 4, 1, 5], params, 800, 2)
-    stat, df = chi_square(counts, exact)
-    assert stat > wilson_hilferty_critical(df, Z_999)
+    stat, _, crit, _ = first_three_statistic(small_vocab, SamplingParams(temperature=1.0), 2)
+    assert stat > crit

@@ -2,13 +2,14 @@
 
 - greedy, float32: every row gets exactly its answer alone (HF ``generate``) when tree rounds of
   several shapes, chain rounds and plain steps follow each other, requests join and one resumes
-  mid-answer, eos and limits cut a round (eagerly and traced by torch.compile);
+  mid-answer, limits cut a round (eagerly and traced by torch.compile);
 - the drafted trees are well formed (topological, depths and ancestor masks consistent, the N best
   candidates kept, distinct siblings), and an accepted path's cache entries move where a row's
   sequence continues;
 - a tree accepts more drafts a round than a chain of its depth (the reason for trees in a batch);
-- sampled rows' tree rounds follow the target's exact distribution (chi-square), and the test
-  catches a rule that keeps a rejected child's mass;
+- sampled rows' tree rounds follow the target's exact distribution (chi-square: in
+  test_row_speculation.py with the chains), and the test catches a rule that keeps a rejected
+  child's mass;
 - a tree a round cannot draft is refused with a message saying why.
 """
 
@@ -23,10 +24,9 @@ from eyas.engine import row_trees
 from eyas.engine.row_trees import draft_tree, move_path_entries
 from eyas.engine.sampling import SamplingParams
 from eyas.engine.tree import TreeSpec
-from tests.support.lossless import Z_999, chi_square, exact_first_three, make_small_vocab, wilson_hilferty_critical
+from tests.support.lossless import make_small_vocab
 from tests.support.tiny import SPEC4, random_prompts
-from tests.test_batched import hf_greedy
-from tests.test_row_speculation import drive, sample_first_three
+from tests.test_row_speculation import drive, first_three_statistic, rounds_give_each_row_its_answer_alone
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,35 +34,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.unit
 @pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
 def test_greedy_tree_rounds_give_each_row_its_answer_alone(llama, trained_drafter, backend):
-    prompts = random_prompts(6, 128, seed=5, lengths=(1, 20))
-    limits = [17, 9, 23, 1, 14, 20]
-    want = [hf_greedy(llama, p, m, None)[0] for p, m in zip(prompts, limits)]
-    resumed = RowRequest(prompts[5] + want[5][:4], limits[5], next_token=want[5][4], generated=5)
-    engine = BatchedLlama(llama, rows=4, compile=backend is not None, backend=backend)
-    batch = RowBatch(engine, capacity=64, drafter=trained_drafter, boundaries=SPEC4.boundaries)
-    arrivals = {0: [RowRequest(p, m) for p, m in zip(prompts[:3], limits[:3])],
-                3: [RowRequest(prompts[3], limits[3]), RowRequest(prompts[4], limits[4])], 6: [resumed]}
-    plan = [TreeSpec(3, 2, 6), 2, TreeSpec(4, 3, 12), 0, TreeSpec(2, 4, 8), TreeSpec(3, 4, 12)]
-    got, accepted = drive(batch, arrivals, plan=lambda s: plan[s % len(plan)])
-    assert [got[i] for i in range(5)] == want[:5]
-    assert want[5][:5] + got[5] == want[5]
-    assert sum(accepted) > len(accepted) // 2
-    assert batch.busy == [] and not batch.engine.state.active.any()
-    if backend is not None:  # the trees' own steps ran compiled (a failed compilation falls back to eager)
-        for step in (batch.spec._tree_prologue, batch.spec._tree_step, batch.spec._layer):
-            assert step.error is None and step.compiled is not None and step.seconds > 0, step.name
-
-
-@pytest.mark.unit
-def test_an_eos_inside_a_tree_round_ends_the_row_there(llama, trained_drafter):
-    prompt = random_prompts(1, 128, seed=8, lengths=(6, 6))[0]
-    alone = hf_greedy(llama, prompt, 30, None)[0]
-    eos = alone[7]
-    want = alone[:alone.index(eos) + 1]
-    batch = RowBatch(BatchedLlama(llama, rows=2), capacity=64, eos_ids=[eos], drafter=trained_drafter,
-                     boundaries=SPEC4.boundaries)
-    got, _ = drive(batch, {0: [RowRequest(prompt, 30)]}, plan=lambda s: TreeSpec(4, 4, 16))
-    assert got[0] == want
+    # trees of several shapes, a chain and plain steps in turn (an eos inside a tree round:
+    # test_row_speculation.py's eos test, with a tree)
+    plan = (TreeSpec(3, 2, 6), 2, TreeSpec(4, 3, 12), 0, TreeSpec(2, 4, 8), TreeSpec(3, 4, 12))
+    rounds_give_each_row_its_answer_alone(llama, trained_drafter, backend, plan,
+                                          steps=("_tree_prologue", "_tree_step", "_layer"))
 
 
 @pytest.mark.unit
@@ -145,28 +121,9 @@ def small_vocab():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("params,tree", [(SamplingParams(temperature=1.0), TreeSpec(3, 3, 8)),
-                                         (SamplingParams(temperature=0.7, top_p=0.9), TreeSpec(2, 4, 6))])
-def test_sampled_tree_rounds_follow_the_target_distribution(small_vocab, params, tree):
-    model, drafter = small_vocab
-    prompt = [3, 1, 4, 1, 5]
-    exact = exact_first_three(model, prompt, params)
-    counts, accepted = sample_first_three(model, drafter, prompt, params, 800, tree)
-    stat, df = chi_square(counts, exact)
-    crit = wilson_hilferty_critical(df, Z_999)
-    print(f"{params} tree {tree.label}: chi2 {stat:.1f} on {df} df (critical {crit:.1f}); accepted {accepted:.2f}")
-    assert 0.3 < accepted < 1.7  # children accepted and rejected: every branch of the rule runs
-    assert df >= 15 and stat < crit
-
-
-@pytest.mark.integration
 def test_a_tree_rule_that_keeps_rejected_mass_fails_the_same_test(small_vocab, monkeypatch):
     """The test sees a wrong rule: a residual that keeps a rejected child's mass (no r(c) = 0)
     over-represents the drafter's choices."""
-    model, drafter = small_vocab
     monkeypatch.setattr(row_trees, "_without", lambda residual, tok, rejected: residual)
-    params = SamplingParams(temperature=1.0)
-    exact = exact_first_three(model, [3, 1, 4, 1, 5], params)
-    counts, _ = sample_first_three(model, drafter, [3, 1, 4, 1, 5], params, 800, TreeSpec(3, 3, 8))
-    stat, df = chi_square(counts, exact)
-    assert stat > wilson_hilferty_critical(df, Z_999)
+    stat, _, crit, _ = first_three_statistic(small_vocab, SamplingParams(temperature=1.0), TreeSpec(3, 3, 8))
+    assert stat > crit

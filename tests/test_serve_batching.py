@@ -388,8 +388,11 @@ def test_a_compiling_batch_prepares_its_step_shapes_then_its_round_shapes_while_
     try:
         widest = (engine.buckets()[-1], "top_p", 4)
         steps = batch.step_shapes(START_CONTEXT)
-        rounds = batch.round_shapes(START_CONTEXT, worker.batch_policy.depths, 2)
+        p = worker.batch_policy
+        rounds = (batch.round_shapes(START_CONTEXT, p.drafts("greedy"), 2, modes=["greedy"])
+                  + batch.round_shapes(START_CONTEXT, p.drafts("sampled"), 2, modes=["sample"]))
         assert rounds and {n for n, *_ in rounds} == {1, 2}  # batches of up to max_rows busy rows
+        assert {d for _, d, *_ in rounds} >= set(p.trees)  # the greedy batches' trees too
 
         def done() -> bool:
             return not worker.deferred and engine.prepared(*widest) and all(engine.prepared(*s) for s in steps) \

@@ -64,14 +64,15 @@ def test_batch_speculation_tries_each_depth_then_takes_the_fastest_per_batch_siz
 
 
 @pytest.mark.unit
-def test_batch_speculation_offers_trees_beside_chains_and_takes_one_where_it_is_fastest():
+def test_batch_speculation_offers_trees_beside_chains_per_kind_and_takes_one_where_it_is_fastest():
     from eyas.engine.tree import TreeSpec
     from eyas.serve.policy import BatchSpeculation
 
     small, large = TreeSpec(3, 4, 12), TreeSpec(4, 4, 16)
     p = BatchSpeculation("auto", depths=(2, 3), trees=(large, small), explore_every=4)
-    assert p.arms() == [0, 2, 3, small, large]  # by drafts verified
-    assert p.drafts == (2, 3, large, small)
+    assert p.arms("greedy") == [0, 2, 3, small, large] and p.arms("sampled") == [0, 2, 3]  # by drafts verified
+    assert p.drafts("greedy") == (2, 3, large, small) and p.drafts("sampled") == (2, 3)
+    assert BatchSpeculation(sampled_trees=(small,)).arms("sampled") == [0, 2, 3, small]
     speed = {0: 100.0, 2: 110.0, 3: 115.0, small: 140.0, large: 130.0}
     tried = []
     for _ in range(10):
@@ -80,9 +81,10 @@ def test_batch_speculation_offers_trees_beside_chains_and_takes_one_where_it_is_
         p.measured(4, "greedy", d, speed[d], 1.0)
     assert tried == [3, 3, 0, 0, 2, 2, small, small, large, large]
     assert [p.choose(4, "greedy") for _ in range(3)] == [small, 0, small]  # the 12th explores, plain first
-    assert p.choose(4, "sampled") == 3 and p.last == 3  # sampled steps: measured on their own
+    assert p.choose(4, "sampled") == 2 and p.last == 2  # sampled steps: chains (no sampled trees by default)
     report = p.to_dict()
-    assert report["trees"] == ["4,4,16", "3,4,12"] and report["tokens_per_s"]["4+/greedy/3,4,12"] == 140.0
+    assert report["trees"] == {"greedy": ["4,4,16", "3,4,12"], "sampled": []}
+    assert report["tokens_per_s"]["4+/greedy/3,4,12"] == 140.0
     with pytest.raises(ValueError, match=r"trees: expected top_k >= 2 \(a chain is a depth\), found \['3'\]"):
         BatchSpeculation(trees=(TreeSpec.chain(3),))
 

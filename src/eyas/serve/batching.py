@@ -137,7 +137,9 @@ class BatchWorker(Worker):
             self.deferred[:0] = [functools.partial(batch.engine.prepare, K, mode, n) for K, mode, n in [widest] + shapes]
             if batch.spec is not None and self.batch_policy.mode != "off":  # then the rounds it may take
                 p = self.batch_policy
-                rounds = batch.round_shapes(START_CONTEXT, p.drafts, p.max_rows or batch.rows)
+                rows = p.max_rows or batch.rows
+                rounds = (batch.round_shapes(START_CONTEXT, p.drafts("greedy"), rows, modes=["greedy"])
+                          + batch.round_shapes(START_CONTEXT, p.drafts("sampled"), rows, modes=["sample"]))
                 self.deferred[len(shapes) + 1:len(shapes) + 1] = [functools.partial(batch.spec.prepare, *shape)
                                                                   for shape in rounds]
         self.thread.start()

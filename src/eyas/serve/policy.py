@@ -119,7 +119,7 @@ class SpeculationPolicy:
 
 
 DEPTHS = (2, 3)  # a batched round's chain depths (0: a plain batched step; 1 and 4 were slower on the H100)
-TREES = (TreeSpec(3, 4, 12), TreeSpec(4, 4, 16))  # its trees (eyas.engine.row_trees)
+TREES = (TreeSpec(3, 4, 12), TreeSpec(4, 4, 16))  # its trees for greedy steps (eyas.engine.row_trees)
 
 
 def draft_size(draft: Draft) -> int:
@@ -143,8 +143,12 @@ class BatchSpeculation:
     hardware, the drafter's acceptance on the traffic and the temperature (vLLM's dynamic speculative
     decoding and SGLang turn speculation down with the batch for the same reason). A tree verifies
     more positions than a chain of its depth and accepts more (its runners-up), so it is the better
-    arm while positions are nearly free, and the first to lose as the batch grows. So the rate of
-    each arm (plain, ``depths`` and ``trees``), in tokens per second of the step
+    arm while positions are nearly free, and the first to lose as the batch grows. Sampled steps
+    get ``sampled_trees`` (none by default): a tree's children are the drafter's top k, accepted
+    with the target's own probability of each, where a chain's drafts are drawn from the drafter
+    and accepted with min(1, p/q); at temperature 1 the chain accepted more (SmolLM2, 4 rows:
+    tau 1.82 at depth 3 against 1.75 for tree 3,4,12; greedy: 2.08 against 2.69). So the rate of
+    each arm (plain, ``depths``, the trees of its kind), in tokens per second of the step
     (every row's new tokens), is kept per batch-size bucket (1, 2-3, 4-7, 8-15, ...: the bit length
     of the busy rows) and per kind of step (greedy: every row greedy; sampled), as decayed sums. An
     arm measured fewer than twice in a bucket is tried first (the middle arm by drafts verified,
@@ -160,6 +164,7 @@ class BatchSpeculation:
     mode: str = "auto"
     depths: tuple[int, ...] = DEPTHS
     trees: tuple[TreeSpec, ...] = TREES
+    sampled_trees: tuple[TreeSpec, ...] = ()
     max_rows: int | None = None
     explore_every: int = 16
     margin: float = 1.02
@@ -173,21 +178,21 @@ class BatchSpeculation:
             raise ValueError(f"speculation: expected one of {list(MODES)}, found {self.mode!r}")
         if not self.depths or min(self.depths) < 1:
             raise ValueError(f"depths: expected depths >= 1, found {list(self.depths)}")
-        if any(t.top_k < 2 for t in self.trees):
-            raise ValueError(f"trees: expected top_k >= 2 (a chain is a depth), found {[t.label for t in self.trees]}")
+        for name, trees in (("trees", self.trees), ("sampled_trees", self.sampled_trees)):
+            if any(t.top_k < 2 for t in trees):
+                raise ValueError(f"{name}: expected top_k >= 2 (a chain is a depth), found {[t.label for t in trees]}")
 
-    @property
-    def drafts(self) -> tuple[Draft, ...]:
-        """Every round this policy may run (chains, then trees): the shapes a server prepares."""
-        return (*self.depths, *self.trees)
+    def drafts(self, kind: str = "greedy") -> tuple[Draft, ...]:
+        """The rounds a ``kind`` of step (greedy | sampled) may run: chains, then trees."""
+        return (*self.depths, *(self.trees if kind == "greedy" else self.sampled_trees))
 
     @staticmethod
     def bucket(rows: int) -> int:
         return max(int(rows), 1).bit_length()
 
-    def arms(self) -> list[Draft]:
-        """The arms of a step, fewest drafts verified first."""
-        arms = set(self.drafts) | ({0} if self.mode == "auto" else set())
+    def arms(self, kind: str = "greedy") -> list[Draft]:
+        """The arms of a ``kind`` of step, fewest drafts verified first."""
+        arms = set(self.drafts(kind)) | ({0} if self.mode == "auto" else set())
         return sorted(arms, key=lambda d: (draft_size(d), draft_label(d)))
 
     def rate(self, rows: int, kind: str, draft: Draft) -> Rate:
@@ -198,7 +203,7 @@ class BatchSpeculation:
         if self.mode == "off" or (self.max_rows is not None and rows > self.max_rows):
             self.last = 0
             return 0
-        arms = self.arms()
+        arms = self.arms(kind)
         key = (self.bucket(rows), kind)
         self._steps[key] = n = self._steps.get(key, 0) + 1
         middle = arms[len(arms) // 2]
@@ -224,6 +229,6 @@ class BatchSpeculation:
                                                               draft_label(item[0][2])))
         measured = [(f"{2 ** (b - 1)}+/{kind}/{draft_label(d)}", r) for (b, kind, d), r in order if r.per_s is not None]
         return {"mode": self.mode, "last_depth": draft_label(self.last),
-                "trees": [t.label for t in self.trees],
+                "trees": {"greedy": [t.label for t in self.trees], "sampled": [t.label for t in self.sampled_trees]},
                 "tokens_per_s": {key: round(r.per_s, 2) for key, r in measured},
                 "steps": {key: r.samples for key, r in measured}}  # steps measured (compiling ones are not)
