@@ -65,7 +65,7 @@ def streamed(c: OpenAI, question: str, n: int = TOKENS, **kw) -> str:
 
 @pytest.mark.parametrize("speculation", ["on", "off", "auto"])
 def test_8_concurrent_greedy_requests_each_get_their_single_request_output_from_one_batch(served, alone, speculation):
-    """``on``: the batch runs speculative rounds (a chain a row, each row its own accepted length);
+    """``on``: the batch runs speculative rounds (a chain or a tree a row, each row its own accepted length);
     ``off``: plain batched steps; ``auto``: a request alone may speculate, a batch steps plainly
     (``--batch-speculation`` off unless asked). Either way each request gets its output alone."""
     sv, questions = served
@@ -74,8 +74,11 @@ def test_8_concurrent_greedy_requests_each_get_their_single_request_output_from_
     with ServerThread(sv, replace(OPTIONS, speculation=speculation)) as t:
         assert isinstance(t.state.worker, BatchWorker) and t.state.worker.max_rows == 4
         steps: list[tuple[str, int, int]] = []
+        drafts: list[int | None] = []  # verified a row: a tree's nodes (None: a lone request's round)
         step = t.state.worker.on_step
-        t.state.worker.on_step = lambda kind, rows, depth, *rest: steps.append((kind, rows, depth)) or step(kind, rows, depth, *rest)
+        t.state.worker.on_step = lambda kind, rows, depth, *rest: (steps.append((kind, rows, depth)),
+                                                                   drafts.append(rest[0] if rest else None),
+                                                                   step(kind, rows, depth, *rest))
         c = client(t)
         with ThreadPoolExecutor(8) as pool:
             got = list(pool.map(lambda p: streamed(c, p), prompts))
@@ -106,6 +109,9 @@ def test_8_concurrent_greedy_requests_each_get_their_single_request_output_from_
         assert m[("eyas_spec_decode_num_drafts_total", ())] >= sum(rows for k, rows, _ in batched)
         assert m[("eyas_spec_decode_num_accepted_tokens_total", ())] > 0
         assert any(key.startswith("4+/greedy/") for key in health["batch_speculation"]["tokens_per_s"])
+        # greedy batches try trees beside chains (the middle arm first: tree 3,4,12 verifies 12 a row)
+        assert any(d is not None and d > depth for (_, _, depth), d in zip(steps, drafts))
+        assert m[("eyas_batch_speculation_drafts", ())] == [d for d in drafts if d is not None][-1]
 
 
 def test_a_request_decoding_alone_joins_the_batch_when_others_arrive_and_keeps_its_output(served, alone):
