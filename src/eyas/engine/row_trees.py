@@ -1,7 +1,8 @@
 """Batched speculative rounds with a draft *tree* per row: every row of a running batch drafts an
 EAGLE-2 tree of the same shape (:class:`~eyas.engine.tree.TreeSpec` depth d, top_k k, N nodes), the
-target verifies every row's tree in one forward, and each row accepts its own path. Greedy rows only
-(a round of rows that all take the argmax); a chain is :mod:`eyas.engine.row_speculation`'s round.
+target verifies every row's tree in one forward, and each row accepts its own path (greedy rows the
+target's argmax path, sampled rows by SpecInfer's rule: :func:`accept_tree_sampled`); a chain is
+:mod:`eyas.engine.row_speculation`'s round.
 
 Why trees in a batch. A chain accepts its drafts only while each is the drafter's first choice; a
 tree also verifies the runners-up, so a round accepts more (the lone request's tau rises from a
@@ -32,7 +33,11 @@ drafter's output at entry m - 1):
              new tokens with the path's features, as after a chain; the rows' state as a chain's
 
 The tree of a row is a function of its prefix alone, and greedy acceptance takes exactly the
-target's argmax sequence, so a round is lossless: a row's tokens are its plain steps' (float32).
+target's argmax sequence, so a round is lossless: a row's tokens are its plain steps' (float32);
+sampled rows' tokens follow the target's distribution whatever the tree (:func:`accept_tree_sampled`).
+At temperature 1 a top-k tree accepts less than a chain drawn from the drafter (each child counts
+only the target's own probability of it), so a server gives trees to greedy batches
+(:class:`eyas.serve.policy.BatchSpeculation`).
 Everything a round writes past a row's new length (the tree's other nodes, the drafter's scratch) is
 overwritten before anything attends it. No host reads: the round is captured in a CUDA graph like a
 chain's (:meth:`eyas.engine.row_speculation.RowSpeculation.round`).
@@ -182,8 +187,8 @@ def accept_tree(tree: RowTree, logits: Tensor, depth: int) -> tuple[Tensor, Tens
     a = tree.depths[rows, best]
     on_path = tree.mask[rows, best]  # [n, N+1]
     path = torch.arange(depth + 2, device=logits.device).expand(n, depth + 2).clone()
-    path.scatter_(1, torch.where(on_path, tree.depths, depth + 1), torch.arange(tree.tokens.shape[1], device=logits.device).expand_as(tree.depths))
-    path = path[:, :depth + 1]
+    nodes = torch.arange(tree.tokens.shape[1], device=logits.device).expand_as(tree.depths)
+    path = path.scatter(1, torch.where(on_path, tree.depths, depth + 1), nodes)[:, :depth + 1]  # off-path: a bin
     drafts = tree.tokens.gather(1, path[:, 1:])  # [n, depth]
     bonus = target[rows, best]
     tokens = torch.cat([drafts, bonus[:, None]], 1).scatter(1, a[:, None], bonus[:, None])
