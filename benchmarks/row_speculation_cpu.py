@@ -2,6 +2,8 @@
 server): the tokens per second of a running batch of R rows (R = 1, 2, 4, 8 by default) taking plain
 steps, then chain rounds of depth 1 .. 4 (:meth:`eyas.engine.continuous.RowBatch.speculate`), at each
 temperature. What ``eyas serve``'s BatchSpeculation chooses between, measured directly.
+``--plain-every N`` makes every N-th step of a round setting a plain step, as a server's explorations
+and stand-ins do, and ``--no-catch-up`` leaves the drafter behind after them (its rows go stale).
 
     PYTHONPATH=src .venv/bin/python benchmarks/row_speculation_cpu.py --target smollm2 --json \
         --plot benchmarks/results/2026-12-05-row-speculation-cpu.png
@@ -38,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--warm", action=argparse.BooleanOptionalAction, default=None,
                     help="run each setting once untimed first (default: on a GPU)")
+    ap.add_argument("--plain-every", type=int, default=0,
+                    help="a plain step every N-th step of a round setting (as a server's explorations and "
+                         "stand-ins): the drafter catches up on it before the next round")
+    ap.add_argument("--catch-up", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-catch-up: the drafter skips the plain steps' tokens (the rows go stale; for comparison)")
     ap.add_argument("--plot", default=None, help="write a PNG: tokens/s against rows, a line per depth")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -66,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     batch = RowBatch(engine, capacity=max(map(len, prompts)) + limit, drafter=sv.drafter,
                      boundaries=sv.target.spec.boundaries, row_buckets=rows_list)
     warm = engine.device.type == "cuda" if a.warm is None else a.warm
+    if not a.catch_up:
+        batch.spec.catch_up = lambda n, missed: None
     results = []
     for t in temps:
         sampling = SamplingParams(temperature=t)
         for n in rows_list:
             plain_tokens: dict[int, list[int]] = {}
             for depth in depths:
-                label = depth.label if isinstance(depth, TreeSpec) else depth
+                label = getattr(depth, "label", depth)  # a chain: its depth (an int)
                 for _ in range(2 if warm else 1):  # the last pass is the measure
                     for r in list(batch.busy):
                         batch.release(r)
@@ -81,11 +90,12 @@ def main(argv: list[str] | None = None) -> int:
                     accepted = rounds = 0
                     compiled = batch.compile_s
                     t0 = time.perf_counter()
-                    for _ in range(a.steps):
-                        for out in (batch.speculate(depth) if depth else batch.step()):
+                    for s in range(a.steps):
+                        plain = not depth or (a.plain_every and s % a.plain_every == a.plain_every - 1)
+                        for out in (batch.step() if plain else batch.speculate(depth)):
                             got[out.row] += out.tokens
                             accepted += out.accepted
-                            rounds += depth != 0
+                            rounds += not plain
                     seconds = time.perf_counter() - t0
                 tokens = sum(map(len, got.values()))
                 if depth == 0:
@@ -107,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                     x["x_plain"] = round(x["tokens_per_s"] / base["tokens_per_s"], 3)
     report = {"target": a.target, "device": str(engine.device), "threads": torch.get_num_threads(), "warm": warm,
               "implementation": engine.implementation,
-              "dtype": str(engine.dtype), "steps": a.steps, "sets": a.sets, "results": results}
+              "dtype": str(engine.dtype), "steps": a.steps, "sets": a.sets, "plain_every": a.plain_every,
+              "catch_up": a.catch_up, "results": results}
     if a.plot:
         plot(results, temps, [getattr(d, "label", d) for d in depths], a.plot)
     if a.json:

@@ -67,8 +67,8 @@ class WaitBatch:
         time.sleep(self.step_s)
         return [self._tokens(r, 1) for r in self.busy]
 
-    def speculate(self, draft: Any) -> list:  # a chain's depth or a TreeSpec
-        depth = getattr(draft, "depth", draft)
+    def speculate(self, draft: Any, shape: tuple | None = None) -> list:  # a TreeSpec (a chain: top_k 1)
+        depth = draft.depth
         time.sleep(self.step_s * (1 + 0.25 * depth))  # a round: the verification plus the drafts
         return [self._tokens(r, depth + 1) for r in self.busy]
 

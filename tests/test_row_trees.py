@@ -109,7 +109,7 @@ def test_a_round_checks_its_tree_and_a_one_wide_tree_is_the_chain(llama, trained
         batch.speculate(TreeSpec(8, 4, 20))
     assert batch.round_shape(TreeSpec(3, 1, 3)) == batch.round_shape(3)
     shapes = batch.round_shapes(context=64, depths=[2, TreeSpec(3, 2, 6)], max_rows=1, modes=["sample"])
-    assert [d for _, d, _, _ in shapes] == [2, TreeSpec(3, 2, 6)] * (len(shapes) // 2)
+    assert [d for _, d, _, _ in shapes] == [TreeSpec.chain(2), TreeSpec(3, 2, 6)] * (len(shapes) // 2)
     with pytest.raises(ValueError, match=r"tree 4,8,40: a round writes 41 entries past a row's position, "
                                          r"expected at most 32"):
         batch.spec.check(TreeSpec(4, 8, 40), "greedy")

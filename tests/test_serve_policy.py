@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eyas.engine import SamplingParams
+from eyas.engine.tree import TreeSpec
 from eyas.serve.policy import SpeculationPolicy, batch_mode
 
 pytestmark = pytest.mark.unit
@@ -34,54 +35,58 @@ def test_the_policy_takes_the_faster_path_explores_the_other_and_obeys_on_and_of
 
 @pytest.mark.unit
 def test_batch_speculation_tries_each_depth_then_takes_the_fastest_per_batch_size_and_explores_the_others():
-    from eyas.serve.policy import BatchSpeculation
+    from eyas.serve.policy import BatchSpeculation, arm_label
 
     p = BatchSpeculation("auto", depths=(1, 2, 3), trees=(), explore_every=4)
-    speed = {0: 100.0, 1: 150.0, 2: 180.0, 3: 120.0}  # tokens/s of each depth at 2-3 rows
+
+    def choose(rows: int, kind: str = "greedy") -> str:  # the arm's label: '0' plain, a chain's depth
+        return arm_label(p.choose(rows, kind))
+
+    speed = {"0": 100.0, "1": 150.0, "2": 180.0, "3": 120.0}  # tokens/s of each depth at 2-3 rows
     tried = []
     for _ in range(8):  # every arm twice: a middle depth first, then plain, then the rest
         d = p.choose(2, "greedy")
-        tried.append(d)
-        p.measured(2, "greedy", d, speed[d], 1.0)
-    assert tried == [2, 2, 0, 0, 1, 1, 3, 3]
-    chosen = [p.choose(3, "greedy") for _ in range(8)]  # 3 rows: the same bucket as 2
-    assert chosen == [2, 2, 2, 0, 2, 2, 2, 1]  # the 4th and 8th steps explore the others in turn, plain first
-    assert p.choose(2, "greedy") == 2 and [p.choose(2, "greedy") for _ in range(3)] == [2, 2, 3]  # the 12th: depth 3
-    assert p.to_dict()["tokens_per_s"]["2+/greedy/2"] == 180.0 and p.last == 3
-    assert p.choose(16, "greedy") == 2 and p.choose(2, "sampled") == 2  # other buckets and kinds: their own
+        tried.append(arm_label(d))
+        p.measured(2, "greedy", d, speed[arm_label(d)], 1.0)
+    assert tried == ["2", "2", "0", "0", "1", "1", "3", "3"]
+    chosen = [choose(3) for _ in range(8)]  # 3 rows: the same bucket as 2
+    assert chosen == ["2", "2", "2", "0", "2", "2", "2", "1"]  # the 4th and 8th steps explore the others in turn, plain first
+    assert choose(2) == "2" and [choose(2) for _ in range(3)] == ["2", "2", "3"]  # the 12th: depth 3
+    assert p.to_dict()["tokens_per_s"]["2+/greedy/2"] == 180.0 and p.last == TreeSpec.chain(3)
+    assert choose(16) == "2" and choose(2, "sampled") == "2"  # other buckets and kinds: their own
     # where plain is fastest (a large batch), speculation turns off; "off" never speculates, "on" always
     for _ in range(8):
         d = p.choose(64, "greedy")
-        p.measured(64, "greedy", d, {0: 900.0, 1: 700.0, 2: 500.0, 3: 400.0}[d], 1.0)
-    assert p.choose(64, "greedy") == 0
-    assert BatchSpeculation("off").choose(2, "greedy") == 0
-    assert BatchSpeculation("on", depths=(1, 2), trees=()).arms() == [1, 2]
+        p.measured(64, "greedy", d, {"0": 900.0, "1": 700.0, "2": 500.0, "3": 400.0}[arm_label(d)], 1.0)
+    assert p.choose(64, "greedy") is None
+    assert BatchSpeculation("off").choose(2, "greedy") is None
+    assert BatchSpeculation("on", depths=(1, 2), trees=()).arms() == [TreeSpec.chain(1), TreeSpec.chain(2)]
     # above max_rows: plain steps, nothing tried or measured there (each round shape is a compilation)
     capped = BatchSpeculation("on", depths=(3,), trees=(), max_rows=16)
-    assert [capped.choose(n, "greedy") for n in (1, 4, 16, 17, 256)] == [3, 3, 3, 0, 0]
+    assert [arm_label(capped.choose(n, "greedy")) for n in (1, 4, 16, 17, 256)] == ["3", "3", "3", "0", "0"]
     with pytest.raises(ValueError, match="speculation: expected one of"):
         BatchSpeculation("sometimes")
 
 
 @pytest.mark.unit
 def test_batch_speculation_offers_trees_beside_chains_per_kind_and_takes_one_where_it_is_fastest():
-    from eyas.engine.tree import TreeSpec
     from eyas.serve.policy import BatchSpeculation
 
     small, large = TreeSpec(3, 4, 12), TreeSpec(4, 4, 16)
+    c2, c3 = TreeSpec.chain(2), TreeSpec.chain(3)
     p = BatchSpeculation("auto", depths=(2, 3), trees=(large, small), explore_every=4)
-    assert p.arms("greedy") == [0, 2, 3, small, large] and p.arms("sampled") == [0, 2, 3]  # by drafts verified
-    assert p.drafts("greedy") == (2, 3, large, small) and p.drafts("sampled") == (2, 3)
-    assert BatchSpeculation(sampled_trees=(small,)).arms("sampled") == [0, 2, 3, small]
-    speed = {0: 100.0, 2: 110.0, 3: 115.0, small: 140.0, large: 130.0}
+    assert p.arms("greedy") == [None, c2, c3, small, large] and p.arms("sampled") == [None, c2, c3]  # by drafts verified
+    assert p.drafts("greedy") == (c2, c3, large, small) and p.drafts("sampled") == (c2, c3)
+    assert BatchSpeculation(sampled_trees=(small,)).arms("sampled") == [None, c2, c3, small]
+    speed = {None: 100.0, c2: 110.0, c3: 115.0, small: 140.0, large: 130.0}
     tried = []
     for _ in range(10):
         d = p.choose(4, "greedy")
         tried.append(d)
         p.measured(4, "greedy", d, speed[d], 1.0)
-    assert tried == [3, 3, 0, 0, 2, 2, small, small, large, large]
-    assert [p.choose(4, "greedy") for _ in range(3)] == [small, 0, small]  # the 12th explores, plain first
-    assert p.choose(4, "sampled") == 2 and p.last == 2  # sampled steps: chains (no sampled trees by default)
+    assert tried == [c3, c3, None, None, c2, c2, small, small, large, large]
+    assert [p.choose(4, "greedy") for _ in range(3)] == [small, None, small]  # the 12th explores, plain first
+    assert p.choose(4, "sampled") == c2 and p.last == c2  # sampled steps: chains (no sampled trees by default)
     report = p.to_dict()
     assert report["trees"] == {"greedy": ["4,4,16", "3,4,12"], "sampled": []}
     assert report["tokens_per_s"]["4+/greedy/3,4,12"] == 140.0

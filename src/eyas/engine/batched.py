@@ -175,6 +175,8 @@ class BatchedLlama(StepShapes):
         self._compiled: set[tuple] = set()  # the same keys, run compiled without graphs
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.compile_s = 0.0  # all compilation and capture so far
+        self.taps: tuple[int, ...] = ()  # the boundaries each decode step records (tap())
+        self.tapped = self.tapped_ids = torch.empty(0, device=self.device)
         self.last: BatchResult | None = None
         self.last_decode_steps = 0
         if capacity:
@@ -232,6 +234,20 @@ class BatchedLlama(StepShapes):
                               greedy=torch.zeros(R, dtype=torch.bool, device=dev))
             self._graphs.clear()
             self._compiled.clear()
+
+    def tap(self, boundaries: Sequence[int], slots: int) -> None:
+        """Record, at every decode step from now on, what a drafter following the rows would read:
+        the token x_t each row feeds at its position t, in ``tapped_ids`` [R, slots], and its features
+        f_t (the residual stream after each boundary block, 0 the embeddings, concatenated: [W]), in
+        ``tapped`` [R, slots, W], both at slot t % slots: a row's last ``slots`` decoded positions
+        (:meth:`eyas.engine.row_speculation.RowSpeculation.catch_up` reads them). A few small writes a
+        step, inside its graph; graphs captured before are dropped."""
+        self.taps = tuple(int(b) for b in boundaries)
+        W = len(self.taps) * self.embed.shape[1]
+        self.tapped = torch.zeros(self.rows, slots, W, dtype=self.dtype, device=self.device)
+        self.tapped_ids = torch.zeros(self.rows, slots, dtype=torch.long, device=self.device)
+        self._graphs.clear()
+        self._compiled.clear()
 
     def buckets(self) -> list[int]:
         """The key lengths a decode step attends (one compiled step and graph each), the capacity last."""
@@ -415,6 +431,13 @@ class BatchedLlama(StepShapes):
         # per rows bucket, not once per (rows, keys) shape, so a new shape costs one compilation less.
         x, d, cos, sin, mask = self._prologue(st.ids, st.pos, self.embed, self.inv_freq, self.capacity)
         mask = mask[:, :K]  # [n, K]
+        seen = [x] if 0 in self.taps else []  # tap(): the fed token's features at the boundaries
         for b, w in enumerate(self.weights):
             x, d = self._layer(x, d, cos, sin, st.pos, mask, self.keys[b, :n], self.values[b, :n], w)
+            if b + 1 in self.taps:
+                seen.append(x + d)
+        if self.taps:
+            rows, slot = torch.arange(n, device=self.device), st.pos % self.tapped.shape[1]
+            self.tapped[:n].index_put_((rows, slot), torch.cat(seen, -1))
+            self.tapped_ids[:n].index_put_((rows, slot), st.ids)
         self._epilogue[mode](x, d, self.norm_weight, self.lm_head, self.lm_bias, st)

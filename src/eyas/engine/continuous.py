@@ -23,8 +23,10 @@ exposes the same state one step at a time:
   steps run in its place have cost what its compilation would (rent or buy: :meth:`RowBatch._stand_in`),
   so a server right after its start does not stall every row for each new shape;
 - :meth:`RowBatch.speculate` (with a drafter) runs one batched speculative round instead
-  (:mod:`eyas.engine.row_speculation`: a chain of ``depth`` drafts per row, verified in one forward)
-  and reads back each row's accepted drafts and bonus token, cut at the row's eos and limit;
+  (:mod:`eyas.engine.row_speculation`: a chain of ``depth`` drafts per row, or a tree, verified in
+  one forward) and reads back each row's accepted drafts and bonus token, cut at the row's eos and
+  limit; after plain steps the drafter first catches up on the tokens it did not read (the last
+  ``FOLLOW`` a row: :meth:`RowSpeculation.catch_up`);
 - :meth:`RowBatch.release` frees a row at once (its request ended on the host, or was cancelled).
 
 Each row has its own sampling parameters (temperature, top-p; greedy rows take the argmax in a
@@ -53,7 +55,7 @@ import torch
 from eyas.drafter.model import Eagle3Drafter
 from eyas.engine.batched import BatchedLlama
 from eyas.engine.errors import RequestError
-from eyas.engine.row_speculation import MAX_DEPTH, Draft, RowSpeculation
+from eyas.engine.row_speculation import MAX_DEPTH, Draft, RoundKey, RowSpeculation
 from eyas.engine.sampling import SamplingParams
 
 _KEY_SPACE = 1 << 31  # counter_uniform's keys are int64; a seed of any size maps into this
@@ -139,7 +141,7 @@ class RowBatch:
         self.pos = [0] * self.rows  # the position of the token the row feeds next (host-exact)
         self.generated = [0] * self.rows  # the row's tokens so far (host-exact)
         self.limit = [0] * self.rows  # the row's max_new_tokens
-        self.fresh = [False] * self.rows  # the drafter has read every token of the row
+        self.missed = [0] * self.rows  # the row's last tokens its drafter has not read (plain steps)
         self.steps = 0  # decode steps and speculative rounds run
         self.rent: dict[tuple, float] = {}  # a step's or round's shape -> seconds of steps run in its place (_stand_in)
 
@@ -226,7 +228,7 @@ class RowBatch:
             self.pos[r] = len(q.prompt)
             self.generated[r] = q.generated if q.resumed else 1
             self.limit[r] = q.max_new_tokens
-            self.fresh[r] = self.spec is not None
+            self.missed[r] = 0
             if not q.resumed:
                 out.append(RowTokens(r, [int(first[j])], not active[j]))
         return out
@@ -253,7 +255,7 @@ class RowBatch:
         for r in busy:
             self.pos[r] += 1
             self.generated[r] += 1
-            self.fresh[r] = False  # the drafter did not read this token (module docstring of row_speculation)
+            self.missed[r] += 1  # the drafter did not read this token (module docstring of row_speculation)
             out.append(RowTokens(r, [int(ids[r])], not active[r]))
         return out
 
@@ -273,19 +275,18 @@ class RowBatch:
             return shape
         return cover
 
-    def round_shape(self, draft: Draft) -> tuple[int, Draft, str, int]:
+    def round_shape(self, draft: Draft) -> RoundKey:
         """The (rows, draft, mode, key bucket) a round of ``draft`` (a chain's depth or a tree) runs
-        now (:meth:`speculate`)."""
+        now (:meth:`speculate`); its draft a TreeSpec (:meth:`RowSpeculation.check`)."""
         busy = self.busy
         mode = self.mode()
         assert self.spec is not None
-        draft = self.spec.check(draft, mode)
-        width = draft if isinstance(draft, int) else int(draft.total_tokens)
-        need = max(self.pos[r] for r in busy) + width + 1  # entries 0 .. pos + the drafts attended
+        tree = self.spec.check(draft, mode)
+        need = max(self.pos[r] for r in busy) + int(tree.total_tokens) + 1  # entries 0 .. pos + the drafts attended
         n = next(b for b in self.row_buckets if b > busy[-1])
-        return n, draft, mode, next(b for b in self.engine.buckets() if b >= need)
+        return n, tree, mode, next(b for b in self.engine.buckets() if b >= need)
 
-    def round_ready(self, shape: tuple[int, Draft, str, int]) -> bool:
+    def round_ready(self, shape: RoundKey) -> bool:
         """Whether a round of ``shape`` (:meth:`round_shape`) should run now: it is prepared, or the
         plain steps run in its place (:meth:`charge`) have cost what compiling a round has cost on
         average (the rent-or-buy rule of :meth:`_stand_in`, for rounds: a load that never leaves the
@@ -300,11 +301,11 @@ class RowBatch:
         self.rent[shape] = self.rent.get(shape, 0.0) + seconds
 
     @torch.no_grad()
-    def speculate(self, draft: Draft) -> list[RowTokens]:
+    def speculate(self, draft: Draft, shape: RoundKey | None = None) -> list[RowTokens]:
         """One batched speculative round of every row (``draft``: a chain of that many drafts each, or
         a tree, :mod:`eyas.engine.row_trees`; needs a drafter): each busy row's accepted drafts and
         bonus token, cut after an eos token or at the row's limit (``finished`` then, as the device
-        has it)."""
+        has it). ``shape``: this step's :meth:`round_shape` of ``draft``, where the caller has it."""
         if self.spec is None:
             raise RuntimeError("RowBatch.speculate: no drafter (RowBatch(..., drafter=...))")
         busy = self.busy
@@ -312,9 +313,13 @@ class RowBatch:
             return []
         st = self.engine.state
         assert st is not None
-        n, draft, mode, n_keys = self.round_shape(draft)
-        depth = draft if isinstance(draft, int) else draft.depth
-        tokens, accepted = self.spec.round(n, draft, mode, n_keys)
+        n, tree, mode, n_keys = shape or self.round_shape(draft)
+        if any(self.missed[r] for r in busy):  # plain steps since the drafter's last read
+            self.spec.catch_up(n, torch.tensor([self.missed[r] if r in busy else 0 for r in range(n)]))
+            for r in busy:
+                self.missed[r] = 0
+        depth = tree.depth
+        tokens, accepted = self.spec.round(n, tree, mode, n_keys)
         self.steps += 1
         got = torch.cat([tokens, accepted[:, None], st.active[:n, None].long()], 1).tolist()  # the round's one read
         eos = self.eos
@@ -340,7 +345,7 @@ class RowBatch:
         return [(K, mode, n) for K in keys for n in self.row_buckets for mode in modes]
 
     def round_shapes(self, context: int, depths: Sequence[Draft], max_rows: int,
-                     modes: Sequence[str] = ("greedy", "sample")) -> list[tuple[int, Draft, str, int]]:
+                     modes: Sequence[str] = ("greedy", "sample")) -> list[RoundKey]:
         """The (rows, draft, mode, key bucket) of the speculative rounds that batches of up to
         ``max_rows`` busy rows run for requests of up to ``context`` tokens, fewest keys, then fewest
         rows, first (:meth:`RowSpeculation.prepare`, as :meth:`step_shapes` for the plain steps)."""
@@ -348,7 +353,7 @@ class RowBatch:
             return []
         keys = self._keys_up_to(context)
         rows = [n for n in self.row_buckets if n <= max(max_rows, self.row_buckets[0])]
-        return [(n, d, mode, K) for K in keys for n in rows for d in depths for mode in modes]
+        return [(n, self.spec.check(d, mode), mode, K) for K in keys for n in rows for d in depths for mode in modes]
 
     def _keys_up_to(self, context: int) -> list[int]:
         """The key buckets a request of up to ``context`` tokens attends, each once."""

@@ -39,9 +39,16 @@ apart from the plain steps') and n_gen x 64 + a tag (draft i: i, acceptance i: 3
 so gamma <= 31 and rounds never share draws. A round reads the device once: the new tokens, the
 accepted lengths and the rows' active flags.
 
-A row the drafter has not followed (it decoded plain steps in between, which do not run the drafter)
-is *stale*: its drafts are poor, and the round stays lossless. Rows are prefilled with the features
-the drafter reads (:meth:`RowSpeculation.read`), so a row is fresh from its admission.
+Plain steps between rounds do not run the drafter: after k of them a row's drafter cache lacks
+entries m - k .. m - 1 and its root is the output at m - k - 1, a token behind; its next round's
+drafts are then mostly wrong (still lossless). On the CPU, SmolLM2's tree 3,4,12 accepted 1.71
+drafts a round with rounds only, 1.26 with a plain step every 4th, 0.20 every 2nd. So the plain
+steps record each fed token and its features (:meth:`BatchedLlama.tap`, the last FOLLOW positions
+of a row), and before the next round the drafter re-reads the entries it missed
+(:meth:`RowSpeculation.catch_up`): entry t's key and value depend on (f_t, x_{t+1}, t) alone, so
+the re-read writes what a drafter that had followed every step would hold, and its output at m - 1
+is the root it would have. Rows are prefilled with the features the drafter reads
+(:meth:`RowSpeculation.read`), so a row is fresh from its admission.
 
 On a GPU (the engine's ``compile`` and ``cuda_graphs``) the verification's prologue and block, and
 the drafter's step and re-read, are compiled with dynamic sizes (one compilation serves every rows x
@@ -73,7 +80,9 @@ from eyas.engine.sampling import counter_uniform
 from eyas.engine.tree import TreeSpec
 
 MAX_DEPTH = 31  # the counter tags of a round (module docstring)
-Draft = int | TreeSpec  # what a round drafts: a chain of that depth, or a tree (eyas.engine.row_trees)
+FOLLOW = 4  # the plain steps' positions a row's drafter can catch up on (module docstring)
+Draft = int | TreeSpec  # what a caller asks a round to draft: a chain's depth, or a tree (eyas.engine.row_trees)
+RoundKey = tuple[int, TreeSpec, str, int]  # (rows, draft, mode, key bucket); a chain as TreeSpec.chain(depth)
 _SALT = 0x5BD1E995  # the rounds' random stream, apart from the plain steps' (same row key)
 
 
@@ -141,10 +150,11 @@ class RowSpeculation:
             self._tree_prologue = CompiledOrEager(self._tree_prologue, engine.backend, "batched tree prologue",
                                                   dynamic=True)
             self._tree_step = CompiledOrEager(self._tree_step, engine.backend, "batched tree draft step", dynamic=True)
+        engine.tap(self.boundaries, FOLLOW)  # what catch_up() re-reads
         self.cuda_graphs = engine.cuda_graphs
         # (rows, depth, mode, key bucket) -> the captured round and its outputs (tokens, accepted)
-        self._graphs: dict[tuple[int, Draft, str, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
-        self._done: set[tuple[int, Draft, str, int]] = set()  # the shapes compiled (and captured) so far
+        self._graphs: dict[RoundKey, tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
+        self._done: set[RoundKey] = set()  # the shapes compiled (and captured) so far
         self.compile_s = 0.0  # their compilation and capture
 
     @property
@@ -178,6 +188,27 @@ class RowSpeculation:
                            logits_at=at == last[:, None])
         self.root_logits.index_copy_(0, index, out.logits.float())
         self.root_hidden.index_copy_(0, index, out.hidden[torch.arange(g, device=dev), last])
+
+    @torch.no_grad()
+    def catch_up(self, n: int, missed: Tensor) -> None:
+        """The drafter's entries that the plain steps since its last read left out, for rows 0..n-1
+        (module docstring): row r missed the last j = min(missed[r], FOLLOW) positions m - j .. m - 1
+        (m = pos[r]), and re-reads (f_t, x_{t+1}) there from the engine's taps, x_m being ids[r];
+        its root becomes its output at m - 1. The re-read is FOLLOW entries wide for every row: a
+        row's entries past m - 1 are scratch (overwritten before anything attends them), and a row
+        with j = 0 keeps its root. Entries before m - FOLLOW stay missing."""
+        st, e = self.engine.state, self.engine
+        assert st is not None
+        K, dev = FOLLOW, self.kv.device
+        m, j = st.pos[:n], missed.to(dev).clamp(0, K)
+        start = m - j
+        t = start[:, None] + torch.arange(K, device=dev)[None, :]  # [n, K] the entries re-read
+        features = e.tapped[:n].gather(1, (t % K)[..., None].expand(-1, -1, e.tapped.shape[-1]))  # f_t
+        tokens = torch.where(t + 1 == m[:, None], st.ids[:n, None], e.tapped_ids[:n].gather(1, (t + 1) % K))  # x_{t+1}
+        logits, hidden = self._reread(tokens, features, start, (j - 1).clamp(min=0))
+        behind = (j > 0)[:, None]
+        self.root_logits[:n] = torch.where(behind, logits, self.root_logits[:n])
+        self.root_hidden[:n] = torch.where(behind, hidden, self.root_hidden[:n])
 
     # -- the round ----------------------------------------------------------------------------------
 
@@ -287,19 +318,19 @@ class RowSpeculation:
             return out
         return self._round(*key)
 
-    def check(self, draft: Draft, mode: str) -> Draft:
-        """``draft`` as a round's key holds it (a tree of top_k 1 is the chain of its depth), or a
-        ValueError saying what a round can draft."""
-        if isinstance(draft, TreeSpec) and draft.top_k == 1:
-            draft = draft.depth
-        if isinstance(draft, TreeSpec):
-            check_tree(draft, MAX_DEPTH + 1)
-            if mode != "greedy" and draft.depth * draft.top_k > MAX_DEPTH:
-                raise ValueError(f"tree {draft.label}: a sampled round draws a uniform per child examined, "
-                                 f"depth x top_k <= {MAX_DEPTH}; found {draft.depth * draft.top_k}")
-        elif not 1 <= draft <= MAX_DEPTH:
-            raise ValueError(f"depth: expected 1 .. {MAX_DEPTH}, found {draft}")
-        return draft
+    def check(self, draft: Draft, mode: str) -> TreeSpec:
+        """``draft`` as a round's key holds it (a chain's depth d as TreeSpec.chain(d), the tree of
+        top_k 1 it is), or a ValueError saying what a round can draft."""
+        tree = TreeSpec.chain(draft) if isinstance(draft, int) else draft
+        if tree.top_k == 1:
+            if not 1 <= tree.depth <= MAX_DEPTH:
+                raise ValueError(f"depth: expected 1 .. {MAX_DEPTH}, found {tree.depth}")
+            return TreeSpec.chain(tree.depth)
+        check_tree(tree, MAX_DEPTH + 1)
+        if mode != "greedy" and tree.depth * tree.top_k > MAX_DEPTH:
+            raise ValueError(f"tree {tree.label}: a sampled round draws a uniform per child examined, "
+                             f"depth x top_k <= {MAX_DEPTH}; found {tree.depth * tree.top_k}")
+        return tree
 
     def prepared(self, n: int, draft: Draft, mode: str, n_keys: int) -> bool:
         """Whether the round of this shape runs without compiling or capturing first."""
@@ -327,7 +358,7 @@ class RowSpeculation:
         assert st is not None
         return snapshot(st.ids, st.pos, st.n_gen, st.active, self.root_logits, self.root_hidden)
 
-    def _capture(self, key: tuple[int, Draft, str, int]) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]] | None:
+    def _capture(self, key: RoundKey) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]] | None:
         """Compile (in the warm-ups) and capture the round of ``key``; the state restored after each
         warm-up and after the capture (module docstring). Its seconds count in ``compile_s`` (the
         rounds' own; ``RowBatch.compile_s`` adds the plain steps'). A capture that fails warns, and rounds run eagerly from then on."""
@@ -353,11 +384,12 @@ class RowSpeculation:
         self.compile_s += time.perf_counter() - t0
         return graph, out
 
-    def _round(self, n: int, draft: Draft, mode: str, n_keys: int) -> tuple[Tensor, Tensor]:
-        """The round itself (what the graphs capture): no host reads, shapes fixed by the arguments."""
+    def _round(self, n: int, draft: TreeSpec, mode: str, n_keys: int) -> tuple[Tensor, Tensor]:
+        """The round itself (what the graphs capture): no host reads, shapes fixed by the arguments
+        (``draft`` as :meth:`check` returns it)."""
         st = self.engine.state
         assert st is not None
-        if isinstance(draft, TreeSpec):  # eyas.engine.row_trees' round
+        if draft.top_k > 1:  # eyas.engine.row_trees' round
             tree = draft_tree(self, st, n, draft)
             logits, features = self.verify_tree(st, n, tree, n_keys)
             if mode == "greedy":
@@ -369,8 +401,7 @@ class RowSpeculation:
             self.reread(st, n, tokens, features.gather(1, path[..., None].expand(-1, -1, features.shape[-1])), accepted)
             commit_chain(st, n, tokens, accepted)
             return tokens, accepted
-        depth = draft
-        drafts, q = self.draft(st, n, depth, mode)
+        drafts, q = self.draft(st, n, draft.depth, mode)
         logits, features = self.verify(st, n, torch.cat([st.ids[:n, None], drafts], 1), n_keys)
         tokens, accepted = accept_chain(st, n, drafts, q, logits, mode)
         self.reread(st, n, tokens, features, accepted)

@@ -62,7 +62,7 @@ from eyas.engine.continuous import RowBatch, RowRequest
 from eyas.engine.speculative import STOP_CANCELLED, GenerationResult
 from eyas.engine.stats import STOP_EOS, STOP_MAX_NEW_TOKENS, GenerationStats
 from eyas.engine.stopping import StopCriteria
-from eyas.serve.policy import BatchSpeculation, SpeculationPolicy, batch_mode, draft_size
+from eyas.serve.policy import BatchSpeculation, SpeculationPolicy, arm_size, batch_mode
 from eyas.serve.startup import START_CONTEXT, Served
 from eyas.serve.worker import STOP, DecodeWorker, Event, Job, Worker
 
@@ -316,14 +316,14 @@ class BatchWorker(Worker):
         kind = "greedy" if self.batch.mode() == "greedy" else "sampled"
         wanted = self.batch_policy.choose(n, kind)
         # a round shape not compiled yet waits while plain steps cost less than its compilation
-        shape = self.batch.round_shape(wanted) if wanted else None
+        shape = self.batch.round_shape(wanted) if wanted is not None else None
         owed = shape if shape is not None and not self.batch.round_ready(shape) else None
-        draft = self.batch_policy.last = 0 if owed else wanted
-        depth = getattr(draft, "depth", draft)  # drafts on a row's longest path (0: a plain step)
+        draft = self.batch_policy.last = None if owed else wanted
+        depth = draft.depth if draft is not None else 0  # drafts on a row's longest path (0: a plain step)
         alone = next(iter(self.rows.values())) if n == 1 else None
         compiled_before = self.batch.compile_s
         t0 = time.perf_counter()
-        stepped = self.batch.speculate(draft) if draft else self.batch.step()
+        stepped = self.batch.speculate(draft, shape) if draft is not None else self.batch.step()
         for got in stepped:
             live = self.rows[got.row]
             if depth:
@@ -336,7 +336,7 @@ class BatchWorker(Worker):
         if depth and self.on_rounds is not None:
             self.on_rounds(depth, [got.accepted for got in stepped], [len(got.tokens) for got in stepped])
         if self.on_step is not None:
-            self.on_step("batched_speculative" if depth else "batched", n, depth, draft_size(draft))
+            self.on_step("batched_speculative" if depth else "batched", n, depth, arm_size(draft))
         # The step's cost as the policies see it: the engine's step and the host's work on its
         # tokens (streaming, stop checks, metrics), which grows with a round's tokens and rows. A step
         # that compiled or captured its shape first is no measure of its speed.

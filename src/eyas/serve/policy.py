@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from eyas.engine.row_speculation import Draft
 from eyas.engine.tree import TreeSpec
 
 MODES = ("auto", "on", "off")
@@ -118,24 +117,25 @@ class SpeculationPolicy:
             for kind in KINDS for path in PATHS}}
 
 
-DEPTHS = (2, 3)  # a batched round's chain depths (0: a plain batched step; 1 and 4 were slower on the H100)
+DEPTHS = (2, 3)  # a batched round's chain depths (1 and 4 were slower on the H100)
 TREES = (TreeSpec(3, 4, 12), TreeSpec(4, 4, 16))  # its trees for greedy steps (eyas.engine.row_trees)
+Arm = TreeSpec | None  # what a batched step drafts: a round of that tree (a chain: top_k 1), or None: a plain step
 
 
-def draft_size(draft: Draft) -> int:
-    """The drafts a row verifies in a step of ``draft`` (0: a plain step)."""
-    return int(draft.total_tokens) if isinstance(draft, TreeSpec) else int(draft)
+def arm_size(arm: Arm) -> int:
+    """The drafts a row verifies in a step of ``arm`` (0: a plain step)."""
+    return int(arm.total_tokens) if arm is not None else 0
 
 
-def draft_label(draft: Draft) -> str:
-    """``draft`` as /health and the benchmarks name it: '0' (plain), a chain's depth, a tree's DEPTH,TOPK,TOTAL."""
-    return draft.label if isinstance(draft, TreeSpec) else str(draft)
+def arm_label(arm: Arm) -> str:
+    """``arm`` as /health and the benchmarks name it: '0' (plain), a chain's depth, a tree's DEPTH,TOPK,TOTAL."""
+    return arm.label if arm is not None else "0"
 
 
 @dataclass
 class BatchSpeculation:
-    """What each batched step drafts (0: a plain step; a chain's depth; a tree:
-    :meth:`eyas.engine.continuous.RowBatch.speculate`), measured per batch size.
+    """What each batched step drafts (an :data:`Arm`: None, a plain step; a chain, TreeSpec.chain(depth);
+    a tree: :meth:`eyas.engine.continuous.RowBatch.speculate`), measured per batch size.
 
     A round costs a target forward over rows x (drafts + 1) positions and a few drafter steps; it
     pays while the target's forward is bound by reading its weights (few rows), and stops paying as
@@ -168,8 +168,8 @@ class BatchSpeculation:
     max_rows: int | None = None
     explore_every: int = 16
     margin: float = 1.02
-    rates: dict[tuple[int, str, Draft], Rate] = field(default_factory=dict)
-    last: Draft = 0  # what the last step drafted (/metrics)
+    rates: dict[tuple[int, str, Arm], Rate] = field(default_factory=dict)
+    last: Arm = None  # what the last step drafted (/metrics)
     _steps: dict[tuple[int, str], int] = field(default_factory=dict)
     _explored: dict[tuple[int, str], int] = field(default_factory=dict)  # exploring steps per bucket and kind
 
@@ -182,38 +182,38 @@ class BatchSpeculation:
             if any(t.top_k < 2 for t in trees):
                 raise ValueError(f"{name}: expected top_k >= 2 (a chain is a depth), found {[t.label for t in trees]}")
 
-    def drafts(self, kind: str = "greedy") -> tuple[Draft, ...]:
+    def drafts(self, kind: str = "greedy") -> tuple[TreeSpec, ...]:
         """The rounds a ``kind`` of step (greedy | sampled) may run: chains, then trees."""
-        return (*self.depths, *(self.trees if kind == "greedy" else self.sampled_trees))
+        return (*map(TreeSpec.chain, self.depths), *(self.trees if kind == "greedy" else self.sampled_trees))
 
     @staticmethod
     def bucket(rows: int) -> int:
         return max(int(rows), 1).bit_length()
 
-    def arms(self, kind: str = "greedy") -> list[Draft]:
-        """The arms of a ``kind`` of step, fewest drafts verified first."""
-        arms = set(self.drafts(kind)) | ({0} if self.mode == "auto" else set())
-        return sorted(arms, key=lambda d: (draft_size(d), draft_label(d)))
+    def arms(self, kind: str = "greedy") -> list[Arm]:
+        """The arms of a ``kind`` of step, fewest drafts verified first (plain, in ``auto``, first)."""
+        arms: set[Arm] = set(self.drafts(kind)) | ({None} if self.mode == "auto" else set())
+        return sorted(arms, key=lambda d: (arm_size(d), arm_label(d)))
 
-    def rate(self, rows: int, kind: str, draft: Draft) -> Rate:
-        return self.rates.setdefault((self.bucket(rows), kind, draft), Rate(decay=0.9))
+    def rate(self, rows: int, kind: str, arm: Arm) -> Rate:
+        return self.rates.setdefault((self.bucket(rows), kind, arm), Rate(decay=0.9))
 
-    def choose(self, rows: int, kind: str) -> Draft:
+    def choose(self, rows: int, kind: str) -> Arm:
         """What the next step of ``rows`` busy rows of ``kind`` (greedy | sampled) drafts."""
         if self.mode == "off" or (self.max_rows is not None and rows > self.max_rows):
-            self.last = 0
-            return 0
+            self.last = None
+            return None
         arms = self.arms(kind)
         key = (self.bucket(rows), kind)
         self._steps[key] = n = self._steps.get(key, 0) + 1
         middle = arms[len(arms) // 2]
-        first = sorted(arms, key=lambda d: (d != middle, d != 0, draft_size(d)))  # the middle arm, plain, ...
+        first = sorted(arms, key=lambda d: (d != middle, d is not None, arm_size(d)))  # the middle arm, plain, ...
         untried = [d for d in first if self.rate(rows, kind, d).samples < 2]
         if untried:
             choice = untried[0]
         else:
             speed = {d: self.rate(rows, kind, d).per_s or 0.0 for d in arms}
-            choice = max(arms, key=lambda d: speed[d] * (self.margin if d == 0 else 1.0))
+            choice = max(arms, key=lambda d: speed[d] * (self.margin if d is None else 1.0))
             if n % self.explore_every == 0:  # the others in turn, plain first: none is judged once for all
                 others = [d for d in arms if d != choice]
                 self._explored[key] = k = self._explored.get(key, 0) + 1
@@ -221,14 +221,14 @@ class BatchSpeculation:
         self.last = choice
         return choice
 
-    def measured(self, rows: int, kind: str, draft: Draft, tokens: int, seconds: float) -> None:
-        self.rate(rows, kind, draft).add(tokens, seconds)
+    def measured(self, rows: int, kind: str, arm: Arm, tokens: int, seconds: float) -> None:
+        self.rate(rows, kind, arm).add(tokens, seconds)
 
     def to_dict(self) -> dict[str, Any]:
-        order = sorted(self.rates.items(), key=lambda item: (item[0][0], item[0][1], draft_size(item[0][2]),
-                                                              draft_label(item[0][2])))
-        measured = [(f"{2 ** (b - 1)}+/{kind}/{draft_label(d)}", r) for (b, kind, d), r in order if r.per_s is not None]
-        return {"mode": self.mode, "last_depth": draft_label(self.last),
+        order = sorted(self.rates.items(), key=lambda item: (item[0][0], item[0][1], arm_size(item[0][2]),
+                                                              arm_label(item[0][2])))
+        measured = [(f"{2 ** (b - 1)}+/{kind}/{arm_label(d)}", r) for (b, kind, d), r in order if r.per_s is not None]
+        return {"mode": self.mode, "last_depth": arm_label(self.last),
                 "trees": {"greedy": [t.label for t in self.trees], "sampled": [t.label for t in self.sampled_trees]},
                 "tokens_per_s": {key: round(r.per_s, 2) for key, r in measured},
                 "steps": {key: r.samples for key, r in measured}}  # steps measured (compiling ones are not)
