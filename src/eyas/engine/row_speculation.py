@@ -41,8 +41,9 @@ accepted lengths and the rows' active flags.
 
 Plain steps between rounds do not run the drafter: after k of them a row's drafter cache lacks
 entries m - k .. m - 1 and its root is the output at m - k - 1, a token behind; its next round's
-drafts are then mostly wrong (still lossless). On the CPU, SmolLM2's tree 3,4,12 accepted 1.71
-drafts a round with rounds only, 1.26 with a plain step every 4th, 0.20 every 2nd. So the plain
+drafts are then mostly wrong (still lossless): on the CPU, SmolLM2's tree 3,4,12 at 4 greedy rows
+accepted 1.69 drafts a round with rounds only and 1.22 with a plain step every 4th
+(``benchmarks/results/2026-12-07-catch-up-cpu.md``; 1.66 with what follows). So the plain
 steps record each fed token and its features (:meth:`BatchedLlama.tap`, the last FOLLOW positions
 of a row), and before the next round the drafter re-reads the entries it missed
 (:meth:`RowSpeculation.catch_up`): entry t's key and value depend on (f_t, x_{t+1}, t) alone, so
