@@ -51,7 +51,8 @@ def test_batch_speculation_tries_each_depth_then_takes_the_fastest_per_batch_siz
     assert tried == ["2", "2", "0", "0", "1", "1", "3", "3"]
     chosen = [choose(3) for _ in range(8)]  # 3 rows: the same bucket as 2
     assert chosen == ["2", "2", "2", "0", "2", "2", "2", "1"]  # the 4th and 8th steps explore the others in turn, plain first
-    assert choose(2) == "2" and [choose(2) for _ in range(3)] == ["2", "2", "3"]  # the 12th: depth 3
+    # depth 2 was still the best at the 16th step's exploration: the interval doubles, the next is the 24th
+    assert [choose(2) for _ in range(8)] == ["2"] * 7 + ["3"]
     assert p.to_dict()["tokens_per_s"]["2+/greedy/2"] == 180.0 and p.last == TreeSpec.chain(3)
     assert choose(16) == "2" and choose(2, "sampled") == "2"  # other buckets and kinds: their own
     # where plain is fastest (a large batch), speculation turns off; "off" never speculates, "on" always
@@ -118,3 +119,27 @@ def test_a_batch_speculates_only_where_asked_and_never_with_speculation_off():
     assert batch_mode("off", "on") == "off"  # off means no drafter at all
     with pytest.raises(ValueError, match=r"batch_speculation: expected one of \['auto', 'on', 'off'\], found 'yes'"):
         batch_mode("auto", "yes")
+
+
+@pytest.mark.unit
+def test_batch_speculation_explores_less_while_the_best_arm_stays_and_again_often_when_it_changes():
+    from eyas.serve.policy import BatchSpeculation, arm_label
+
+    p = BatchSpeculation("auto", depths=(2, 3), trees=(), explore_every=4, max_backoff=8)
+    speed = {"0": 300.0, "2": 200.0, "3": 150.0}  # a large batch: plain is fastest
+    taken = []  # the arm of each step of the bucket, from its first
+    for step in range(1, 401):
+        if step == 201:
+            speed["2"] = 900.0  # the traffic changed: depth 2 now pays (the policy sees it when it explores depth 2)
+        d = p.choose(64, "sampled")
+        p.measured(64, "sampled", d, speed[arm_label(d)], 1.0)
+        taken.append(arm_label(d))
+
+    def other_than(arm: str, first: int, last: int) -> list[int]:
+        return [n for n in range(first, last + 1) if taken[n - 1] != arm]
+
+    # steps 1-6 try each arm twice; then explorations 4, then 8, 16, up to 32 steps apart
+    assert other_than("0", 7, 200) == [8, 12, 16, 32, 64, 96, 128, 160, 192]
+    assert other_than("0", 201, 256) == [224, 256]  # depth 3's turn, then depth 2's: now the fastest
+    # the best arm changed: explorations 4 steps apart again, then backing off
+    assert other_than("2", 257, 400) == [288, 292, 296, 304, 320, 352, 384]

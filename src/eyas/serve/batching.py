@@ -324,6 +324,11 @@ class BatchWorker(Worker):
         compiled_before = self.batch.compile_s
         t0 = time.perf_counter()
         stepped = self.batch.speculate(draft, shape) if draft is not None else self.batch.step()
+        # the step's metrics first: a client that has its last token sees its step counted
+        if depth and self.on_rounds is not None:
+            self.on_rounds(depth, [got.accepted for got in stepped], [len(got.tokens) for got in stepped])
+        if self.on_step is not None:
+            self.on_step("batched_speculative" if depth else "batched", n, depth, arm_size(draft))
         for got in stepped:
             live = self.rows[got.row]
             if depth:
@@ -333,10 +338,6 @@ class BatchWorker(Worker):
             else:
                 live.stats.rounds += 1
             self._row_tokens(got.row, got.tokens, got.finished)
-        if depth and self.on_rounds is not None:
-            self.on_rounds(depth, [got.accepted for got in stepped], [len(got.tokens) for got in stepped])
-        if self.on_step is not None:
-            self.on_step("batched_speculative" if depth else "batched", n, depth, arm_size(draft))
         # The step's cost as the policies see it: the engine's step and the host's work on its
         # tokens (streaming, stop checks, metrics), which grows with a round's tokens and rows. A step
         # that compiled or captured its shape first is no measure of its speed.

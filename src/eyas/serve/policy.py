@@ -153,10 +153,14 @@ class BatchSpeculation:
     of the busy rows) and per kind of step (greedy: every row greedy; sampled), as decayed sums. An
     arm measured fewer than twice in a bucket is tried first (the middle arm by drafts verified,
     then plain, then the rest, smallest first); after that the fastest is chosen (speculation must
-    beat plain by ``margin``), and every ``explore_every``-th step of a bucket tries one of the other
-    arms, each in turn (plain first), so a drift is seen and an arm whose first steps were slow (a
-    busy host, a cold cache) is measured again; the cost is bounded by one step in
-    ``explore_every`` on a slower arm.
+    beat plain by ``margin``), and now and then a step of a bucket tries one of the other arms, each
+    in turn (plain first), so a drift is seen and an arm whose first steps were slow (a busy host, a
+    cold cache) is measured again. The first exploration comes at the ``explore_every``-th step; the
+    interval doubles each time the best arm is still the one it was at the last exploration, up to
+    ``explore_every * max_backoff``, and falls back to ``explore_every`` when it has changed. So a
+    bucket whose best arm is settled (plain at a large batch, sampled) pays one step in 256 on a
+    slower arm, not one in 16 (a sampled round at 0.7x plain explored every 16th step, each of two
+    arms in turn, would cost about 3% of the batch's tokens), and a drift is still found.
     ``mode``: ``auto`` as above, ``on`` (always a round; its arm measured), ``off`` (plain steps).
     ``max_rows``: batches of more busy rows take plain steps, never measuring a round (each round
     shape tried is a compilation and a capture at its first use; None: no limit)."""
@@ -167,11 +171,14 @@ class BatchSpeculation:
     sampled_trees: tuple[TreeSpec, ...] = ()
     max_rows: int | None = None
     explore_every: int = 16
+    max_backoff: int = 16
     margin: float = 1.02
     rates: dict[tuple[int, str, Arm], Rate] = field(default_factory=dict)
     last: Arm = None  # what the last step drafted (/metrics)
     _steps: dict[tuple[int, str], int] = field(default_factory=dict)
     _explored: dict[tuple[int, str], int] = field(default_factory=dict)  # exploring steps per bucket and kind
+    _interval: dict[tuple[int, str], int] = field(default_factory=dict)  # steps between its explorations
+    _settled: dict[tuple[int, str], Arm] = field(default_factory=dict)  # its best arm at the last exploration
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -214,7 +221,12 @@ class BatchSpeculation:
         else:
             speed = {d: self.rate(rows, kind, d).per_s or 0.0 for d in arms}
             choice = max(arms, key=lambda d: speed[d] * (self.margin if d is None else 1.0))
-            if n % self.explore_every == 0:  # the others in turn, plain first: none is judged once for all
+            interval = self._interval.get(key, self.explore_every)
+            if n % interval == 0:  # the others in turn, plain first: none is judged once for all
+                settled = key in self._settled and self._settled[key] == choice
+                self._interval[key] = min(interval * 2, self.explore_every * self.max_backoff) if settled \
+                    else self.explore_every
+                self._settled[key] = choice
                 others = [d for d in arms if d != choice]
                 self._explored[key] = k = self._explored.get(key, 0) + 1
                 choice = others[(k - 1) % len(others)] if others else choice
