@@ -315,7 +315,8 @@ class RowBatch:
         assert st is not None
         n, tree, mode, n_keys = shape or self.round_shape(draft)
         if any(self.missed[r] for r in busy):  # plain steps since the drafter's last read
-            self.spec.catch_up(n, torch.tensor([self.missed[r] if r in busy else 0 for r in range(n)]))
+            self.spec.catch_up(n, torch.tensor([self.missed[r] if self.sampling[r] is not None else 0
+                                                for r in range(n)]))  # a free row: nothing to catch up
             for r in busy:
                 self.missed[r] = 0
         depth = tree.depth
