@@ -27,7 +27,6 @@ import collections
 import json
 import subprocess
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -74,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-procs", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    from eyas.engine.tree import TreeSpec
     from eyas.serve import ServeOptions, load_served
 
     served = load_served(a.target, a.draft, tree="3")
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             # the ideal: every row its tokens at each step's wait, at the depths the server chose
             steps: collections.Counter[int] = collections.Counter()  # depth -> steps, over batch sizes
             for key, n in r["depths"].items():  # "64+/greedy/2" or "4+/greedy/3,4,12" (a tree): steps
-                steps[int(key.rsplit("/", 1)[1].split(",")[0])] += n  # the stand-in emits depth + 1 a row
+                label = key.rsplit("/", 1)[1]  # the arm's label: "0" (plain) or a TreeSpec's
+                steps[0 if label == "0" else TreeSpec.parse(label).depth] += n  # the stand-in emits depth + 1 a row
             n = sum(steps.values())
             tokens = sum((d + 1) * s for d, s in steps.items()) / n if n else 1.0
             wait = sum((1 + 0.25 * d) * s for d, s in steps.items()) / n if n else 1.0

@@ -159,9 +159,9 @@ class BatchSpeculation:
     interval doubles each time the best arm is still the one it was at the last exploration, up to
     ``explore_every * max_backoff``, and falls back to ``explore_every`` when it has changed. So a
     bucket whose best arm is settled (plain at a large batch, sampled) pays one step in 256 on a
-    slower arm, not one in 16 (on the H100 a sampled chain round gave 0.7-0.8x plain and took about
-    2.2 plain steps: explored every 16th step, that costs 3-4% of the batch's tokens, derived), and a
-    drift is still found.
+    slower arm, not one in 16 (on the H100 a sampled chain round of depth 2-3 gave 0.7-0.9x plain and
+    took about 2.2 plain steps, ``benchmarks/results/2026-12-06-row-speculation-h100.md``: explored
+    every 16th step, that costs up to about 4% of the batch's tokens, derived), and a drift is still found.
     ``mode``: ``auto`` as above, ``on`` (always a round; its arm measured), ``off`` (plain steps).
     ``max_rows``: batches of more busy rows take plain steps, never measuring a round (each round
     shape tried is a compilation and a capture at its first use; None: no limit)."""
