@@ -42,6 +42,11 @@
 #   compare      the drafter just trained against the shipped one: spec_gpu.py on MT-bench, temperature 0, same
 #                prompts and trees, HF generate compiled beside the new one ($OUT/compare.tar, compare.log)
 #   bench [ARGS] benchmarks/spec_gpu.py on MT-bench with the drafter, results into $OUT/spec (COMMIT=sha)
+#   grow ARGS    issue 34's staged first step: start with --stop-after mix (eyas prompts writes Magpie turns and
+#                requests about the open sets' documents, then the mix); carry .device/g4/smol.p3 (the four-part
+#                split: p0 with setup, p1 and .device/open/docs.jsonl.gz with part, p2, .device/open/open.jsonl.gz and
+#                .device/data.tgz with part), then `wait`: once done, $OUT gets magpie.jsonl.gz, doc_requests.jsonl.gz
+#                and summary.json
 #   part         keep the GGUF parts carried in this call (a three-part split, .device/g3/smol.p0..p2, for
 #                calls whose work tree is larger: carry p0 with setup, p1 with `part`, p2 with `measure`),
 #                and unpack .device/data.tgz (`tar czf .device/data.tgz -C benchmarks/data .`: the prompt
@@ -65,14 +70,19 @@ LOG=/tmp/drafter/run.log
 export PYTHONPATH=src:/tmp/deps TOKENIZERS_PARALLELISM=false TQDM_MININTERVAL=30
 mkdir -p /tmp/drafter
 
-keep_parts() {  # the GGUF parts (and the prompt mix, .device/data.tgz) carried in this call, kept in /tmp
-  for f in .device/gguf/smol.part0* .device/g3/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
-  if [ -f .device/data.tgz ]; then mkdir -p /tmp/data && tar xzf .device/data.tgz -C /tmp/data && ls /tmp/data; fi; true
+keep_parts() {  # the GGUF parts (and the prompt mix, .device/data.tgz; the open sets, .device/open/*.jsonl.gz)
+  # carried in this call, kept in /tmp
+  for f in .device/gguf/smol.part0* .device/g3/smol.p* .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
+  if [ -f .device/data.tgz ]; then mkdir -p /tmp/data && tar xzf .device/data.tgz -C /tmp/data && ls /tmp/data; fi
+  for f in .device/open/*.jsonl.gz; do
+    [ -f "$f" ] && mkdir -p /tmp/open && gunzip -c "$f" > "/tmp/open/$(basename "$f" .gz)" && echo "kept $f"
+  done; true
 }
 
 join_gguf() {  # /tmp/smol.gguf from the parts kept (two-part or three-part split), sha256 checked
   if [ ! -f /tmp/smol.gguf ]; then
-    if [ -f /tmp/smol.p0 ]; then cat /tmp/smol.p0 /tmp/smol.p1 /tmp/smol.p2 > /tmp/smol.gguf
+    if [ -f /tmp/smol.p3 ]; then cat /tmp/smol.p0 /tmp/smol.p1 /tmp/smol.p2 /tmp/smol.p3 > /tmp/smol.gguf
+    elif [ -f /tmp/smol.p0 ]; then cat /tmp/smol.p0 /tmp/smol.p1 /tmp/smol.p2 > /tmp/smol.gguf
     else cat /tmp/smol.part00 /tmp/smol.part01 > /tmp/smol.gguf; fi
   fi
   echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
@@ -112,10 +122,13 @@ kernel_tests() {  # LIMIT_S: the Triton kernels' tests compiled on the GPU (the 
   tail -n 3 "$OUT/kernel_tests.log"
 }
 
-wait_run() {
+wait_run() {  # and once it is done, what a staged run left for the next session (grow) into $OUT
   local limit=${1:-540} t=0
   while [ ! -f /tmp/drafter/DONE ] && [ "$t" -lt "$limit" ]; do sleep 10; t=$((t + 10)); done
   [ -f /tmp/drafter/DONE ] && echo "run finished: $(cat /tmp/drafter/DONE)" || echo "still running after ${t} s"
+  if [ -f /tmp/drafter/DONE ]; then
+    for f in "$WORK"/*.jsonl.gz "$WORK/summary.json"; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+  fi
   tr '\r' '\n' < "$LOG" | grep -av "it/s\]$\|s/it\]$" | tail -n 40
 }
 
@@ -132,6 +145,15 @@ case "${1:-}" in
     join_gguf
     rm -f /tmp/drafter/DONE
     setsid nohup bash -c "python benchmarks/train_smollm2_drafter.py run --target /tmp/smol.gguf --no-copy-to-out $* \
+      > $LOG 2>&1; echo \"exit \$?\" > /tmp/drafter/DONE" > /dev/null 2>&1 &
+    wait_run 530
+    ;;
+  grow)
+    shift
+    keep_parts
+    join_gguf
+    rm -f /tmp/drafter/DONE
+    setsid nohup bash -c "python benchmarks/train_smollm2_drafter.py run --target /tmp/smol.gguf --stop-after mix $* \
       > $LOG 2>&1; echo \"exit \$?\" > /tmp/drafter/DONE" > /dev/null 2>&1 &
     wait_run 530
     ;;

@@ -36,9 +36,9 @@ Two steps, on two machines:
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -47,108 +47,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # drafter_mix.py beside it, however it is loaded
+from drafter_mix import MixPart, compact_documents, expand_documents, grow, log, mix, prepare  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = REPO / "benchmarks" / "data" / "train_prompts.jsonl"
 DEFAULT_WORK = REPO / "benchmarks" / "out" / "smollm2"
-
-# (folder/file under shared/data, how many prompts at most, licence). The caps balance the mix
-# against the six EAGLE evaluation sets (chat, code, math, instructions, summaries, questions);
-# the evaluation prompts themselves are never trained on.
-SOURCES: list[tuple[str, int, str]] = [
-    ("sharegpt_prompts/ShareGPT_V3_filtered_500.json", 500, "Apache-2.0 repo; ShareGPT terms unclear"),
-    ("sharegpt_prompts/ShareGPT_V3_filtered_1000.json", 1000, "Apache-2.0 repo; ShareGPT terms unclear"),
-    ("sharegpt_prompts/sg_90k_part1_html_cleaned_lang_first_sampled_sorted.json", 2978,
-     "Apache-2.0 repo; ShareGPT terms unclear"),
-    ("gpteacher/codegen_prompts.jsonl", 4535, "MIT"),
-    ("gpteacher/roleplay_prompts.jsonl", 1923, "MIT"),
-    ("gsm8k/train.jsonl", 3000, "MIT"),  # capped: 7,473 math word problems would outweigh the chat sets
-    ("self_instruct/seed_tasks.jsonl", 175, "Apache-2.0"),
-    ("self_instruct/user_oriented_instructions.jsonl", 252, "Apache-2.0"),
-    ("arena_hard/v0.1_question.jsonl", 500, "Apache-2.0"),
-]
-
-# Every source holds first turns only. MT-bench (and chat in general) asks a second question about
-# the first answer, so a share of the prompts gets one of these generic follow-ups as a second user
-# turn; `eyas regenerate --max-turns 2` answers it after the target's own first answer.
-FOLLOW_UPS: list[str] = [
-    "Can you explain that in more detail?",
-    "Please summarise your answer in three bullet points.",
-    "Rewrite your answer so that a ten-year-old could understand it.",
-    "Give a concrete example.",
-    "What are the limitations or possible mistakes in your answer?",
-    "Now make it shorter and more formal.",
-    "Can you continue?",
-    "Turn your answer into a short table.",
-]
-
-
-def log(msg: str) -> None:
-    print(f"[train_smollm2 {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# prepare: the prompt mix (CPU, here)
-# ---------------------------------------------------------------------------------------------
-
-
-def prepare(shared: Path, out: Path, seed: int, no_sharegpt: bool, max_chars: int,
-            follow_up_share: float = 0.3, val_prompts: int = 24) -> dict[str, Any]:
-    """First user turn of every source record (system message kept when it leads), de-duplicated by
-    text, at most ``cap`` per source, shuffled (any prefix is a mix), as OpenAI-style JSONL; a
-    ``follow_up_share`` of them (seeded) get a second user turn from FOLLOW_UPS. The first
-    ``val_prompts`` of the shuffled mix are held out (first turn only) into ``val_prompts.jsonl``
-    next to ``out``: training measures the engine's tau on them and never trains on them."""
-    from eyas.data.conversation_files import read_conversations
-
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    rows: list[dict[str, Any]] = []
-    counts: dict[str, dict[str, Any]] = {}
-    for rel, cap, licence in SOURCES:
-        if no_sharegpt and rel.startswith("sharegpt"):
-            continue
-        path = shared / rel
-        if not path.exists():
-            log(f"prepare: {path} missing, skipped")
-            continue
-        convs = read_conversations(path, on_error="skip").conversations
-        picked = []
-        for i, c in enumerate(convs):
-            users = [m for m in c.messages if m["role"] == "user"]
-            if not users:
-                continue
-            text = users[0]["content"].strip()
-            if not text or len(text) > max_chars or text in seen:
-                continue
-            seen.add(text)
-            head = [m for m in c.messages[:1] if m["role"] == "system"]
-            picked.append({"id": f"{Path(rel).parent.name}/{Path(rel).stem}:{c.id or i}", "messages": head + [{"role": "user", "content": text}]})
-        rng.shuffle(picked)
-        picked = picked[:cap]
-        rows += picked
-        counts[rel] = {"records": len(convs), "kept": len(picked), "licence": licence}
-    rng.shuffle(rows)
-    held_out, rows = rows[:val_prompts], rows[val_prompts:]
-    val_path = out.with_name("val_prompts.jsonl")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    val_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in held_out), encoding="utf-8")
-    follow_ups = 0
-    for r in rows:
-        if rng.random() < follow_up_share:
-            r["messages"].append({"role": "user", "content": rng.choice(FOLLOW_UPS)})
-            follow_ups += 1
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    tmp.replace(out)
-    info = {"prompts": len(rows), "with_follow_up": follow_ups, "val_prompts": len(held_out), "bytes": out.stat().st_size, "seed": seed, "max_chars": max_chars,
-            "shared": str(shared), "sources": counts}
-    out.with_name(out.stem + ".sources.json").write_text(json.dumps(info, indent=2))
-    log(f"prepare: wrote {len(rows)} prompts ({info['bytes'] / 2**20:.2f} MiB) to {out}")
-    for rel, c in counts.items():
-        log(f"  {rel}: {c['kept']} of {c['records']} ({c['licence']})")
-    return info
-
 
 # ---------------------------------------------------------------------------------------------
 # run: [before] -> regenerate -> train -> copy (GPU)
@@ -329,7 +233,7 @@ def run(a: argparse.Namespace) -> int:
     work = Path(a.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     prompts = Path(a.prompts).resolve()
-    if not prompts.exists():
+    if not prompts.exists() and not (a.magpie or a.open_prompts or a.doc_prompts):
         log(f"error: {prompts} does not exist: build it with `prepare` and carry benchmarks/data")
         return 2
     n_prompts = count_lines(prompts)
@@ -346,6 +250,44 @@ def run(a: argparse.Namespace) -> int:
     if a.before_src:
         summary["before"] = before(a, work, prompts, deadline)
         save_summary()
+
+    # 0. more prompts (issue 34): the target writes Magpie turns and requests about long documents,
+    #    then every part is interleaved by weight into WORK/mix.jsonl, which regenerate answers.
+    if a.magpie or a.open_prompts or a.doc_prompts:
+        grown = Path(a.grown).resolve() if a.grown else None  # an earlier stage's prompts: eyas prompts resumes them
+        if grown and (grown / "magpie.jsonl.gz").exists() and not (work / "magpie.jsonl").exists():
+            with gzip.open(grown / "magpie.jsonl.gz", "rb") as f, (work / "magpie.jsonl").open("wb") as g:
+                shutil.copyfileobj(f, g)
+        if grown and (grown / "doc_requests.jsonl.gz").exists() and not (work / "doc_prompts.jsonl").exists():
+            if not a.documents:
+                log(f"error: {grown}/doc_requests.jsonl.gz needs --documents (the documents its requests are about)")
+                return 2
+            expand_documents(grown / "doc_requests.jsonl.gz", Path(a.documents), work / "doc_prompts.jsonl")
+        if a.magpie or a.doc_prompts:
+            docs = Path(a.documents).resolve() if a.documents else None
+            summary["grow"] = grow(a.target, work, time.time() + a.grow_budget_s, run_cli, a.magpie, docs,
+                                   a.doc_prompts, a.regen_rows, a.device, last_json, a.prompt_max_new_tokens)
+            save_summary()
+        parts = [MixPart("shared", prompts, a.shared_weight, follow_ups=False),  # prepare gave it its follow-ups
+                 MixPart("magpie", work / "magpie.jsonl", a.magpie_weight, follow_ups=True),
+                 MixPart("open", Path(a.open_prompts).resolve() if a.open_prompts else work / "none.jsonl",
+                         a.open_weight, follow_ups=True),
+                 MixPart("documents", work / "doc_prompts.jsonl", a.doc_weight)]
+        from eyas.targets.loading import load_tokenizer
+
+        tok = load_tokenizer(a.target)
+        summary["mix"] = mix(parts, work / "mix.jsonl", a.seed, a.follow_up_share,
+                             lambda texts: [len(x) for x in tok(texts, add_special_tokens=False)["input_ids"]])
+        prompts = work / "mix.jsonl"
+        save_summary()
+        if a.stop_after == "mix":  # a staged run: the grown prompts travel, gzipped, to the next session
+            if (work / "magpie.jsonl").exists():
+                with (work / "magpie.jsonl").open("rb") as f, gzip.open(work / "magpie.jsonl.gz", "wb", 9) as g:
+                    shutil.copyfileobj(f, g)
+            if (work / "doc_prompts.jsonl").exists():  # the requests alone: the documents travel once
+                compact_documents(work / "doc_prompts.jsonl", work / "doc_requests.jsonl.gz")
+            log(f"stopped after the mix: {json.dumps(summary['mix'])}")
+            return 0
 
     # 1. regenerate: the target's own answers (greedy, plus any sampled temperatures), first turn and
     #    follow-up, loops cut. Killed at its deadline: whole chunks written so far stay (resumable).
@@ -460,6 +402,22 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--work", default=str(DEFAULT_WORK), help="answers, training run, drafter, summary")
     r.add_argument("--device", default="cuda")
     r.add_argument("--budget-s", type=float, default=540.0, help="the whole pipeline")
+    g = r.add_argument_group("more prompts (drafter_mix.py): grown on the GPU, then mixed by weight")
+    g.add_argument("--magpie", type=int, default=0, help="Magpie prompts the target writes (eyas prompts)")
+    g.add_argument("--documents", default=None, help="long documents (eyas open-prompts --documents-out)")
+    g.add_argument("--doc-prompts", type=int, default=0, help="requests about the documents the target writes")
+    g.add_argument("--open-prompts", default=None, help="eyas open-prompts' file, a part of the mix")
+    g.add_argument("--prompt-max-new-tokens", type=int, default=256, help="eyas prompts --max-new-tokens")
+    g.add_argument("--grow-budget-s", type=float, default=240.0, help="eyas prompts' time, both files")
+    g.add_argument("--shared-weight", type=float, default=1.0, help="--prompts' share of the mix")
+    g.add_argument("--magpie-weight", type=float, default=1.5)
+    g.add_argument("--open-weight", type=float, default=1.0)
+    g.add_argument("--doc-weight", type=float, default=1.0)
+    g.add_argument("--grown", default=None, help="a staged run's magpie.jsonl.gz and doc_requests.jsonl.gz: "
+                   "the start of this run's files (eyas prompts adds what --magpie and --doc-prompts still ask)")
+    g.add_argument("--stop-after", choices=["mix", "train"], default="train",
+                   help="mix: stop once the prompts are grown and mixed (WORK/magpie.jsonl.gz, doc_requests.jsonl.gz)")
+    g.add_argument("--follow-up-share", type=float, default=0.3, help="Magpie and open prompts given a second turn")
     r.add_argument("--before-src", default=None, help="src/ of the old commit: measure its throughput first")
     r.add_argument("--before-prompts", type=int, default=128, help="one batch: the old code cannot report a partial run")
     r.add_argument("--before-steps", type=int, default=40)

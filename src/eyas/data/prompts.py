@@ -163,6 +163,12 @@ class Document:
     text: str
 
 
+def document_prompt(doc: Document, request: str) -> str:
+    """The prompt about a document: the document, a blank line, the request (what the target read
+    before writing the request)."""
+    return f"{doc.text}\n\n{request}"
+
+
 def read_documents(path: str | Path) -> list[Document]:
     """``{"id", "text"}`` JSON lines (``eyas open-prompts --documents-out`` writes them)."""
     docs = []
@@ -242,7 +248,7 @@ def make_prompts(generator: BatchGenerator, tokenizer: Any, out_path: str | Path
                 if (per_doc[doc.id] if doc is not None else filt).why_not(text, ids, finish) is not None:
                     continue
                 about = {} if doc is None else {"document": doc.id, "request": text.strip()}
-                content = text.strip() if doc is None else f"{doc.text}\n\n{text.strip()}"
+                content = text.strip() if doc is None else document_prompt(doc, text.strip())
                 record = {"id": f"magpie-{b}-{j}", "messages": [{"role": "user", "content": content}],
                           "source": {"generator": "magpie", "target": source, "temperature": t, "top_p": top_p,
                                      **about}}
