@@ -21,7 +21,8 @@
 #               (the engine's batched rounds against plain steps per rows and depth, ROW_SIZES)
 #   rows        the engine's batched rounds alone, warm (RUN=/tmp/rows): row_speculation_cpu.py, ROW_SIZES x
 #               (plain steps, DEPTHS chains, TREES trees) at TEMPS, STEPS rounds a setting (PLAIN_EVERY=N:
-#               every N-th of a round setting's steps plain, the drafter catching up after it; NO_CATCH_UP=1: not)
+#               every N-th of a round setting's steps plain, the drafter catching up after it; a list such as
+#               PLAIN_EVERY='0 4' runs one pass each, rows.json then rows-every4.json; NO_CATCH_UP=1: not)
 #   wait [S]    wait up to S seconds (default 540) for it to end; copy what is done into $OUT
 #
 # Results: $OUT/serve_load.json, serve_load.log, startup.json, startup.log, profile.json, profile.log, rows.json,
@@ -139,12 +140,16 @@ case "${1:-}" in
     RUN=/tmp/rows && rm -rf "$RUN" && mkdir -p "$RUN"
     setsid nohup bash -c "
       export EYAS_CACHE=/tmp/eyas-cache-rows
-      echo \"== row speculation (engine alone, warm) \$(date -u +%T)\" >> $RUN/runs.log
-      timeout ${ROWS_S:-540} python benchmarks/row_speculation_cpu.py --target /tmp/smol.gguf --draft $D \
-        --rows ${ROW_SIZES:-1,4,16,64} --depths ${DEPTHS:-2,3} --trees '${TREES:-3,4,12;4,4,16;5,4,20;4,8,24}' \
-        --temperatures ${TEMPS:-0,1} --steps ${STEPS:-32} ${PLAIN_EVERY:+--plain-every $PLAIN_EVERY} ${NO_CATCH_UP:+--no-catch-up} --json --plot $RUN/rows.png \
-        > $RUN/rows.json 2> $RUN/rows.log
-      echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
+      for every in ${PLAIN_EVERY:-0}; do
+        echo \"== row speculation (engine alone, warm), plain every \$every \$(date -u +%T)\" >> $RUN/runs.log
+        suffix=\$( [ \$every = 0 ] || echo -every\$every )
+        plain=\$( [ \$every = 0 ] || echo --plain-every \$every )
+        timeout ${ROWS_S:-540} python benchmarks/row_speculation_cpu.py --target /tmp/smol.gguf --draft $D \
+          --rows ${ROW_SIZES:-1,4,16,64} --depths ${DEPTHS:-2,3} --trees '${TREES:-3,4,12;4,4,16;5,4,20;4,8,24}' \
+          --temperatures ${TEMPS:-0,1} --steps ${STEPS:-32} \$plain ${NO_CATCH_UP:+--no-catch-up} --json \
+          --plot $RUN/rows\$suffix.png > $RUN/rows\$suffix.json 2>> $RUN/rows.log
+        echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
+      done
       echo done > $RUN/DONE" > /dev/null 2>&1 &
     sleep 5
     RUN=$RUN bash "$0" wait "${WAIT_S:-540}"
