@@ -5,6 +5,7 @@ documents) under its deadline with the toy target."""
 
 from __future__ import annotations
 
+import gzip
 import importlib
 import json
 import sys
@@ -131,3 +132,47 @@ def test_prompts_about_documents_travel_without_the_documents_and_come_back_equa
     docs.write_text(json.dumps({"id": "d0", "text": "only one"}) + "\n")
     with pytest.raises(ValueError, match=r"doc_requests.jsonl.gz:2: source.document: expected an id of .*docs.jsonl, found 'd1'"):
         dm.expand_documents(small, docs, back)
+
+
+@pytest.mark.integration
+def test_a_staged_run_resumes_from_grown_prompts_mixes_them_and_stops_after_the_mix(dm, toy_drafter, tmp_path):
+    """`run --grown DIR --stop-after mix`: an earlier stage's Magpie file and compact document
+    requests start this run's files; the mix holds every part; the stage's outputs are written again."""
+    from eyas.data.prompts import Document, document_prompt
+
+    target, _ = toy_drafter
+    train = load_script("train_smollm2_drafter")
+    grown = tmp_path / "grown"
+    grown.mkdir()
+    magpie = write(tmp_path / "magpie.jsonl", [f"tell me about {i}" for i in range(6)], "magpie")
+    with magpie.open("rb") as f, gzip.open(grown / "magpie.jsonl.gz", "wb") as g:
+        g.write(f.read())
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": "d0", "text": "A long text. " * 30}) + "\n")
+    asked = tmp_path / "asked.jsonl"
+    asked.write_text("".join(json.dumps({"id": f"magpie-0-{i}", "messages": [{"role": "user", "content": document_prompt(
+        Document("d0", "A long text. " * 30), f"Question {i}?")}], "source": {"document": "d0", "request": f"Question {i}?"}})
+        + "\n" for i in range(3)))
+    dm.compact_documents(asked, grown / "doc_requests.jsonl.gz")
+    shared = write(tmp_path / "shared.jsonl", [f"shared {i}" for i in range(4)], "shared")
+    opened = write(tmp_path / "open.jsonl", [f"translate {i}" for i in range(5)], "open")
+    work = tmp_path / "work"
+    assert train.main(["run", "--target", str(target), "--prompts", str(shared), "--work", str(work), "--device", "cpu",
+                       "--grown", str(grown), "--documents", str(docs), "--open-prompts", str(opened),
+                       "--stop-after", "mix", "--no-copy-to-out"]) == 0
+    summary = json.loads((work / "summary.json").read_text())
+    assert "grow" not in summary  # nothing asked of eyas prompts: --magpie and --doc-prompts are 0
+    parts = summary["mix"]["parts"]
+    assert {k: v["kept"] for k, v in parts.items()} == {"shared": 4, "magpie": 6, "open": 5, "documents": 3}
+    rows = [json.loads(x) for x in (work / "mix.jsonl").read_text().splitlines()]
+    assert len(rows) == 18 and summary["mix"]["long_share_estimate"]["sample"] == 18
+    assert sorted(r["messages"][0]["content"] for r in rows if r["mix_part"] == "documents") == \
+        sorted(json.loads(x)["messages"][0]["content"] for x in asked.read_text().splitlines())
+    assert not (work / "answers.jsonl").exists()  # stopped after the mix
+    with gzip.open(work / "magpie.jsonl.gz", "rt") as f:
+        assert f.read() == magpie.read_text()
+    with gzip.open(work / "doc_requests.jsonl.gz", "rt") as f, gzip.open(grown / "doc_requests.jsonl.gz", "rt") as g:
+        assert f.read() == g.read()
+    code = train.main(["run", "--target", str(target), "--prompts", str(shared), "--work", str(tmp_path / "w2"),
+                       "--device", "cpu", "--grown", str(grown), "--open-prompts", str(opened), "--stop-after", "mix"])
+    assert code == 2  # document requests without the documents they are about
