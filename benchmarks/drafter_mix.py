@@ -148,7 +148,9 @@ def read_prompts(path: Path) -> list[dict[str, Any]]:
     """The records of a prompts JSONL (``messages`` ending with a user turn); a torn last line (a
     killed writer) is skipped, any other bad line named with its file and line."""
     rows: list[dict[str, Any]] = []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): U+2028 is no line end in JSON
+    while lines and not lines[-1].strip():
+        lines.pop()
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -262,10 +264,11 @@ def compact_documents(src: Path, dest: Path) -> int:
 
 def expand_documents(src: Path, documents: Path, dest: Path) -> int:
     """The prompts of a :func:`compact_documents` file again, each the document its source names
-    and then its request (:func:`eyas.data.prompts.document_prompt`, as ``eyas prompts`` wrote it),
+    (its first ``source.document_chars`` characters where given) and then its request
+    (:func:`eyas.data.prompts.document_prompt`, as ``eyas prompts`` wrote it),
     into ``dest`` (atomically). A document missing from ``documents`` is an error naming the file,
     the line and the id. -> records written."""
-    from eyas.data.prompts import document_prompt, read_documents
+    from eyas.data.prompts import Document, document_prompt, read_documents
 
     docs = {d.id: d for d in read_documents(documents)}
     tmp = dest.with_name(dest.name + ".tmp")
@@ -278,7 +281,9 @@ def expand_documents(src: Path, documents: Path, dest: Path) -> int:
             doc_id = rec["source"].get("document")
             if doc_id not in docs:
                 raise ValueError(f"{src}:{i}: source.document: expected an id of {documents}, found {doc_id!r}")
-            content = document_prompt(docs[doc_id], rec["source"]["request"])
+            doc = docs[doc_id]
+            chars = rec["source"].get("document_chars", len(doc.text))  # eyas prompts may have cut it
+            content = document_prompt(Document(doc.id, doc.text[:chars]), rec["source"]["request"])
             out.write(json.dumps({**rec, "messages": [{"role": "user", "content": content}]}, ensure_ascii=False) + "\n")
             n += 1
     os.replace(tmp, dest)
@@ -306,7 +311,7 @@ def grow(target: str, work: Path, deadline: float, run_cli: Callable[..., tuple[
             + (["--documents", str(docs)] if docs else [])
         code, wall, text = run_cli(args, time.time() + share * left, name)
         rep = last_json(text) or {}
-        written = sum(1 for line in out.read_text(encoding="utf-8").splitlines() if line.strip()) if out.exists() else 0
+        written = sum(1 for line in out.read_bytes().split(b"\n") if line.strip()) if out.exists() else 0
         report[name] = {"exit": code, "wall_s": round(wall, 1), "prompts": written, "path": str(out),
                         **{k: rep.get(k) for k in ("generated", "kept_share", "rejected", "per_temperature")}}
     return report

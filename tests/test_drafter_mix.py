@@ -82,9 +82,12 @@ def test_mix_drops_duplicates_keeps_sources_adds_follow_ups_and_estimates_long_p
 
 @pytest.mark.unit
 def test_a_torn_last_line_is_skipped_and_any_other_bad_line_named(dm, tmp_path):
-    f = write(tmp_path / "p.jsonl", ["one", "two"], "x")
+    f = write(tmp_path / "p.jsonl", ["one", "two\u2028lines"], "x")  # U+2028: no line end in JSON
     f.write_text(f.read_text() + '{"id": "torn", "mess')  # a writer killed mid-line
     assert [r["id"] for r in dm.read_prompts(f)] == ["x-0", "x-1"]
+    f.write_text(json.dumps({"id": "y", "messages": [{"role": "user", "content": "a\u2028b"}]}, ensure_ascii=False)
+                 + "\n" + f.read_text(), encoding="utf-8")
+    assert [r["messages"][0]["content"] for r in dm.read_prompts(f)] == ["a\u2028b", "one", "two\u2028lines"]
     f.write_text('{"id": 1\n' + f.read_text())
     with pytest.raises(ValueError, match=r"p.jsonl:1: not JSON"):
         dm.read_prompts(f)
@@ -122,12 +125,15 @@ def test_prompts_about_documents_travel_without_the_documents_and_come_back_equa
         Document(f"d{i % 3}", f"Document {i % 3}. " * 50), f"Summarize it, take {i}.")}],
         "source": {"generator": "magpie", "temperature": 1.0, "document": f"d{i % 3}", "request": f"Summarize it, take {i}."}}
         for i in range(5)]
+    cut = Document("d1", ("Document 1. " * 50)[:30])  # eyas prompts --max-document-tokens: a prefix, its length kept
+    recs.append({"id": "magpie-1-0", "messages": [{"role": "user", "content": document_prompt(cut, "And this?")}],
+                 "source": {"document": "d1", "document_chars": 30, "request": "And this?"}})
     full.write_text("".join(json.dumps(r) + "\n" for r in recs))
     small = tmp_path / "doc_requests.jsonl.gz"
-    assert dm.compact_documents(full, small) == 5
+    assert dm.compact_documents(full, small) == 6
     assert small.stat().st_size < full.stat().st_size / 4  # the documents stay behind
     back = tmp_path / "back.jsonl"
-    assert dm.expand_documents(small, docs, back) == 5
+    assert dm.expand_documents(small, docs, back) == 6
     assert [json.loads(x) for x in back.read_text().splitlines()] == recs
     docs.write_text(json.dumps({"id": "d0", "text": "only one"}) + "\n")
     with pytest.raises(ValueError, match=r"doc_requests.jsonl.gz:2: source.document: expected an id of .*docs.jsonl, found 'd1'"):

@@ -156,6 +156,7 @@ def test_with_documents_the_target_asks_about_each_and_duplicates_are_judged_per
     assert [x["messages"][0]["content"] for x in records] == [
         f"{docs[0].text}\n\n{ask}", f"{docs[1].text}\n\n{ask}", f"{docs[1].text}\n\nSummarize the text in one sentence."]
     assert [x["source"]["document"] for x in records] == ["a", "b", "b"] and records[0]["source"]["request"] == ask
+    assert [x["source"]["document_chars"] for x in records] == [len(docs[0].text)] + [len(docs[1].text)] * 2
     assert r.rejected["duplicate"] == 1
     prompts, _ = gen.calls[0]  # row j of batch 0 continues the header, document j and a blank line
     assert prompts == [user_header(tok) + tok.encode(d.text + "\n\n", add_special_tokens=False) for d in docs]
@@ -167,3 +168,37 @@ def test_with_documents_the_target_asks_about_each_and_duplicates_are_judged_per
     (tmp_path / "d.jsonl").write_text('{"id": "x", "text": "t"}\n{"id": "y"}\n')
     with pytest.raises(EyasError, match=r"d.jsonl line 2: expected a JSON record with id and text"):
         read_documents(tmp_path / "d.jsonl")
+
+
+@pytest.mark.unit
+def test_documents_are_cut_to_a_prefix_of_at_most_the_tokens_asked_at_a_break_when_near():
+    from eyas.data.prompts import Document, cut_documents
+
+    tok = chat_tokenizer()  # one token a byte
+    short = Document("s", "A short one.")
+    prose = Document("p", "One sentence here. " * 20)  # 380 bytes; a sentence ends every 19
+    flat = Document("f", "x" * 300)  # no break anywhere
+    cut = cut_documents([short, prose, flat], tok, 100)
+    assert cut[0] == short
+    assert cut[1].id == "p" and prose.text.startswith(cut[1].text) and cut[1].text.endswith("here.")
+    assert 80 < len(tok.encode(cut[1].text, add_special_tokens=False)) <= 100
+    assert cut[2] == Document("f", "x" * 100)
+    with pytest.raises(ValueError, match="max_tokens: expected >= 1, found 0"):
+        cut_documents([short], tok, 0)
+
+
+@pytest.mark.unit
+def test_resuming_reads_lines_at_newlines_only_and_cuts_a_torn_last_line(tmp_path):
+    """A prompt may hold U+2028 raw (JSON allows it; str.splitlines() took it for a line end), and a
+    killed writer leaves half a line: the resume counts the whole records and appends after them."""
+    tok = chat_tokenizer()
+    out = tmp_path / "prompts.jsonl"
+    first = {"id": "magpie-0-0", "messages": [{"role": "user", "content": "Line one\u2028line two of one prompt?"}],
+             "source": {"generator": "magpie"}}
+    out.write_text(json.dumps(first, ensure_ascii=False) + '\n{"id": "magpie-0-1", "messa', encoding="utf-8")
+    ask = "What were the main causes of the French Revolution?"
+    r = make_prompts(Scripted(tok, [(ask, "eos")]), tok, out, count=2, batch_size=1, seed=0)
+    assert (r.existing, r.written) == (1, 1)
+    records = [json.loads(x) for x in out.read_text(encoding="utf-8").split("\n") if x]
+    assert [x["messages"][0]["content"] for x in records] == [first["messages"][0]["content"], ask]
+    assert records[1]["id"] == "magpie-1-0"  # after the file's batch 0

@@ -355,6 +355,8 @@ def prompts_cmd(
     cache: str = typer.Option("auto", help="--engine hf's KV cache, as eyas regenerate"),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N"),
     target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
+    max_document_tokens: int = typer.Option(2048, min=1, help="--documents: each cut to its first this many "
+                                                                "tokens (the prompt holds what the target read)"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
     """Let the target write user prompts itself (Magpie): continuations of its chat template's user
@@ -362,7 +364,7 @@ def prompts_cmd(
     (exact and near)."""
     from tqdm.auto import tqdm
 
-    from eyas.data.prompts import NearDuplicates, PromptFilter, make_prompts, read_documents
+    from eyas.data.prompts import NearDuplicates, PromptFilter, cut_documents, make_prompts, read_documents
     from eyas.data.regenerate import HFGenerator
 
     temps = _floats("--temperatures", temperatures)
@@ -372,6 +374,7 @@ def prompts_cmd(
     rows = _rows(rows, batch_size, engine)
     loaded = _load(target, device, target_dtype, None)
     model, tokenizer = loaded.model, loaded.tokenizer
+    docs = cut_documents(docs, tokenizer, max_document_tokens) if docs else ()
     generator = _generator(model, engine, rows, progress=False)
     if generator is not None and batch_size is not None and batch_size < rows:
         _fail(_rows_vs_batch(rows, batch_size))

@@ -42,6 +42,7 @@ import numpy as np
 
 from eyas.data.generation import BatchGenerator, BatchParams
 from eyas.data.loops import find_loops
+from eyas.data.regenerate_output import read_resumable_jsonl
 from eyas.data.render import TEMPLATE_DEFAULT, user_header
 from eyas.errors import EyasError
 
@@ -169,6 +170,30 @@ def document_prompt(doc: Document, request: str) -> str:
     return f"{doc.text}\n\n{request}"
 
 
+def cut_documents(docs: Sequence[Document], tokenizer: Any, max_tokens: int) -> list[Document]:
+    """Each document cut to at most ``max_tokens`` of the tokenizer's tokens, as a prefix of its
+    text (``doc.text[:n]``: an id and a character count say exactly what a prompt holds), ended
+    at the last line or sentence break in the final fifth when there is one. Why: the target
+    prefills every document it writes a request about, and a long one costs its square in
+    attention and its length in every row's cache (an H100 wrote 2.3 requests a second about
+    documents of up to 10.8k tokens, 394 Magpie turns a second); serving reads long contexts, but a
+    drafter learns them from 1-2k tokens as well."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens: expected >= 1, found {max_tokens}")
+    out = []
+    for d in docs:
+        enc = tokenizer(d.text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+        if len(offsets) <= max_tokens:
+            out.append(d)
+            continue
+        end = offsets[max_tokens - 1][1]  # the character after the last token kept
+        head = d.text[:end]
+        brk = max(head.rfind("\n"), head.rfind(". ") + 1)
+        out.append(Document(d.id, d.text[:brk] if brk > 0.8 * end else head))
+    return out
+
+
 def read_documents(path: str | Path) -> list[Document]:
     """``{"id", "text"}`` JSON lines (``eyas open-prompts --documents-out`` writes them)."""
     docs = []
@@ -200,7 +225,9 @@ def make_prompts(generator: BatchGenerator, tokenizer: Any, out_path: str | Path
     ``(b * batch_size + j) mod D`` and a blank line: the target writes a request about that
     document (a question, a summary to make, a task on it), and the prompt is the document, a blank
     line and that request. Exact and near duplicates are judged among one document's requests, and
-    the record's ``source`` names the document and holds the request alone (``request``)."""
+    the record's ``source`` names the document, the characters of it the prompt holds
+    (``document_chars``: documents may come cut, :func:`cut_documents`) and the request alone
+    (``request``)."""
     if count < 1 or batch_size < 1 or not temperatures or any(t <= 0 for t in temperatures):
         raise ValueError(f"count, batch_size: expected >= 1, temperatures > 0; found {count}, {batch_size}, "
                          f"{list(temperatures)}")
@@ -213,18 +240,17 @@ def make_prompts(generator: BatchGenerator, tokenizer: Any, out_path: str | Path
                                   rejected=filt.rejected) for d in documents}
     prefixes = [list(header) + tokenizer.encode(d.text + "\n\n", add_special_tokens=False) for d in documents]
     existing, next_batch = 0, 0
-    if out.exists():
-        for line in out.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                record = json.loads(line)
-                doc = record.get("source", {}).get("document")
-                if doc is not None and doc in per_doc:
-                    per_doc[doc].remember(record["source"]["request"])
-                elif doc is None:
-                    filt.remember(record["messages"][0]["content"])
-                existing += 1
-                m = re.fullmatch(r"magpie-(\d+)-\d+", str(record.get("id", "")))
-                next_batch = max(next_batch, int(m.group(1)) + 1) if m else next_batch
+    # Resume: a killed run leaves a torn last line (cut off here); lines end at b"\n" only, as a
+    # prompt may hold U+2028 raw, which str.splitlines() takes for a line end.
+    for record in read_resumable_jsonl(out):
+        doc = record.get("source", {}).get("document")
+        if doc is not None and doc in per_doc:
+            per_doc[doc].remember(record["source"]["request"])
+        elif doc is None:
+            filt.remember(record["messages"][0]["content"])
+        existing += 1
+        m = re.fullmatch(r"magpie-(\d+)-\d+", str(record.get("id", "")))
+        next_batch = max(next_batch, int(m.group(1)) + 1) if m else next_batch
     need = count - existing
     generator.reserve(max((len(p) for p in prefixes), default=len(header)), max_new_tokens)
     limit = max_batches if max_batches is not None else 20 * -(-max(need, 0) // batch_size)
@@ -247,7 +273,8 @@ def make_prompts(generator: BatchGenerator, tokenizer: Any, out_path: str | Path
                 doc = documents[rows[j]] if documents else None
                 if (per_doc[doc.id] if doc is not None else filt).why_not(text, ids, finish) is not None:
                     continue
-                about = {} if doc is None else {"document": doc.id, "request": text.strip()}
+                about = {} if doc is None else {"document": doc.id, "document_chars": len(doc.text),
+                                                 "request": text.strip()}
                 content = text.strip() if doc is None else document_prompt(doc, text.strip())
                 record = {"id": f"magpie-{b}-{j}", "messages": [{"role": "user", "content": content}],
                           "source": {"generator": "magpie", "target": source, "temperature": t, "top_p": top_p,
