@@ -40,7 +40,10 @@ def batch_mode(speculation: str, batch_speculation: str | None = None) -> str:
     0.6-0.9x at temperature 1 (a chain's tau is 2.1-2.3; a round costs 1.7-1.9 plain steps), and a
     server learning that online also compiles and captures each round shape it tries (117 s in
     ``2026-12-06-serve-load-h100-engine-process.md``; now prepared while idle, and a round waits
-    for its compilation by rent or buy); a request alone still speculates (its tree rounds: 1.7-3.1x)."""
+    for its compilation by rent or buy); a request alone still speculates (its tree rounds: 1.7-3.1x).
+    Batched trees accept more (tau 2.7-3.1 against a chain's 2.1-2.3) but a round costs 2.3-3.8
+    plain steps: 1.17-1.30x plain at 1-4 rows, 0.82-1.04x at 16-64, where a chain of 3 gave
+    1.07-1.27x (H100, temperature 0, ``2026-12-07-row-trees-h100.md``)."""
     for name, value in (("speculation", speculation), ("batch_speculation", batch_speculation)):
         if value is not None and value not in MODES:
             raise ValueError(f"{name}: expected one of {list(MODES)}, found {value!r}")
