@@ -280,12 +280,13 @@ def run(a: argparse.Namespace) -> int:
                              lambda texts: [len(x) for x in tok(texts, add_special_tokens=False)["input_ids"]])
         prompts = work / "mix.jsonl"
         save_summary()
-        if a.stop_after == "mix":  # a staged run: the grown prompts travel, gzipped, to the next session
+        if a.stop_after == "mix" or "grow" in summary:  # what grew travels, gzipped, to the next session
             if (work / "magpie.jsonl").exists():
-                with (work / "magpie.jsonl").open("rb") as f, gzip.open(work / "magpie.jsonl.gz", "wb", 9) as g:
+                with (work / "magpie.jsonl").open("rb") as f, gzip.open(work / "magpie.jsonl.gz", "wb", 6) as g:
                     shutil.copyfileobj(f, g)
             if (work / "doc_prompts.jsonl").exists():  # the requests alone: the documents travel once
                 compact_documents(work / "doc_prompts.jsonl", work / "doc_requests.jsonl.gz")
+        if a.stop_after == "mix":
             log(f"stopped after the mix: {json.dumps(summary['mix'])}")
             return 0
 
