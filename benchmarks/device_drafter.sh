@@ -43,10 +43,11 @@
 #                prompts and trees, HF generate compiled beside the new one ($OUT/compare.tar, compare.log)
 #   bench [ARGS] benchmarks/spec_gpu.py on MT-bench with the drafter, results into $OUT/spec (COMMIT=sha)
 #   grow ARGS    issue 34's staged first step: start with --stop-after mix (eyas prompts writes Magpie turns and
-#                requests about the open sets' documents, then the mix); carry .device/g4/smol.p3 (the four-part
-#                split: p0 with setup, p1 and .device/open/docs.jsonl.gz with part, p2, .device/open/open.jsonl.gz and
-#                .device/data.tgz with part), then `wait`: once done, $OUT gets magpie.jsonl.gz, doc_requests.jsonl.gz
-#                and summary.json
+#                requests about the open sets' documents, then the mix; --grown benchmarks/grown starts from what
+#                earlier sessions grew); carry the GGUF's last part (the five-part split .device/g5/smol.p0..p4:
+#                p0 and .device/wheels with setup, p1 and .device/open/open.jsonl.gz with part, p2,
+#                .device/open/docs.jsonl.gz and .device/data.tgz with part, p3 with part), then `wait`: once done,
+#                $OUT gets magpie.jsonl.gz, doc_requests.jsonl.gz and summary.json (commit them into benchmarks/grown)
 #   part         keep the GGUF parts carried in this call (a three-part split, .device/g3/smol.p0..p2, for
 #                calls whose work tree is larger: carry p0 with setup, p1 with `part`, p2 with `measure`),
 #                and unpack .device/data.tgz (`tar czf .device/data.tgz -C benchmarks/data .`: the prompt
@@ -72,7 +73,7 @@ mkdir -p /tmp/drafter
 
 keep_parts() {  # the GGUF parts (and the prompt mix, .device/data.tgz; the open sets, .device/open/*.jsonl.gz)
   # carried in this call, kept in /tmp
-  for f in .device/gguf/smol.part0* .device/g3/smol.p* .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
+  for f in .device/gguf/smol.part0* .device/g[0-9]/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
   if [ -f .device/data.tgz ]; then mkdir -p /tmp/data && tar xzf .device/data.tgz -C /tmp/data && ls /tmp/data; fi
   for f in .device/open/*.jsonl.gz; do
     [ -f "$f" ] && mkdir -p /tmp/open && gunzip -c "$f" > "/tmp/open/$(basename "$f" .gz)" && echo "kept $f"
@@ -81,8 +82,7 @@ keep_parts() {  # the GGUF parts (and the prompt mix, .device/data.tgz; the open
 
 join_gguf() {  # /tmp/smol.gguf from the parts kept (two-part or three-part split), sha256 checked
   if [ ! -f /tmp/smol.gguf ]; then
-    if [ -f /tmp/smol.p3 ]; then cat /tmp/smol.p0 /tmp/smol.p1 /tmp/smol.p2 /tmp/smol.p3 > /tmp/smol.gguf
-    elif [ -f /tmp/smol.p0 ]; then cat /tmp/smol.p0 /tmp/smol.p1 /tmp/smol.p2 > /tmp/smol.gguf
+    if [ -f /tmp/smol.p0 ]; then cat /tmp/smol.p[0-9] > /tmp/smol.gguf  # a 3-, 4- or 5-part split, in order
     else cat /tmp/smol.part00 /tmp/smol.part01 > /tmp/smol.gguf; fi
   fi
   echo "$SHA  /tmp/smol.gguf" | sha256sum -c -

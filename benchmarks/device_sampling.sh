@@ -32,15 +32,15 @@ collect() {
 }
 
 join_gguf() {
-  for f in .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
-  [ -f /tmp/smol.gguf ] || cat /tmp/smol.p0 /tmp/smol.p1 /tmp/smol.p2 /tmp/smol.p3 > /tmp/smol.gguf
+  for f in .device/g[0-9]/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
+  [ -f /tmp/smol.gguf ] || cat /tmp/smol.p[0-9] > /tmp/smol.gguf
   echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
   python -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
 }
 
 case "${1:-}" in
   part)
-    for f in .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/ && echo "kept $f"; done
+    for f in .device/g[0-9]/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/ && echo "kept $f"; done
     if [ -d .device/wheels ] && [ ! -d /tmp/deps ]; then
       pip install -q --no-index --no-deps --target /tmp/deps .device/wheels/*.whl 2>&1 | grep -v "root user" || true
     fi

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 33 on the lent GPU, in few calls (each call: `bash benchmarks/device_serve.sh STEP`).
-# The work tree (31 MB) leaves room for a quarter of the SmolLM2 GGUF a call: split it in four
-# (`split -n 4 -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf .device/g4/smol.p`, git-ignored) and carry one
-# part a call, the next call within the machine's 30 s of warmth; the py3.12 wheels the image lacks
+# The work tree (39 MB with benchmarks/grown) leaves room for a fifth of the SmolLM2 GGUF a call: split
+# it in five (`split -n 5 -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf .device/g5/smol.p`, git-ignored; any
+# .device/g<N>/ split is taken, joined in order) and carry one part a call, the next call within the
+# machine's 30 s of warmth; the py3.12 wheels the image lacks
 # (gguf, pydantic, fastapi, uvicorn and their needs) travel in .device/wheels with the first.
 #
 #   part        keep the GGUF parts carried in this call in /tmp; install the wheels into /tmp/deps once
@@ -48,14 +49,14 @@ collect() {
 
 case "${1:-}" in
   part)
-    for f in .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/ && echo "kept $f"; done
+    for f in .device/g[0-9]/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/ && echo "kept $f"; done
     if [ -d .device/wheels ] && [ ! -d /tmp/deps ]; then
       pip install -q --no-index --no-deps --target /tmp/deps .device/wheels/*.whl 2>&1 | grep -v "root user" || true
     fi
     ls -la /tmp/smol.p* 2>/dev/null || true
     ;;
   start)
-    for f in .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
+    for f in .device/g[0-9]/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
     [ -f /tmp/smol.gguf ] || cat /tmp/smol.p[0-9] > /tmp/smol.gguf
     echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
     python -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
@@ -91,7 +92,7 @@ case "${1:-}" in
     # the cold start, then two warm ones); a load with speculation off that compiles the batch's
     # shapes (warming.json, not a measure); then serve_load.py, SPEC (default auto,off) one server at
     # a time on the warm cache, CLIENTS x TEMPS
-    for f in .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
+    for f in .device/g[0-9]/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
     [ -f /tmp/smol.gguf ] || cat /tmp/smol.p[0-9] > /tmp/smol.gguf
     echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
     python -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
@@ -133,7 +134,7 @@ case "${1:-}" in
     # The engine's batched rounds alone, warm (RUN=/tmp/rows; `RUN=/tmp/rows bash $0 wait` in the
     # next calls): row_speculation_cpu.py on the GPU, ROW_SIZES x (plain, DEPTHS chains, TREES trees)
     # at TEMPS
-    for f in .device/g4/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
+    for f in .device/g[0-9]/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
     [ -f /tmp/smol.gguf ] || cat /tmp/smol.p[0-9] > /tmp/smol.gguf
     echo "$SHA  /tmp/smol.gguf" | sha256sum -c -
     python -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"

@@ -182,3 +182,25 @@ def test_a_staged_run_resumes_from_grown_prompts_mixes_them_and_stops_after_the_
     code = train.main(["run", "--target", str(target), "--prompts", str(shared), "--work", str(tmp_path / "w2"),
                        "--device", "cpu", "--grown", str(grown), "--open-prompts", str(opened), "--stop-after", "mix"])
     assert code == 2  # document requests without the documents they are about
+
+
+@pytest.mark.unit
+def test_the_committed_grown_prompts_are_what_their_source_file_says(dm, tmp_path):
+    """benchmarks/grown/: each file's sha256 and record count as SOURCE.md states them; the Magpie
+    turns read as prompts; every document request names its document and holds its request."""
+    import hashlib
+    import re
+
+    grown = BENCHMARKS / "grown"
+    table = {m.group(1): (int(m.group(2).replace(",", "")), m.group(3)) for m in re.finditer(
+        r"\| `([\w.]+\.gz)` \| ([\d,]+) \| `([0-9a-f]{64})` \|", (grown / "SOURCE.md").read_text())}
+    assert set(table) == {"magpie.jsonl.gz", "doc_requests.jsonl.gz"}
+    for name, (_, sha) in table.items():
+        assert hashlib.sha256((grown / name).read_bytes()).hexdigest() == sha, name
+    magpie = tmp_path / "magpie.jsonl"
+    magpie.write_bytes(gzip.decompress((grown / "magpie.jsonl.gz").read_bytes()))
+    rows = dm.read_prompts(magpie)
+    assert len(rows) == table["magpie.jsonl.gz"][0] == len({r["messages"][0]["content"] for r in rows})
+    requests = [json.loads(x) for x in gzip.decompress((grown / "doc_requests.jsonl.gz").read_bytes()).split(b"\n") if x]
+    assert len(requests) == table["doc_requests.jsonl.gz"][0]
+    assert all(r["source"]["document"] and r["source"]["request"].strip() and "messages" not in r for r in requests)
