@@ -10,6 +10,10 @@
 #   start ARGS   join the GGUF (sha256 checked), start train_smollm2_drafter.py run ARGS in the
 #                background (its log: /tmp/drafter/run.log), then wait like `wait`
 #   wait [S]     wait up to S seconds (default 540) for the run to end, print the log's last lines
+#   train ARGS   `start ARGS`, then in the same background job `evaluate` (so no call waits between them); `wait`
+#                returns, once both are done, the drafter (`collect`), eval.tar and doc_requests.jsonl.gz in $OUT
+#   evaluate     issue 34's bars: `eyas bench` on the six sets (mt_bench humaneval gsm8k alpaca sum qa), tree
+#                4,8,15, temperatures 0 and 1, EVAL_LIMIT prompts a set (24), the drafter trained and the shipped one
 #   collect      the drafter (bf16 shards + a tar of its small files), the summary and the logs into $OUT
 #   requests     where a real request's time goes (round_cost_gpu.py --prompt-set mt_bench, the GC as is and frozen),
 #                with SmolLM2's weights and randomised (after setup and part; carry the GGUF's last part)
@@ -122,14 +126,50 @@ kernel_tests() {  # LIMIT_S: the Triton kernels' tests compiled on the GPU (the 
   tail -n 3 "$OUT/kernel_tests.log"
 }
 
-wait_run() {  # and once it is done, what a staged run left for the next session (grow) into $OUT
-  local limit=${1:-540} t=0
-  while [ ! -f /tmp/drafter/DONE ] && [ "$t" -lt "$limit" ]; do sleep 10; t=$((t + 10)); done
-  [ -f /tmp/drafter/DONE ] && echo "run finished: $(cat /tmp/drafter/DONE)" || echo "still running after ${t} s"
-  if [ -f /tmp/drafter/DONE ]; then
+wait_run() {  # and once it is done, what a staged run left for the next session (grow) into $OUT; after
+  # `train`, wait for its evaluation too, then collect the drafter, its evaluation and the requests that grew
+  local limit=${1:-540} t=0 done=/tmp/drafter/DONE
+  [ -f /tmp/drafter/EVAL_WANTED ] && done=/tmp/drafter/FINISHED
+  while [ ! -f "$done" ] && [ "$t" -lt "$limit" ]; do sleep 10; t=$((t + 10)); done
+  [ -f "$done" ] && echo "run finished: $(cat /tmp/drafter/DONE)" || echo "still running after ${t} s"
+  if [ -f "$done" ] && [ "$done" = /tmp/drafter/FINISHED ]; then
+    [ -f "$WORK/doc_requests.jsonl.gz" ] && cp "$WORK/doc_requests.jsonl.gz" "$OUT/"
+    (cd /tmp/drafter && tar cf "$OUT/eval.tar" eval) || true
+    [ -d "$WORK/drafter" ] && collect
+  elif [ -f "$done" ]; then
     for f in "$WORK"/*.jsonl.gz "$WORK/summary.json"; do [ -f "$f" ] && cp "$f" "$OUT/"; done
   fi
   tr '\r' '\n' < "$LOG" | grep -av "it/s\]$\|s/it\]$" | tail -n 40
+  for f in /tmp/drafter/eval/*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 14 "$f"; }; done; true
+}
+
+collect() {  # the drafter (bf16 shards + a tar of its small files), the summary and the log into $OUT
+  python - <<'PY'
+import sys, pathlib as p
+sys.path.insert(0, "benchmarks")
+import train_smollm2_drafter as t
+print(t.transport_copy(p.Path("benchmarks/out/smollm2/drafter"), p.Path("/tmp/drafter/bf16")))
+PY
+  cp /tmp/drafter/bf16/*.safetensors "$OUT/"
+  (cd /tmp/drafter/bf16 && tar cf "$OUT/drafter_meta.tar" --exclude='*.safetensors' .)
+  cp "$WORK/summary.json" "$OUT/train_summary.json"
+  tr '\r' '\n' < "$LOG" | grep -av "it/s\]$\|s/it\]$" > "$OUT/run.log"
+  ls -la "$OUT"
+}
+
+evaluate() {  # issue 34's bars: the six EAGLE sets, tree 4,8,15, temperatures 0 and 1, EVAL_LIMIT prompts a set
+  # (default 24), 128 new tokens: the drafter just trained, then the shipped one, one process each
+  local d=/tmp/drafter/eval name dir
+  mkdir -p "$d"
+  for name in new shipped; do
+    dir=$WORK/drafter
+    [ "$name" = shipped ] && dir=src/eyas/interop/embedded/smollm2-135m-instruct
+    [ -d "$dir" ] || continue
+    timeout "${EVAL_S:-420}" python -m eyas.cli.main bench --target /tmp/smol.gguf --draft "$dir" \
+      --prompts mt_bench --prompts humaneval --prompts gsm8k --prompts alpaca --prompts sum --prompts qa \
+      --temperatures 0,1 --max-new-tokens 128 --limit "${EVAL_LIMIT:-24}" --tree 4,8,15 --no-hf \
+      --out "$d/$name.json" --png "$d/$name.png" > "$d/$name.log" 2>&1 || echo "bench exit $?" >> "$d/$name.log"
+  done
 }
 
 case "${1:-}" in
@@ -139,20 +179,23 @@ case "${1:-}" in
     if [ -f .device/old_src.tar.gz ]; then mkdir -p /tmp/old && tar xzf .device/old_src.tar.gz -C /tmp/old; fi
     python -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
     ;;
-  start)
+  start|train)
+    stage=$1
     shift
     keep_parts
     join_gguf
-    rm -f /tmp/drafter/DONE
+    rm -f /tmp/drafter/DONE /tmp/drafter/FINISHED /tmp/drafter/EVAL_WANTED
+    then=true
+    [ "$stage" = train ] && touch /tmp/drafter/EVAL_WANTED && then="bash benchmarks/device_drafter.sh evaluate"
     setsid nohup bash -c "python benchmarks/train_smollm2_drafter.py run --target /tmp/smol.gguf --no-copy-to-out $* \
-      > $LOG 2>&1; echo \"exit \$?\" > /tmp/drafter/DONE" > /dev/null 2>&1 &
+      > $LOG 2>&1; echo \"exit \$?\" > /tmp/drafter/DONE; $then; touch /tmp/drafter/FINISHED" > /dev/null 2>&1 &
     wait_run 530
     ;;
   grow)
     shift
     keep_parts
     join_gguf
-    rm -f /tmp/drafter/DONE
+    rm -f /tmp/drafter/DONE /tmp/drafter/EVAL_WANTED
     setsid nohup bash -c "python benchmarks/train_smollm2_drafter.py run --target /tmp/smol.gguf --stop-after mix $* \
       > $LOG 2>&1; echo \"exit \$?\" > /tmp/drafter/DONE" > /dev/null 2>&1 &
     wait_run 530
@@ -161,17 +204,10 @@ case "${1:-}" in
     wait_run "${2:-540}"
     ;;
   collect)
-    python - <<'EOF'
-import sys, pathlib as p
-sys.path.insert(0, "benchmarks")
-import train_smollm2_drafter as t
-print(t.transport_copy(p.Path("benchmarks/out/smollm2/drafter"), p.Path("/tmp/drafter/bf16")))
-EOF
-    cp /tmp/drafter/bf16/*.safetensors "$OUT/"
-    (cd /tmp/drafter/bf16 && tar cf "$OUT/drafter_meta.tar" --exclude='*.safetensors' .)
-    cp "$WORK/summary.json" "$OUT/train_summary.json"
-    tr '\r' '\n' < "$LOG" | grep -av "it/s\]$\|s/it\]$" > "$OUT/run.log"
-    ls -la "$OUT"
+    collect
+    ;;
+  evaluate)
+    evaluate
     ;;
   bench)
     shift
