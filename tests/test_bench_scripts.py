@@ -329,3 +329,39 @@ def test_plot_serve_load_draws_each_setting_and_marks_the_levels_that_compiled(t
     bad.write_text(json.dumps({"rows": []}))
     assert plot.main([str(bad)]) == 2
     assert f"{bad}: expected a serve_load.py --json report with 'levels'" in capsys.readouterr().err
+
+
+def _bench_report(path: Path, figures: dict[float, dict[str, tuple[float, float]]], tree: str = "4,8,15") -> Path:
+    """An `eyas bench --out` report holding (tau, first-draft acceptance) per temperature and set."""
+    temps = [{"temperature": t, "sets": [{"set": name, "tree": tree, "temperature": t, "prompts": 2, "tau": tau,
+                                          "acceptance_per_position": [first, first / 2], "speedup_vs_plain": 1.1}
+                                         for name, (tau, first) in sets.items()]} for t, sets in figures.items()]
+    path.write_text(json.dumps({"tree": [4, 8, 15], "temperatures": temps}))
+    return path
+
+
+def test_compare_drafters_tables_both_reports_against_the_bars_and_refuses_other_sets(tmp_path, capsys):
+    compare = load_script("compare_drafters")
+    a = _bench_report(tmp_path / "a.json", {0.0: {"mt_bench": (3.3, 0.85), "sum": (3.25, 0.79)},
+                                            1.0: {"mt_bench": (2.7, 0.6), "sum": (2.6, 0.5)}})
+    b = _bench_report(tmp_path / "b.json", {0.0: {"mt_bench": (3.4, 0.9), "sum": (3.3, 0.81)},
+                                            1.0: {"mt_bench": (2.5, 0.6), "sum": (2.6, 0.5)}})
+    md, png = tmp_path / "t.md", tmp_path / "t.png"
+    assert compare.main([f"new={a}", f"old={b}", "--md", str(md), "--png", str(png), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [(r["temperature"], r["set"], r["new"]["tau"], r["old"]["first"]) for r in result["rows"]] == [
+        (0.0, "mt_bench", 3.3, 0.9), (0.0, "sum", 3.25, 0.81), (1.0, "mt_bench", 2.7, 0.6), (1.0, "sum", 2.6, 0.5)]
+    # T=0: every set's tau >= 3.2 and first-draft acceptance >= 0.8; T=1: the sets' mean tau >= 2.6
+    assert result["summary"]["new"]["0"] == {"mean_tau": 3.275, "mean_first": 0.82, "sets_below_bar": ["sum"],
+                                             "meets_bar": False}
+    assert result["summary"]["old"]["0"]["meets_bar"] and result["summary"]["new"]["1"]["meets_bar"]
+    assert not result["summary"]["old"]["1"]["meets_bar"]  # mean 2.55
+    assert "| 0 | sum | 3.25 | 0.79 | 1.10 | 3.30 | 0.81 | 1.10 |" in md.read_text()
+    assert png.stat().st_size > 0
+    c = _bench_report(tmp_path / "c.json", {0.0: {"mt_bench": (3.3, 0.85)}, 1.0: {"mt_bench": (2.7, 0.6)}})
+    with pytest.raises(SystemExit, match=r"other: expected the sets and tree of new at temperature 0 "
+                                         r"\(\['mt_bench', 'sum'\]\), found \['mt_bench'\]"):
+        compare.main([f"new={a}", f"other={c}"])
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(SystemExit, match=r"x=.*bad.json: expected an `eyas bench --out` JSON report"):
+        compare.main([f"new={a}", f"x={tmp_path / 'bad.json'}"])
