@@ -151,7 +151,7 @@ def test_with_documents_the_target_asks_about_each_and_duplicates_are_judged_per
               ("Summarize the text in one sentence.", "eos")]  # about b
     gen = Scripted(tok, script)
     out = tmp_path / "p.jsonl"
-    r = make_prompts(gen, tok, out, count=3, batch_size=2, seed=1, documents=docs)
+    r = make_prompts(gen, tok, out, count=3, batch_size=2, seed=1, documents=docs, openers=())
     records = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["messages"][0]["content"] for x in records] == [
         f"{docs[0].text}\n\n{ask}", f"{docs[1].text}\n\n{ask}", f"{docs[1].text}\n\nSummarize the text in one sentence."]
@@ -163,11 +163,46 @@ def test_with_documents_the_target_asks_about_each_and_duplicates_are_judged_per
     assert gen.reserved[0] == max(len(p) for p in prompts)
     # resume: the file's requests are indexed per document
     gen2 = Scripted(tok, [(ask, "eos"), ("Who built it?", "eos")])
-    r2 = make_prompts(gen2, tok, out, count=4, batch_size=2, seed=1, documents=docs)
+    r2 = make_prompts(gen2, tok, out, count=4, batch_size=2, seed=1, documents=docs, openers=())
     assert (r2.existing, r2.written, r2.rejected["duplicate"]) == (3, 1, 1)
     (tmp_path / "d.jsonl").write_text('{"id": "x", "text": "t"}\n{"id": "y"}\n')
     with pytest.raises(EyasError, match=r"d.jsonl line 2: expected a JSON record with id and text"):
         read_documents(tmp_path / "d.jsonl")
+
+
+@pytest.mark.unit
+def test_a_request_about_a_document_starts_with_an_opener_the_target_completes(tmp_path):
+    from eyas.data.prompts import REQUEST_OPENERS, Document
+
+    tok = chat_tokenizer()
+    docs = [Document("a", "The river flooded the town in May."), Document("b", "The bridge was built in 1890.")]
+    openers = ("Summarize", "According to the text,", "List")
+    completions = [" the text in one sentence.", " when did the river flood?", " the dates in the text.",
+                   " it for a child.", " who built the bridge?", " every place named."]
+    gen = Scripted(tok, [(c, "eos") for c in completions])
+    out = tmp_path / "p.jsonl"
+    make_prompts(gen, tok, out, count=6, batch_size=6, seed=3, documents=docs, openers=openers)
+    prompts, _ = gen.calls[0]
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(records) == 6
+    header = user_header(tok)
+    for j, (prompt, rec, completion) in enumerate(zip(prompts, records, completions)):
+        doc = docs[j % 2]
+        opener = rec["source"]["opener"]
+        assert opener in openers
+        # what the target read: header, document, blank line, opener; what it wrote completes the opener
+        assert prompt == header + tok.encode(doc.text + "\n\n", add_special_tokens=False) \
+            + tok.encode(opener, add_special_tokens=False)
+        assert rec["source"]["request"] == (opener + completion).strip()
+        assert rec["messages"][0]["content"] == f"{doc.text}\n\n{(opener + completion).strip()}"
+    assert len({r["source"]["opener"] for r in records}) > 1  # drawn per row, not one for the batch
+    longest_doc = max(len(header + tok.encode(d.text + "\n\n", add_special_tokens=False)) for d in docs)
+    assert gen.reserved[0] == longest_doc + max(len(tok.encode(o, add_special_tokens=False)) for o in openers)
+    # the same seed draws the same openers; the default list has no trailing spaces
+    gen2 = Scripted(tok, [(c, "eos") for c in completions])
+    make_prompts(gen2, tok, tmp_path / "q.jsonl", count=6, batch_size=6, seed=3, documents=docs, openers=openers)
+    assert gen2.calls[0][0] == prompts
+    assert all(o == o.strip() and o for o in REQUEST_OPENERS)
 
 
 @pytest.mark.unit

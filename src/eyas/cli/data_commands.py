@@ -357,6 +357,9 @@ def prompts_cmd(
     target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
     max_document_tokens: int = typer.Option(2048, min=1, help="--documents: each cut to its first this many "
                                                                 "tokens (the prompt holds what the target read)"),
+    request_openers: bool = typer.Option(True, help="--documents: start each request with an opener the target "
+                                                    "completes ('Summarize', 'According to the text,', ...); "
+                                                    "without one it mostly goes on writing the document"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
     """Let the target write user prompts itself (Magpie): continuations of its chat template's user
@@ -364,7 +367,8 @@ def prompts_cmd(
     (exact and near)."""
     from tqdm.auto import tqdm
 
-    from eyas.data.prompts import NearDuplicates, PromptFilter, cut_documents, make_prompts, read_documents
+    from eyas.data.prompts import (REQUEST_OPENERS, NearDuplicates, PromptFilter, cut_documents, make_prompts,
+                                   read_documents)
     from eyas.data.regenerate import HFGenerator
 
     temps = _floats("--temperatures", temperatures)
@@ -394,7 +398,7 @@ def prompts_cmd(
         result = _run(make_prompts, generator, tokenizer, out, count, temps, top_p=top_p, max_new_tokens=max_new_tokens,
                       batch_size=size, seed=seed, eos_ids=loaded.eos_ids, system_prompt=system_prompt,
                       source=str(loaded.name), filter_=PromptFilter(specials, near=NearDuplicates(near_threshold)),
-                      documents=docs, on_batch=progress)
+                      documents=docs, openers=REQUEST_OPENERS if request_openers else (), on_batch=progress)
     finally:
         if bar is not None:
             bar.close()
