@@ -79,6 +79,8 @@ keep_parts() {  # the GGUF parts (and the prompt mix, .device/data.tgz; the open
   # carried in this call, kept in /tmp
   for f in .device/gguf/smol.part0* .device/g[0-9]/smol.p*; do [ -f "$f" ] && cp "$f" /tmp/; done
   if [ -f .device/data.tgz ]; then mkdir -p /tmp/data && tar xzf .device/data.tgz -C /tmp/data && ls /tmp/data; fi
+  # an earlier session's drafter (a staged run's --init-from /tmp/prev), whole or a file a call
+  if [ -d .device/prev ]; then mkdir -p /tmp/prev && cp -r .device/prev/. /tmp/prev/ && ls /tmp/prev; fi
   for f in .device/open/*.jsonl.gz; do
     [ -f "$f" ] && mkdir -p /tmp/open && gunzip -c "$f" > "/tmp/open/$(basename "$f" .gz)" && echo "kept $f"
   done; true

@@ -300,7 +300,8 @@ def run(a: argparse.Namespace) -> int:
     regen_args = ["regenerate", "--target", a.target, "--prompts", str(prompts), "--out", str(answers),
                   "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.regen_batch), "--rows", str(a.regen_rows),
                   "--temperatures", a.temperatures, "--max-prompt-tokens", str(a.max_prompt_tokens),
-                  "--max-turns", "2", "--loops", a.loops, "--cache", a.cache, "--device", a.device, "--json"]
+                  "--max-turns", "2", "--loops", a.loops, "--cache", a.cache, "--device", a.device,
+                  "--seed", str(a.regen_seed), "--json"]
     if a.limit:
         regen_args += ["--limit", str(a.limit)]
     code, regen_wall, text = run_cli(regen_args, regen_deadline, "regenerate")
@@ -434,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--regen-batch", type=int, default=2048,
                    help="conversations per resumable chunk: several times --regen-rows keeps the rows refilled")
     r.add_argument("--regen-rows", type=int, default=512, help="rows the fast engine decodes together")
+    r.add_argument("--regen-seed", type=int, default=0,
+                   help="regenerate's seed: the order in which it visits its chunks of similar-length prompts "
+                        "(and its sampling); a staged run's sessions each take another, so that each session "
+                        "answers mostly prompts the earlier ones did not reach")
     r.add_argument("--temperatures", default="0", help="e.g. 0,0.8: one answer per temperature")
     r.add_argument("--loops", default="cut", choices=["cut", "drop", "keep"])
     r.add_argument("--cache", default="auto", choices=["auto", "static", "dynamic"])
