@@ -292,12 +292,18 @@ def expand_documents(src: Path, documents: Path, dest: Path) -> int:
 
 def grow(target: str, work: Path, deadline: float, run_cli: Callable[..., tuple[int | None, float, str]],
          magpie: int, documents: Path | None, doc_prompts: int, rows: int, device: str,
-         last_json: Callable[[str], dict[str, Any] | None], max_new_tokens: int = 256) -> dict[str, Any]:
+         last_json: Callable[[str], dict[str, Any] | None], max_new_tokens: int = 256,
+         doc_temperatures: str = "0.7,0.9", doc_max_new_tokens: int = 96) -> dict[str, Any]:
     """The target writes prompts (``eyas prompts``): ``magpie`` Magpie user turns into
     WORK/magpie.jsonl, then ``doc_prompts`` requests about the ``documents`` into
-    WORK/doc_prompts.jsonl (a prompt longer than ``max_new_tokens`` is dropped). The documents get the time left after Magpie's share (its count's
-    share of all asked, at least half): each command is killed at its deadline and what it wrote
-    stays. -> per file: exit code, seconds, prompts written, the command's JSON report."""
+    WORK/doc_prompts.jsonl. A prompt longer than ``max_new_tokens`` is dropped; a request about a
+    document longer than ``doc_max_new_tokens``, and requests are drawn at ``doc_temperatures``: a
+    request is short, a runaway row holds its batch for every token allowed, and at 1.2 SmolLM2
+    wrote requests like "Translate the first paragraph into mathematics" (H100, 2026-12-07).
+    The documents get the time left after Magpie's share (its count's share of all asked, at
+    least half): each command is killed at its deadline and what it wrote stays. -> per file: exit
+    code, seconds, prompts written, what was asked (temperatures, max new tokens), the command's
+    JSON report."""
     jobs = [("magpie", magpie, None)] + ([("doc_prompts", doc_prompts, documents)] if documents and doc_prompts else [])
     jobs = [j for j in jobs if j[1] > 0]
     report: dict[str, Any] = {}
@@ -306,12 +312,15 @@ def grow(target: str, work: Path, deadline: float, run_cli: Callable[..., tuple[
         left = deadline - time.time()
         share = 1.0 if i == len(jobs) - 1 else max(0.5, count / total)
         out = work / f"{name}.jsonl"
+        asked = {"max_new_tokens": max_new_tokens, "temperatures": None}  # None: eyas prompts' default
+        if docs:
+            asked = {"max_new_tokens": min(max_new_tokens, doc_max_new_tokens), "temperatures": doc_temperatures}
         args = ["prompts", "--target", target, "--out", str(out), "--count", str(count), "--rows", str(rows),
-                "--max-new-tokens", str(max_new_tokens), "--device", device, "--json"] \
-            + (["--documents", str(docs)] if docs else [])
+                "--max-new-tokens", str(asked["max_new_tokens"]), "--device", device, "--json"] \
+            + (["--documents", str(docs), "--temperatures", doc_temperatures] if docs else [])
         code, wall, text = run_cli(args, time.time() + share * left, name)
         rep = last_json(text) or {}
         written = sum(1 for line in out.read_bytes().split(b"\n") if line.strip()) if out.exists() else 0
-        report[name] = {"exit": code, "wall_s": round(wall, 1), "prompts": written, "path": str(out),
+        report[name] = {"exit": code, "wall_s": round(wall, 1), "prompts": written, "path": str(out), "asked": asked,
                         **{k: rep.get(k) for k in ("generated", "kept_share", "rejected", "per_temperature")}}
     return report

@@ -269,7 +269,8 @@ def run(a: argparse.Namespace) -> int:
         if a.magpie or a.doc_prompts:
             docs = Path(a.documents).resolve() if a.documents else None
             summary["grow"] = grow(a.target, work, time.time() + a.grow_budget_s, run_cli, a.magpie, docs,
-                                   a.doc_prompts, a.regen_rows, a.device, last_json, a.prompt_max_new_tokens)
+                                   a.doc_prompts, a.regen_rows, a.device, last_json, a.prompt_max_new_tokens,
+                                   a.doc_temperatures, a.doc_max_new_tokens)
             save_summary()
         parts = [MixPart("shared", prompts, a.shared_weight, follow_ups=False),  # prepare gave it its follow-ups
                  MixPart("magpie", work / "magpie.jsonl", a.magpie_weight, follow_ups=True),
@@ -413,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--doc-prompts", type=int, default=0, help="requests about the documents the target writes")
     g.add_argument("--open-prompts", default=None, help="eyas open-prompts' file, a part of the mix")
     g.add_argument("--prompt-max-new-tokens", type=int, default=256, help="eyas prompts --max-new-tokens")
+    g.add_argument("--doc-temperatures", default="0.7,0.9", help="requests about documents: eyas prompts --temperatures")
+    g.add_argument("--doc-max-new-tokens", type=int, default=96, help="requests about documents: at most this many "
+                   "tokens (and --prompt-max-new-tokens)")
     g.add_argument("--grow-budget-s", type=float, default=240.0, help="eyas prompts' time, both files")
     g.add_argument("--shared-weight", type=float, default=1.0, help="--prompts' share of the mix")
     g.add_argument("--magpie-weight", type=float, default=1.5)

@@ -108,6 +108,8 @@ def test_grow_runs_eyas_prompts_for_magpie_then_documents_within_its_deadline(dm
                   rows=1, device="cpu", last_json=train.last_json, max_new_tokens=8)
     assert time.time() - t0 < 240
     assert set(rep) == {"magpie", "doc_prompts"}
+    assert rep["magpie"]["asked"] == {"max_new_tokens": 8, "temperatures": None}
+    assert rep["doc_prompts"]["asked"] == {"max_new_tokens": 8, "temperatures": "0.7,0.9"}
     for name, r in rep.items():  # the random toy never ends a turn: every continuation asked is rejected
         assert r["exit"] == 0, r
         assert r["path"] == str(tmp_path / f"{name}.jsonl") and r["prompts"] == 0
