@@ -103,9 +103,32 @@ def test_make_prompts_filters_deduplicates_writes_and_resumes_with_fresh_draws(t
         make_prompts(gen2, tok, out, count=5, temperatures=(0.0,))
 
 
+@pytest.mark.unit
+def test_sigint_stops_make_prompts_with_what_it_wrote_and_a_rerun_resumes(tmp_path):
+    tok = chat_tokenizer()
+    good = ["What were the main causes of the French Revolution?", "Give me a recipe for a vegan lasagna.",
+            "Summarize the plot of Hamlet in three sentences."]
+
+    class Interrupted(Scripted):
+        """Answers its first batch, then is stopped by Ctrl-C while generating the second."""
+
+        def generate(self, prompts, params):
+            if self.calls:
+                raise KeyboardInterrupt
+            return super().generate(prompts, params)
+
+    out = tmp_path / "p.jsonl"
+    r = make_prompts(Interrupted(tok, [(good[0], "eos"), (good[1], "eos")]), tok, out, count=3, batch_size=2)
+    assert r.interrupted and (r.written, r.generated) == (2, 2)
+    assert [json.loads(x)["messages"][0]["content"] for x in out.read_text().splitlines()] == good[:2]
+    r2 = make_prompts(Scripted(tok, [(good[2], "eos")]), tok, out, count=3, batch_size=2)
+    assert not r2.interrupted and (r2.existing, r2.written) == (2, 1)
+    assert [json.loads(x)["messages"][0]["content"] for x in out.read_text().splitlines()] == good
+
+
 @pytest.mark.integration
 @pytest.mark.usefixtures("one_thread")
-def test_eyas_prompts_runs_on_a_tiny_chat_target_and_reports_what_it_kept(tmp_path):
+def test_eyas_prompts_runs_on_a_tiny_chat_target_and_reports_what_it_kept(tmp_path, monkeypatch):
     tok = chat_tokenizer()
     tdir = tmp_path / "target"
     chat_target(tok).save_pretrained(tdir)
@@ -136,6 +159,19 @@ def test_eyas_prompts_runs_on_a_tiny_chat_target_and_reports_what_it_kept(tmp_pa
     assert len(out.read_text().splitlines()) == rep["written"] <= 2
     bad = CliRunner().invoke(app, ["prompts", "--target", str(tdir), "--out", str(out), "--temperatures", "0"])
     assert bad.exit_code == 2 and "--temperatures: expected numbers > 0" in " ".join(bad.output.split())
+    # Ctrl-C while generating: the report of what was written, a line saying how to go on, exit 130
+    from eyas.data.regenerate import HFGenerator
+
+    def interrupted(self, prompts, params):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(HFGenerator, "generate", interrupted)
+    args = ["prompts", "--target", str(tdir), "--out", str(tmp_path / "p3.jsonl"), "--count", "2",
+            "--batch-size", "4", "--engine", "hf", "--device", "cpu"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 130 and "stopped early: rerun the same command to resume" in " ".join(r.output.split())
+    r = CliRunner().invoke(app, args + ["--json"])
+    assert r.exit_code == 130 and json.loads(r.stdout)["interrupted"] is True
 
 
 @pytest.mark.unit

@@ -406,13 +406,17 @@ def prompts_cmd(
               "batch_size": size}
     if json_out:
         _print_json(report)
-        return
-    console.print(_table(f"prompts -> {result.out_path}", [
-        ("written", f"{result.written} this run, {result.existing} already there"),
-        ("per temperature", ", ".join(f"{t}: {n}" for t, n in result.per_temperature.items())),
-        ("asked", f"{result.generated} continuations, {report['kept_share']:.0%} kept" if result.generated else "none"),
-        ("rejected", ", ".join(f"{k} {v}" for k, v in result.rejected.items() if v) or "none"),
-    ]))
+    else:
+        console.print(_table(f"prompts -> {result.out_path}", [
+            ("written", f"{result.written} this run, {result.existing} already there"),
+            ("per temperature", ", ".join(f"{t}: {n}" for t, n in result.per_temperature.items())),
+            ("asked", f"{result.generated} continuations, {report['kept_share']:.0%} kept" if result.generated
+             else "none"),
+            ("rejected", ", ".join(f"{k} {v}" for k, v in result.rejected.items() if v) or "none"),
+            *([("interrupted", "stopped early: rerun the same command to resume")] if result.interrupted else []),
+        ]))
+    if result.interrupted:
+        raise typer.Exit(130)
 
 
 def register(app: typer.Typer) -> None:

@@ -149,6 +149,7 @@ class PromptsResult:
     rejected: dict[str, int]
     per_temperature: dict[str, int]  # written per temperature, this run
     surplus: int = 0  # answers of the last batch past the count, not looked at
+    interrupted: bool = False  # stopped by SIGINT (Ctrl-C): rerun the same command to resume
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__, kept_share=round(self.written / self.generated, 4) if self.generated else None)
@@ -238,7 +239,8 @@ def make_prompts(generator: BatchGenerator, tokenizer: Any, out_path: str | Path
     """Write prompts to ``out_path`` until it holds ``count`` (see the module docstring): batches of
     ``batch_size`` continuations of the user header, temperatures taken in turn. ``max_batches``
     bounds the batches (None: 20 x what ``count`` needs at full yield). ``on_batch(written, asked)``
-    after each batch (a progress bar).
+    after each batch (a progress bar). SIGINT (Ctrl-C) stops it with what it wrote so far
+    (``interrupted``): a rerun resumes.
 
     With ``documents``, row j of batch b continues the header followed by document
     ``(b * batch_size + j) mod D``, a blank line and an opener drawn from ``openers`` by a hash of
@@ -278,37 +280,44 @@ def make_prompts(generator: BatchGenerator, tokenizer: Any, out_path: str | Path
     limit = max_batches if max_batches is not None else 20 * -(-max(need, 0) // batch_size)
     written, generated, surplus, per_t = 0, 0, 0, {f"{t:g}": 0 for t in temperatures}
     out.parent.mkdir(parents=True, exist_ok=True)
+    interrupted = False
     with out.open("a", encoding="utf-8") as f:
         b = next_batch  # a resumed run continues the batch indices (fresh seeds)
-        while written < need and b - next_batch < limit:
-            t = float(temperatures[b % len(temperatures)])
-            params = BatchParams(max_new_tokens, tuple(int(e) for e in eos_ids), t, top_p, batch_seed(seed, t, b))
-            rows = [(b * batch_size + j) % len(documents) for j in range(batch_size)] if documents else []
-            pick = [batch_seed(seed, -1.0, b * batch_size + j) % len(openers) if opener_ids else -1
-                    for j in range(len(rows))]  # the row's opener (-1: none)
-            answers = generator.generate([prefixes[d] + (opener_ids[k] if k >= 0 else []) for d, k in zip(rows, pick)]
-                                         if documents else [list(header)] * batch_size, params)
-            generated += len(answers)
-            for j, (ids, finish) in enumerate(answers):
-                if written >= need:  # the batch's last answers, past the count: not looked at
-                    surplus += 1
-                    continue
-                doc = documents[rows[j]] if documents else None
-                opener = openers[pick[j]] if doc is not None and pick[j] >= 0 else ""
-                text = opener + tokenizer.decode(ids)  # special tokens kept: the filter rejects them
-                if (per_doc[doc.id] if doc is not None else filt).why_not(text, ids, finish) is not None:
-                    continue
-                about = {} if doc is None else {"document": doc.id, "document_chars": len(doc.text),
-                                                 "request": text.strip(), "opener": opener}
-                content = text.strip() if doc is None else document_prompt(doc, text.strip())
-                record = {"id": f"magpie-{b}-{j}", "messages": [{"role": "user", "content": content}],
-                          "source": {"generator": "magpie", "target": source, "temperature": t, "top_p": top_p,
-                                     **about}}
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                written += 1
-                per_t[f"{t:g}"] += 1
-            f.flush()
-            b += 1
-            if on_batch is not None:
-                on_batch(existing + written, generated)
-    return PromptsResult(str(out), written, existing, generated, dict(filt.rejected), per_t, surplus)
+        try:
+            while written < need and b - next_batch < limit:
+                t = float(temperatures[b % len(temperatures)])
+                params = BatchParams(max_new_tokens, tuple(int(e) for e in eos_ids), t, top_p, batch_seed(seed, t, b))
+                rows = [(b * batch_size + j) % len(documents) for j in range(batch_size)] if documents else []
+                pick = [batch_seed(seed, -1.0, b * batch_size + j) % len(openers) if opener_ids else -1
+                        for j in range(len(rows))]  # the row's opener (-1: none)
+                prompts = ([prefixes[d] + (opener_ids[k] if k >= 0 else []) for d, k in zip(rows, pick)]
+                           if documents else [list(header)] * batch_size)
+                answers = generator.generate(prompts, params)
+                generated += len(answers)
+                for j, (ids, finish) in enumerate(answers):
+                    if written >= need:  # the batch's last answers, past the count: not looked at
+                        surplus += 1
+                        continue
+                    doc = documents[rows[j]] if documents else None
+                    opener = openers[pick[j]] if doc is not None and pick[j] >= 0 else ""
+                    text = opener + tokenizer.decode(ids)  # special tokens kept: the filter rejects them
+                    if (per_doc[doc.id] if doc is not None else filt).why_not(text, ids, finish) is not None:
+                        continue
+                    about = {} if doc is None else {"document": doc.id, "document_chars": len(doc.text),
+                                                     "request": text.strip(), "opener": opener}
+                    content = text.strip() if doc is None else document_prompt(doc, text.strip())
+                    record = {"id": f"magpie-{b}-{j}", "messages": [{"role": "user", "content": content}],
+                              "source": {"generator": "magpie", "target": source, "temperature": t, "top_p": top_p,
+                                         **about}}
+                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    written += 1
+                    per_t[f"{t:g}"] += 1
+                f.flush()
+                b += 1
+                if on_batch is not None:
+                    on_batch(existing + written, generated)
+        except KeyboardInterrupt:
+            # Ctrl-C or a scheduler's SIGINT: every batch before this one is flushed, and a line
+            # this one left torn is cut off by the next run's resume; report what was written.
+            interrupted = True
+    return PromptsResult(str(out), written, existing, generated, dict(filt.rejected), per_t, surplus, interrupted)
