@@ -15,59 +15,82 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# Per temperature: tau and first-draft acceptance each set must reach, and the mean tau of the sets.
-BARS: dict[float, dict[str, float]] = {0.0: {"tau_each": 3.2, "first_each": 0.8}, 1.0: {"tau_mean": 2.6}}
+
+@dataclass(frozen=True)
+class Bar:
+    """What a drafter must reach at one temperature (0: no bar)."""
+
+    tau_each: float = 0.0  # every set's accept length
+    first_each: float = 0.0  # every set's first-draft acceptance
+    tau_mean: float = 0.0  # the mean accept length of the sets
 
 
-def read_report(label: str, path: Path) -> dict[float, dict[str, dict[str, float]]]:
-    """{temperature: {set: {tau, first, x_plain, prompts}}} from one `eyas bench --out` file."""
+BARS: dict[float, Bar] = {0.0: Bar(tau_each=3.2, first_each=0.8), 1.0: Bar(tau_mean=2.6)}
+
+
+@dataclass(frozen=True)
+class SetFigures:
+    """One drafter on one set at one temperature, as `eyas bench` reported it."""
+
+    tau: float  # tokens per round: accepted drafts + the bonus
+    first: float  # the first draft position's acceptance
+    x_plain: float | None  # tokens/s over eyas' plain decoding in the same process
+    prompts: int
+    tree: str
+
+
+Report = dict[float, dict[str, SetFigures]]  # temperature -> set -> figures
+
+
+def read_report(label: str, path: Path) -> Report:
+    """The figures per temperature and set of one `eyas bench --out` file."""
     try:
         report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise SystemExit(f"{label}={path}: expected an `eyas bench --out` JSON report, found {e}")
-    temps = report.get("temperatures") or [report]
-    out: dict[float, dict[str, dict[str, float]]] = {}
-    for t in temps:
+    out: Report = {}
+    for t in report.get("temperatures") or [report]:
         for s in t.get("sets", []):
             acc = s.get("acceptance_per_position") or [0.0]
-            out.setdefault(float(s["temperature"]), {})[s["set"]] = {
-                "tau": s["tau"], "first": acc[0], "x_plain": s.get("speedup_vs_plain"), "prompts": s["prompts"],
-                "tree": s["tree"]}
+            out.setdefault(float(s["temperature"]), {})[s["set"]] = SetFigures(
+                s["tau"], acc[0], s.get("speedup_vs_plain"), s["prompts"], s["tree"])
     if not out:
         raise SystemExit(f"{label}={path}: field temperatures[].sets: expected bench rows, found none")
     return out
 
 
-def compare(reports: dict[str, dict[float, dict[str, dict[str, float]]]]) -> dict[str, Any]:
-    """Rows per (temperature, set) with every drafter's figures, each drafter's mean tau per
-    temperature, and the sets where it misses a bar."""
+def compare(reports: dict[str, Report]) -> dict[str, Any]:
+    """Rows per (temperature, set) with every drafter's figures, each drafter's means per
+    temperature, the sets where it misses a bar, and whether it meets the bar (JSON-ready)."""
     labels = list(reports)
     first = reports[labels[0]]
     for label in labels[1:]:
         for t, sets in first.items():
             other = reports[label].get(t, {})
-            if set(other) != set(sets) or any(other[k]["tree"] != v["tree"] for k, v in sets.items()):
+            if set(other) != set(sets) or any(other[k].tree != v.tree for k, v in sets.items()):
                 raise SystemExit(f"{label}: expected the sets and tree of {labels[0]} at temperature {t:g} "
                                  f"({sorted(sets)}), found {sorted(other)}")
     rows, summary = [], {}
     for t in sorted(first):
         for name in first[t]:
-            rows.append({"temperature": t, "set": name, **{lab: reports[lab][t][name] for lab in labels}})
+            rows.append({"temperature": t, "set": name, **{lab: asdict(reports[lab][t][name]) for lab in labels}})
+        bar = BARS.get(t, Bar())
         for lab in labels:
-            sets = reports[lab][t]
-            bar = BARS.get(t, {})
-            misses = [n for n, v in sets.items() if v["tau"] < bar.get("tau_each", 0.0)
-                      or v["first"] < bar.get("first_each", 0.0)]
-            mean_tau = sum(v["tau"] for v in sets.values()) / len(sets)
+            sets = reports[lab][t].values()
+            names = list(reports[lab][t])
+            misses = [n for n, v in zip(names, sets) if v.tau < bar.tau_each or v.first < bar.first_each]
+            mean_tau = sum(v.tau for v in sets) / len(sets)
             summary.setdefault(lab, {})[f"{t:g}"] = {
                 "mean_tau": round(mean_tau, 3),
-                "mean_first": round(sum(v["first"] for v in sets.values()) / len(sets), 3),
+                "mean_first": round(sum(v.first for v in sets) / len(sets), 3),
                 "sets_below_bar": misses,
-                "meets_bar": not misses and mean_tau >= bar.get("tau_mean", 0.0)}
-    return {"labels": labels, "bars": {f"{t:g}": b for t, b in BARS.items()}, "rows": rows, "summary": summary}
+                "meets_bar": not misses and mean_tau >= bar.tau_mean}
+    return {"labels": labels, "bars": {f"{t:g}": asdict(b) for t, b in BARS.items()}, "rows": rows,
+            "summary": summary}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -103,11 +126,12 @@ def plot(result: dict[str, Any], png: Path) -> None:
         rows = [r for r in result["rows"] if r["temperature"] == t]
         for i, lab in enumerate(labels):
             ax.bar([k + i * width for k in range(len(rows))], [r[lab]["tau"] for r in rows], width, label=lab)
-        for key, what in (("tau_each", "each set"), ("tau_mean", "mean of sets")):
-            if key in BARS.get(t, {}):
-                ax.axhline(BARS[t][key], color="k", ls="--", lw=1, label=f"bar {BARS[t][key]:g} ({what})")
+        bar = BARS.get(t, Bar())
+        for value, what in ((bar.tau_each, "each set"), (bar.tau_mean, "mean of sets")):
+            if value:
+                ax.axhline(value, color="k", ls="--", lw=1, label=f"bar {value:g} ({what})")
         ax.set_xticks([k + width * (len(labels) - 1) / 2 for k in range(len(rows))], [r["set"] for r in rows])
-        top = max([r[lab]["tau"] for r in rows for lab in labels] + list(BARS.get(t, {"": 0.0}).values()))
+        top = max([r[lab]["tau"] for r in rows for lab in labels] + [bar.tau_each, bar.tau_mean])
         ax.set_ylim(0, 1.3 * top)  # room for the legend above the bars
         ax.set_title(f"temperature {t:g}")
         ax.set_ylabel("tau (tokens per round)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 def load_script(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_script_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
     spec.loader.exec_module(module)
     return module
 

@@ -22,7 +22,7 @@ blank line and an opener (the first words of a request, :data:`REQUEST_OPENERS`,
 and the target completes the request (Magpie conditioned on a text, as serving reads long
 contexts); the prompt is the document and the request, opener included. Why the opener: after a
 document alone the target mostly goes on writing the document (SmolLM2 on 40 passages of one book:
-193 of 256 continuations had no end of turn within 128 tokens, 16 were kept), and every runaway
+193 of 209 continuations had no end of turn within 128 tokens, 16 were kept), and every runaway
 row costs a whole batch of decoding steps.
 
 Output: JSONL records ``{"id", "messages": [{"role": "user", "content": ...}], "source": {...}}``
