@@ -83,7 +83,14 @@ keep_parts() {  # the GGUF parts (and the prompt mix, .device/data.tgz; the open
   if [ -d .device/prev ]; then mkdir -p /tmp/prev && cp -r .device/prev/. /tmp/prev/ && ls /tmp/prev; fi
   for f in .device/open/*.jsonl.gz; do
     [ -f "$f" ] && mkdir -p /tmp/open && gunzip -c "$f" > "/tmp/open/$(basename "$f" .gz)" && echo "kept $f"
-  done; true
+  done
+  # the open sets' pinned files (`tar cJf .device/open/files.tar.xz -C .device/open files`, 20 MB rather than the
+  # prompts' 100+): eyas open-prompts builds /tmp/open/open.jsonl and docs.jsonl from them here (no network)
+  if [ -f .device/open/files.tar.xz ]; then
+    mkdir -p /tmp/open && python -c "import tarfile; tarfile.open('.device/open/files.tar.xz').extractall('/tmp/open')"
+    python -m eyas.cli.main open-prompts --files /tmp/open/files --out /tmp/open/open.jsonl \
+      --documents-out /tmp/open/docs.jsonl --json > /tmp/open/report.json && grep -E '"(written|documents)"' /tmp/open/report.json
+  fi; true
 }
 
 join_gguf() {  # /tmp/smol.gguf from the parts kept (two-part or three-part split), sha256 checked

@@ -277,18 +277,19 @@ def write_open_prompts(names: Sequence[str], out: Path, *, files_dir: Path | Non
                 for p in READERS[s.reader](s, paths):
                     if max_per_set is not None and n >= max_per_set:
                         break
+                    src = s.files[p.file]
+                    source = {"set": s.name, "kind": p.kind, "repo": src.repo, "commit": src.commit, "path": src.path,
+                              "licence": s.licence}
+                    if p.document_id and p.document_id not in documents:  # even under a duplicate prompt: requests
+                        # grown earlier refer to it by id
+                        documents[p.document_id] = {"id": p.document_id, "text": p.document,
+                                                    "source": {k: v for k, v in source.items() if k != "kind"}}
                     if fold(p.text) in seen:
                         result.duplicates += 1
                         continue
                     seen.add(fold(p.text))
-                    src = s.files[p.file]
-                    source = {"set": s.name, "kind": p.kind, "repo": src.repo, "commit": src.commit, "path": src.path,
-                              "licence": s.licence}
                     f.write(json.dumps({"id": p.id, "messages": [{"role": "user", "content": p.text}],
                                         "source": source}, ensure_ascii=False) + "\n")
-                    if p.document_id and p.document_id not in documents:
-                        documents[p.document_id] = {"id": p.document_id, "text": p.document,
-                                                    "source": {k: v for k, v in source.items() if k != "kind"}}
                     n += 1
                     result.per_kind[p.kind] = result.per_kind.get(p.kind, 0) + 1
                     result.lengths.append(len(tokenizer.encode(p.text)) if tokenizer is not None else len(p.text))
@@ -302,3 +303,8 @@ def write_open_prompts(names: Sequence[str], out: Path, *, files_dir: Path | Non
         atomic_write_text(documents_out, "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in documents.values()))
     result.documents = len(documents)
     return result
+
+
+# The readers of long prompts made from many files (passage_tasks, squad_rag) live in open_tasks;
+# importing it registers them. Last, because open_tasks imports this module's names.
+from eyas.data import open_tasks  # noqa: E402,F401

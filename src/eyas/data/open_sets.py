@@ -106,6 +106,29 @@ def _gh(repo: str, commit: str, path: str, sha256: str, size: int) -> OpenFile:
     return OpenFile(repo, commit, path, sha256, size)
 
 
+MANIFESTS = Path(__file__).with_name("manifests")
+
+
+def manifest_files(name: str, root: Path = MANIFESTS) -> tuple[tuple[OpenFile, ...], tuple[tuple[str, str], ...]]:
+    """A set of many files, pinned in ``manifests/<name>.tsv`` (``benchmarks/pin_open_files.py``
+    writes it): one line a file, tab-separated ``repo commit path sha256 bytes genre title``.
+    -> (the files, in order; the reader's per-file options ``genres`` and ``titles``, ``|``-joined)."""
+    path = root / f"{name}.tsv"
+    files, genres, titles = [], [], []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        cols = line.split("\t")
+        if len(cols) != 7 or not cols[4].isdigit():
+            raise OpenSetError(f"{path} line {n}: expected 7 tab-separated fields (repo commit path sha256 bytes "
+                               f"genre title), found {len(cols)}: {line[:80]!r}")
+        repo, commit, file_path, sha, size, genre, title = cols
+        files.append(OpenFile(repo, commit, file_path, sha, int(size)))
+        genres.append(genre)
+        titles.append(title.replace("|", "/"))
+    return tuple(files), (("genres", "|".join(genres)), ("titles", "|".join(titles)))
+
+
 # The registry (module docstring). Each file was read at its commit and its sha256 computed from
 # those bytes; the licence is the repository's, as stated in the file named.
 OPEN_SETS: dict[str, OpenSet] = {}
@@ -234,3 +257,38 @@ register(OpenSet(
     "text_chunks", tuple(_gh(repo, commit, path, sha, size) for repo, commit, path, sha, size, _ in _BOOKS),
     (("chars", "6000"), ("titles", "|".join(title for *_, title in _BOOKS))),
     "10 books (novels, history, essays, politics, science) in passages of about 1,500 tokens to summarize"))
+
+
+# Long documents a user pastes and asks about (eyas.data.open_tasks: passage_tasks, squad_rag).
+# Each file is read once per size of "passes", cut at other places, with another request each time.
+DOC_PASSES = "3600,4400,5200,6000,6800,7600"  # technical text and code: about 3.4 characters a token
+BOOK_PASSES = "4800,5600,6400,7200,8000,8800"  # prose: about 4.3 characters a token
+
+
+def _manifest_set(name: str, kind: str, licence: str, note: str, passes: str = DOC_PASSES) -> OpenSet:
+    files, options = manifest_files(name)
+    return register(OpenSet(name, kind, licence, "passage_tasks", files, (("passes", passes),) + options, note))
+
+
+_manifest_set("python-peps", "summarize", "public domain or CC0-1.0 (each PEP's Copyright section; only those)",
+              "Python Enhancement Proposals: design documents with rationale, specification and code")
+_manifest_set("rust-book", "summarize", "MIT or Apache-2.0 (LICENSE-MIT, LICENSE-APACHE)",
+              "The Rust Programming Language: a book's chapters of prose and code")
+_manifest_set("rust-reference", "summarize", "MIT or Apache-2.0 (LICENSE-MIT, LICENSE-APACHE)",
+              "The Rust Reference: a language's specification")
+_manifest_set("fastapi", "code", "MIT (LICENSE)", "FastAPI's English documentation and its Python source")
+_manifest_set("flask", "code", "BSD-3-Clause (LICENSE.txt)", "Flask's documentation and its Python source")
+_manifest_set("click", "code", "BSD-3-Clause (LICENSE.txt)", "Click's documentation and its Python source")
+_manifest_set("jinja", "code", "BSD-3-Clause (LICENSE.txt)", "Jinja's documentation and its Python source")
+_manifest_set("requests", "code", "Apache-2.0 (LICENSE)", "Requests' documentation and its Python source")
+_manifest_set("httpx", "code", "BSD-3-Clause (LICENSE.md)", "HTTPX's documentation and its Python source")
+_manifest_set("starlette", "code", "BSD-3-Clause (LICENSE.md)", "Starlette's documentation and its Python source")
+_manifest_set("black", "code", "MIT (LICENSE)", "Black's documentation and its Python source")
+_manifest_set("scrapy", "code", "BSD-3-Clause (LICENSE)", "Scrapy's documentation and its Python source")
+_manifest_set("gutenberg", "summarize", "public domain in the USA (the Project Gutenberg licence in each file)",
+              "public-domain books (science, history, philosophy, economics, law, how-to, fiction, plays): passages "
+              "with a reader's requests", BOOK_PASSES)
+register(OpenSet(
+    "xquad-rag", "rag_qa", "CC-BY-SA-4.0 (README.md; CC-BY-SA4.0.txt)", "squad_rag",
+    OPEN_SETS["xquad-en"].files, (("distractors", "4,10"), ("draws", "2")),
+    "1,190 questions of xquad-en, each over its paragraph among 4-10 paragraphs of other articles, twice"))
