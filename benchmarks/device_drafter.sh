@@ -167,10 +167,11 @@ PY
 }
 
 evaluate() {  # issue 34's bars: the six EAGLE sets, tree 4,8,15, temperatures 0 and 1, EVAL_LIMIT prompts a set
-  # (default 24), 128 new tokens: the drafter just trained, then the shipped one, one process each
+  # (default 24), 128 new tokens: the drafter just trained, then the shipped one (EVAL_DRAFTERS="new" leaves it out:
+  # tau and acceptance do not depend on the machine's noise, so an earlier session's figures stand), one process each
   local d=/tmp/drafter/eval name dir
   mkdir -p "$d"
-  for name in new shipped; do
+  for name in ${EVAL_DRAFTERS:-new shipped}; do
     dir=$WORK/drafter
     [ "$name" = shipped ] && dir=src/eyas/interop/embedded/smollm2-135m-instruct
     [ -d "$dir" ] || continue
