@@ -49,9 +49,10 @@
 #   grow ARGS    issue 34's staged first step: start with --stop-after mix (eyas prompts writes Magpie turns and
 #                requests about the open sets' documents, then the mix; --grown benchmarks/grown starts from what
 #                earlier sessions grew); carry the GGUF's last part (the five-part split .device/g5/smol.p0..p4:
-#                p0 and .device/wheels with setup, p1 and .device/open/open.jsonl.gz with part, p2,
-#                .device/open/docs.jsonl.gz and .device/data.tgz with part, p3 with part), then `wait`: once done,
-#                $OUT gets magpie.jsonl.gz, doc_requests.jsonl.gz and summary.json (commit them into benchmarks/grown)
+#                p0 and .device/wheels with setup, p1 and .device/data.tgz with part, p2 with part, p3 with part,
+#                .device/open/files.tar.xz alone with part: the open sets' pinned files, from which keep_parts builds
+#                /tmp/open/open.jsonl and docs.jsonl), then `wait`: once done, $OUT gets magpie.jsonl.gz,
+#                doc_requests.jsonl.gz and summary.json (commit them into benchmarks/grown)
 #   part         keep the GGUF parts carried in this call (a three-part split, .device/g3/smol.p0..p2, for
 #                calls whose work tree is larger: carry p0 with setup, p1 with `part`, p2 with `measure`),
 #                and unpack .device/data.tgz (`tar czf .device/data.tgz -C benchmarks/data .`: the prompt
