@@ -226,6 +226,17 @@ register(OpenSet(
          "a75cef6623db6b27aec810497b059f0659705d7ff48dcbccc5bd5b130728ac73", 947596),),
     (("template", "{prompt}"),),
     "750 hard user prompts from Chatbot Arena: 250 creative writing, 253 coding, 247 math"))
+_NQ = ("google-research-datasets/natural-questions", "fb26a3073b1fe636c97302890a27b491d6530130")
+register(OpenSet(
+    "nq-open-efficientqa", "rag_qa", "CC-BY-SA-3.0 (nq_open/README.md; the repository's code Apache-2.0)",
+    "jsonl_template",
+    (_gh(*_NQ, "nq_open/NQ-open.efficientqa.dev.1.1.jsonl",
+         "0ad45e2fa9fd32d10b3cf08c63e6d22f97ba1a0ce44ea98040f4c18bce7e268d", 194998),
+     _gh(*_NQ, "nq_open/NQ-open.efficientqa.test.1.1.jsonl",
+         "c37b3cb2069632dfef219fa770d7910ac77ff6d12a08e8f3d5f058b388aca8a6", 595322)),
+    (("template", "{question}?"),),
+    "3,569 real search queries (EfficientQA's dev and test: none of them is in EAGLE's qa set, which draws "
+    "on NQ-open's dev split, left out here)"))
 _BOOKS = (  # GITenberg: a repository a book; (repo, commit, path, sha256, bytes, title)
     ("GITenberg/Pride-and-Prejudice_1342", "81db45c9c48c592f0b77f01fc59e677ad0a5634e", "1342-0.txt",
      "48e0522844402a86a3ea98f0947ba85ea54838db3c59022299298ed968a5a163", 724725, "Pride and Prejudice by Jane Austen"),
