@@ -367,3 +367,16 @@ def test_compare_drafters_tables_both_reports_against_the_bars_and_refuses_other
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(SystemExit, match=r"x=.*bad.json: expected an `eyas bench --out` JSON report"):
         compare.main([f"new={a}", f"x={tmp_path / 'bad.json'}"])
+
+
+def test_sampled_tau_bound_counts_rounds_that_emit_every_sampled_token_once():
+    bound = load_script("sampled_tau_bound")
+    assert bound.tau_bound([0] * 6, depth=4, top_k=1) == (6, 2)  # 4 drafted + the bonus, then the last token alone
+    assert bound.tau_bound([3, 0, 0], depth=4, top_k=1) == (3, 2)  # rank 3 misses a chain: its bonus alone
+    assert bound.tau_bound([3, 0, 0], depth=4, top_k=4) == (3, 1)  # in the top 4: one round of 2 drafted + bonus
+    ranks = [0, 5, 1, 0, 0, 2, 9, 0, 1, 1, 0, 0, 0, 0, 0, 3]
+    for depth in (1, 2, 4):
+        for k in (1, 2, 4, 8):
+            emitted, rounds = bound.tau_bound(ranks, depth, k)
+            assert emitted == len(ranks) and 1 <= emitted / rounds <= depth + 1
+    assert bound.tau_bound(ranks, 4, 8)[1] < bound.tau_bound(ranks, 4, 2)[1] < bound.tau_bound(ranks, 4, 1)[1]
