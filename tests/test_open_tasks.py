@@ -159,3 +159,20 @@ def test_pin_open_files_pins_a_repository_s_files_as_a_manifest_read_back(tmp_pa
         data = (files / "org__docs" / f.path).read_bytes()
         assert hashlib.sha256(data).hexdigest() == f.sha256 and len(data) == f.bytes
         assert open_sets.fetch_file(f, files) == files / "org__docs" / f.path  # eyas open-prompts --files takes it
+
+
+def test_the_list_counts_a_manifest_s_files_per_repository(monkeypatch):
+    from typer.testing import CliRunner
+
+    from eyas.cli.main import app
+
+    many = tuple(OpenFile("org/docs", COMMIT, f"docs/{i}.md", "0" * 64, 2000) for i in range(12))
+    books = tuple(OpenFile(f"GITenberg/Book_{i}", COMMIT, f"{i}.txt", "0" * 64, 2000) for i in range(9))
+    registry = {"docs-t": OpenSet("docs-t", "summarize", "MIT", "passage_tasks", many),
+                "books-t": OpenSet("books-t", "summarize", "public domain", "passage_tasks", books)}
+    monkeypatch.setattr(open_sets, "OPEN_SETS", registry)
+    r = CliRunner().invoke(app, ["open-prompts", "--list"])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "docs-t (summarize, MIT): 12 files of org/docs" in text and "docs/3.md" not in text
+    assert "books-t (summarize, public domain): 9 files of 9 repositories of GITenberg" in text

@@ -9,6 +9,7 @@ Exit code 2 for unusable input (an unknown set, a file whose sha256 differs, no 
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -44,7 +45,12 @@ def open_prompts_cmd(
             _print_json(rows)
         else:
             for r in rows:
-                console.print(f"{r['name']} ({r['kind']}, {r['licence']}): {', '.join(r['files'])}", highlight=False,
+                repos = Counter(f.split("@")[0] for f in r["files"])
+                files = (r["files"] if len(r["files"]) <= 8  # else a manifest's hundreds of files, counted
+                         else [f"{n} files of {repo}" for repo, n in repos.items()] if len(repos) <= 3
+                         else [f"{len(r['files'])} files of {len(repos)} repositories of "
+                               + ", ".join(sorted({x.split('/')[0] for x in repos}))])
+                console.print(f"{r['name']} ({r['kind']}, {r['licence']}): {', '.join(files)}", highlight=False,
                               soft_wrap=True)
         return
     if out is None:
