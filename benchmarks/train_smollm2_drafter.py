@@ -281,7 +281,8 @@ def run(a: argparse.Namespace) -> int:
 
         tok = load_tokenizer(a.target)
         summary["mix"] = mix(parts, work / "mix.jsonl", a.seed, a.follow_up_share,
-                             lambda texts: [len(x) for x in tok(texts, add_special_tokens=False)["input_ids"]])
+                             lambda texts: [len(x) for x in tok(texts, add_special_tokens=False)["input_ids"]],
+                             a.mix_sample)
         prompts = work / "mix.jsonl"
         save_summary()
         if a.stop_after == "mix" or "grow" in summary:  # what grew travels, gzipped, to the next session
@@ -418,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--doc-max-new-tokens", type=int, default=96, help="requests about documents: at most this many "
                    "tokens (and --prompt-max-new-tokens)")
     g.add_argument("--grow-budget-s", type=float, default=240.0, help="eyas prompts' time, both files")
+    g.add_argument("--mix-sample", type=int, default=2000,
+                   help="prompts whose tokens are counted for the share over 1,000 (0: every prompt, exact)")
     g.add_argument("--shared-weight", type=float, default=1.0, help="--prompts' share of the mix")
     g.add_argument("--magpie-weight", type=float, default=1.5)
     g.add_argument("--open-weight", type=float, default=1.0)

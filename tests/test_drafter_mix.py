@@ -206,3 +206,20 @@ def test_the_committed_grown_prompts_are_what_their_source_file_says(dm, tmp_pat
     requests = [json.loads(x) for x in gzip.decompress((grown / "doc_requests.jsonl.gz").read_bytes()).split(b"\n") if x]
     assert len(requests) == table["doc_requests.jsonl.gz"][0]
     assert all(r["source"]["document"] and r["source"]["request"].strip() and "messages" not in r for r in requests)
+
+
+@pytest.mark.unit
+def test_the_mix_counts_every_prompt_when_asked_in_chunks(dm, tmp_path):
+    magpie = write(tmp_path / "m.jsonl", [f"question {i}" for i in range(5000)], "magpie")
+    docs = write(tmp_path / "d.jsonl", [("word " * 1200) + f"{i}" for i in range(3)], "documents")
+    calls: list[int] = []
+
+    def count(texts):
+        calls.append(len(texts))
+        return [len(t.split()) for t in texts]
+
+    rep = dm.mix([dm.MixPart("magpie", magpie, 1.0), dm.MixPart("documents", docs, 1.0)], tmp_path / "mix.jsonl",
+                 count_tokens=count, sample=0)
+    est = rep["long_share_estimate"]
+    assert est["exact"] and est["sample"] == 5003 and est["prompts_over_1000"] == 3
+    assert est["over_1000_tokens"] == round(3 / 5003, 4) and calls == [4096, 907]  # chunks of 4,096
