@@ -223,3 +223,19 @@ def test_a_file_is_downloaded_at_its_commit_checked_and_only_then_kept(tmp_path,
     missing = OpenFile("org/none", COMMIT, "x.json", "0" * 64, 1)
     with pytest.raises(OpenSetError, match=r"x.json: could not download it .*pass --files DIR"):
         fetch_file(missing, cache=cache)
+
+
+def test_lengths_are_counted_in_the_tokenizer_s_tokens_in_batches(sets, tmp_path):
+    files, _ = sets
+    batches: list[int] = []
+
+    class WordTokenizer:  # one token a word; called on a batch, as a fast tokenizer is
+        def __call__(self, texts, add_special_tokens=True):
+            assert add_special_tokens is False
+            batches.append(len(texts))
+            return {"input_ids": [t.split() for t in texts]}
+
+    result = write_open_prompts(["squad-t", "math-t"], tmp_path / "o.jsonl", files_dir=files, tokenizer=WordTokenizer())
+    texts = [r["messages"][0]["content"] for r in read(tmp_path / "o.jsonl")]
+    assert result.unit == "tokens" and result.lengths == [len(t.split()) for t in texts]
+    assert batches == [result.per_set["squad-t"], result.per_set["math-t"]]  # a batch a set here (under 1,024)

@@ -267,6 +267,13 @@ def write_open_prompts(names: Sequence[str], out: Path, *, files_dir: Path | Non
     result = OpenPromptsResult(Path(out), unit="tokens" if tokenizer is not None else "chars")
     documents: dict[str, dict[str, Any]] = {}
 
+    pending: list[str] = []
+
+    def count_pending() -> None:
+        if pending:
+            result.lengths.extend(len(ids) for ids in tokenizer(pending, add_special_tokens=False)["input_ids"])
+            pending.clear()
+
     def write(tmp: str) -> None:
         seen: set[str] = set()
         with open(tmp, "w", encoding="utf-8") as f:
@@ -292,7 +299,13 @@ def write_open_prompts(names: Sequence[str], out: Path, *, files_dir: Path | Non
                                         "source": source}, ensure_ascii=False) + "\n")
                     n += 1
                     result.per_kind[p.kind] = result.per_kind.get(p.kind, 0) + 1
-                    result.lengths.append(len(tokenizer.encode(p.text)) if tokenizer is not None else len(p.text))
+                    if tokenizer is None:
+                        result.lengths.append(len(p.text))
+                    else:  # counted in batches: a fast tokenizer encodes a batch on every core
+                        pending.append(p.text)
+                        if len(pending) == 1024:
+                            count_pending()
+                count_pending()
                 result.per_set[name] = n
                 if on_set is not None:
                     on_set(name, n)

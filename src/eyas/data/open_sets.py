@@ -273,7 +273,7 @@ register(OpenSet(
 # Long documents a user pastes and asks about (eyas.data.open_tasks: passage_tasks, squad_rag).
 # Each file is read once per size of "passes", cut at other places, with another request each time.
 DOC_PASSES = "3600,4400,5200,6000,6800,7600"  # technical text and code: about 3.4 characters a token
-BOOK_PASSES = "4800,5600,6400,7200,8000,8800"  # prose: about 4.3 characters a token
+BOOK_PASSES = "4800,5200,5600,6400,7200,8000,8800"  # prose: about 4.3 characters a token
 
 
 def _manifest_set(name: str, kind: str, licence: str, note: str, passes: str = DOC_PASSES) -> OpenSet:
