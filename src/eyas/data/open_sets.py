@@ -8,7 +8,9 @@ documents to summarize or answer questions about, translation pairs, math and co
 
 Shape. :data:`OPEN_SETS` is the registry: each :class:`OpenSet` names its files
 (:class:`OpenFile`: repo, commit, path, sha256, bytes), its licence, its kind and the reader that
-turns its files into prompts (:data:`eyas.data.open_readers.READERS`, by name). :func:`fetch_file`
+turns its files into prompts (:data:`eyas.data.open_readers.READERS`, by name). A set of many files
+(a repository's documentation and source, 94 books) is pinned in ``manifests/<name>.tsv``
+(:func:`manifest_files`; ``benchmarks/pin_open_files.py`` writes one). :func:`fetch_file`
 gets a file from ``raw.githubusercontent.com`` at its commit into eyas' cache
 (``$EYAS_CACHE/open_sets/<sha256>``, checked before :func:`eyas.io.atomic_write` moves it in place) or takes
 it from a directory of local copies (``files_dir``: ``<repo with / as __>/<path>``, for machines
