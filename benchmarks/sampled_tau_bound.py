@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from eyas.bench.prompts import NAMED_SETS, load_prompts  # noqa: E402
+from eyas.data.render import render_prompt  # noqa: E402
 from eyas.targets.loading import load_target  # noqa: E402
 
 
@@ -95,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             totals = {k: [0, 0] for k in ks}
             top1 = n = 0
             for conv in load_prompts(name, a.limit):
-                ids = tok.apply_chat_template(conv.messages, add_generation_prompt=True, return_tensors="pt",
-                                              return_dict=True)["input_ids"]
+                ids = render_prompt(conv, tok)[None]  # [1, T]: the prefix eyas bench and regenerate give
                 ranks = ranks_of_samples(model, ids, a.temperature, a.max_new_tokens, set(target.eos_ids), gen)
                 top1 += sum(r == 0 for r in ranks)
                 n += len(ranks)

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from eyas.cli.main import app
 from eyas.data import open_sets
-from eyas.data.open_readers import READERS, write_open_prompts
+from eyas.data.open_readers import READERS
+from eyas.data.open_writer import write_open_prompts
 from eyas.data.open_sets import OpenFile, OpenSet, OpenSetError, fetch_file
 
 pytestmark = pytest.mark.unit
@@ -50,7 +51,7 @@ def sets(tmp_path, monkeypatch):
                         (("languages", "English,German"),)),
     }
     monkeypatch.setattr(open_sets, "OPEN_SETS", registry)
-    monkeypatch.setattr("eyas.data.open_readers.OPEN_SETS", registry)
+    monkeypatch.setattr("eyas.data.open_writer.OPEN_SETS", registry)
     return files, registry
 
 
@@ -239,3 +240,18 @@ def test_lengths_are_counted_in_the_tokenizer_s_tokens_in_batches(sets, tmp_path
     texts = [r["messages"][0]["content"] for r in read(tmp_path / "o.jsonl")]
     assert result.unit == "tokens" and result.lengths == [len(t.split()) for t in texts]
     assert batches == [result.per_set["squad-t"], result.per_set["math-t"]]  # a batch a set here (under 1,024)
+
+
+def test_a_document_is_written_even_when_its_prompt_is_another_set_s_duplicate(tmp_path, monkeypatch):
+    """Requests grown earlier (benchmarks/grown/doc_requests.jsonl.gz) name their document by id: a
+    set whose prompts all repeat another set's must still write its documents."""
+    text = "\n\n".join(f"Paragraph {i}. " + "word " * 30 for i in range(6))
+    book = put(tmp_path / "files", "o/b", "book.txt", text.encode())
+    options = (("chars", "500"), ("title", "a book"))
+    registry = {"a-t": OpenSet("a-t", "summarize", "public domain", "text_chunks", (book,), options),
+                "b-t": OpenSet("b-t", "summarize", "public domain", "text_chunks", (book,), options)}
+    monkeypatch.setattr("eyas.data.open_writer.OPEN_SETS", registry)
+    docs = tmp_path / "docs.jsonl"
+    result = write_open_prompts([], tmp_path / "o.jsonl", files_dir=tmp_path / "files", documents_out=docs)
+    assert result.per_set == {"a-t": 2, "b-t": 0} and result.duplicates == 2
+    assert [d["id"] for d in read(docs)] == ["a-t/0/0", "a-t/0/1", "b-t/0/0", "b-t/0/1"]

@@ -44,13 +44,11 @@ def test_a_short_tail_is_dropped_unless_it_is_the_whole_file_and_long_enough():
 
 def task_set(tmp_path, genres: str, files: dict[str, str], passes: str = "900,1400") -> tuple[OpenSet, list]:
     paths, pinned = [], []
-    for name, text in files.items():
+    for (name, text), genre in zip(files.items(), genres.split("|")):
         (tmp_path / name).write_text(text)
         paths.append(tmp_path / name)
-        pinned.append(OpenFile("org/docs", COMMIT, name, "0" * 64, len(text)))
-    titles = "|".join(f"Title of {n}" for n in files)
-    return OpenSet("docs-t", "summarize", "MIT", "passage_tasks", tuple(pinned),
-                   (("passes", passes), ("genres", genres), ("titles", titles))), paths
+        pinned.append(OpenFile("org/docs", COMMIT, name, "0" * 64, len(text), genre, f"Title of {name}"))
+    return OpenSet("docs-t", "summarize", "MIT", "passage_tasks", tuple(pinned), (("passes", passes),)), paths
 
 
 def test_each_passage_gets_a_request_of_its_genre_and_a_layout_the_same_on_every_run(tmp_path):
@@ -76,14 +74,18 @@ def test_each_passage_gets_a_request_of_its_genre_and_a_layout_the_same_on_every
     assert len({p.text.split("\n")[0] for p in first}) > 2  # the draws differ between passages
 
 
-def test_a_wrong_genre_or_a_per_file_option_of_another_length_is_refused(tmp_path):
+def test_a_wrong_genre_is_refused_and_a_file_without_one_is_prose_named_by_its_path(tmp_path):
     s, paths = task_set(tmp_path, "poetry", {"a.txt": "x" * 2000})
     with pytest.raises(OpenSetError, match=r"open set docs-t file 0 .*a.txt\): genre expected one of "
                                            r"\['code', 'prose', 'technical'\], found 'poetry'"):
         list(READERS["passage_tasks"](s, paths))
-    s, paths = task_set(tmp_path, "prose|code", {"a.txt": "x" * 2000})
-    with pytest.raises(OpenSetError, match=r"option genres: expected one per file \(1\), found 2"):
-        list(READERS["passage_tasks"](s, paths))
+    (tmp_path / "b.txt").write_text("A sentence. " * 150)
+    bare = OpenSet("b-t", "summarize", "MIT", "passage_tasks", (OpenFile("o/b", COMMIT, "b.txt", "0" * 64, 1),),
+                   (("passes", "3000"),))
+    (p,) = READERS["passage_tasks"](bare, [tmp_path / "b.txt"])
+    made = {lay.format(request=r.format(title="b.txt", language=lang), document=p.document, title="b.txt", fence="")
+            for _, r in TASKS["prose"] for lay in LAYOUTS["prose"] for lang in LANGUAGES}
+    assert p.text in made
 
 
 SQUAD = {"data": [{"title": f"Article {a}", "paragraphs": [
@@ -115,21 +117,19 @@ def test_a_manifest_is_read_as_pinned_and_a_bad_line_is_named(tmp_path):
     sha = "a" * 64
     (tmp_path / "m.tsv").write_text(f"o/r\t{COMMIT}\tdocs/a.md\t{sha}\t1500\ttechnical\tA | B\n\n"
                                     f"o/r\t{COMMIT}\tsrc/b.py\t{sha}\t2500\tcode\tsrc/b.py\n")
-    files, options = manifest_files("m", root=tmp_path)
-    assert files == (OpenFile("o/r", COMMIT, "docs/a.md", sha, 1500), OpenFile("o/r", COMMIT, "src/b.py", sha, 2500))
-    assert dict(options) == {"genres": "technical|code", "titles": "A / B|src/b.py"}  # "|" separates titles
+    assert manifest_files("m", root=tmp_path) == (OpenFile("o/r", COMMIT, "docs/a.md", sha, 1500, "technical", "A | B"),
+                                                  OpenFile("o/r", COMMIT, "src/b.py", sha, 2500, "code", "src/b.py"))
     (tmp_path / "bad.tsv").write_text(f"o/r\t{COMMIT}\tdocs/a.md\t{sha}\t1500\n")
     with pytest.raises(OpenSetError, match=r"bad.tsv line 1: expected 7 tab-separated fields .* found 5"):
         manifest_files("bad", root=tmp_path)
 
 
-def test_every_manifest_set_has_one_genre_and_title_per_file():
+def test_every_manifest_set_gives_each_file_a_known_genre_and_a_title():
     sets = [s for s in open_sets.OPEN_SETS.values() if s.reader == "passage_tasks"]
     assert len(sets) >= 10
     for s in sets:
         assert len(s.files) > 0
-        assert len(s.option("genres").split("|")) == len(s.files) == len(s.option("titles").split("|")), s.name
-        assert set(s.option("genres").split("|")) <= set(TASKS), s.name
+        assert all(f.genre in TASKS and f.title for f in s.files), s.name
         assert all(int(x) > 2 * MIN_CHARS for x in s.option("passes").split(",")), s.name
 
 
@@ -153,8 +153,8 @@ def test_pin_open_files_pins_a_repository_s_files_as_a_manifest_read_back(tmp_pa
     rows += pin.pin(repo, "org/docs", ["*.rst"], "public domain", "technical", files)
     assert [r.split("\t")[2] for r in rows] == ["docs/guide.md", "pep.rst"]  # other.rst: states no terms
     (tmp_path / "m.tsv").write_text("\n".join(rows) + "\n")
-    pinned, options = manifest_files("m", root=tmp_path)
-    assert dict(options)["titles"] == "The Guide|PEP 8: Style Guide"
+    pinned = manifest_files("m", root=tmp_path)
+    assert [f.title for f in pinned] == ["The Guide", "PEP 8: Style Guide"]
     for f in pinned:
         data = (files / "org__docs" / f.path).read_bytes()
         assert hashlib.sha256(data).hexdigest() == f.sha256 and len(data) == f.bytes

@@ -20,6 +20,17 @@ from eyas.cli.common import print_json as _print_json
 from eyas.cli.common import run as _run
 
 
+def _files_line(files: list[str]) -> str:
+    """A set's files (``owner/name@commit:path``) for a person: each one when they are few, else
+    counted (a manifest pins hundreds), per repository or, over three, per owner."""
+    if len(files) <= 8:
+        return ", ".join(files)
+    repos = Counter(f.split("@")[0] for f in files)
+    if len(repos) <= 3:
+        return ", ".join(f"{n} files of {repo}" for repo, n in repos.items())
+    return f"{len(files)} files of {len(repos)} repositories of {', '.join(sorted({r.split('/')[0] for r in repos}))}"
+
+
 def open_prompts_cmd(
     out: Optional[Path] = typer.Option(None, help="JSONL of user prompts to write (replaced at the end)"),
     sets: str = typer.Option("", help="comma-separated set names (default: all; --list names them)"),
@@ -34,7 +45,7 @@ def open_prompts_cmd(
 ) -> None:
     """Write user prompts from open prompt sets: long documents to summarize or answer questions
     about, translation pairs, math and code tasks."""
-    from eyas.data.open_readers import write_open_prompts
+    from eyas.data.open_writer import write_open_prompts
     from eyas.data.open_sets import OPEN_SETS
 
     if list_sets:
@@ -45,13 +56,8 @@ def open_prompts_cmd(
             _print_json(rows)
         else:
             for r in rows:
-                repos = Counter(f.split("@")[0] for f in r["files"])
-                files = (r["files"] if len(r["files"]) <= 8  # else a manifest's hundreds of files, counted
-                         else [f"{n} files of {repo}" for repo, n in repos.items()] if len(repos) <= 3
-                         else [f"{len(r['files'])} files of {len(repos)} repositories of "
-                               + ", ".join(sorted({x.split('/')[0] for x in repos}))])
-                console.print(f"{r['name']} ({r['kind']}, {r['licence']}): {', '.join(files)}", highlight=False,
-                              soft_wrap=True)
+                console.print(f"{r['name']} ({r['kind']}, {r['licence']}): {_files_line(r['files'])}",
+                              highlight=False, soft_wrap=True)
         return
     if out is None:
         fail("--out: expected the JSONL file to write, found none")

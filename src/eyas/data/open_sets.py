@@ -42,6 +42,8 @@ class OpenFile:
     path: str  # in the repository
     sha256: str  # of the file's bytes
     bytes: int
+    genre: str = ""  # a manifest's files: prose, technical or code (which requests a passage gets)
+    title: str = ""  # a manifest's files: what a request calls the file ("PEP 8: Style Guide ...")
 
     def local_name(self) -> str:
         """Where a directory of local copies holds it (``files_dir``)."""
@@ -111,12 +113,11 @@ def _gh(repo: str, commit: str, path: str, sha256: str, size: int) -> OpenFile:
 MANIFESTS = Path(__file__).with_name("manifests")
 
 
-def manifest_files(name: str, root: Path = MANIFESTS) -> tuple[tuple[OpenFile, ...], tuple[tuple[str, str], ...]]:
+def manifest_files(name: str, root: Path = MANIFESTS) -> tuple[OpenFile, ...]:
     """A set of many files, pinned in ``manifests/<name>.tsv`` (``benchmarks/pin_open_files.py``
-    writes it): one line a file, tab-separated ``repo commit path sha256 bytes genre title``.
-    -> (the files, in order; the reader's per-file options ``genres`` and ``titles``, ``|``-joined)."""
+    writes it): one line a file, tab-separated ``repo commit path sha256 bytes genre title``."""
     path = root / f"{name}.tsv"
-    files, genres, titles = [], [], []
+    files = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -125,10 +126,8 @@ def manifest_files(name: str, root: Path = MANIFESTS) -> tuple[tuple[OpenFile, .
             raise OpenSetError(f"{path} line {n}: expected 7 tab-separated fields (repo commit path sha256 bytes "
                                f"genre title), found {len(cols)}: {line[:80]!r}")
         repo, commit, file_path, sha, size, genre, title = cols
-        files.append(OpenFile(repo, commit, file_path, sha, int(size)))
-        genres.append(genre)
-        titles.append(title.replace("|", "/"))
-    return tuple(files), (("genres", "|".join(genres)), ("titles", "|".join(titles)))
+        files.append(OpenFile(repo, commit, file_path, sha, int(size), genre, title))
+    return tuple(files)
 
 
 # The registry (module docstring). Each file was read at its commit and its sha256 computed from
@@ -279,8 +278,7 @@ BOOK_PASSES = "4800,5200,5600,6400,7200,8000,8800"  # prose: about 4.3 character
 
 
 def _manifest_set(name: str, kind: str, licence: str, note: str, passes: str = DOC_PASSES) -> OpenSet:
-    files, options = manifest_files(name)
-    return register(OpenSet(name, kind, licence, "passage_tasks", files, (("passes", passes),) + options, note))
+    return register(OpenSet(name, kind, licence, "passage_tasks", manifest_files(name), (("passes", passes),), note))
 
 
 _manifest_set("python-peps", "summarize", "public domain or CC0-1.0 (each PEP's Copyright section; only those)",

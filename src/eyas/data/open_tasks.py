@@ -8,9 +8,9 @@ answer; these readers make such prompts from permissively licensed files, many p
 
 Readers (registered in :data:`eyas.data.open_readers.READERS`):
 
-- ``passage_tasks``: each file (its ``genres`` option, one per file: ``prose``, ``technical`` or
-  ``code``; ``titles`` likewise) is cut at blank lines into passages of about ``size`` characters,
-  once per size of ``passes`` (``"4500,8500"``: a file is read twice, at two cuts, so a passage
+- ``passage_tasks``: each file (its :class:`OpenFile`'s ``genre``: ``prose``, the default,
+  ``technical`` or ``code``; its ``title``, else its path) is cut at blank lines into passages of
+  about ``size`` characters, once per size of ``passes`` (``"4500,8500"``: a file is read twice, at two cuts, so a passage
   boundary of one pass falls inside a passage of the other). Each passage gets one request of its
   genre (:data:`TASKS`) and one layout (:data:`LAYOUTS`: the request before or after the
   document, fenced for code), both drawn by a hash of (set, file, pass, passage), so a rerun writes
@@ -141,33 +141,23 @@ def passages(text: str, genre: str, size: int) -> list[str]:
     return result
 
 
-def _per_file(s: OpenSet, key: str, n: int, default: str) -> list[str]:
-    values = [x.strip() for x in s.option(key).split("|")] if s.option(key) else []
-    if values and len(values) != n:
-        raise OpenSetError(f"open set {s.name}: option {key}: expected one per file ({n}), found {len(values)}")
-    return values or [default] * n
-
-
 @reader("passage_tasks")
 def passage_tasks(s: OpenSet, paths: Sequence[Path]) -> Iterator[OpenPrompt]:
     sizes = [int(x) for x in s.option("passes", "4500,8500").split(",") if x.strip()]
-    genres = _per_file(s, "genres", len(paths), s.option("genre", "prose"))
-    titles = _per_file(s, "titles", len(paths), "")
-    for k, path in enumerate(paths):
-        genre = genres[k]
+    for k, (f, path) in enumerate(zip(s.files, paths)):
+        genre, title = f.genre or "prose", f.title or f.path
         if genre not in TASKS:
             raise OpenSetError(f"open set {s.name} file {k} ({path}): genre expected one of {sorted(TASKS)}, "
                                f"found {genre!r}")
         text = book_text(path) if genre == "prose" else path.read_text(encoding="utf-8-sig", errors="replace")
         text = text.replace("\r\n", "\n")
-        title = titles[k] or s.files[k].path
         for p, size in enumerate(sizes):
             for n, passage in enumerate(passages(text, genre, size)):
                 kind, request = TASKS[genre][draw(s.name, k, p, n, "task") % len(TASKS[genre])]
                 layout = LAYOUTS[genre][draw(s.name, k, p, n, "layout") % len(LAYOUTS[genre])]
                 request = request.format(title=title, language=LANGUAGES[draw(s.name, k, p, n) % len(LANGUAGES)])
                 prompt = layout.format(request=request, document=passage, title=title,
-                                       fence=FENCES.get(Path(s.files[k].path).suffix, ""))
+                                       fence=FENCES.get(Path(f.path).suffix, ""))
                 pid = f"{s.name}/{k}/{p}/{n}"
                 yield OpenPrompt(pid, prompt, kind, k, pid if p == 0 else "", passage if p == 0 else "")
 
