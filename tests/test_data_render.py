@@ -21,6 +21,7 @@ from eyas.data import (
     render,
     render_many,
     render_prompt,
+    render_prompts,
     shift_for_training,
     shift_targets,
     system_prompt_mode,
@@ -304,6 +305,25 @@ def test_prompt_only_and_render_prompt(smol):
         full = render(MULTI_TURN, smol, system_prompt=mode)
         assert torch.equal(full.input_ids[: len(ids)], ids)
         assert full.assistant_spans[0][0] == len(ids)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 1024])
+def test_render_prompts_gives_each_conversation_render_prompts_ids_in_batches(smol, llama3, batch_size):
+    # Short and long prompts, multi-turn histories, a system message, unicode: a batch must not pad,
+    # add special tokens or let one text change another's ids.
+    long_text = " ".join(f"word{i} Ünïcödé 你好" for i in range(400))
+    convs = [MULTI_TURN[:1], MULTI_TURN[:3], MULTI_TURN[:5], [{"role": "user", "content": long_text}],
+             [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}],
+             Conversation([{"role": "user", "content": "\n  spaces  \n"}])]
+    for tok in (smol, llama3):
+        for mode in ("template_default", "none", "Be brief."):
+            batches = list(render_prompts(convs, tok, mode, batch_size=batch_size))
+            assert [len(b) for b in batches][:-1] == [batch_size] * (len(batches) - 1)
+            assert [ids for b in batches for ids in b] == [render_prompt(c, tok, system_prompt=mode).tolist()
+                                                           for c in convs]
+    assert list(render_prompts([], smol)) == []
+    with pytest.raises(ValueError, match="batch_size must be >= 1, found 0"):
+        list(render_prompts(convs, smol, batch_size=0))
 
 
 def test_shift_for_training_at_turn_boundaries(smol):

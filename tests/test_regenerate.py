@@ -279,7 +279,9 @@ def test_unusable_conversations_go_to_the_sidecar_and_are_not_retried(tmp_path, 
 # -- length-sorted chunks ---------------------------------------------------------------------------
 
 
-def test_chunks_are_cut_from_conversations_sorted_by_first_prompt_length(tmp_path, tok, target):
+def test_chunks_are_cut_from_conversations_sorted_by_first_prompt_length(tmp_path, tok, target, monkeypatch):
+    import eyas.data.regenerate as regenerate_module
+
     from eyas.data.render import render_prompt
 
     convs = prompts(7)
@@ -302,6 +304,11 @@ def test_chunks_are_cut_from_conversations_sorted_by_first_prompt_length(tmp_pat
     again = tmp_path / "again.jsonl"
     regenerate(target, tok, prompts(7), opts(again, loops="keep"))
     assert again.read_bytes() == out.read_bytes()
+    # The lengths are counted in tokenizer batches: batches of 2 (the last of 1) give the same order.
+    monkeypatch.setattr(regenerate_module, "_LENGTH_BATCH", 2)
+    batched = tmp_path / "batched.jsonl"
+    regenerate(target, tok, prompts(7), opts(batched, loops="keep"))
+    assert batched.read_bytes() == out.read_bytes()
 
 
 # -- repetition loops ----------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from .render import (
     TrainingSample,
     render,
     render_prompt,
+    render_prompts,
     shift_for_training,
     shift_targets,
     system_prompt_mode,
@@ -36,6 +37,6 @@ __all__ = [
     "FORMATS", "Conversation", "DataFormatError", "MessageIssue", "Problem", "ReadResult", "check_messages",
     "read_conversations", "write_jsonl",
     "NO_SYSTEM_PROMPT", "TEMPLATE_DEFAULT", "RenderedSample", "TemplateAlignmentError", "TrainingSample",
-    "render", "render_many", "render_prompt", "shift_for_training", "shift_targets", "system_prompt_mode",
+    "render", "render_many", "render_prompt", "render_prompts", "shift_for_training", "shift_targets", "system_prompt_mode",
     "template_default_system_prompt",
 ]

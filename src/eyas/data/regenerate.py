@@ -104,7 +104,7 @@ from eyas.data.regenerate_options import (
     sampling_seed,
 )
 from eyas.data.regenerate_output import OutputFiles, read_resumable_jsonl
-from eyas.data.render import TEMPLATE_DEFAULT, render_prompt, system_prompt_mode
+from eyas.data.render import TEMPLATE_DEFAULT, render_prompts, system_prompt_mode
 from eyas.data.runs import eval_mode
 from eyas.targets.structure import eos_token_ids
 
@@ -141,13 +141,30 @@ def _turns(conv: Conversation, system_prompt: str, max_turns: int | None) -> tup
     return head, users[:max_turns] if max_turns else users
 
 
-def _first_prompt_tokens(conv: Conversation, tokenizer: Any, options: RegenerateOptions) -> int:
-    """Token length of the first prompt the target would be given for ``conv`` (0: no user turn)."""
-    head, users = _turns(conv, options.system_prompt, options.max_turns)
-    if not users:
-        return 0
-    return int(render_prompt(head + [{"role": "user", "content": users[0]}], tokenizer,
-                             system_prompt=options.system_prompt).numel())
+_LENGTH_BATCH = 1024  # prompts a tokenizer call counts
+
+
+def _first_prompt_lengths(items: Sequence[tuple[str, Conversation]], tokenizer: Any,
+                          options: RegenerateOptions) -> list[int]:
+    """Token length of the first prompt the target would be given for each conversation (0: no
+    user turn), counted in batches (:func:`render_prompts`: 256k prompts take minutes one by one,
+    which once spent a whole run's regeneration budget before the first answer)."""
+    firsts: list[tuple[int, list[dict]]] = []
+    for k, (_, conv) in enumerate(items):
+        head, users = _turns(conv, options.system_prompt, options.max_turns)
+        if users:
+            firsts.append((k, head + [{"role": "user", "content": users[0]}]))
+    lengths = [0] * len(items)
+    batches = render_prompts([m for _, m in firsts], tokenizer, options.system_prompt, batch_size=_LENGTH_BATCH)
+    done = 0
+    with tqdm(total=len(firsts), desc="prompt lengths", unit="prompt", disable=not options.progress,
+              dynamic_ncols=True) as bar:
+        for batch in batches:
+            for (k, _), ids in zip(firsts[done:done + len(batch)], batch):
+                lengths[k] = len(ids)
+            done += len(batch)
+            bar.update(len(batch))
+    return lengths
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +249,7 @@ def regenerate(
         generator = HFGenerator(model, tokenizer, options.cache, options.batch_size)
     lengths: list[int] = []
     if options.sort_by_length or options.max_prompt_tokens is None:
-        lengths = [_first_prompt_tokens(conv, tokenizer, options) for _, conv in items]
+        lengths = _first_prompt_lengths(items, tokenizer, options)
     if options.sort_by_length:
         items, lengths = _sort_by_length(items, lengths)
     summary.conversations, summary.temperatures = len(items), temperatures
@@ -345,12 +362,13 @@ def _answer_unit(generator: BatchGenerator, tokenizer: Any, unit: _Unit, options
                            *_turns(conv, options.system_prompt, options.max_turns)) for cid, conv in unit.members]
     for t in range(max(len(d.users) for d in dialogues)):
         active, prompts = [], []
-        for d in dialogues:
-            if d.stop is not None or t >= len(d.users):
-                continue
+        asking = [d for d in dialogues if d.stop is None and t < len(d.users)]
+        for d in asking:
             d.messages.append({"role": "user", "content": d.users[t]})
-            # render_prompt applies the same system-prompt handling as training-time render().
-            ids = render_prompt(d.messages, tokenizer, system_prompt=options.system_prompt).tolist()
+        # render_prompt's ids (the same system-prompt handling as training-time render()), in one batch
+        rendered = [ids for batch in render_prompts([d.messages for d in asking], tokenizer, options.system_prompt,
+                                                    batch_size=max(len(asking), 1)) for ids in batch]
+        for d, ids in zip(asking, rendered):
             if options.max_prompt_tokens is not None and len(ids) > options.max_prompt_tokens:
                 d.messages.pop()
                 d.stop = f"prompt of turn {t} has {len(ids)} tokens > max_prompt_tokens {options.max_prompt_tokens}"

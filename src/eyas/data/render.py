@@ -48,7 +48,7 @@ System prompt modes (``system_prompt=``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -391,6 +391,34 @@ def render_prompt(
     messages, _ = _as_messages(conversation)
     messages = _with_system_prompt(messages, system_prompt, render_text)
     return torch.tensor(_encode(tokenizer, render_text(messages, add_generation_prompt=True)), dtype=torch.long)
+
+
+def render_prompts(
+    conversations: Sequence[Conversation | Sequence[Mapping[str, str]]],
+    tokenizer: Any,
+    system_prompt: str = TEMPLATE_DEFAULT,
+    *,
+    batch_size: int = 1024,
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> Iterator[list[list[int]]]:
+    """:func:`render_prompt` of every conversation, in order, yielded as lists of token ids in
+    batches of ``batch_size`` (the last may be shorter): the same ids, ``render_prompt(c).tolist()``.
+
+    Why batches: the chat template is cheap (~30 us a prompt) but tokenising one long prompt at a
+    time is not (~1.7 ms for a 750-token prompt on 2 cores); the tokenizer's batch call encodes on
+    every core. A fast tokenizer encodes each text of a batch on its own (no padding, no special
+    tokens added), so a batch gives each text the ids it gets alone (``tests/test_render.py``)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, found {batch_size}")
+    render_text = _Renderer(tokenizer, chat_template, template_kwargs)
+    for start in range(0, len(conversations), batch_size):
+        texts = []
+        for conversation in conversations[start:start + batch_size]:
+            messages, _ = _as_messages(conversation)
+            messages = _with_system_prompt(messages, system_prompt, render_text)
+            texts.append(render_text(messages, add_generation_prompt=True))
+        yield [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 SENTINEL = "\u2063EYAS-USER-CONTENT\u2063"  # invisible separators: no template touches them
