@@ -303,7 +303,7 @@ def run(a: argparse.Namespace) -> int:
                   "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.regen_batch), "--rows", str(a.regen_rows),
                   "--temperatures", a.temperatures, "--max-prompt-tokens", str(a.max_prompt_tokens),
                   "--max-turns", "2", "--loops", a.loops, "--cache", a.cache, "--device", a.device,
-                  "--seed", str(a.regen_seed), "--json"]
+                  "--seed", str(a.regen_seed), "--json", "--progress"]  # bars in the log, JSON on stdout
     if a.limit:
         regen_args += ["--limit", str(a.limit)]
     code, regen_wall, text = run_cli(regen_args, regen_deadline, "regenerate")

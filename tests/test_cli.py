@@ -184,6 +184,13 @@ def test_regenerate_rows_mean_what_they_say(tmp_path):
             "--engine", "fast"]
     rep = json.loads(run(*base, "--out", str(tmp_path / "a.jsonl"), "--rows", "3", "--json"))
     assert (rep["engine"], rep["rows"], rep["batch_size"], rep["written"]) == ("fast", 3, 12, 5)
+    # --progress keeps the bars (on stderr) under --json, whose stdout stays one JSON object: a pipeline
+    # that parses the summary still sees in its log where the time goes.
+    shown = runner.invoke(app, [*base, "--out", str(tmp_path / "c.jsonl"), "--rows", "3", "--json", "--progress"])
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["written"] == 5
+    assert "prompt lengths" in shown.stderr and "regenerate" in shown.stderr
+    quiet = runner.invoke(app, [*base, "--out", str(tmp_path / "d.jsonl"), "--rows", "3", "--json"])
+    assert quiet.exit_code == 0 and "prompt lengths" not in quiet.stderr
     result = runner.invoke(app, [*base, "--out", str(tmp_path / "b.jsonl"), "--rows", "4", "--batch-size", "2"])
     message = " ".join(result.output.split())
     assert result.exit_code == 2 and "--rows 4 with --batch-size 2" in message and "pass --batch-size 16" in message

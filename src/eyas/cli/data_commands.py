@@ -105,6 +105,8 @@ def regenerate_cmd(
     target_devices: Optional[str] = typer.Option(None, help=TARGET_DEVICES_HELP),
     target_dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32"),
     json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
+    progress: Optional[bool] = typer.Option(None, "--progress/--no-progress",
+                                            help="progress bars on stderr [default: on, off with --json]"),
 ) -> None:
     """Answer prompts with the target itself (the drafter trains on the target's own answers)."""
     from eyas.data.regenerate import RegenerateOptions, regenerate
@@ -116,14 +118,15 @@ def regenerate_cmd(
     if temperatures is not None:
         sampling["temperatures"] = _floats("--temperatures", temperatures)
     rows = _rows(rows, batch_size, engine)
+    show_progress = not json_out if progress is None else progress  # bars go to stderr, JSON to stdout
     options = _run(RegenerateOptions, out_path=out, max_new_tokens=max_new_tokens, batch_size=batch_size or 64,
                    **sampling, top_p=top_p, seed=seed, limit=limit, system_prompt=system_prompt,
                    max_prompt_tokens=max_prompt_tokens, max_turns=max_turns, loops=loops,
-                   sort_by_length=sort_by_length, cache=cache, progress=not json_out)
+                   sort_by_length=sort_by_length, cache=cache, progress=show_progress)
     read = _read(prompts)
     loaded = _load(target, device, target_dtype, target_devices)
     model, tokenizer, src = loaded.model, loaded.tokenizer, loaded.name
-    generator = _generator(model, engine, rows, progress=not json_out)
+    generator = _generator(model, engine, rows, progress=show_progress)
     if generator is not None:  # the fast engine: --rows rows, fed --batch-size conversations at a time
         if batch_size is not None and batch_size < rows:
             _fail(_rows_vs_batch(rows, batch_size))
