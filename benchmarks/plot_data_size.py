@@ -3,7 +3,8 @@
     python benchmarks/plot_data_size.py benchmarks/results/2026-12-01-data-size.json
 
 Reads the points (each: the drafter's training conversations and targets, and the tau measured
-with it on MT-bench, with the file that holds the measurement), prints them as a table (``--json``:
+with it, with the file that holds the measurement; the file's ``y_label`` says how tau was measured,
+MT-bench greedy when it has none), prints them as a table (``--json``:
 as JSON) and writes a PNG next to the input: tau per decoder against training targets on a log
 axis, the goals as horizontal lines, and each series' log-linear trend through its points
 extended to its goal (two points make a line, not a prediction: the plot says so).
@@ -56,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for r, color in zip(rows, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+    colors = plt.get_cmap("tab10").colors  # one per series, however many the file holds
+    for i, r in enumerate(rows):
+        color = colors[i % len(colors)]
         pts = sorted((p["training_targets"], p["tau"]) for p in r["points"])
         ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", color=color, label=r["series"])
         if r["goal"]:
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             ax.plot([pts[-1][0], need], [pts[-1][1], r["goal"]], "--", color=color, lw=1)
     ax.set_xscale("log")
     ax.set_xlabel("training targets (answer tokens the drafter was trained on)")
-    ax.set_ylabel("tau (tokens per round), MT-bench, greedy")
+    ax.set_ylabel(data.get("y_label", "tau (tokens per round), MT-bench, greedy"), fontsize=8)
     ax.set_title("SmolLM2 drafters: tau against training data (dashed: log-linear trend, not measured)", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

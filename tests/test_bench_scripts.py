@@ -380,3 +380,27 @@ def test_sampled_tau_bound_counts_rounds_that_emit_every_sampled_token_once():
             emitted, rounds = bound.tau_bound(ranks, depth, k)
             assert emitted == len(ranks) and 1 <= emitted / rounds <= depth + 1
     assert bound.tau_bound(ranks, 4, 8)[1] < bound.tau_bound(ranks, 4, 2)[1] < bound.tau_bound(ranks, 4, 1)[1]
+
+
+def test_plot_data_size_draws_every_series_and_extends_only_rising_trends_to_their_goal(tmp_path, capsys):
+    """plot_data_size.py: every series of the file is drawn (a fifth one was dropped when the colours
+    were a list of four), the y axis says how tau was measured, and the log-linear trend through a
+    series' first and last points is extended to its goal only when it rises."""
+    import matplotlib.pyplot as plt
+
+    plot = load_script("plot_data_size")
+    point = (lambda targets, tau: {"conversations": 1, "training_targets": targets, "tau": tau, "source": "x.md"})
+    series = [{"name": f"s{i}", "goal": None, "points": [point(1_000_000, 2.0)]} for i in range(3)]
+    series += [{"name": "rising", "goal": 3.5, "points": [point(10_000_000, 3.0), point(1_000_000, 2.0)]},
+               {"name": "falling", "goal": 3.2, "points": [point(10_000_000, 3.04), point(20_000_000, 3.0)]}]
+    points = tmp_path / "size.json"
+    points.write_text(json.dumps({"y_label": "tau, six-set mean", "series": series}))
+    assert plot.main([str(points), "--json"]) == 0
+    rows = {r["series"]: r for r in json.loads(capsys.readouterr().out)}
+    # 2 -> 3 over a decade: 3.5 is half a decade further, at 1e7 * 10 ** 0.5 targets
+    assert rows["rising"]["targets_for_goal_by_trend"] == round(1e7 * 10 ** 0.5)
+    assert rows["falling"]["targets_for_goal_by_trend"] is None and rows["s0"]["targets_for_goal_by_trend"] is None
+    ax = plt.gcf().axes[0]
+    assert ax.get_legend_handles_labels()[1] == ["s0", "s1", "s2", "rising", "falling"]
+    assert ax.get_ylabel() == "tau, six-set mean" and points.with_suffix(".png").stat().st_size > 0
+    plt.close("all")
