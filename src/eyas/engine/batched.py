@@ -113,7 +113,8 @@ class BatchedLlama(StepShapes):
         sync_every: decode steps between host reads of the state.
         refill_rows: free rows that trigger a refill (default R // 8, at least 1).
         prefill_tokens, prefill_scores: a prefill group's budget: g x P tokens, and g x Hq x P x P
-            attention scores (float32, materialised).
+            attention scores (computed by the fused SDPA, which materialises them only where it
+            falls back to its math kernel).
         progress: a tqdm bar of answered prompts per call.
     """
 
@@ -123,7 +124,7 @@ class BatchedLlama(StepShapes):
                  key_buckets: Sequence[int] | None = None, compile: bool | None = None,
                  cuda_graphs: bool | None = None, backend: str | Callable[..., Any] | None = None,
                  sync_every: int = 16, refill_rows: int | None = None, prefill_tokens: int = 16384,
-                 prefill_scores: int = 1 << 27, progress: bool = False) -> None:
+                 prefill_scores: int = 1 << 30, progress: bool = False) -> None:
         why = fast_unsupported(model)
         if why is not None:
             raise UnsupportedTarget(f"fast engine: {why}; use the hf engine (Hugging Face generate)")

@@ -3,7 +3,9 @@ compiled (inductor, then one CUDA graph per step) on a GPU; :class:`eyas.engine.
 and :class:`eyas.engine.continuous.RowBatch` run them.
 
 Numerics are ``llama._layer``'s: RMSNorm in float32, rotate-half rope, grouped-query attention with
-the scores q.k in the model's dtype, scaled and softmaxed in float32, cast back. Shapes: R rows, H
+the scores q.k in the model's dtype, scaled and softmaxed in float32, cast back; a prefill's causal
+attention over its own prompt is torch's fused SDPA instead (the scores are P x P per head there,
+too many to materialise for long prompts). Shapes: R rows, H
 hidden, Hq/Hkv query/key-value heads, D head dim, C the cache's positions per row, V the vocabulary.
 """
 
@@ -239,9 +241,14 @@ def prefill_layer(x: Tensor, d: Tensor, cos: Tensor, sin: Tensor, rows: Tensor, 
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [g, Hkv, P, D]
     keys[:, :, :P].index_copy_(0, rows, k)
     values[:, :, :P].index_copy_(0, rows, v)
-    causal = torch.ones(P, P, dtype=torch.bool, device=x.device).tril_()  # pads come last: no real token sees one
-    qg = q.view(g, P, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)  # [g, Hkv, G, P, D]
-    out = _attend(qg, k, v, causal, scaling).permute(0, 3, 1, 2, 4).reshape(g, P, Hq * D)
+    # Causal SDPA (pads come last: no real token sees one): a fused kernel (flash on a GPU) never
+    # materialises the g x Hq x P x P scores, which _attend writes, reads and softmaxes in float32:
+    # ~2.5 GB a block for 2 prompts of 2,304 tokens. Query head j reads key/value head j // G, as
+    # repeat_interleave lays them out.
+    G = Hq // Hkv
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
+                                         is_causal=True, scale=scaling)  # [g, Hq, P, D]
+    out = out.transpose(1, 2).reshape(g, P, Hq * D)
     h = h_in + F.linear(out, w.o, w.o_bias)
     return h, _mlp(rms_norm(h, w.post_norm, eps), w)
 
