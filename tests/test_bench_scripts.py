@@ -404,3 +404,29 @@ def test_plot_data_size_draws_every_series_and_extends_only_rising_trends_to_the
     assert ax.get_legend_handles_labels()[1] == ["s0", "s1", "s2", "rising", "falling"]
     assert ax.get_ylabel() == "tau, six-set mean" and points.with_suffix(".png").stat().st_size > 0
     plt.close("all")
+
+
+def test_draft_vocab_coverage_counts_answer_tokens_inside_the_vocabulary_and_copied_from_the_prompt():
+    cover = load_script("draft_vocab_coverage")
+    in_vocab = torch.tensor([True, True, False, False, True])
+    # prompt 1 holds 2 and 4; its answer 2 (copied, outside), 4 (copied, inside), 3 (outside), 0 (inside)
+    row = cover.coverage([[2, 4], [1]], [[2, 4, 3, 0], [3, 1]], in_vocab, decode=lambda ids: f"<{ids[0]}>")
+    assert (row["tokens"], row["in_vocab"], row["copied"]) == (6, 0.5, 0.5)
+    assert (row["in_vocab_of_copied"], row["in_vocab_of_rest"]) == (round(2 / 3, 4), round(1 / 3, 4))
+    assert row["top_missing"] == [{"id": 3, "count": 2, "text": "<3>"}, {"id": 2, "count": 1, "text": "<2>"}]
+    assert cover.coverage([[1]], [[]], in_vocab)["in_vocab"] is None
+
+
+def test_draft_vocab_coverage_answers_a_set_with_the_batched_engine_and_reads_the_drafters_t2d(toy_drafter, tmp_path,
+                                                                                               capsys):
+    cover = load_script("draft_vocab_coverage")
+    target, drafter = toy_drafter
+    t2d = cover.draft_vocabulary(drafter)
+    assert t2d.dtype == torch.bool and int(t2d.sum()) == 512
+    out = tmp_path / "cover.json"
+    assert cover.main(["--target", str(target), "--draft", str(drafter), "--sets", "mt_bench", "--limit", "2",
+                       "--max-new-tokens", "6", "--rows", "2", "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report == json.loads(out.read_text()) and report["draft_vocab_size"] == 512
+    row = report["sets"]["mt_bench"]
+    assert 0 < row["tokens"] <= 12 and 0 <= row["in_vocab"] <= 1
