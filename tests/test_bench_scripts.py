@@ -414,6 +414,11 @@ def test_draft_vocab_coverage_counts_answer_tokens_inside_the_vocabulary_and_cop
     assert (row["tokens"], row["in_vocab"], row["copied"]) == (6, 0.5, 0.5)
     assert (row["in_vocab_of_copied"], row["in_vocab_of_rest"]) == (round(2 / 3, 4), round(1 / 3, 4))
     assert row["top_missing"] == [{"id": 3, "count": 2, "text": "<3>"}, {"id": 2, "count": 1, "text": "<2>"}]
+    # oracle tau, depth 3: answer 1 [out, in, out, in] -> rounds [2] (its bonus alone), [4, 3] (4 accepted, 3 the
+    # bonus), [0] (last token): 4 tokens in 3 rounds; answer 2 [out, in] -> [3], [1]: 2 in 2. 6 / 5.
+    assert row["oracle_tau"] == 1.2
+    long = cover.coverage([[]], [[0, 1, 4, 0, 1]], in_vocab, depth=3)  # all inside: 3 drafted + the bonus, then 1
+    assert long["oracle_tau"] == 2.5 and cover.coverage([[]], [[0, 1, 4, 0, 1]], in_vocab, depth=1)["oracle_tau"] == round(5 / 3, 4)
     assert cover.coverage([[1]], [[]], in_vocab)["in_vocab"] is None
 
 

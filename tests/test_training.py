@@ -297,10 +297,65 @@ def test_init_from_takes_the_drafters_vocabulary_boundaries_and_flags_unless_the
     cfg = _json.loads((tmp_path / "again" / "eyas.json").read_text())["drafter_config"]
     assert cfg["draft_vocab_size"] == 512 and cfg["norm_output"] is True
     r = CliRunner().invoke(app, ["train", "--target", str(target), "--data", str(data), "--out", str(tmp_path / "set"),
-                                 "--steps", "1", "--device", "cpu", "--draft-vocab", "1024",
+                                 "--steps", "1", "--device", "cpu", "--draft-vocab", "256",
                                  "--init-from", str(tmp_path / "first")])
     assert r.exit_code == 2
-    assert "drafter config draft_vocab_size: expected this run's 1024, found 512" in " ".join(r.output.split())
+    assert ("drafter config draft_vocab_size: expected this run's 256, found 512 (pass --draft-vocab to match, or a "
+            "larger one to widen it)") in " ".join(r.output.split())
+
+
+@pytest.mark.unit
+def test_widened_ids_keep_the_drafters_ids_and_add_the_most_frequent_targets_outside_them():
+    from eyas.training.init_from import widened_ids
+
+    counts = torch.tensor([0, 9, 5, 0, 7, 7, 1, 0])
+    ids = widened_ids(torch.tensor([6, 2]), counts, 5)  # 6 is rare but kept; 1, then 4 before 5 (a tie: by id)
+    assert ids.tolist() == [1, 2, 4, 5, 6]
+    assert widened_ids(torch.tensor([6, 2]), counts, 8).tolist() == list(range(8))  # never-seen ids fill the rest
+    with pytest.raises(ValueError, match="draft_vocab_size: expected at most the target's vocabulary 8, found 9"):
+        widened_ids(torch.tensor([6, 2]), counts, 9)
+
+
+@pytest.mark.unit
+def test_fit_head_rows_keeps_the_drafters_rows_and_maps_the_targets_rows_for_new_ids():
+    """Where the drafter's head is exactly a linear map of the target's, the least-squares fit finds
+    it: a new id's row is its target row mapped; an id the drafter had keeps its own row."""
+    from eyas.training.init_from import fit_head_rows
+
+    g = torch.Generator().manual_seed(0)
+    target_head = torch.randn(20, 6, generator=g)  # [V, H_t]
+    a_true = torch.randn(6, 4, generator=g)  # [H_t, H]
+    old_ids = torch.tensor([0, 1, 3, 7, 9, 12, 15, 18])
+    old_head = target_head[old_ids] @ a_true
+    old_head[2] += 1.0  # a row the map does not explain: kept as it is all the same
+    ids = torch.tensor([0, 1, 2, 3, 5, 7, 9, 12, 15, 18])
+    rows = fit_head_rows(old_head, old_ids, ids, target_head)
+    assert rows.shape == (10, 4)
+    kept = [ids.tolist().index(t) for t in old_ids.tolist()]
+    assert torch.equal(rows[kept], old_head)
+    fitted = torch.linalg.lstsq(target_head[old_ids], old_head).solution
+    for t in (2, 5):
+        assert torch.allclose(rows[ids.tolist().index(t)], target_head[t] @ fitted, atol=1e-5)
+    exact = fit_head_rows(target_head[old_ids] @ a_true, old_ids, ids, target_head)
+    assert torch.allclose(exact[ids.tolist().index(5)], target_head[5] @ a_true, atol=1e-4)
+
+
+@pytest.mark.integration
+def test_init_from_with_a_larger_draft_vocabulary_widens_it_keeping_the_drafters_ids_and_rows(toy, tmp_path):
+    """--draft-vocab larger than the --init-from drafter's: its ids stay (more are added), their
+    lm_head rows and every other weight are the drafter's (a learning rate of 0 keeps them)."""
+    train(_cfg(toy, tmp_path / "first", steps=2, draft_vocab_size=256))
+    train(_cfg(toy, tmp_path / "wide", steps=1, lr=0.0, draft_vocab_size=512, init_from=str(tmp_path / "first")))
+    a, b = _weights(tmp_path / "first"), _weights(tmp_path / "wide")
+    old_ids = (torch.arange(256) + a["d2t"]).tolist()
+    new_ids = (torch.arange(512) + b["d2t"]).tolist()
+    assert set(old_ids) < set(new_ids) and new_ids == sorted(new_ids) and int(b["t2d"].sum()) == 512
+    for k in a.keys() - {"lm_head.weight", "d2t", "t2d"}:
+        assert torch.equal(a[k], b[k]), k
+    rows = [new_ids.index(t) for t in old_ids]
+    assert torch.equal(b["lm_head.weight"][rows], a["lm_head.weight"])
+    added = sorted(set(range(512)) - set(rows))
+    assert b["lm_head.weight"][added].abs().sum() > 0  # fitted, not left at zero
 
 
 @pytest.mark.integration

@@ -273,7 +273,8 @@ def train(
                    "measured as it trains, rather than cut off at a high learning rate"),
     boundaries: Optional[str] = typer.Option(None, help="online only: e.g. 2,15,27 (default [2, L//2, L-3])"),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="draft vocabulary size (default 8192, or "
-                                                                             "--init-from's)"),
+                                                                             "--init-from's; larger than --init-from's "
+                                                                             "widens it: its ids and rows kept)"),
     batch_size: int = typer.Option(4, help="sequences per rank per step (without --tokens-per-batch)"),
     tokens_per_batch: Optional[int] = typer.Option(
         None, help="length-bucketed batches: rows * padded length <= this many tokens per rank per step "

@@ -43,7 +43,7 @@ from eyas.training.order import make_order, sample_lengths
 from eyas.training.state import SHARD_BYTES, checkpoint_dirs, commit_dir, load_train_state, save_train_state
 from eyas.drafter.ttt import Tally, ttt_forward
 from eyas.training.timing import PhaseTimer, Window
-from eyas.training.vocab import build_draft_vocab, count_targets, vocab_of
+from eyas.training.vocab import build_draft_vocab, count_targets
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -234,8 +234,7 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
                                     **{flag: getattr(cfg, flag) for flag in NORM_FLAGS})
     ckpts = checkpoint_dirs(out)  # a resume (below) loads the newest instead of --init-from
     if cfg.init_from is not None and not ckpts:
-        init_weights(drafter, cfg.init_from, target, spec, force)
-        vocab = vocab_of(drafter.draft_to_target(torch.arange(cfg.draft_vocab_size)), counts)
+        vocab = init_weights(drafter, cfg.init_from, target, spec, force, counts)
     else:
         vocab = build_draft_vocab(counts, cfg.draft_vocab_size)
         drafter.set_vocab_map(vocab.ids)
