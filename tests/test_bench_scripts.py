@@ -435,3 +435,15 @@ def test_draft_vocab_coverage_answers_a_set_with_the_batched_engine_and_reads_th
     assert report == json.loads(out.read_text()) and report["draft_vocab_size"] == 512
     row = report["sets"]["mt_bench"]
     assert 0 < row["tokens"] <= 12 and 0 <= row["in_vocab"] <= 1
+    assert report["head_fit"]["held_out_rows"] == 512 - int(0.8 * 512) and -1 <= report["head_fit"]["cosine_mean"] <= 1
+
+
+def test_head_fit_predicts_held_out_rows_of_a_head_that_is_a_linear_map_of_the_targets():
+    cover = load_script("draft_vocab_coverage")
+    g = torch.Generator().manual_seed(0)
+    target_head = torch.randn(64, 6, generator=g)
+    ids = torch.arange(10, 50)
+    fit = cover.head_fit(target_head[ids] @ torch.randn(6, 5, generator=g), ids, target_head)
+    assert fit["held_out_rows"] == 8 and fit["cosine_mean"] > 0.999
+    noise = cover.head_fit(torch.randn(40, 5, generator=g), ids, target_head)
+    assert noise["cosine_mean"] < 0.9
