@@ -447,3 +447,22 @@ def test_head_fit_predicts_held_out_rows_of_a_head_that_is_a_linear_map_of_the_t
     assert fit["held_out_rows"] == 8 and fit["cosine_mean"] > 0.999
     noise = cover.head_fit(torch.randn(40, 5, generator=g), ids, target_head)
     assert noise["cosine_mean"] < 0.9
+
+
+def test_widen_drafter_writes_a_whole_vocabulary_drafter_that_keeps_the_old_rows(toy_drafter, tmp_path, capsys):
+    from eyas.interop import load_drafter
+
+    widen = load_script("widen_drafter")
+    target, drafter = toy_drafter
+    assert widen.main(["--target", str(target), "--draft", str(drafter), "--out", str(tmp_path / "wide")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    old, _ = load_drafter(drafter)
+    wide, contract = load_drafter(tmp_path / "wide")
+    V = old.config.vocab_size
+    assert report["draft_vocab_size"] == {"before": 512, "after": V} and wide.config.draft_vocab_size == V
+    assert contract.drafter.draft_vocab_size == V and bool(wide.t2d.all())
+    old_ids = old.draft_to_target(torch.arange(512))
+    # the whole vocabulary, ascending: draft id i is target id i; the old rows kept (bf16 on disk)
+    assert torch.equal(wide.draft_to_target(torch.arange(V)), torch.arange(V))
+    assert torch.equal(wide.lm_head.weight[old_ids], old.lm_head.weight.to(torch.bfloat16).float())
+    assert torch.equal(wide.fc.weight, old.fc.weight.to(torch.bfloat16).float())
