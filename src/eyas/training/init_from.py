@@ -82,8 +82,10 @@ def init_weights(drafter: Eagle3Drafter, path: str, target: LoadedTarget, spec: 
         return vocab_of(drafter.draft_to_target(torch.arange(ours["draft_vocab_size"])), counts)
     old_ids = init.draft_to_target(torch.arange(theirs["draft_vocab_size"]))
     ids = widened_ids(old_ids, counts, ours["draft_vocab_size"])
-    state = {k: v for k, v in init.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
-    drafter.load_state_dict(state, strict=False)
+    vocabulary_keys = {"lm_head.weight", "d2t", "t2d"}  # sized by the draft vocabulary: set below
+    state = {k: v for k, v in init.state_dict().items() if k not in vocabulary_keys}
+    loaded = drafter.load_state_dict(state, strict=False)
+    assert set(loaded.missing_keys) == vocabulary_keys and not loaded.unexpected_keys, loaded
     drafter.set_vocab_map(ids)
     target_head = target.model.get_output_embeddings().weight.detach().float().cpu()  # [V, H_t]
     with torch.no_grad():
