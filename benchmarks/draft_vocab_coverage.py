@@ -47,26 +47,6 @@ from sampled_tau_bound import tau_bound  # noqa: E402
 SHIPPED = Path(__file__).resolve().parents[1] / "src/eyas/interop/embedded/smollm2-135m-instruct"
 
 
-def draft_vocabulary(drafter_dir: Path) -> torch.Tensor:
-    """``t2d`` [V] bool of a drafter directory: whether each target id is in the draft vocabulary."""
-    from safetensors import safe_open
-
-    index = drafter_dir / "model.safetensors.index.json"
-    shard = json.loads(index.read_text())["weight_map"]["t2d"] if index.exists() else "model.safetensors"
-    with safe_open(str(drafter_dir / shard), framework="pt") as f:
-        return f.get_tensor("t2d").bool()
-
-
-def drafter_tensors(drafter_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a drafter directory (its shards)."""
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(drafter_dir.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
 def head_fit(drafter_head: torch.Tensor, draft_ids: torch.Tensor, target_head: torch.Tensor, seed: int = 0) -> dict:
     """The module docstring's ``head_fit``: fit_head_rows' map on a seeded 80% of the drafter's rows,
     the cosine similarity of its prediction with each held-out row (mean, median)."""
@@ -121,18 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     from eyas.engine.batched import BatchedLlama
+    from eyas.interop import load_drafter
     from eyas.targets.loading import load_target
 
     t0 = time.time()
-    in_vocab = draft_vocabulary(a.draft)
+    drafter, _ = load_drafter(a.draft)  # no target: its embedding is unknown (NaN), and not read here
+    in_vocab = drafter.t2d
     target = load_target(a.target, dtype=torch.float32, device="cpu")
     tok = target.tokenizer
     if in_vocab.numel() != target.model.config.vocab_size:
         ap.error(f"--draft {a.draft}: t2d has {in_vocab.numel()} entries, expected the target's vocabulary "
                  f"{target.model.config.vocab_size}")
-    tensors = drafter_tensors(a.draft)
-    draft_ids = torch.arange(len(tensors["d2t"])) + tensors["d2t"]
-    fit = head_fit(tensors["lm_head.weight"], draft_ids, target.model.get_output_embeddings().weight.detach())
+    draft_ids = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size))
+    fit = head_fit(drafter.lm_head.weight.detach(), draft_ids, target.model.get_output_embeddings().weight.detach())
     engine = BatchedLlama(target.model, rows=a.rows)
     report = {"target": a.target, "draft": str(a.draft), "draft_vocab_size": int(in_vocab.sum()),
               "limit": a.limit, "max_new_tokens": a.max_new_tokens, "depth": a.depth, "head_fit": fit, "sets": {}}

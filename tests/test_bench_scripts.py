@@ -426,8 +426,6 @@ def test_draft_vocab_coverage_answers_a_set_with_the_batched_engine_and_reads_th
                                                                                                capsys):
     cover = load_script("draft_vocab_coverage")
     target, drafter = toy_drafter
-    t2d = cover.draft_vocabulary(drafter)
-    assert t2d.dtype == torch.bool and int(t2d.sum()) == 512
     out = tmp_path / "cover.json"
     assert cover.main(["--target", str(target), "--draft", str(drafter), "--sets", "mt_bench", "--limit", "2",
                        "--max-new-tokens", "6", "--rows", "2", "--out", str(out), "--json"]) == 0

@@ -388,9 +388,14 @@ def render_prompt(
     given to write the next assistant turn. Same system-prompt handling as :func:`render`, so
     regenerated answers and training samples agree on the prefix."""
     render_text = _Renderer(tokenizer, chat_template, template_kwargs)
+    return torch.tensor(_encode(tokenizer, _prompt_text(conversation, system_prompt, render_text)), dtype=torch.long)
+
+
+def _prompt_text(conversation: Conversation | Sequence[Mapping[str, str]], system_prompt: str,
+                 render_text: _Renderer) -> str:
+    """The text the target is given to write the next assistant turn (render_prompt's, before tokens)."""
     messages, _ = _as_messages(conversation)
-    messages = _with_system_prompt(messages, system_prompt, render_text)
-    return torch.tensor(_encode(tokenizer, render_text(messages, add_generation_prompt=True)), dtype=torch.long)
+    return render_text(_with_system_prompt(messages, system_prompt, render_text), add_generation_prompt=True)
 
 
 def render_prompts(
@@ -408,16 +413,12 @@ def render_prompts(
     Why batches: the chat template is cheap (~30 us a prompt) but tokenising one long prompt at a
     time is not (~1.7 ms for a 750-token prompt on 2 cores); the tokenizer's batch call encodes on
     every core. A fast tokenizer encodes each text of a batch on its own (no padding, no special
-    tokens added), so a batch gives each text the ids it gets alone (``tests/test_render.py``)."""
+    tokens added), so a batch gives each text the ids it gets alone (``tests/test_data_render.py``)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, found {batch_size}")
     render_text = _Renderer(tokenizer, chat_template, template_kwargs)
     for start in range(0, len(conversations), batch_size):
-        texts = []
-        for conversation in conversations[start:start + batch_size]:
-            messages, _ = _as_messages(conversation)
-            messages = _with_system_prompt(messages, system_prompt, render_text)
-            texts.append(render_text(messages, add_generation_prompt=True))
+        texts = [_prompt_text(c, system_prompt, render_text) for c in conversations[start:start + batch_size]]
         yield [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
