@@ -23,7 +23,8 @@
 #   rows        the engine's batched rounds alone, warm (RUN=/tmp/rows): row_speculation_cpu.py, ROW_SIZES x
 #               (plain steps, DEPTHS chains, TREES trees) at TEMPS, STEPS rounds a setting (PLAIN_EVERY=N:
 #               every N-th of a round setting's steps plain, the drafter catching up after it; a list such as
-#               PLAIN_EVERY='0 4' runs one pass each, rows.json then rows-every4.json; NO_CATCH_UP=1: not)
+#               PLAIN_EVERY='0 4' runs one pass each, rows.json then rows-every4.json; NO_CATCH_UP=1: not;
+#               ROWS_PROFILE=1: each setting then profiled, step_profile.py, its tables in $OUT/prof.tar)
 #   wait [S]    wait up to S seconds (default 540) for it to end; copy what is done into $OUT
 #
 # Results: $OUT/serve_load.json, serve_load.log, startup.json, startup.log, profile.json, profile.log, rows.json,
@@ -36,11 +37,12 @@ export PYTHONPATH=src:/tmp/deps TOKENIZERS_PARALLELISM=false TQDM_MININTERVAL=30
 # source (5.8 s of a warm start's cProfile on the H100 image), which no user's pip install pays
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=/tmp/pycache
-D=src/eyas/interop/embedded/smollm2-135m-instruct
+D=${DRAFT:-src/eyas/interop/embedded/smollm2-135m-instruct}  # DRAFT: another drafter directory
 RUN=${RUN:-/tmp/serve}
 
 collect() {
   for f in "$RUN"/*.json "$RUN"/*.log "$RUN"/*.png; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+  [ -d "$RUN/prof" ] && (cd "$RUN" && tar cf "$OUT/prof.tar" prof*)  # rows with ROWS_PROFILE=1: the tables
   for f in /tmp/eyas-serve-*.log; do  # each launched server's own log, its last 100 kB
     [ -f "$f" ] && { echo "== $f"; tail -c 100000 "$f"; } >> "$OUT/servers.log"
   done
@@ -147,7 +149,8 @@ case "${1:-}" in
         plain=\$( [ \$every = 0 ] || echo --plain-every \$every )
         timeout ${ROWS_S:-540} python benchmarks/row_speculation_cpu.py --target /tmp/smol.gguf --draft $D \
           --rows ${ROW_SIZES:-1,4,16,64} --depths ${DEPTHS:-2,3} --trees '${TREES:-3,4,12;4,4,16;5,4,20;4,8,24}' \
-          --temperatures ${TEMPS:-0,1} --steps ${STEPS:-32} \$plain ${NO_CATCH_UP:+--no-catch-up} --json \
+          --temperatures ${TEMPS:-0,1} --steps ${STEPS:-32} \$plain ${NO_CATCH_UP:+--no-catch-up} \
+          ${ROWS_PROFILE:+--profile $RUN/prof\$suffix} --json \
           --plot $RUN/rows\$suffix.png > $RUN/rows\$suffix.json 2>> $RUN/rows.log
         echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
       done

@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--catch-up", action=argparse.BooleanOptionalAction, default=True,
                     help="--no-catch-up: the drafter skips the plain steps' tokens (the rows go stale; for comparison)")
     ap.add_argument("--plot", default=None, help="write a PNG: tokens/s against rows, a line per depth")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after each setting's measure, profile --profile-steps more steps (step_profile.py): "
+                         "host and device time a step into the report, the top kernels into DIR/<setting>.txt")
+    ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.threads:
@@ -68,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     convs = [c for name in a.sets.split(",") for c in load_prompts(name, limit=R)]
     prompts = [render_prompt(c.messages[:1], sv.tokenizer).tolist() for c in convs]
     prompts = [prompts[i] for i in sorted(range(len(prompts)), key=lambda i: i % R)][:R]  # a mix of the sets
-    limit = (max(getattr(d, "depth", d) for d in depths) + 1) * a.steps + 8  # no row finishes inside a setting
+    extra = a.profile_steps if a.profile else 0
+    limit = (max(getattr(d, "depth", d) for d in depths) + 1) * (a.steps + extra) + 8  # no row ends inside a setting
     engine = BatchedLlama(sv.loaded.model, rows=R)
     batch = RowBatch(engine, capacity=max(map(len, prompts)) + limit, drafter=sv.drafter,
                      boundaries=sv.target.spec.boundaries, row_buckets=rows_list)
@@ -97,6 +103,17 @@ def main(argv: list[str] | None = None) -> int:
                             accepted += out.accepted
                             rounds += not plain
                     seconds = time.perf_counter() - t0
+                profiled = None
+                if a.profile:  # the same rows, a few steps more, under the profiler (step_profile.py)
+                    sys.path.insert(0, str(Path(__file__).resolve().parent))
+                    from step_profile import StepProfile
+
+                    with StepProfile() as prof:
+                        for _ in range(a.profile_steps):
+                            batch.step() if not depth else batch.speculate(depth)
+                    profiled = prof.summary(a.profile_steps)
+                    Path(a.profile).mkdir(parents=True, exist_ok=True)
+                    prof.write_tables(Path(a.profile) / f"t{t:g}-rows{n}-{label}.txt")
                 tokens = sum(map(len, got.values()))
                 if depth == 0:
                     plain_tokens = got
@@ -108,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                        "tau": round(tokens / (a.steps * n), 3),
                        "accepted_per_round": round(accepted / rounds, 3) if rounds else None,
                        "greedy_equal_to_plain": same, "compile_s": round(batch.compile_s - compiled, 3)}
+                if profiled:
+                    row["profile"] = profiled
                 results.append(row)
                 print(f"t={t:g} rows={n} depth={label}: {row['tokens_per_s']:8.1f} tok/s, tau {row['tau']:.2f}"
                       + ("" if same is None else f", equal to plain: {same}"), file=sys.stderr)

@@ -464,3 +464,18 @@ def test_widen_drafter_writes_a_whole_vocabulary_drafter_that_keeps_the_old_rows
     assert torch.equal(wide.draft_to_target(torch.arange(V)), torch.arange(V))
     assert torch.equal(wide.lm_head.weight[old_ids], old.lm_head.weight.to(torch.bfloat16).float())
     assert torch.equal(wide.fc.weight, old.fc.weight.to(torch.bfloat16).float())
+
+
+def test_step_profile_unions_overlapping_kernels_and_row_speculation_reports_a_profile_per_setting(tmp_path, capsys):
+    step_profile = load_script("step_profile")
+    assert step_profile._union_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert step_profile._union_us([]) == 0
+    rows = load_script("row_speculation_cpu")
+    code = rows.main(["--target", "smollm2", "--rows", "2", "--depths", "2", "--temperatures", "0", "--steps", "2",
+                      "--sets", "mt_bench", "--profile", str(tmp_path / "prof"), "--profile-steps", "2", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(x["depth"], x["profile"]["steps"]) for x in report["results"]] == [(0, 2), (2, 2)]
+    assert all(x["profile"]["wall_ms"] > 0 and "busy_share" not in x["profile"] for x in report["results"])  # CPU
+    table = (tmp_path / "prof" / "t0-rows2-2.txt").read_text()
+    assert table.startswith("# by host self time") and "aten::" in table
