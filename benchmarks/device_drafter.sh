@@ -11,7 +11,7 @@
 #                background (its log: /tmp/drafter/run.log), then wait like `wait`
 #   wait [S]     wait up to S seconds (default 540) for the run to end, print the log's last lines
 #   train ARGS   `start ARGS`, then in the same background job `evaluate` (so no call waits between them); `wait`
-#                returns, once both are done, the drafter (`collect`), eval.tar and doc_requests.jsonl.gz in $OUT
+#                returns, once both are done, the drafter and run.tar (`collect`) and doc_requests.jsonl.gz in $OUT
 #   evaluate     issue 34's bars: `eyas bench` on the six sets (mt_bench humaneval gsm8k alpaca sum qa), tree
 #                4,8,15, temperatures 0 and 1, EVAL_LIMIT prompts a set (24), the drafter trained and the shipped one
 #   collect      the drafter (bf16 shards + a tar of its small files), the summary and the logs into $OUT
@@ -144,8 +144,7 @@ wait_run() {  # and once it is done, what a staged run left for the next session
   [ -f "$done" ] && echo "run finished: $(cat /tmp/drafter/DONE)" || echo "still running after ${t} s"
   if [ -f "$done" ] && [ "$done" = /tmp/drafter/FINISHED ]; then
     [ -f "$WORK/doc_requests.jsonl.gz" ] && cp "$WORK/doc_requests.jsonl.gz" "$OUT/"
-    (cd /tmp/drafter && tar cf "$OUT/eval.tar" eval) || true
-    [ -d "$WORK/drafter" ] && collect
+    if [ -d "$WORK/drafter" ]; then collect; else (cd /tmp/drafter && tar cf "$OUT/run.tar" eval) || true; fi
   elif [ -f "$done" ]; then
     for f in "$WORK"/*.jsonl.gz "$WORK/summary.json"; do [ -f "$f" ] && cp "$f" "$OUT/"; done
   fi
@@ -153,7 +152,8 @@ wait_run() {  # and once it is done, what a staged run left for the next session
   for f in /tmp/drafter/eval/*.log; do [ -f "$f" ] && { echo "== $f"; tail -n 14 "$f"; }; done; true
 }
 
-collect() {  # the drafter (bf16 shards + a tar of its small files), the summary and the log into $OUT
+collect() {  # the drafter (bf16 shards + a tar of its small files) and run.tar (the summary, the log, the evaluation)
+  # into $OUT: $OUT returns 8 files, and a whole-vocabulary drafter is 5 shards
   python - <<'PY'
 import sys, pathlib as p
 sys.path.insert(0, "benchmarks")
@@ -162,8 +162,9 @@ print(t.transport_copy(p.Path("benchmarks/out/smollm2/drafter"), p.Path("/tmp/dr
 PY
   cp /tmp/drafter/bf16/*.safetensors "$OUT/"
   (cd /tmp/drafter/bf16 && tar cf "$OUT/drafter_meta.tar" --exclude='*.safetensors' .)
-  cp "$WORK/summary.json" "$OUT/train_summary.json"
-  tr '\r' '\n' < "$LOG" | grep -av "it/s\]$\|s/it\]$" > "$OUT/run.log"
+  cp "$WORK/summary.json" /tmp/drafter/train_summary.json
+  tr '\r' '\n' < "$LOG" | grep -av "it/s\]$\|s/it\]$" > /tmp/drafter/run.log
+  (cd /tmp/drafter && tar cf "$OUT/run.tar" train_summary.json run.log $([ -d eval ] && echo eval))
   ls -la "$OUT"
 }
 
