@@ -345,7 +345,10 @@ def test_init_from_with_a_larger_draft_vocabulary_widens_it_keeping_the_drafters
     """--draft-vocab larger than the --init-from drafter's: its ids stay (more are added), their
     lm_head rows and every other weight are the drafter's (a learning rate of 0 keeps them)."""
     train(_cfg(toy, tmp_path / "first", steps=2, draft_vocab_size=256))
-    train(_cfg(toy, tmp_path / "wide", steps=1, lr=0.0, draft_vocab_size=512, init_from=str(tmp_path / "first")))
+    lines: list[str] = []
+    train(_cfg(toy, tmp_path / "wide", steps=1, lr=0.0, draft_vocab_size=512, init_from=str(tmp_path / "first")),
+          log=lines.append)
+    assert any(f"weights from {tmp_path / 'first'}, its draft vocabulary of 256 widened" in x for x in lines), lines
     a, b = _weights(tmp_path / "first"), _weights(tmp_path / "wide")
     old_ids = (torch.arange(256) + a["d2t"]).tolist()
     new_ids = (torch.arange(512) + b["d2t"]).tolist()
@@ -366,7 +369,9 @@ def test_init_from_starts_at_the_given_drafter_and_refuses_one_of_another_shape(
     first = _cfg(toy, tmp_path / "first", steps=4)
     train(first)
     again = _cfg(toy, tmp_path / "again", steps=3, lr=0.0, seed=1, init_from=str(tmp_path / "first"))
-    train(again)
+    lines: list[str] = []
+    train(again, log=lines.append)
+    assert any(x.endswith(f"; weights from {tmp_path / 'first'}, its draft vocabulary") for x in lines), lines
     a, b = _weights(tmp_path / "first"), _weights(tmp_path / "again")
     assert a.keys() == b.keys() and {"d2t", "t2d"} <= a.keys()
     for k in a:

@@ -17,6 +17,8 @@ kept ids keep their lm_head rows, and each added id gets a row fitted from the t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -90,7 +92,7 @@ def init_weights(drafter: Eagle3Drafter, path: str, target: LoadedTarget, spec: 
     target_head = target.model.get_output_embeddings().weight.detach().float().cpu()  # [V, H_t]
     with torch.no_grad():
         drafter.lm_head.weight.copy_(fit_head_rows(init.lm_head.weight.detach().float(), old_ids, ids, target_head))
-    return vocab_of(ids, counts)
+    return dataclasses.replace(vocab_of(ids, counts), widened_from=int(theirs["draft_vocab_size"]))
 
 
 def widened_ids(old_ids: Tensor, counts: Tensor, size: int) -> Tensor:

@@ -241,7 +241,9 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
     if d.main:
         log(f"{len(train_idx)} training / {len(val_idx)} held-out samples ({'offline shards' if offline else 'online'}); "
             f"draft vocab {cfg.draft_vocab_size} covers {vocab.coverage:.2%} of {vocab.num_targets} training targets"
-            + (f"; weights and draft vocabulary from {cfg.init_from}" if cfg.init_from is not None else ""))
+            + ("" if cfg.init_from is None or ckpts else f"; weights from {cfg.init_from}, " + (
+                "its draft vocabulary" if vocab.widened_from is None
+                else f"its draft vocabulary of {vocab.widened_from} widened by the most frequent training targets")))
     contract = contract.model_copy(update={"drafter": drafter_flags(drafter.config, "trained")})
     if contract.tokenisation is not None:
         contract.tokenisation.system_prompt = sys_mode  # type: ignore[assignment]

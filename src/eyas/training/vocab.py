@@ -14,6 +14,7 @@ class DraftVocab:
     ids: Tensor  # [N] target ids, ascending: draft id i <-> target id ids[i]
     coverage: float  # fraction of training targets (loss-masked tokens) inside the vocabulary
     num_targets: int  # loss-masked tokens counted
+    widened_from: int | None = None  # --init-from's draft vocabulary size, when this run widened it
 
 
 def count_targets(samples: Iterable[tuple[Tensor, Tensor]], vocab_size: int) -> Tensor:
