@@ -10,6 +10,8 @@
 #   start ARGS   join the GGUF (sha256 checked), start train_smollm2_drafter.py run ARGS in the
 #                background (its log: /tmp/drafter/run.log), then wait like `wait`
 #   wait [S]     wait up to S seconds (default 540) for the run to end, print the log's last lines
+#                (AFTER=cmd with start/train: run cmd in the same background job once the run, and its
+#                evaluation, are done and collectable: e.g. `bash benchmarks/device_serve.sh rows`, no call between)
 #   train ARGS   `start ARGS`, then in the same background job `evaluate` (so no call waits between them); `wait`
 #                returns, once both are done, the drafter and run.tar (`collect`) and doc_requests.jsonl.gz in $OUT
 #   evaluate     issue 34's bars: `eyas bench` on the six sets (mt_bench humaneval gsm8k alpaca sum qa), tree
@@ -200,7 +202,8 @@ case "${1:-}" in
     then=true
     [ "$stage" = train ] && touch /tmp/drafter/EVAL_WANTED && then="bash benchmarks/device_drafter.sh evaluate"
     setsid nohup bash -c "python benchmarks/train_smollm2_drafter.py run --target /tmp/smol.gguf --no-copy-to-out $* \
-      > $LOG 2>&1; echo \"exit \$?\" > /tmp/drafter/DONE; $then; touch /tmp/drafter/FINISHED" > /dev/null 2>&1 &
+      > $LOG 2>&1; echo \"exit \$?\" > /tmp/drafter/DONE; $then; touch /tmp/drafter/FINISHED; ${AFTER:-true}" \
+      > /dev/null 2>&1 &
     wait_run 530
     ;;
   grow)
