@@ -24,7 +24,8 @@
 #               (plain steps, DEPTHS chains, TREES trees) at TEMPS, STEPS rounds a setting (PLAIN_EVERY=N:
 #               every N-th of a round setting's steps plain, the drafter catching up after it; a list such as
 #               PLAIN_EVERY='0 4' runs one pass each, rows.json then rows-every4.json; NO_CATCH_UP=1: not;
-#               ROWS_PROFILE=1: each setting then profiled, step_profile.py, its tables in $OUT/prof.tar)
+#               ROWS_PROFILE=1: each setting then profiled, step_profile.py, its tables in $OUT/prof.tar;
+#               PARALLEL=1,2,4: then lone sessions side by side, parallel_sessions_gpu.py, into parallel.json)
 #   wait [S]    wait up to S seconds (default 540) for it to end; copy what is done into $OUT
 #
 # Results: $OUT/serve_load.json, serve_load.log, startup.json, startup.log, profile.json, profile.log, rows.json,
@@ -154,6 +155,12 @@ case "${1:-}" in
           --plot $RUN/rows\$suffix.png > $RUN/rows\$suffix.json 2>> $RUN/rows.log
         echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
       done
+      if [ -n \"${PARALLEL:-}\" ]; then
+        echo \"== lone sessions side by side \$(date -u +%T)\" >> $RUN/runs.log
+        timeout ${PARALLEL_S:-300} python benchmarks/parallel_sessions_gpu.py --target /tmp/smol.gguf --draft $D \
+          --sessions ${PARALLEL} --temperatures ${TEMPS:-0,1} --json > $RUN/parallel.json 2>> $RUN/parallel.log
+        echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
+      fi
       echo done > $RUN/DONE" > /dev/null 2>&1 &
     sleep 5
     RUN=$RUN bash "$0" wait "${WAIT_S:-540}"

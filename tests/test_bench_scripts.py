@@ -479,3 +479,17 @@ def test_step_profile_unions_overlapping_kernels_and_row_speculation_reports_a_p
     assert all(x["profile"]["wall_ms"] > 0 and "busy_share" not in x["profile"] for x in report["results"])  # CPU
     table = (tmp_path / "prof" / "t0-rows2-2.txt").read_text()
     assert table.startswith("# by host self time") and "aten::" in table
+
+
+def test_parallel_sessions_answers_each_prompt_as_one_target_alone_from_threads_and_the_batch(capsys):
+    """Sessions stepped by threads side by side (each its own fast target) give each prompt exactly the
+    tokens one target gives it alone (float32, greedy), and every decoder reports a rate."""
+    script = load_script("parallel_sessions_gpu")
+    code = script.main(["--target", "smollm2", "--sessions", "1,2", "--prompts-each", "1", "--max-new-tokens", "8",
+                        "--tree", "3,2,5", "--temperatures", "0", "--sets", "mt_bench,gsm8k", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["sessions"] for r in report["results"]] == [1, 2]
+    for r in report["results"]:
+        assert r["equal_to_alone"] is True and r["batch_equal_to_alone"] is True
+        assert min(r["threads_spec"], r["threads_plain"], r["batch_plain"]) > 0

@@ -95,9 +95,11 @@ class GenerationStats:
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on the CPU): timing needs it, kernels are asynchronous."""
+    """Wait for the work queued on the current stream (a no-op on the CPU): timing needs it, kernels
+    are asynchronous. The stream's, not the whole device's: sessions stepped side by side on their own
+    streams (benchmarks/parallel_sessions_gpu.py) must not wait for each other."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 TIMINGS = ("auto", "off", "sync", "events")

@@ -1,0 +1,177 @@
+"""Lone speculative sessions side by side, against the running batch's plain steps: is the way to
+serve 2-4 clients speculatively to give each its own fast target on its own CUDA stream?
+
+Why. A lone request's tree round (``eyas.engine.speculative``) accepts far more per round than a
+batched round's chains and trees, and is launch-bound on a small target: its kernels leave most of
+the GPU idle. K fast targets (:class:`~eyas.engine.llama.LlamaTarget`, each with its own static cache,
+CUDA graphs and drafter state), each stepped by its own host thread on its own stream, may overlap
+their graphs on the device; the host's Python per round is serialised by the GIL. Whether the sum
+beats the batch's plain steps (what ``eyas serve`` runs for 2+ clients) is what this measures.
+
+For each K in ``--sessions`` and each temperature, on the same K x ``--prompts-each`` prompts:
+
+    threads-spec    K threads, thread i runs its prompts through speculative_generate on target i
+    threads-plain   the same with plain_generate (the threads' own overhead, without speculation)
+    batch-plain     a RowBatch of K rows takes plain steps until every prompt is answered (K at a time)
+
+Each is run once untimed first (compilation, graph capture), then timed: output tokens / wall.
+Greedy outputs of the threads are checked against one target answering the same prompts alone
+(``equal_to_alone``; float32 is exact, bf16 may round a tie differently only across engines).
+
+    python benchmarks/parallel_sessions_gpu.py --target /tmp/smol.gguf --sessions 1,2,4 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import threading
+import time
+
+import torch
+
+
+def run_threads(targets, jobs, fn) -> tuple[list[list[list[int]]], float]:
+    """Thread i runs ``fn(targets[i], prompt)`` for each prompt of jobs[i] on its own CUDA stream
+    (the current one on a CPU), all released together. -> (tokens [i][j], wall seconds)."""
+    cuda = targets[0].device.type == "cuda"
+    streams = [torch.cuda.Stream(device=targets[0].device) if cuda else None for _ in targets]
+    out: list[list[list[int]]] = [[] for _ in targets]
+    errors: list[BaseException] = []
+    gate = threading.Barrier(len(targets) + 1)
+
+    def work(i: int) -> None:
+        try:
+            gate.wait()
+            with torch.cuda.stream(streams[i]) if cuda else contextlib.nullcontext():
+                for p in jobs[i]:
+                    out[i].append(fn(targets[i], p))
+                if cuda:
+                    streams[i].synchronize()
+        except BaseException as e:  # noqa: BLE001 -- re-raised by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(targets))]
+    for t in threads:
+        t.start()
+    gate.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return out, seconds
+
+
+def run_batch(batch, prompts, max_new, sampling, RowRequest) -> tuple[list[list[int]], float]:
+    """Plain batched steps until every prompt is answered (admitted as rows free up)."""
+    for r in list(batch.busy):
+        batch.release(r)
+    waiting = list(enumerate(prompts))
+    got: dict[int, list[int]] = {}
+    owner: dict[int, int] = {}
+    t0 = time.perf_counter()
+    while waiting or batch.busy:
+        free = len(batch.free)
+        if waiting and free:
+            take, waiting = waiting[:free], waiting[free:]
+            firsts = batch.admit([RowRequest(p, max_new, sampling, seed=i) for i, p in take])
+            for (i, _), first in zip(take, firsts):
+                owner[first.row], got[i] = i, list(first.tokens)
+                if first.finished:
+                    batch.release(first.row)
+        for out in batch.step():
+            got[owner[out.row]] += out.tokens
+            if out.finished:
+                batch.release(out.row)
+    return [got[i] for i in range(len(prompts))], time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--draft", default=None, help="drafter directory (default: the one shipped for --target)")
+    ap.add_argument("--sessions", default="1,2,4", help="K: lone sessions side by side (and batch rows)")
+    ap.add_argument("--prompts-each", type=int, default=3, help="prompts a session answers in turn")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--tree", default="4,8,15")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--sets", default="mt_bench,gsm8k,humaneval,alpaca")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+
+    from eyas.bench.prompts import load_prompts
+    from eyas.convention import CaptureSpec
+    from eyas.data.render import render_prompt
+    from eyas.engine import build_target
+    from eyas.engine.batched import BatchedLlama
+    from eyas.engine.continuous import RowBatch, RowRequest
+    from eyas.engine.sampling import SamplingParams
+    from eyas.engine.speculative import plain_generate, speculative_generate
+    from eyas.engine.tree import TreeSpec
+    from eyas.serve import load_served
+
+    sv = load_served(a.target, a.draft, tree=a.tree, device=a.device,
+                     log=lambda m: print(f"load: {m}", file=sys.stderr))
+    tree, eos = TreeSpec.parse(a.tree), tuple(sv.loaded.eos_ids)
+    ks = [int(x) for x in a.sessions.split(",")]
+    K = max(ks)
+    need = K * a.prompts_each
+    convs = [c for name in a.sets.split(",") for c in load_prompts(name, limit=need)]
+    convs = [convs[i] for i in sorted(range(len(convs)), key=lambda i: i % need)][:need]  # a mix of the sets
+    prompts = [render_prompt(c.messages[:1], sv.tokenizer).tolist() for c in convs]
+    spec = CaptureSpec(tuple(sv.target.spec.boundaries), sv.loaded.num_blocks)
+    targets = [sv.target] + [build_target(sv.loaded.model, spec, sv.target.implementation) for _ in range(K - 1)]
+    for t in targets[1:]:
+        if getattr(t, "cuda_graphs", False):
+            t.warmup(context=512)
+    capacity = max(map(len, prompts)) + a.max_new_tokens + 8
+    batches = {k: RowBatch(BatchedLlama(sv.loaded.model, rows=k), capacity=capacity, eos_ids=eos) for k in ks}
+    results = []
+    for temp in [float(x) for x in a.temperatures.split(",")]:
+        sampling = SamplingParams(temperature=temp)
+
+        def spec_fn(target, p, sampling=sampling):
+            g = None if sampling.greedy else torch.Generator(device=target.device).manual_seed(len(p))
+            return speculative_generate(target, sv.drafter, p, tree=tree, sampling=sampling, generator=g,
+                                        max_new_tokens=a.max_new_tokens, eos_token_ids=eos, timing="off").tokens
+
+        def plain_fn(target, p, sampling=sampling):
+            g = None if sampling.greedy else torch.Generator(device=target.device).manual_seed(len(p))
+            return plain_generate(target, p, sampling=sampling, generator=g, max_new_tokens=a.max_new_tokens,
+                                  eos_token_ids=eos, timing="off").tokens
+
+        alone = [spec_fn(targets[0], p) for p in prompts] if sampling.greedy else None
+        for k in ks:
+            jobs = [prompts[i * a.prompts_each:(i + 1) * a.prompts_each] for i in range(k)]
+            row = {"temperature": temp, "sessions": k, "prompts": k * a.prompts_each}
+            for name, fn in (("threads_spec", spec_fn), ("threads_plain", plain_fn)):
+                run_threads(targets[:k], jobs, fn)  # untimed: every shape compiled and captured
+                out, seconds = run_threads(targets[:k], jobs, fn)
+                tokens = sum(len(x) for o in out for x in o)
+                row[name] = round(tokens / seconds, 2)
+                if name == "threads_spec" and alone is not None:
+                    row["equal_to_alone"] = [x for o in out for x in o] == alone[:k * a.prompts_each]
+            run_batch(batches[k], [p for j in jobs for p in j], a.max_new_tokens, sampling, RowRequest)
+            out_b, seconds = run_batch(batches[k], [p for j in jobs for p in j], a.max_new_tokens, sampling, RowRequest)
+            row["batch_plain"] = round(sum(map(len, out_b)) / seconds, 2)
+            if alone is not None:
+                row["batch_equal_to_alone"] = out_b == alone[:k * a.prompts_each]
+            row["spec_over_batch"] = round(row["threads_spec"] / row["batch_plain"], 3)
+            results.append(row)
+            print(f"t={temp:g} K={k}: threads spec {row['threads_spec']:.1f}, threads plain {row['threads_plain']:.1f}, "
+                  f"batch plain {row['batch_plain']:.1f} tok/s ({row['spec_over_batch']:.2f}x)", file=sys.stderr)
+    report = {"target": a.target, "device": str(sv.loaded.device), "dtype": str(sv.loaded.dtype), "tree": a.tree,
+              "implementation": sv.target.implementation, "max_new_tokens": a.max_new_tokens,
+              "prompts_each": a.prompts_each, "results": results}
+    if a.json:
+        print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
