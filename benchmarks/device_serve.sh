@@ -158,7 +158,7 @@ case "${1:-}" in
       if [ -n \"${PARALLEL:-}\" ]; then
         echo \"== lone sessions side by side \$(date -u +%T)\" >> $RUN/runs.log
         timeout ${PARALLEL_S:-300} python benchmarks/parallel_sessions_gpu.py --target /tmp/smol.gguf --draft $D \
-          --sessions ${PARALLEL} --temperatures ${TEMPS:-0,1} --json > $RUN/parallel.json 2>> $RUN/parallel.log
+          --sessions ${PARALLEL} --temperatures ${PARALLEL_TEMPS:-0,1} --json > $RUN/parallel.json 2>> $RUN/parallel.log
         echo \"exit \$? \$(date -u +%T)\" >> $RUN/runs.log
       fi
       echo done > $RUN/DONE" > /dev/null 2>&1 &
