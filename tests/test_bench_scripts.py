@@ -492,4 +492,5 @@ def test_parallel_sessions_answers_each_prompt_as_one_target_alone_from_threads_
     assert [r["sessions"] for r in report["results"]] == [1, 2]
     for r in report["results"]:
         assert r["equal_to_alone"] is True and r["batch_equal_to_alone"] is True
-        assert min(r["threads_spec"], r["threads_plain"], r["batch_plain"]) > 0
+        assert r["round_robin_equal_to_alone"] is True
+        assert min(r["threads_spec"], r["round_robin_spec"], r["threads_plain"], r["batch_plain"]) > 0
