@@ -137,15 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from eyas.bench.prompts import load_prompts
-    from eyas.convention import CaptureSpec
     from eyas.data.render import render_prompt
-    from eyas.engine import build_target
     from eyas.engine.batched import BatchedLlama
     from eyas.engine.continuous import RowBatch, RowRequest
     from eyas.engine.sampling import SamplingParams
     from eyas.engine.speculative import plain_generate, speculative_generate, start
     from eyas.engine.tree import TreeSpec
     from eyas.serve import load_served
+    from eyas.serve.lanes import twin_target
 
     sv = load_served(a.target, a.draft, tree=a.tree, device=a.device,
                      log=lambda m: print(f"load: {m}", file=sys.stderr))
@@ -156,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     convs = [c for name in a.sets.split(",") for c in load_prompts(name, limit=need)]
     convs = [convs[i] for i in sorted(range(len(convs)), key=lambda i: i % need)][:need]  # a mix of the sets
     prompts = [render_prompt(c.messages[:1], sv.tokenizer).tolist() for c in convs]
-    spec = CaptureSpec(tuple(sv.target.spec.boundaries), sv.loaded.num_blocks)
-    targets = [sv.target] + [build_target(sv.loaded.model, spec, sv.target.implementation) for _ in range(K - 1)]
+    targets = [sv.target] + [twin_target(sv.target, sv.loaded.model) for _ in range(K - 1)]
     for t in targets[1:]:
         if getattr(t, "cuda_graphs", False):
             t.warmup(context=512)

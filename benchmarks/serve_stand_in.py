@@ -83,6 +83,7 @@ def stand_in_worker(served: Any, max_rows: int | None, *, step_s: float, specula
     from eyas.serve.policy import SpeculationPolicy
 
     text_ids = served.tokenizer(TEXT * 4, add_special_tokens=False)["input_ids"]
+    kw.pop("lone_sessions", None)  # lone requests take a row here: no lanes
     worker = BatchWorker(served, WaitBatch(int(max_rows or 8), text_ids, step_s, speculative), **kw)
     worker.policy = SpeculationPolicy("off")
     return worker

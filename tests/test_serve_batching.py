@@ -135,6 +135,49 @@ def test_a_request_decoding_alone_joins_the_batch_when_others_arrive_and_keeps_i
     assert got_others == [alone(q) for q in questions[1:4]]
 
 
+def test_lone_sessions_decode_side_by_side_on_their_lanes_until_more_arrive_than_lanes(served, alone):
+    """--lone-sessions 3: three requests at once each decode alone on a lane of their own (twins of
+    the fast target), no batched step; seven at once are more than the lanes, so the batch takes
+    them. Every greedy output is the request's single-request output either way."""
+    sv, questions = served
+    with ServerThread(sv, replace(OPTIONS, lone_sessions=3)) as t:
+        worker = t.state.worker
+        lanes = worker.lanes
+        assert len(lanes) == 3 and lanes[0].target is sv.target and all(lane.ready for lane in lanes)
+        assert len({id(lane.target) for lane in lanes}) == 3 and worker.batch_report()["lanes_ready"] == 3
+        c = client(t)
+        kinds: list[str] = []
+        most = [0]
+        step = worker.on_step
+
+        def seen(kind, rows, depth, *rest):
+            kinds.append(kind)
+            most[0] = max(most[0], len(worker.solos))
+            step(kind, rows, depth, *rest)
+        worker.on_step = seen
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda q: streamed(c, q), questions[:3]))
+        assert got == [alone(q) for q in questions[:3]]
+        assert set(kinds) == {"speculative"} and most[0] >= 2, (set(kinds), most)
+        kinds.clear()
+        with ThreadPoolExecutor(7) as pool:
+            got = list(pool.map(lambda q: streamed(c, q), questions[:7]))
+        assert got == [alone(q) for q in questions[:7]]
+        assert "batched" in kinds or "batched_speculative" in kinds
+
+
+def test_make_lanes_builds_twins_of_the_target_and_refuses_fewer_than_one(served):
+    from eyas.serve.lanes import make_lanes
+
+    sv, _ = served
+    lanes, warmups = make_lanes(sv, 2, 64)
+    assert lanes[0].target is sv.target and lanes[1].target is not sv.target
+    assert lanes[1].target.spec == sv.target.spec and lanes[1].target.max_length == sv.target.max_length
+    assert warmups == [] and all(lane.ready and lane.stream is None for lane in lanes)  # a CPU: nothing to warm
+    with pytest.raises(ValueError, match="--lone-sessions: expected at least 1, found 0"):
+        make_lanes(sv, 0, 64)
+
+
 def test_greedy_rows_beside_sampled_rows_keep_their_output(served, alone):
     sv, questions = served
     with ServerThread(sv, OPTIONS) as t:

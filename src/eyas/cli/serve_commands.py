@@ -49,6 +49,9 @@ def serve_cmd(
                                                               "faster on the H100), auto (the depth of a batch's "
                                                               "speculative rounds measured per batch size), on "
                                                               "(default: on with --speculation on, else off)"),
+    lone_sessions: int = typer.Option(1, min=1, help="requests that may decode speculatively alone side by side, each on "
+                                                     "a twin of the target with a CUDA stream of its own (more in "
+                                                     "flight: they all share the running batch)"),
     watch_window: int = typer.Option(512, min=1, help="the watchdog's sliding window, in speculative rounds"),
     watch_min_rounds: int = typer.Option(64, min=1, help="rounds in the window before the watchdog judges"),
     graceful_timeout: float = typer.Option(60.0, help="seconds in-flight requests get to finish at shutdown"),
@@ -73,14 +76,15 @@ def serve_cmd(
     if engine_process:  # started first: its imports and loading overlap this process's imports
         from eyas.serve.engine_process import EngineOptions, EngineProcess
 
-        engine = EngineProcess(args, EngineOptions(max_rows, speculation, batch_speculation), max_queue=max_queue)
+        engine = EngineProcess(args, EngineOptions(max_rows, speculation, batch_speculation, lone_sessions),
+                               max_queue=max_queue)
     from eyas.serve import RefusedError, ServeOptions, ServeState, make_loading_server, serve_forever
     from eyas.serve.server import engine_state
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = ServeOptions(max_body_bytes=max_body_bytes, max_queue=max_queue, default_max_tokens=max_tokens,
                            watch_window=watch_window, watch_min_rounds=watch_min_rounds, max_rows=max_rows,
-                           speculation=speculation, batch_speculation=batch_speculation)
+                           speculation=speculation, batch_speculation=batch_speculation, lone_sessions=lone_sessions)
     # The port opens first and answers "loading" (503, /health says which step) until the pair is
     # loaded, checked and warmed; a refused pair closes it again.
     server, loading = make_loading_server(host, port, graceful_timeout=graceful_timeout)
@@ -110,7 +114,7 @@ def serve_cmd(
         t, up = served.tree, served.startup
         err.print(f"eyas serve: {served.model_name} on http://{host}:{port}/v1 (tree {t.greedy.label}, sampled "
                   f"{t.sampled.label}, target {served.implementation}, drafter {served.draft_path}, "
-                  f"{state.worker.max_rows} rows, speculation {speculation}, batches "
+                  f"{state.worker.max_rows} rows, {lone_sessions} lone session(s), speculation {speculation}, batches "
                   f"{batch_mode(speculation, batch_speculation)}, "
                   f"{'an engine process' if engine_process else 'in process'}); ready in {up.total_s:.1f} s "
                   f"({'warm' if up.warm_cache else 'cold'} compile cache {up.compile_cache})", highlight=False)

@@ -59,6 +59,7 @@ class ServeOptions:
     retry_after_s: int = 1  # what a 503 for a full queue tells the client to wait
     speculation: str = "auto"  # a request alone: auto (the faster path, measured), on (speculates), off (never)
     batch_speculation: str | None = None  # several rows: auto (measured per batch size), on, off (None: batch_mode's)
+    lone_sessions: int = 1  # requests that may decode alone side by side, each on a lane (eyas.serve.lanes)
 
 
 class ServeState:
@@ -81,7 +82,7 @@ class ServeState:
             if not isinstance(served, Served):
                 raise TypeError("ServeState: a ServedInfo comes with the engine process that serves it (worker=...)")
             worker = make_worker(served, options.max_rows, max_queue=options.max_queue, speculation=options.speculation,
-                                 batch_speculation=options.batch_speculation)
+                                 batch_speculation=options.batch_speculation, lone_sessions=options.lone_sessions)
         worker.on_round, worker.on_rounds = self._round, self.metrics.rounds
         worker.on_done, worker.on_step = self._done, self.metrics.step
         self.worker = worker

@@ -9,10 +9,13 @@ two steps it takes what was submitted, then:
    target, round after round (:func:`~eyas.engine.step`), where that is measured to be faster than
    a lone plain row (:class:`~eyas.serve.policy.SpeculationPolicy`, per greedy and sampled
    requests): at batch size 1 a round of tau tokens costs about two plain steps, so speculation
-   pays there if it pays anywhere; else it takes a row like any request.
-2. When another request arrives while one decodes alone, the lone request **joins the batch**: its
-   prompt and its tokens are prefilled into a row, which continues from its last token
-   (:class:`~eyas.engine.continuous.RowRequest` ``next_token``).
+   pays there if it pays anywhere; else it takes a row like any request. With ``lone_sessions`` N
+   (``--lone-sessions``), up to N requests decode alone side by side, each on a *lane* of its own (a
+   twin of the fast target on its own CUDA stream, :mod:`eyas.serve.lanes`), stepped in turn.
+2. When more requests are in flight than there are ready lanes, the lone requests **join the
+   batch**: each one's prompt and tokens are prefilled into a row, which continues from its last
+   token (:class:`~eyas.engine.continuous.RowRequest` ``next_token``); lanes take requests again once
+   the batch has emptied.
 3. Otherwise waiting requests are prefilled into free rows (in arrival order: nobody is overtaken),
    and one batched step runs: a plain step (a token per row) or, where ``--batch-speculation``
    asks for them (:func:`~eyas.serve.policy.batch_mode`: off by default, measured not to pay), a
@@ -53,7 +56,7 @@ import queue
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from eyas.engine import step
 from eyas.engine.batch_engines import fast_unsupported
@@ -62,15 +65,17 @@ from eyas.engine.continuous import RowBatch, RowRequest
 from eyas.engine.speculative import STOP_CANCELLED, GenerationResult
 from eyas.engine.stats import STOP_EOS, STOP_MAX_NEW_TOKENS, GenerationStats
 from eyas.engine.stopping import StopCriteria
+from eyas.serve.lanes import Lane, make_lanes
 from eyas.serve.policy import BatchSpeculation, SpeculationPolicy, arm_size, batch_mode
-from eyas.serve.startup import START_CONTEXT, Served
+from eyas.serve.startup import START_CONTEXT, Served, start_buckets
 from eyas.serve.worker import STOP, DecodeWorker, Event, Job, Worker
 
 DEFAULT_ROWS = {"cuda": 64, "cpu": 8}  # --max-rows by device: a CPU's memory holds fewer rows' caches
 
 
 def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int = 256, speculation: str = "auto",
-                batch_speculation: str | None = None, on_round: Callable[[int, int, int, bool], None] | None = None,
+                batch_speculation: str | None = None, lone_sessions: int = 1,
+                on_round: Callable[[int, int, int, bool], None] | None = None,
                 on_rounds: Callable[[int, list[int], list[int]], None] | None = None,
                 on_done: Callable[[Job, Any, float | None, float | None], None] | None = None,
                 on_step: Callable[..., None] | None = None) -> Worker:
@@ -78,7 +83,8 @@ def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int =
     for the target's device) where the batched engine runs the target, else (an architecture it
     does not run, a target split over devices, ``max_rows`` 1) the FIFO :class:`DecodeWorker`.
     ``speculation``: a request alone; ``batch_speculation``: the batch's rounds
-    (:func:`~eyas.serve.policy.batch_mode`: off unless asked)."""
+    (:func:`~eyas.serve.policy.batch_mode`: off unless asked); ``lone_sessions``: how many requests
+    may decode alone side by side, each on a lane of its own (:mod:`eyas.serve.lanes`)."""
     model, device = served.loaded.model, served.target.device
     rows = int(max_rows if max_rows is not None else DEFAULT_ROWS.get(device.type, 8))
     if rows < 1:
@@ -89,8 +95,11 @@ def make_worker(served: Served, max_rows: int | None = None, *, max_queue: int =
     drafter = served.drafter if batch_mode(speculation, batch_speculation) != "off" else None
     batch = RowBatch(BatchedLlama(model, rows=rows), capacity=served.max_length, eos_ids=served.loaded.eos_ids,
                      drafter=drafter, boundaries=served.target.spec.boundaries if drafter is not None else ())
+    buckets = start_buckets(served.target.buckets, served.tree) if hasattr(served.target, "buckets") else None
+    lanes, warmups = make_lanes(served, lone_sessions, START_CONTEXT, buckets)
     return BatchWorker(served, batch, speculation=speculation, batch_speculation=batch_speculation, max_queue=max_queue,
-                       on_round=on_round, on_done=on_done, on_step=on_step, on_rounds=on_rounds)
+                       lanes=lanes, lane_warmups=warmups, on_round=on_round, on_done=on_done, on_step=on_step,
+                       on_rounds=on_rounds)
 
 
 @dataclass
@@ -117,7 +126,8 @@ class BatchWorker(Worker):
     once (per row: drafts accepted, tokens kept); without it ``on_round`` sees each row's."""
 
     def __init__(self, served: Served, batch: RowBatch, *, speculation: str = "auto", batch_speculation: str | None = None,
-                 batch_max_rows: int | None = None, on_step: Callable[..., None] | None = None,
+                 batch_max_rows: int | None = None, lanes: Sequence[Lane] = (),
+                 lane_warmups: Sequence[Callable[[], object]] = (), on_step: Callable[..., None] | None = None,
                  on_rounds: Callable[[int, list[int], list[int]], None] | None = None, **kwargs: Any) -> None:
         super().__init__(served, **kwargs)
         self.batch, self.on_step, self.on_rounds = batch, on_step, on_rounds
@@ -127,7 +137,10 @@ class BatchWorker(Worker):
                                              else "off", max_rows=batch_max_rows)
         self.pending: deque[Job] = deque()  # taken off the queue, waiting for a row
         self.rows: dict[int, Live] = {}  # row -> its request
-        self.solo: tuple[Live, Any] | None = None  # the lone request and its speculative session
+        # where lone requests decode (eyas.serve.lanes; one lane: the served target), and the lone
+        # requests decoding now: each its speculative session and its lane
+        self.lanes: list[Lane] = list(lanes) if lanes else [Lane(served.target)]
+        self.solos: list[tuple[Live, Any, Lane]] = []
         self.starting: Job | None = None  # a lone request whose prefill runs now
         self.stopping = False
         if getattr(batch.engine, "compile", False):  # the batch's step shapes, compiled while idle (first)
@@ -142,19 +155,25 @@ class BatchWorker(Worker):
                           + batch.round_shapes(START_CONTEXT, p.drafts("sampled"), rows, modes=["sample"]))
                 self.deferred[len(shapes) + 1:len(shapes) + 1] = [functools.partial(batch.spec.prepare, *shape)
                                                                   for shape in rounds]
+        self.deferred[:0] = list(lane_warmups)  # the lanes first: a few clients are served by them
         self.thread.start()
 
     @property
     def running(self) -> Job | None:
-        if self.solo is not None:
-            return self.solo[0].job
+        if self.solos:
+            return self.solos[0][0].job
         if self.starting is not None:
             return self.starting
         return next(iter(self.rows.values())).job if self.rows else None
 
     @property
     def running_count(self) -> int:
-        return len(self.rows) + (self.solo is not None or self.starting is not None)
+        return len(self.rows) + len(self.solos) + (self.starting is not None)
+
+    def free_lanes(self) -> list[Lane]:
+        """The lanes ready for a lone request, none of whose sessions decodes on them now."""
+        taken = {id(lane) for _, _, lane in self.solos}
+        return [lane for lane in self.lanes if lane.ready and id(lane) not in taken]
 
     def batch_report(self) -> dict[str, Any]:
         """``/health``'s ``batch_speculation``: the depth chosen per batch size and its measured rates,
@@ -162,7 +181,8 @@ class BatchWorker(Worker):
         stall every row: a load test warms them first), the same for the target that lone requests
         decode on (its start-up included), and the start-up work still deferred (the batch's step
         shapes first, which the worker prepares while the server is idle)."""
-        return {**self.batch_policy.to_dict(), "compile_s": round(self.batch.compile_s, 2),
+        return {**self.batch_policy.to_dict(), "lanes": len(self.lanes),
+                "lanes_ready": sum(lane.ready for lane in self.lanes), "compile_s": round(self.batch.compile_s, 2),
                 "target_compile_s": round(float(getattr(self.served.target, "compile_seconds", 0.0)), 2),
                 "deferred_left": len(self.deferred)}
 
@@ -170,8 +190,8 @@ class BatchWorker(Worker):
 
     def _loop(self) -> None:
         while True:
-            self._take(block=not (self.rows or self.solo or self.pending))
-            if self.stopping and not (self.rows or self.solo or self.pending):
+            self._take(block=not (self.rows or self.solos or self.pending))
+            if self.stopping and not (self.rows or self.solos or self.pending):
                 return
             try:
                 self._tick()
@@ -206,56 +226,68 @@ class BatchWorker(Worker):
             self.pending.remove(job)
             self._taken()
             self._skip_cancelled(job)
-        if self.solo is not None:
-            if not self.pending or not self.batch.free:
-                self._solo_round()
+        if self.solos:
+            if self._lone() or len(self.batch.free) < len(self.solos):
+                for lane in self.free_lanes()[:len(self.pending)]:
+                    self._start_solo(self._next(), lane)
+                self._solo_rounds()
                 return
             self._join_batch()
-        if not self.rows and len(self.pending) == 1 and self.policy.speculate(self.pending[0].sampling):
-            self._start_solo(self._next())
+        if not self.rows and self.pending and self._lone():
+            for lane in self.free_lanes()[:len(self.pending)]:
+                self._start_solo(self._next(), lane)
             return
         self._admit()
         self._batched_step()
 
+    def _lone(self) -> bool:
+        """Whether every request waiting can decode alone next to the lone ones decoding: a ready
+        lane free for each, and the policy speculating for each (module docstring, 1.)."""
+        return (len(self.pending) <= len(self.free_lanes())
+                and all(self.policy.speculate(job.sampling) for job in self.pending))
+
     # -- a request alone: speculative rounds --------------------------------------------------------
 
-    def _start_solo(self, job: Job) -> None:
+    def _start_solo(self, job: Job, lane: Lane) -> None:
         self.starting = job
         try:
-            s = self._start_session(job)
+            with lane.active():
+                s = self._start_session(job, lane.target)
         except Exception as e:  # noqa: BLE001 - this request fails; the worker goes on
             job.emit(Event("done", error=f"{type(e).__name__}: {e}", time=time.perf_counter()))
             return
         finally:
             self.starting = None
         live = Live(job, s.out.stop, s.stats)
-        self.solo = (live, s)
+        self.solos.append((live, s, lane))
         self._emit(live, list(s.out.tokens))
         if s.done:
-            self._finish_solo()
+            self._finish_solo(self.solos[-1])
 
-    def _solo_round(self) -> None:
-        assert self.solo is not None
-        live, s = self.solo
-        if live.job.cancelled.is_set():
-            s.cancel()
-        else:
-            drafted_before, accepted_before = list(s.stats.drafted_at_depth), list(s.stats.accepted_at_depth)
-            t0 = time.perf_counter()
-            tokens = step(s)
-            live.spec_seconds += time.perf_counter() - t0
-            live.spec_tokens += len(tokens)
-            self._report_rounds(s.stats, drafted_before, accepted_before)
-            if self.on_step is not None:
-                self.on_step("speculative", 1, 0)
-            self._emit(live, tokens)
-        if s.done:
-            self._finish_solo()
+    def _solo_rounds(self) -> None:
+        """A round of each lone request, in turn, each on its lane's stream (eyas.serve.lanes: its
+        next round is queued there when step() returns, so the lanes' rounds overlap on the device)."""
+        for solo in list(self.solos):
+            live, s, lane = solo
+            if live.job.cancelled.is_set():
+                s.cancel()
+            else:
+                drafted_before, accepted_before = list(s.stats.drafted_at_depth), list(s.stats.accepted_at_depth)
+                t0 = time.perf_counter()
+                with lane.active():
+                    tokens = step(s)
+                live.spec_seconds += time.perf_counter() - t0
+                live.spec_tokens += len(tokens)
+                self._report_rounds(s.stats, drafted_before, accepted_before)
+                if self.on_step is not None:
+                    self.on_step("speculative", 1, 0)
+                self._emit(live, tokens)
+            if s.done:
+                self._finish_solo(solo)
 
-    def _finish_solo(self) -> None:
-        assert self.solo is not None
-        live, s = self.solo
-        self.solo = None
+    def _finish_solo(self, solo: tuple[Live, Any, Lane]) -> None:
+        self.solos = [x for x in self.solos if x is not solo]
+        live, s, _ = solo
         self._measured_solo(live)
         self._done(live, s.result())
 
@@ -266,18 +298,17 @@ class BatchWorker(Worker):
             self.policy.measured(live.job.sampling, "speculative", live.spec_tokens, live.spec_seconds)
 
     def _join_batch(self) -> None:
-        """The lone request continues in a row: its prompt and tokens but the last prefilled, the
-        last fed next (others are waiting: module docstring, 2.)."""
-        assert self.solo is not None
-        live, s = self.solo
-        job = live.job
-        live.tokens = list(s.out.tokens)
-        (row,) = self.batch.free[:1]
-        self.batch.admit([RowRequest(s.x[:-1], job.max_new_tokens, job.sampling, job.seed, next_token=s.x[-1],
-                                     generated=len(live.tokens))])
-        self.solo = None
-        self.rows[row] = live
-        self._measured_solo(live)
+        """The lone requests continue in rows: each its prompt and tokens but the last prefilled, the
+        last fed next (more are waiting than lanes can take: module docstring, 2.)."""
+        for live, s, _ in self.solos:  # (a row reads the session's tokens, nothing of its lane's device state)
+            job = live.job
+            live.tokens = list(s.out.tokens)
+            (row,) = self.batch.free[:1]
+            self.batch.admit([RowRequest(s.x[:-1], job.max_new_tokens, job.sampling, job.seed, next_token=s.x[-1],
+                                         generated=len(live.tokens))])
+            self.rows[row] = live
+            self._measured_solo(live)
+        self.solos = []
 
     # -- the batch ----------------------------------------------------------------------------------
 
@@ -392,10 +423,10 @@ class BatchWorker(Worker):
 
     def _fail_all(self, error: str) -> None:
         """An engine failure: every request decoding ends with the error; the rows are freed."""
-        lives = list(self.rows.values()) + ([self.solo[0]] if self.solo is not None else [])
+        lives = list(self.rows.values()) + [live for live, _, _ in self.solos]
         for row in list(self.rows):
             self.batch.release(row)
         self.rows.clear()
-        self.solo = None
+        self.solos = []
         for live in lives:
             live.job.emit(Event("done", error=error, time=time.perf_counter()))

@@ -91,7 +91,7 @@ def engine_state(load: LoadArgs | EngineProcess, options: ServeOptions, log: Cal
     process's :class:`~eyas.serve.startup.RefusedError` or error, the process ended. ``make``: the
     engine process's worker factory (a benchmark's stand-in engine)."""
     engine = load if isinstance(load, EngineProcess) else EngineProcess(
-        load, EngineOptions(options.max_rows, options.speculation, options.batch_speculation),
+        load, EngineOptions(options.max_rows, options.speculation, options.batch_speculation, options.lone_sessions),
         max_queue=options.max_queue, make=make)
     if log is not None:
         engine.log = log

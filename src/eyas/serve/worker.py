@@ -150,11 +150,11 @@ class Worker:
                        if a > (accepted_before[i] if i < len(accepted_before) else 0))
         self.on_round(depth, accepted, stats.accept_lengths[-1], True)
 
-    def _start_session(self, job: Job) -> Any:
-        """The job's engine session on the served target (prefill and first token done)."""
+    def _start_session(self, job: Job, target: Any = None) -> Any:
+        """The job's engine session on ``target`` (default: the served target), prefill and first token done."""
         sv = self.served
         job.started = time.perf_counter()
-        return start(sv.target, job.prompt, sv.drafter, tree=sv.tree, sampling=job.sampling,
+        return start(target if target is not None else sv.target, job.prompt, sv.drafter, tree=sv.tree, sampling=job.sampling,
                      max_new_tokens=job.max_new_tokens, eos_token_ids=sv.loaded.eos_ids, stop_strings=job.stop,
                      decode=sv.tokenizer.decode if job.stop else None,
                      generator=generator_for(sv.target.device, job.seed), timing="off")
