@@ -231,6 +231,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def setting_flags(suffix: str) -> list[str] | None:
+    """The server flags of a --speculation setting's suffix: "" none, "in-process" --in-process,
+    "lanesN" --lone-sessions N (eyas.serve.lanes); None: not a suffix."""
+    if suffix in ("", "in-process"):
+        return ["--in-process"] if suffix else []
+    if suffix.startswith("lanes") and suffix[5:].isdigit() and int(suffix[5:]) >= 1:
+        return ["--lone-sessions", suffix[5:]]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="a running eyas serve on 127.0.0.1 (else `eyas serve` is launched per --speculation)")
@@ -245,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperatures", default="0", help="comma-separated; each level runs at each")
     ap.add_argument("--speculation", default="auto", help="auto, on, off, or several (a server launched for each); "
-                    "X/in-process: the server with its worker in the HTTP process (eyas serve --in-process)")
+                    "X/in-process: the server with its worker in the HTTP process (eyas serve --in-process); "
+                    "X/lanesN: eyas serve --lone-sessions N")
     ap.add_argument("--max-rows", type=int, default=None, help="the launched servers' running batch rows")
     ap.add_argument("--port", type=int, default=8391, help="the first launched server's port (the next: +1, ...)")
     ap.add_argument("--one-at-a-time", action="store_true",
@@ -266,10 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 1 <= c <= MAX_CLIENTS for c in levels) or not 1 <= a.requests <= MAX_REQUESTS \
             or not 1 <= a.max_tokens <= MAX_TOKENS:
         ap.error(f"bounded: clients 1..{MAX_CLIENTS}, requests 1..{MAX_REQUESTS}, max tokens 1..{MAX_TOKENS}")
-    if any(x.partition("/")[0] not in ("auto", "on", "off") or x.partition("/")[2] not in ("", "in-process")
+    if any(x.partition("/")[0] not in ("auto", "on", "off") or setting_flags(x.partition("/")[2]) is None
            for x in settings) or (a.url and settings != ["auto"]):
-        ap.error(f"--speculation: auto, on, off (each optionally /in-process) or several, and only for launched "
-                 f"servers; found {a.speculation!r}")
+        ap.error(f"--speculation: auto, on, off (each optionally /in-process or /lanesN) or several, and only for "
+                 f"launched servers; found {a.speculation!r}")
     from eyas.bench import load_prompts
 
     prompts = [next(m["content"] for m in c.messages if m["role"] == "user") for c in load_prompts("mt_bench")]
@@ -297,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for group in groups:
                 for x in group:
-                    flags = ["--speculation", x.partition("/")[0]] + (["--in-process"] if x.endswith("/in-process")
-                                                                      else [])
+                    flags = ["--speculation", x.partition("/")[0]] + setting_flags(x.partition("/")[2])
                     servers[x] = ServerProcess.launch(serve_args + flags, a.port + len(servers), timeout=a.timeout)
                     print(f"serve: --speculation {x} ready in {servers[x].ready_s} s", file=sys.stderr)
                 if not setup:

@@ -483,3 +483,10 @@ def test_a_sampled_request_is_served_with_the_sampled_tree(pair):
         c.close()
     assert got.choices[0].message.content == text_of(served, want)
     assert want != other  # the test tells the trees apart
+
+
+def test_the_load_scripts_settings_launch_servers_with_lanes_in_process_or_as_they_are():
+    flags = load_script().setting_flags
+    assert flags("") == [] and flags("in-process") == ["--in-process"]
+    assert flags("lanes4") == ["--lone-sessions", "4"]
+    assert flags("lanes0") is None and flags("lanes") is None and flags("threads") is None
