@@ -176,6 +176,13 @@ def test_make_lanes_builds_twins_of_the_target_and_refuses_fewer_than_one(served
     assert warmups == [] and all(lane.ready and lane.stream is None for lane in lanes)  # a CPU: nothing to warm
     with pytest.raises(ValueError, match="--lone-sessions: expected at least 1, found 0"):
         make_lanes(sv, 0, 64)
+    # what a GPU's lane runs while the server is idle: its steps, then its drafter state's rounds
+    from eyas.engine.speculative import draft_states
+    from eyas.serve.lanes import _warm
+
+    lanes[1].ready = False
+    _warm(lanes[1], sv, 64, None)
+    assert lanes[1].ready and len(draft_states(lanes[1].target)) >= 1  # its drafter state made, rounds run
 
 
 def test_greedy_rows_beside_sampled_rows_keep_their_output(served, alone):

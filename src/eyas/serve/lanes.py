@@ -55,7 +55,7 @@ def make_lanes(served: Any, count: int, warm_context: int, buckets: list[int] | 
         stream = torch.cuda.Stream(device=first.device) if first.device.type == "cuda" else None
         lane = Lane(target, stream, ready=not graphs)
         if graphs:
-            units.append(lambda lane=lane: _warm(lane, warm_context, buckets))
+            units.append(lambda lane=lane: _warm(lane, served, warm_context, buckets))
         lanes.append(lane)
     return lanes, units
 
@@ -70,8 +70,16 @@ def twin_target(target: Any, model: Any) -> Any:
     return HFTarget(model, target.spec, max_length=getattr(target, "max_length", None))
 
 
-def _warm(lane: Lane, context: int, buckets: list[int] | None) -> None:
-    lane.target.warmup(buckets=buckets, context=context)
-    if hasattr(lane.target, "prefer_ready"):
-        lane.target.prefer_ready = True  # a bucket not captured yet pads to a captured one, as the served target
+def _warm(lane: Lane, served: Any, context: int, buckets: list[int] | None) -> None:
+    """The lane's target steps and its drafter state's rounds (greedy, and sampled without top-p)
+    compiled and captured, as the served target's at start-up; then the lane is ready."""
+    from eyas.serve.startup import WARM_SAMPLING, warm_rounds
+
+    with lane.active():
+        lane.target.warmup(buckets=buckets, context=context)
+        if hasattr(lane.target, "prefer_ready"):
+            lane.target.prefer_ready = True  # a bucket not captured yet pads to a captured one, as the served target
+        if served.drafter is not None:
+            warm_rounds(lane.target, served.drafter, served.tree, served.tokenizer.encode("Hello"), lambda m: None,
+                        sampled=WARM_SAMPLING[:1])
     lane.ready = True
