@@ -227,8 +227,9 @@ class BatchWorker(Worker):
             self._taken()
             self._skip_cancelled(job)
         if self.solos:
-            if self._lone() or len(self.batch.free) < len(self.solos):
-                for lane in self.free_lanes()[:len(self.pending)]:
+            lone = self._lone()
+            if lone or len(self.batch.free) < len(self.solos):  # (no rows for them all: they stay alone)
+                for lane in self.free_lanes()[:len(self.pending)] if lone else ():
                     self._start_solo(self._next(), lane)
                 self._solo_rounds()
                 return

@@ -164,7 +164,8 @@ def engine_main(conn: Any, load: LoadArgs, options: EngineOptions, make: Callabl
 
         # The HTTP side bounds the queue; here nothing is refused.
         worker = make(served, options.max_rows, max_queue=1 << 30, speculation=options.speculation,
-                      batch_speculation=options.batch_speculation, lone_sessions=options.lone_sessions, on_round=lambda *a: outbox.add((ROUND, *a)), on_rounds=lambda *a: outbox.add((ROUNDS, *a)),
+                      batch_speculation=options.batch_speculation, lone_sessions=options.lone_sessions,
+                      on_round=lambda *a: outbox.add((ROUND, *a)), on_rounds=lambda *a: outbox.add((ROUNDS, *a)),
                       on_done=finished, on_step=lambda *a: outbox.add((STEP, *a)))
         stages["worker"] = time.perf_counter() - loaded
         worker.on_cancelled_early = lambda job: outbox.add((CANCELLED_EARLY, job.id))
