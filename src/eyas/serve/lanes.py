@@ -27,7 +27,7 @@ from eyas.engine import HFTarget, LlamaTarget
 
 @dataclass
 class Lane:
-    """A fast target a lone session decodes on, and the stream its work goes to (None: the current one)."""
+    """A target a lone session decodes on, and the stream its work goes to (None: the current one)."""
 
     target: Any
     stream: Any = None  # torch.cuda.Stream | None
