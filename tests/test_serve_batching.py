@@ -164,6 +164,9 @@ def test_lone_sessions_decode_side_by_side_on_their_lanes_until_more_arrive_than
             got = list(pool.map(lambda q: streamed(c, q), questions[:7]))
         assert got == [alone(q) for q in questions[:7]]
         assert "batched" in kinds or "batched_speculative" in kinds
+        # what --speculation auto weighs at several requests in flight: the lanes' passes and the batch's steps
+        rates = worker.policy.to_dict()["in_flight_tokens_per_s"]
+        assert "2+/greedy/speculative" in rates and any(k.endswith("/greedy/row") for k in rates), rates
 
 
 def test_make_lanes_builds_twins_of_the_target_and_refuses_fewer_than_one(served):

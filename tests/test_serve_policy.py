@@ -33,6 +33,30 @@ def test_the_policy_takes_the_faster_path_explores_the_other_and_obeys_on_and_of
         SpeculationPolicy("yes")
 
 
+def test_with_several_requests_in_flight_the_policy_weighs_the_lanes_against_the_batch_per_bucket():
+    """k > 1 requests in flight (eyas.serve.lanes): the lanes untried first, then the batch, then the
+    faster by the aggregate rates of that bucket of k, the other explored; a request alone keeps its
+    own rates, and /health shows the buckets' rates."""
+    greedy, hot = SamplingParams(), SamplingParams(temperature=1.0)
+    p = SpeculationPolicy(explore_every=4)
+    assert p.speculate(greedy, 3)  # 1: lanes untried
+    p.measured_in_flight("greedy", "speculative", 300, 1.0, 3)
+    assert not p.speculate(greedy, 2)  # 2: the batch at 2-3 in flight untried (2 and 3 share a bucket)
+    p.measured_in_flight("greedy", "row", 200, 1.0, 3)
+    assert p.speculate(greedy, 3)  # 3: 300 > 200 x 1.02
+    assert not p.speculate(greedy, 3)  # 4: explores the batch
+    assert p.speculate(greedy, 4)  # another bucket (4-7): nothing measured there
+    p.measured_in_flight("sampled", "speculative", 100, 1.0, 2)
+    p.measured_in_flight("sampled", "row", 200, 1.0, 2)
+    assert not p.speculate(hot, 2)  # the batch is faster for sampled requests
+    p.measured_in_flight("greedy", "row", 999, 1.0, 1)  # one request: not a bucket of several
+    assert p.speculate(greedy)  # alone: its own rates, nothing measured yet
+    rates = p.to_dict()["in_flight_tokens_per_s"]
+    assert rates == {"2+/greedy/row": 200.0, "2+/greedy/speculative": 300.0, "2+/sampled/row": 200.0,
+                     "2+/sampled/speculative": 100.0}
+    assert SpeculationPolicy("off").speculate(greedy, 3) is False and SpeculationPolicy("on").speculate(hot, 3)
+
+
 @pytest.mark.unit
 def test_batch_speculation_tries_each_depth_then_takes_the_fastest_per_batch_size_and_explores_the_others():
     from eyas.serve.policy import BatchSpeculation, arm_label

@@ -244,8 +244,9 @@ class BatchWorker(Worker):
     def _lone(self) -> bool:
         """Whether every request waiting can decode alone next to the lone ones decoding: a ready
         lane free for each, and the policy speculating for each (module docstring, 1.)."""
+        in_flight = len(self.solos) + len(self.pending)
         return (len(self.pending) <= len(self.free_lanes())
-                and all(self.policy.speculate(job.sampling) for job in self.pending))
+                and all(self.policy.speculate(job.sampling, in_flight) for job in self.pending))
 
     # -- a request alone: speculative rounds --------------------------------------------------------
 
@@ -267,7 +268,10 @@ class BatchWorker(Worker):
 
     def _solo_rounds(self) -> None:
         """A round of each lone request, in turn, each on its lane's stream (eyas.serve.lanes: its
-        next round is queued there when step() returns, so the lanes' rounds overlap on the device)."""
+        next round is queued there when step() returns, so the lanes' rounds overlap on the device).
+        With several, the pass's tokens over its wall seconds is the lanes' rate for the policy."""
+        k, emitted, t_pass = len(self.solos), 0, time.perf_counter()
+        kinds = {self.policy.kind(live.job.sampling) for live, _, _ in self.solos}
         for solo in list(self.solos):
             live, s, lane = solo
             if live.job.cancelled.is_set():
@@ -283,8 +287,11 @@ class BatchWorker(Worker):
                 if self.on_step is not None:
                     self.on_step("speculative", 1, 0)
                 self._emit(live, tokens)
+                emitted += len(tokens)
             if s.done:
                 self._finish_solo(solo)
+        if k > 1 and len(kinds) == 1:
+            self.policy.measured_in_flight(kinds.pop(), "speculative", emitted, time.perf_counter() - t_pass, k)
 
     def _finish_solo(self, solo: tuple[Live, Any, Lane]) -> None:
         self.solos = [x for x in self.solos if x is not solo]
@@ -380,6 +387,8 @@ class BatchWorker(Worker):
             tokens = sum(len(got.tokens) for got in stepped)
             if alone is not None:  # a row alone in the batch: the lone policy's other measure
                 self.policy.measured(alone.job.sampling, "row", tokens, seconds)
+            elif len(self.lanes) > 1:  # what the lanes are weighed against at n requests in flight
+                self.policy.measured_in_flight(kind, "row", tokens, seconds, n)
             self.batch_policy.measured(n, kind, draft, tokens, seconds)
 
     def _row_tokens(self, row: int, tokens: list[int], finished: bool) -> None:

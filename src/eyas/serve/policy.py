@@ -17,6 +17,13 @@ not take, so a rate that drifts (other prompts, other lengths) is measured again
 bounded by one request in ``explore_every`` on the slower path. ``margin``: speculation must be
 that much faster to be chosen (it also costs a second prefill when others arrive and it joins
 the batch). ``mode``: ``auto`` as above, ``on`` (a lone request always speculates), ``off`` (never).
+
+With lanes (``eyas serve --lone-sessions N``, :mod:`eyas.serve.lanes`) k > 1 requests in flight may
+each decode alone side by side, or all share the batch. The same choice is then made per bucket of k
+(1, 2-3, 4-7: its bit length) from aggregate rates: ``speculative`` a pass of the k lone sessions'
+rounds (every session's tokens / the pass's wall seconds), ``row`` a batched step of k rows (every
+row's tokens / its seconds); lanes untried first, then the batch, then the faster, the other explored
+every ``explore_every``-th decision. A request alone (k = 1) is decided as above, unchanged.
 """
 
 from __future__ import annotations
@@ -81,7 +88,9 @@ class SpeculationPolicy:
     explore_every: int = 16
     margin: float = 1.02
     rates: dict[tuple[str, str], Rate] = field(default_factory=dict)
+    crowd: dict[tuple[str, str, int], Rate] = field(default_factory=dict)  # (kind, path, bucket of k > 1)
     _lone: dict[str, int] = field(default_factory=dict)  # lone requests seen per kind
+    _decided: dict[tuple[str, int], int] = field(default_factory=dict)  # decisions per (kind, bucket of k > 1)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -95,10 +104,13 @@ class SpeculationPolicy:
     def kind(sampling: Any) -> str:
         return "greedy" if sampling.greedy else "sampled"
 
-    def speculate(self, sampling: Any) -> bool:
-        """Whether a lone request with ``sampling`` decodes speculatively (module docstring)."""
+    def speculate(self, sampling: Any, in_flight: int = 1) -> bool:
+        """Whether a request with ``sampling`` decodes speculatively alone, ``in_flight`` requests
+        (itself included) decoding or waiting (module docstring)."""
         if self.mode != "auto":
             return self.mode == "on"
+        if in_flight > 1:
+            return self._lanes(self.kind(sampling), in_flight)
         kind = self.kind(sampling)
         self._lone[kind] += 1
         spec, row = self.rates[(kind, "speculative")].per_s, self.rates[(kind, "row")].per_s
@@ -114,10 +126,37 @@ class SpeculationPolicy:
     def measured(self, sampling: Any, path: str, tokens: float, seconds: float) -> None:
         self.rates[(self.kind(sampling), path)].add(tokens, seconds)
 
+    @staticmethod
+    def bucket(in_flight: int) -> int:
+        return max(int(in_flight), 1).bit_length()
+
+    def crowd_rate(self, kind: str, path: str, in_flight: int) -> Rate:
+        """The aggregate rate of ``path`` with ``in_flight`` requests (module docstring)."""
+        return self.crowd.setdefault((kind, path, self.bucket(in_flight)), Rate(decay=0.9))
+
+    def measured_in_flight(self, kind: str, path: str, tokens: float, seconds: float, in_flight: int) -> None:
+        """A pass of ``in_flight`` lone sessions (``speculative``) or a batched step of as many rows (``row``)."""
+        if in_flight > 1:
+            self.crowd_rate(kind, path, in_flight).add(tokens, seconds)
+
+    def _lanes(self, kind: str, in_flight: int) -> bool:
+        key = (kind, self.bucket(in_flight))
+        self._decided[key] = n = self._decided.get(key, 0) + 1
+        lanes = self.crowd_rate(kind, "speculative", in_flight).per_s
+        batch = self.crowd_rate(kind, "row", in_flight).per_s
+        if lanes is None:
+            return True
+        if batch is None:
+            return False
+        choice = lanes >= batch * self.margin
+        return (not choice) if n % self.explore_every == 0 else choice
+
     def to_dict(self) -> dict[str, Any]:
+        crowd = sorted((b, kind, path, r) for (kind, path, b), r in self.crowd.items() if r.per_s is not None)
         return {"mode": self.mode, "tokens_per_s": {
             f"{kind}/{path}": (None if self.rates[(kind, path)].per_s is None else round(self.rates[(kind, path)].per_s, 2))
-            for kind in KINDS for path in PATHS}}
+            for kind in KINDS for path in PATHS},
+            "in_flight_tokens_per_s": {f"{2 ** (b - 1)}+/{kind}/{path}": round(r.per_s, 2) for b, kind, path, r in crowd}}
 
 
 DEPTHS = (2, 3)  # a batched round's chain depths (1 and 4 were slower on the H100)
