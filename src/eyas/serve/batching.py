@@ -244,9 +244,12 @@ class BatchWorker(Worker):
     def _lone(self) -> bool:
         """Whether every request waiting can decode alone next to the lone ones decoding: a ready
         lane free for each, and the policy speculating for each (module docstring, 1.)."""
+        if len(self.pending) > len(self.free_lanes()):
+            return False
         in_flight = len(self.solos) + len(self.pending)
-        return (len(self.pending) <= len(self.free_lanes())
-                and all(self.policy.speculate(job.sampling, in_flight) for job in self.pending))
+        # one decision per kind of request (the policy's exploration counts decisions, not requests)
+        first = {self.policy.kind(job.sampling): job for job in reversed(self.pending)}
+        return all(self.policy.speculate(job.sampling, in_flight) for job in first.values())
 
     # -- a request alone: speculative rounds --------------------------------------------------------
 
