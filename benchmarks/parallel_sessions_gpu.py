@@ -3,9 +3,9 @@ serve 2-4 clients speculatively to give each its own fast target on its own CUDA
 
 Why. A lone request's tree round (``eyas.engine.speculative``) accepts far more per round than a
 batched round's chains and trees, and is launch-bound on a small target: its kernels leave most of
-the GPU idle. K fast targets (:class:`~eyas.engine.llama.LlamaTarget`, each with its own static cache,
-CUDA graphs and drafter state), each stepped by its own host thread on its own stream, may overlap
-their graphs on the device; the host's Python per round is serialised by the GIL. Whether the sum
+the GPU idle. K lanes (:mod:`eyas.serve.lanes`, as ``eyas serve --lone-sessions K`` builds and warms
+them: twins of the fast target, each with its own static cache, CUDA graphs, drafter state and
+stream) may overlap their rounds on the device; the host's Python per round is serialised by the GIL. Whether the sum
 beats the batch's plain steps (what ``eyas serve`` runs for 2+ clients) is what this measures.
 
 For each K in ``--sessions`` and each temperature, on the same K x ``--prompts-each`` prompts:
@@ -18,7 +18,8 @@ For each K in ``--sessions`` and each temperature, on the same K x ``--prompts-e
 
 Each is run once untimed first (compilation, graph capture), then timed: output tokens / wall.
 Greedy outputs of the threads are checked against one target answering the same prompts alone
-(``equal_to_alone``, ``round_robin_equal_to_alone``, ``batch_equal_to_alone``; float32 is exact, bf16 may round a tie differently only across engines).
+(``equal_to_alone``, ``round_robin_equal_to_alone``, ``batch_equal_to_alone``; float32 is exact, bf16
+may round a tie differently only across engines).
 
     python benchmarks/parallel_sessions_gpu.py --target /tmp/smol.gguf --sessions 1,2,4 --json
 """
@@ -26,7 +27,6 @@ Greedy outputs of the threads are checked against one target answering the same 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import threading
@@ -35,27 +35,26 @@ import time
 import torch
 
 
-def run_threads(targets, jobs, fn) -> tuple[list[list[list[int]]], float]:
-    """Thread i runs ``fn(targets[i], prompt)`` for each prompt of jobs[i] on its own CUDA stream
-    (the current one on a CPU), all released together. -> (tokens [i][j], wall seconds)."""
-    cuda = targets[0].device.type == "cuda"
-    streams = [torch.cuda.Stream(device=targets[0].device) if cuda else None for _ in targets]
-    out: list[list[list[int]]] = [[] for _ in targets]
+def run_threads(lanes, jobs, fn) -> tuple[list[list[list[int]]], float]:
+    """Thread i runs ``fn(lanes[i].target, prompt)`` for each prompt of jobs[i] under its lane's stream
+    (eyas.serve.lanes), all released together. -> (tokens [i][j], wall seconds)."""
+    from eyas.engine.stats import synchronize
+
+    out: list[list[list[int]]] = [[] for _ in lanes]
     errors: list[BaseException] = []
-    gate = threading.Barrier(len(targets) + 1)
+    gate = threading.Barrier(len(lanes) + 1)
 
     def work(i: int) -> None:
         try:
             gate.wait()
-            with torch.cuda.stream(streams[i]) if cuda else contextlib.nullcontext():
+            with lanes[i].active():
                 for p in jobs[i]:
-                    out[i].append(fn(targets[i], p))
-                if cuda:
-                    streams[i].synchronize()
+                    out[i].append(fn(lanes[i].target, p))
+                synchronize(lanes[i].target.device)  # this lane's stream
         except BaseException as e:  # noqa: BLE001 -- re-raised by the caller
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(targets))]
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(lanes))]
     for t in threads:
         t.start()
     gate.wait()
@@ -68,33 +67,32 @@ def run_threads(targets, jobs, fn) -> tuple[list[list[list[int]]], float]:
     return out, seconds
 
 
-def run_round_robin(targets, jobs, begin) -> tuple[list[list[list[int]]], float]:
-    """One host thread steps K sessions in turn, session i on targets[i] and its own CUDA stream:
-    a pipelined round (``eyas.engine.speculative``) has queued the session's next round when step()
-    returns, so while the host waits for one session's read-back the others' rounds run on the
-    device. ``begin(target, prompt)`` starts a session. -> (tokens [i][j], wall seconds)."""
+def run_round_robin(lanes, jobs, begin) -> tuple[list[list[list[int]]], float]:
+    """One host thread steps K sessions in turn, session i on lanes[i] (what ``eyas serve
+    --lone-sessions`` does): a pipelined round (``eyas.engine.speculative``) has queued the session's
+    next round when step() returns, so while the host waits for one session's read-back the others'
+    rounds run on the device. ``begin(target, prompt)`` starts a session. -> (tokens [i][j], wall seconds)."""
     from eyas.engine.speculative import step
 
-    cuda = targets[0].device.type == "cuda"
-    streams = [torch.cuda.Stream(device=targets[0].device) if cuda else None for _ in targets]
-    out: list[list[list[int]]] = [[] for _ in targets]
+    out: list[list[list[int]]] = [[] for _ in lanes]
     todo = [list(j) for j in jobs]
-    live: list = [None] * len(targets)
-    if cuda:
-        torch.cuda.synchronize()
+    live: list = [None] * len(lanes)
+    device = lanes[0].target.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     while any(todo) or any(x is not None for x in live):
-        for i, target in enumerate(targets):
-            with torch.cuda.stream(streams[i]) if cuda else contextlib.nullcontext():
+        for i, lane in enumerate(lanes):
+            with lane.active():
                 if live[i] is None and todo[i]:
-                    live[i] = begin(target, todo[i].pop(0))
+                    live[i] = begin(lane.target, todo[i].pop(0))
                 if live[i] is not None:
                     step(live[i])
                     if live[i].done:
                         out[i].append(list(live[i].out.tokens))
                         live[i] = None
-    if cuda:
-        torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return out, time.perf_counter() - t0
 
 
@@ -144,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     from eyas.engine.speculative import plain_generate, speculative_generate, start
     from eyas.engine.tree import TreeSpec
     from eyas.serve import load_served
-    from eyas.serve.lanes import twin_target
+    from eyas.serve.lanes import make_lanes
+    from eyas.serve.startup import generator_for
 
     sv = load_served(a.target, a.draft, tree=a.tree, device=a.device,
                      log=lambda m: print(f"load: {m}", file=sys.stderr))
@@ -155,45 +154,43 @@ def main(argv: list[str] | None = None) -> int:
     convs = [c for name in a.sets.split(",") for c in load_prompts(name, limit=need)]
     convs = [convs[i] for i in sorted(range(len(convs)), key=lambda i: i % need)][:need]  # a mix of the sets
     prompts = [render_prompt(c.messages[:1], sv.tokenizer).tolist() for c in convs]
-    targets = [sv.target] + [twin_target(sv.target, sv.loaded.model) for _ in range(K - 1)]
-    for t in targets[1:]:
-        if getattr(t, "cuda_graphs", False):
-            t.warmup(context=512)
+    lanes, warmups = make_lanes(sv, K, warm_context=512)  # the server's lanes, warmed as its idle worker does
+    for warm in warmups:
+        warm()
     capacity = max(map(len, prompts)) + a.max_new_tokens + 8
     batches = {k: RowBatch(BatchedLlama(sv.loaded.model, rows=k), capacity=capacity, eos_ids=eos) for k in ks}
     results = []
     for temp in [float(x) for x in a.temperatures.split(",")]:
         sampling = SamplingParams(temperature=temp)
 
+        def begin(target, p, sampling=sampling):
+            return start(target, p, sv.drafter, tree=tree, sampling=sampling,
+                         generator=generator_for(target.device, len(p)), max_new_tokens=a.max_new_tokens,
+                         eos_token_ids=eos, timing="off")
+
         def spec_fn(target, p, sampling=sampling):
-            g = None if sampling.greedy else torch.Generator(device=target.device).manual_seed(len(p))
-            return speculative_generate(target, sv.drafter, p, tree=tree, sampling=sampling, generator=g,
+            return speculative_generate(target, sv.drafter, p, tree=tree, sampling=sampling,
+                                        generator=generator_for(target.device, len(p)),
                                         max_new_tokens=a.max_new_tokens, eos_token_ids=eos, timing="off").tokens
 
         def plain_fn(target, p, sampling=sampling):
-            g = None if sampling.greedy else torch.Generator(device=target.device).manual_seed(len(p))
-            return plain_generate(target, p, sampling=sampling, generator=g, max_new_tokens=a.max_new_tokens,
-                                  eos_token_ids=eos, timing="off").tokens
+            return plain_generate(target, p, sampling=sampling, generator=generator_for(target.device, len(p)),
+                                  max_new_tokens=a.max_new_tokens, eos_token_ids=eos, timing="off").tokens
 
-        def begin(target, p, sampling=sampling):
-            g = None if sampling.greedy else torch.Generator(device=target.device).manual_seed(len(p))
-            return start(target, p, sv.drafter, tree=tree, sampling=sampling, generator=g,
-                         max_new_tokens=a.max_new_tokens, eos_token_ids=eos, timing="off")
-
-        alone = [spec_fn(targets[0], p) for p in prompts] if sampling.greedy else None
+        alone = [spec_fn(sv.target, p) for p in prompts] if sampling.greedy else None
         for k in ks:
             jobs = [prompts[i * a.prompts_each:(i + 1) * a.prompts_each] for i in range(k)]
             row = {"temperature": temp, "sessions": k, "prompts": k * a.prompts_each}
             for name, fn in (("threads_spec", spec_fn), ("threads_plain", plain_fn)):
-                for i in range(k):  # untimed, one target at a time: every shape compiled and captured
-                    run_threads(targets[i:i + 1], jobs[i:i + 1], fn)  # (dynamo compiles in one thread)
-                out, seconds = run_threads(targets[:k], jobs, fn)
+                for i in range(k):  # untimed, one lane at a time: every shape compiled and captured
+                    run_threads(lanes[i:i + 1], jobs[i:i + 1], fn)  # (dynamo compiles in one thread)
+                out, seconds = run_threads(lanes[:k], jobs, fn)
                 tokens = sum(len(x) for o in out for x in o)
                 row[name] = round(tokens / seconds, 2)
                 if name == "threads_spec" and alone is not None:
                     row["equal_to_alone"] = [x for o in out for x in o] == alone[:k * a.prompts_each]
-            run_round_robin(targets[:k], jobs, begin)  # untimed
-            out, seconds = run_round_robin(targets[:k], jobs, begin)
+            run_round_robin(lanes[:k], jobs, begin)  # untimed
+            out, seconds = run_round_robin(lanes[:k], jobs, begin)
             row["round_robin_spec"] = round(sum(len(x) for o in out for x in o) / seconds, 2)
             if alone is not None:
                 row["round_robin_equal_to_alone"] = [x for o in out for x in o] == alone[:k * a.prompts_each]

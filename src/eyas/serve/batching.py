@@ -243,7 +243,7 @@ class BatchWorker(Worker):
 
     def _lone(self) -> bool:
         """Whether every request waiting can decode alone next to the lone ones decoding: a ready
-        lane free for each, and the policy speculating for each (module docstring, 1.)."""
+        lane free for each, and the policy speculating for each kind among them (module docstring, 1.)."""
         if len(self.pending) > len(self.free_lanes()):
             return False
         in_flight = len(self.solos) + len(self.pending)

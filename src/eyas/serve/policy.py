@@ -109,9 +109,9 @@ class SpeculationPolicy:
         (itself included) decoding or waiting (module docstring)."""
         if self.mode != "auto":
             return self.mode == "on"
-        if in_flight > 1:
-            return self._lanes(self.kind(sampling), in_flight)
         kind = self.kind(sampling)
+        if in_flight > 1:
+            return self._lanes(kind, in_flight)
         self._lone[kind] += 1
         spec, row = self.rates[(kind, "speculative")].per_s, self.rates[(kind, "row")].per_s
         if spec is None:
@@ -156,7 +156,8 @@ class SpeculationPolicy:
         return {"mode": self.mode, "tokens_per_s": {
             f"{kind}/{path}": (None if self.rates[(kind, path)].per_s is None else round(self.rates[(kind, path)].per_s, 2))
             for kind in KINDS for path in PATHS},
-            "in_flight_tokens_per_s": {f"{2 ** (b - 1)}+/{kind}/{path}": round(r.per_s, 2) for b, kind, path, r in crowd}}
+            "in_flight_tokens_per_s": {f"{2 ** (b - 1)}+/{kind}/{path}": round(r.per_s, 2)
+                                       for b, kind, path, r in crowd}}
 
 
 DEPTHS = (2, 3)  # a batched round's chain depths (1 and 4 were slower on the H100)

@@ -154,8 +154,8 @@ class Worker:
         """The job's engine session on ``target`` (default: the served target), prefill and first token done."""
         sv = self.served
         job.started = time.perf_counter()
-        return start(target if target is not None else sv.target, job.prompt, sv.drafter, tree=sv.tree, sampling=job.sampling,
-                     max_new_tokens=job.max_new_tokens, eos_token_ids=sv.loaded.eos_ids, stop_strings=job.stop,
+        return start(sv.target if target is None else target, job.prompt, sv.drafter, tree=sv.tree,
+                     sampling=job.sampling, max_new_tokens=job.max_new_tokens, eos_token_ids=sv.loaded.eos_ids, stop_strings=job.stop,
                      decode=sv.tokenizer.decode if job.stop else None,
                      generator=generator_for(sv.target.device, job.seed), timing="off")
 

@@ -239,11 +239,14 @@ def train(cfg: TrainConfig, force: bool = False, stop_after: int | None = None,
         vocab = build_draft_vocab(counts, cfg.draft_vocab_size)
         drafter.set_vocab_map(vocab.ids)
     if d.main:
+        source = ""  # where the weights came from (a resume says so below)
+        if cfg.init_from is not None and not ckpts:
+            source = f"; weights from {cfg.init_from}, its draft vocabulary"
+            if vocab.widened_from is not None:
+                source += f" of {vocab.widened_from} widened by the most frequent training targets"
         log(f"{len(train_idx)} training / {len(val_idx)} held-out samples ({'offline shards' if offline else 'online'}); "
-            f"draft vocab {cfg.draft_vocab_size} covers {vocab.coverage:.2%} of {vocab.num_targets} training targets"
-            + ("" if cfg.init_from is None or ckpts else f"; weights from {cfg.init_from}, " + (
-                "its draft vocabulary" if vocab.widened_from is None
-                else f"its draft vocabulary of {vocab.widened_from} widened by the most frequent training targets")))
+            f"draft vocab {cfg.draft_vocab_size} covers {vocab.coverage:.2%} of {vocab.num_targets} training "
+            f"targets{source}")
     contract = contract.model_copy(update={"drafter": drafter_flags(drafter.config, "trained")})
     if contract.tokenisation is not None:
         contract.tokenisation.system_prompt = sys_mode  # type: ignore[assignment]
